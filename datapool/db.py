@@ -1,0 +1,63 @@
+"""Engines and sessions for the pool's SQL database (SQLite by default, PostgreSQL at scale).
+
+Owns: connection set-up (SQLite in WAL mode with foreign keys on) and running the Alembic
+migrations programmatically. Never: creates tables with ``metadata.create_all``; the schema
+comes only from ``migrations/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+import migrations
+
+
+def make_engine(database_url: str) -> Engine:
+    """Create an engine; for SQLite, make the parent directory and turn on WAL and foreign keys."""
+    if database_url.startswith("sqlite"):
+        path = database_url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(database_url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return create_engine(database_url, pool_pre_ping=True)
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(database_url: str) -> Config:
+    """An Alembic config pointing at the packaged ``migrations/`` and at ``database_url``."""
+    script_location = Path(migrations.__file__).parent
+    config = Config()
+    config.set_main_option("script_location", str(script_location))
+    config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
+    return config
+
+
+def upgrade(database_url: str, revision: str = "head") -> None:
+    """Migrate the database at ``database_url`` up to ``revision`` (idempotent)."""
+    if database_url.startswith("sqlite"):
+        make_engine(database_url).dispose()  # creates the data directory
+    command.upgrade(alembic_config(database_url), revision)
+
+
+def downgrade(database_url: str, revision: str) -> None:
+    """Migrate the database at ``database_url`` down to ``revision`` (``base`` drops everything)."""
+    command.downgrade(alembic_config(database_url), revision)

@@ -1,0 +1,47 @@
+"""What the gateway hands the pool for one LLM call (plain data, no SQL).
+
+Owns: the shape of a captured call. Never: holds text that was re-encoded into IDs; every ID and
+logprob here is the engine's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChoiceRecord:
+    """One choice of a call: the sampled response.
+
+    ``response_token_ids`` and ``response_logprobs`` are ``[T]`` (T = sampled tokens, end token
+    included) or None when the engine did not return them (flagged, never made up).
+    """
+
+    choice_index: int
+    response_token_ids: list[int] | None
+    response_logprobs: list[float] | None
+    response_message: dict[str, Any] | None
+    finish_reason: str | None
+    flags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One proxied call: what the client sent, what went upstream, and what came back.
+
+    ``prompt_token_ids`` is ``[P]``, the exact IDs the engine used, or None when missing.
+    ``latency_ms`` is wall time from receiving the client's request to the upstream's full answer.
+    """
+
+    request: dict[str, Any]
+    upstream_request: dict[str, Any]
+    model: str | None
+    upstream: str
+    policy_version: int | None
+    latency_ms: float
+    prompt_token_ids: list[int] | None
+    prompt_tokens: int | None
+    choices: list[ChoiceRecord]
+    outcome: str = "ok"
+    error: str | None = None
