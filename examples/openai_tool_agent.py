@@ -1,0 +1,84 @@
+"""An ordinary OpenAI-SDK tool-calling agent. Nothing in it knows about trajgate except the
+``base_url`` it is given: point it at ``http://GATEWAY/t/<trajectory_id>/v1`` and every call it
+makes is captured as a step of that trajectory.
+
+    python examples/openai_tool_agent.py --base-url http://127.0.0.1:8000/t/demo-1/v1
+
+The tool loop: the model is asked a question with a ``get_weather`` tool; the first call uses
+``tool_choice="required"`` (vLLM then guarantees a well-formed call even from a random tiny model),
+the agent runs the tool, sends the result back, and asks for the final answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from openai import OpenAI
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def get_weather(city: str) -> str:
+    return json.dumps({"city": city, "temperature_c": 21, "sky": "sunny"})
+
+
+def run(base_url: str, model: str, question: str, seed: int, max_tokens: int) -> str:
+    client = OpenAI(base_url=base_url, api_key="unused")
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": "You answer weather questions using tools."},
+        {"role": "user", "content": question},
+    ]
+    first = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+    )
+    message = first.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+        result = get_weather(str(arguments.get("city", "")))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    final = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+    )
+    return final.choices[0].message.content or ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--question", default="What is the weather in Paris?")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    answer = run(args.base_url, args.model, args.question, args.seed, args.max_tokens)
+    print(json.dumps({"answer": answer}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The gateway's exception tree and its one JSON error envelope.
+
+Every error a client sees has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+with the HTTP status from the exception class. A test walks every route with bad input and
+checks the shape.
+
+    TrajgateError                      500 internal_error
+     ├── InvalidRequestError           400 invalid_request_error
+     │    └── PayloadTooLargeError     413 invalid_request_error
+     ├── NotFoundError                 404 not_found_error
+     └── UpstreamError                 502 upstream_error
+          └── UpstreamTimeoutError     504 upstream_timeout
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class TrajgateError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(TrajgateError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status_code = 413
+
+
+class NotFoundError(TrajgateError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class UpstreamError(TrajgateError):
+    status_code = 502
+    error_type = "upstream_error"
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status_code = 504
+    error_type = "upstream_timeout"
+
+
+def envelope(
+    message: str, error_type: str, *, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception FastAPI can raise through the one envelope."""
+
+    @app.exception_handler(TrajgateError)
+    async def _trajgate(_request: Request, exc: TrajgateError) -> JSONResponse:
+        return JSONResponse(
+            envelope(exc.message, exc.error_type, param=exc.param, code=exc.code),
+            status_code=exc.status_code,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            envelope(str(exc.detail), error_type, code=exc.status_code),
+            status_code=exc.status_code,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return JSONResponse(
+            envelope(
+                str(first.get("msg", "invalid request")), "invalid_request_error", param=param
+            ),
+            status_code=400,
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            envelope(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500
+        )

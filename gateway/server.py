@@ -1,0 +1,40 @@
+"""Running the gateway app in a background thread of the current process (demo and tests).
+
+Owns: a uvicorn server bound to a real TCP port, started and stopped on demand. Never: used by
+``trajgate serve``, which runs uvicorn in the foreground.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class BackgroundServer:
+    """A uvicorn server for ``app`` on ``host:port`` in a daemon thread.
+
+    Raises:
+        RuntimeError: from ``start`` when the server did not come up within ``timeout_s``.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self.url = f"http://{host}:{port}"
+
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
