@@ -73,6 +73,11 @@ class Step(Base):
         ForeignKey("trajectories.id", ondelete="CASCADE"), index=True
     )
     parent_step_id: Mapped[str | None] = mapped_column(String(36))
+    # The logical call this step answers: retries and identical re-sends share it.
+    call_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    endpoint: Mapped[str] = mapped_column(String(30), default="chat.completions")
+    request_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
     step_index: Mapped[int] = mapped_column(Integer)
     choice_index: Mapped[int] = mapped_column(Integer, default=0)
     policy_version: Mapped[int | None] = mapped_column(Integer, index=True)
@@ -87,10 +92,63 @@ class Step(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     latency_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    stop_reason: Mapped[str | None] = mapped_column(String(200))
     flags: Mapped[list[Any]] = mapped_column(default=list)
     extends_parent: Mapped[bool | None] = mapped_column()
     divergence_offset: Mapped[int | None] = mapped_column(Integer)
+    # Why the prompt does not extend the parent ("history_rewritten", "tool_arguments_changed",
+    # ...) and a short window of both sides around the divergence offset.
+    divergence_kind: Mapped[str | None] = mapped_column(String(50))
+    divergence_detail: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     prompt_token_ids: Mapped[list[Any] | None] = mapped_column(JSONColumn)
     response_token_ids: Mapped[list[Any] | None] = mapped_column(JSONColumn)
     response_logprobs: Mapped[list[Any] | None] = mapped_column(JSONColumn)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class CallAttempt(Base):
+    """One upstream attempt of a logical call; retries of the same call share ``call_id``.
+
+    Only the successful attempt becomes steps; failed attempts stay here with their error.
+    """
+
+    __tablename__ = "call_attempts"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    call_id: Mapped[str] = mapped_column(String(36), index=True)
+    trajectory_id: Mapped[str] = mapped_column(String(200), index=True)
+    attempt_index: Mapped[int] = mapped_column(Integer)
+    upstream: Mapped[str | None] = mapped_column(String(500))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(30))
+    error: Mapped[str | None] = mapped_column(Text)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class PolicyVersion(Base):
+    """A version of the policy's weights and the upstream model name that serves it."""
+
+    __tablename__ = "policy_versions"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    model_name: Mapped[str] = mapped_column(String(200))
+    weights_location: Mapped[str | None] = mapped_column(Text)
+    active: Mapped[bool] = mapped_column(default=False, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ApiKey(Base):
+    """An agent's API key, stored only as a hash; optionally bound to a trajectory or channel."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(200), unique=True)
+    trajectory_id: Mapped[str | None] = mapped_column(String(200))
+    channel: Mapped[str | None] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
