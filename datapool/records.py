@@ -24,6 +24,7 @@ class ChoiceRecord:
     response_message: dict[str, Any] | None
     finish_reason: str | None
     flags: list[str] = field(default_factory=list)
+    stop_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class CallRecord:
     """One proxied call: what the client sent, what went upstream, and what came back.
 
     ``prompt_token_ids`` is ``[P]``, the exact IDs the engine used, or None when missing.
-    ``latency_ms`` is wall time from receiving the client's request to the upstream's full answer.
+    ``latency_ms`` is wall time from receiving the client's request to the upstream's full answer;
+    ``ttft_ms`` the time to the first streamed token (None when not streaming).
     """
 
     request: dict[str, Any]
@@ -45,3 +47,11 @@ class CallRecord:
     choices: list[ChoiceRecord]
     outcome: str = "ok"
     error: str | None = None
+    # The logical call: retries and linked re-sends share ``call_id``.
+    call_id: str | None = None
+    endpoint: str = "chat.completions"
+    request_hash: str | None = None
+    idempotency_key: str | None = None
+    ttft_ms: float | None = None
+    group_id: str | None = None
+    channel: str | None = None

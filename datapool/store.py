@@ -17,7 +17,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import make_sessionmaker
 from datapool.models import Step, StepOutcome, Trajectory, utc_now
-from datapool.prefix import Candidate, choose_parent
+from datapool.prefix import (
+    RETOKENISED,
+    Candidate,
+    Lineage,
+    choose_parent,
+    classify_divergence,
+    divergence_window,
+)
 from datapool.records import CallRecord
 
 
@@ -41,6 +48,8 @@ class PoolStore:
         A failed call (``call.outcome != "ok"``) is still recorded, as one step with the error, so
         the trajectory shows what happened; it never becomes a parent.
         """
+        group_id = group_id or call.group_id
+        channel = channel or call.channel
         with self.sessions.begin() as session:
             self._ensure_trajectory(session, trajectory_id, group_id, channel)
             step_index = (
@@ -52,17 +61,20 @@ class PoolStore:
                 ).scalar_one()
                 - 1
             )
-            lineage = choose_parent(
-                self._candidates(session, trajectory_id), call.prompt_token_ids or []
-            )
-            if call.prompt_token_ids is None:
-                lineage = type(lineage)(lineage.parent_step_id, None, None)
+            lineage, kind, detail = self._lineage(session, trajectory_id, call)
             step_ids: list[str] = []
-            for choice in call.choices or []:
+            for choice in call.choices:
+                flags = list(choice.flags)
+                if lineage.extends_parent is False:
+                    flags.append("prefix_break")
                 step = Step(
                     id=str(uuid.uuid4()),
                     trajectory_id=trajectory_id,
                     parent_step_id=lineage.parent_step_id,
+                    call_id=call.call_id,
+                    endpoint=call.endpoint,
+                    request_hash=call.request_hash,
+                    idempotency_key=call.idempotency_key,
                     step_index=step_index,
                     choice_index=choice.choice_index,
                     policy_version=call.policy_version,
@@ -74,6 +86,7 @@ class PoolStore:
                     upstream_request=call.upstream_request,
                     response_message=choice.response_message,
                     finish_reason=choice.finish_reason,
+                    stop_reason=choice.stop_reason,
                     prompt_tokens=call.prompt_tokens,
                     completion_tokens=(
                         len(choice.response_token_ids)
@@ -81,10 +94,12 @@ class PoolStore:
                         else None
                     ),
                     latency_ms=call.latency_ms,
-                    flags=choice.flags
-                    + (["prefix_break"] if lineage.extends_parent is False else []),
+                    ttft_ms=call.ttft_ms,
+                    flags=flags,
                     extends_parent=lineage.extends_parent,
                     divergence_offset=lineage.divergence_offset,
+                    divergence_kind=kind,
+                    divergence_detail=detail,
                     prompt_token_ids=call.prompt_token_ids,
                     response_token_ids=choice.response_token_ids,
                     response_logprobs=choice.response_logprobs,
@@ -92,6 +107,38 @@ class PoolStore:
                 session.add(step)
                 step_ids.append(step.id)
             return step_ids
+
+    def _lineage(
+        self, session: Session, trajectory_id: str, call: CallRecord
+    ) -> tuple[Lineage, str | None, dict[str, Any] | None]:
+        """Parent, extends flag, and for a break its kind and a window of both sides."""
+        if call.prompt_token_ids is None or call.outcome != StepOutcome.OK:
+            latest = session.scalar(
+                select(Step.id)
+                .where(Step.trajectory_id == trajectory_id)
+                .order_by(Step.step_index.desc(), Step.choice_index)
+                .limit(1)
+            )
+            return Lineage(latest, None, None), None, None
+        candidates = self._candidates(session, trajectory_id)
+        lineage = choose_parent(candidates, call.prompt_token_ids)
+        if lineage.extends_parent is not False or lineage.divergence_offset is None:
+            return lineage, None, None
+        parent = session.get(Step, lineage.parent_step_id)
+        assert parent is not None
+        new_messages = call.request.get("messages")
+        kind = (
+            classify_divergence(
+                parent.request.get("messages") or [], parent.response_message, new_messages
+            )
+            if isinstance(new_messages, list)
+            else RETOKENISED
+        )
+        parent_sequence = candidates[-1].sequence
+        detail = divergence_window(
+            parent_sequence, call.prompt_token_ids, lineage.divergence_offset
+        )
+        return lineage, kind, detail
 
     def _ensure_trajectory(
         self, session: Session, trajectory_id: str, group_id: str | None, channel: str | None
