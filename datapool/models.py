@@ -124,6 +124,10 @@ class CallAttempt(Base):
     outcome: Mapped[str] = mapped_column(String(30))
     error: Mapped[str | None] = mapped_column(Text)
     latency_ms: Mapped[float] = mapped_column(Float)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    # What the client received for a successful non-streaming attempt: replayed, byte-equal in
+    # content, when the same Idempotency-Key comes again.
+    response_body: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
 
 

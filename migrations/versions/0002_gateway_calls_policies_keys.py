@@ -42,6 +42,8 @@ def upgrade() -> None:
         sa.Column("outcome", sa.String(30), nullable=False),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("latency_ms", sa.Float(), nullable=False),
+        sa.Column("idempotency_key", sa.String(200), nullable=True),
+        sa.Column("response_body", sa.JSON(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index("ix_call_attempts_call_id", "call_attempts", ["call_id"])
