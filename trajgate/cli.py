@@ -23,9 +23,11 @@ vllm_app = typer.Typer(
     help="A real vLLM upstream on this machine (CPU build).", no_args_is_help=True
 )
 model_app = typer.Typer(help="The tiny locally generated model.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks against an emulated vLLM upstream.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(vllm_app, name="vllm")
 app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
 
 DatabaseUrlOpt = Annotated[
     str | None,
@@ -170,6 +172,70 @@ def demo(
     summary = run_demo(gateway_port=port, vllm_port=vllm_port, echo=not as_json)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
+
+
+@bench_app.command("gateway")
+def bench_gateway(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    requests: Annotated[int, typer.Option(help="Measured calls per run and target.")] = 200,
+    warmup_requests: Annotated[int, typer.Option(help="Unmeasured calls first.")] = 20,
+    concurrency: Annotated[
+        list[int] | None, typer.Option(help="Workers per run (repeat); default 1 and 64.")
+    ] = None,
+    stream: Annotated[
+        list[str] | None, typer.Option(help="'false' and/or 'true' (repeat); default both.")
+    ] = None,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length (tokens).")] = 1000,
+    response_tokens: Annotated[int, typer.Option(help="Response length (tokens).")] = 200,
+    ttft_ms: Annotated[float, typer.Option(help="Emulated time to first token (ms).")] = 0.0,
+    inter_token_ms: Annotated[float, typer.Option(help="Emulated gap between tokens (ms).")] = 0.0,
+    gateway_mode: Annotated[
+        str, typer.Option(help="'process' (trajgate serve, own process) or 'thread'.")
+    ] = "process",
+    proxy_url: Annotated[
+        list[str] | None,
+        typer.Option(help="Another proxy's base URL ending in /v1, pointed at the emulator."),
+    ] = None,
+    emulator_port: Annotated[int, typer.Option(help="Emulator port; 0 picks one.")] = 0,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Keep the gateway's pool and logs here.")
+    ] = None,
+) -> None:
+    """Measure the latency the gateway adds and the throughput it keeps, against an emulated
+    vLLM, directly and through the gateway (and any --proxy-url)."""
+    from gateway.bench import BenchSettings, run_benchmark
+
+    streams = tuple(value.lower() == "true" for value in stream or ["false", "true"])
+    settings = BenchSettings(
+        requests=requests,
+        warmup_requests=warmup_requests,
+        concurrencies=tuple(concurrency or [1, 64]),
+        streams=streams,
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        ttft_ms=ttft_ms,
+        inter_token_ms=inter_token_ms,
+        gateway_mode=gateway_mode,  # type: ignore[arg-type]
+        proxy_urls=tuple(proxy_url or []),
+        emulator_port=emulator_port,
+        data_dir=data_dir,
+    )
+    if as_json:
+        typer.echo(json.dumps(run_benchmark(settings), indent=2))
+        return
+    from rich.progress import Progress
+
+    total = len(settings.streams) * len(settings.concurrencies)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("bench gateway", total=total)
+        report = run_benchmark(
+            settings, progress=lambda name: bar.update(task, advance=1, description=name)
+        )
+    for run in report["runs"]:
+        typer.echo(
+            json.dumps({key: value for key, value in run.items() if key != "cpu_ms_per_call"})
+        )
+    typer.echo(json.dumps({"goals_met": report["goals_met"]}))
 
 
 if __name__ == "__main__":
