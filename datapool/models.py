@@ -44,6 +44,7 @@ class StepOutcome(enum.StrEnum):
     UPSTREAM_ERROR = "upstream_error"  # the upstream answered with a 4xx/5xx
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    CLIENT_DISCONNECT = "client_disconnect"  # partial: kept for inspection, never trained on
 
 
 class Trajectory(Base):

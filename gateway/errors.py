@@ -7,6 +7,8 @@ checks the shape.
     TrajgateError                      500 internal_error
      ├── InvalidRequestError           400 invalid_request_error
      │    └── PayloadTooLargeError     413 invalid_request_error
+     ├── AuthenticationError           401 authentication_error
+     ├── PermissionDeniedError         403 permission_error
      ├── NotFoundError                 404 not_found_error
      └── UpstreamError                 502 upstream_error
           └── UpstreamTimeoutError     504 upstream_timeout
@@ -40,6 +42,16 @@ class InvalidRequestError(TrajgateError):
 
 class PayloadTooLargeError(InvalidRequestError):
     status_code = 413
+
+
+class AuthenticationError(TrajgateError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(TrajgateError):
+    status_code = 403
+    error_type = "permission_error"
 
 
 class NotFoundError(TrajgateError):

@@ -13,8 +13,8 @@ from gateway.capture import (
     IDS_MISSING,
     TRUNCATED,
     ClientAsked,
-    prepare_chat_request,
-    read_chat_choices,
+    prepare_request,
+    read_choices,
     strip_for_client,
 )
 
@@ -45,14 +45,16 @@ def _response(
 
 def test_prepare_adds_ids_and_logprobs_and_remembers_what_the_client_asked() -> None:
     body = {"model": "m", "messages": [], "top_logprobs": 3, "vendor_field": {"a": 1}}
-    upstream, asked = prepare_chat_request(body)
+    upstream, asked = prepare_request("chat.completions", body)
     assert upstream == {**body, "return_token_ids": True, "logprobs": True}
-    assert asked == ClientAsked(return_token_ids=False, logprobs=False)
+    assert asked == ClientAsked(return_token_ids=False, logprobs=False, include_usage=True)
     assert "logprobs" not in body  # the client's body is not mutated
 
 
 def test_read_choices_takes_ids_and_logprobs_verbatim() -> None:
-    prompt, choices = read_chat_choices(_response([5, 6], [-0.5, -0.25], completion=2))
+    prompt, choices = read_choices(
+        "chat.completions", {}, _response([5, 6], [-0.5, -0.25], completion=2)
+    )
     assert prompt == [1, 2, 3]
     assert choices[0].response_token_ids == [5, 6]
     assert choices[0].response_logprobs == [-0.5, -0.25]
@@ -60,7 +62,7 @@ def test_read_choices_takes_ids_and_logprobs_verbatim() -> None:
 
 
 def test_null_ids_with_completion_tokens_are_flagged_missing_not_empty() -> None:
-    _, choices = read_chat_choices(_response(None, None, completion=4))
+    _, choices = read_choices("chat.completions", {}, _response(None, None, completion=4))
     assert choices[0].response_token_ids is None
     assert choices[0].response_logprobs is None
     assert choices[0].flags == [IDS_MISSING]
@@ -68,17 +70,17 @@ def test_null_ids_with_completion_tokens_are_flagged_missing_not_empty() -> None
 
 def test_ids_that_disagree_with_logprobs_or_usage_are_flagged_incomplete() -> None:
     # 2 ids but 1 logprob: lengths differ.
-    _, choices = read_chat_choices(_response([5, 6], [-0.5], completion=2))
+    _, choices = read_choices("chat.completions", {}, _response([5, 6], [-0.5], completion=2))
     assert choices[0].flags == [IDS_INCOMPLETE]
     # 2 ids and 2 logprobs, but usage says 3 sampled tokens.
-    _, choices = read_chat_choices(_response([5, 6], [-0.5, -0.1], completion=3))
+    _, choices = read_choices("chat.completions", {}, _response([5, 6], [-0.5, -0.1], completion=3))
     assert choices[0].flags == [IDS_INCOMPLETE]
 
 
 def test_finish_reason_length_is_recorded_as_truncated() -> None:
     response = _response([5], [-0.5], completion=1)
     response["choices"][0]["finish_reason"] = "length"
-    _, choices = read_chat_choices(response)
+    _, choices = read_choices("chat.completions", {}, response)
     assert choices[0].flags == [TRUNCATED]
 
 

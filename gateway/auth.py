@@ -1,0 +1,115 @@
+"""API keys for agents and the admin token for management endpoints.
+
+Owns: issuing keys (shown once, stored as SHA-256 hashes), checking ``Authorization: Bearer``,
+and the trajectory/channel a key is bound to. Keys are 32 random bytes: a fast hash is the
+standard for high-entropy tokens (a slow password hash such as argon2 adds nothing against
+guessing 256-bit secrets and would cost milliseconds per call). Comparison of the admin token is
+constant-time. Never: stores or logs a key in clear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.models import ApiKey, utc_now
+from gateway.errors import AuthenticationError, NotFoundError
+
+KEY_PREFIX = "tg-"
+CACHE_TTL_S = 5.0  # how long a revoked key may still pass on a gateway that checked it recently
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """What a valid key allows: a fixed trajectory and/or channel, or anything (None)."""
+
+    key_id: str
+    name: str
+    trajectory_id: str | None
+    channel: str | None
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class KeyRing:
+    """API keys in the pool's database, with a short in-process cache of verified keys."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self._sessions = sessions
+        self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
+
+    def issue(self, name: str, trajectory_id: str | None, channel: str | None) -> tuple[str, str]:
+        """Create a key; returns ``(key_id, key)``. The key itself is never stored."""
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = str(uuid.uuid4())
+        with self._sessions.begin() as session:
+            session.add(
+                ApiKey(
+                    id=key_id,
+                    name=name,
+                    key_hash=hash_key(key),
+                    trajectory_id=trajectory_id,
+                    channel=channel,
+                    created_at=utc_now(),
+                )
+            )
+        return key_id, key
+
+    def revoke(self, key_id: str) -> None:
+        """Raises ``NotFoundError`` for an unknown id."""
+        with self._sessions.begin() as session:
+            result = session.execute(
+                update(ApiKey).where(ApiKey.id == key_id).values(revoked_at=utc_now())
+            )
+            if result.rowcount == 0:  # type: ignore[attr-defined]
+                raise NotFoundError(f"no API key with id {key_id!r}", param="key_id")
+        self._cache.clear()
+
+    def list(self) -> list[ApiKey]:
+        with self._sessions() as session:
+            return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at)))
+
+    def verify(self, key: str) -> KeyGrant:
+        """The grant of a valid, unrevoked key. Raises ``AuthenticationError`` otherwise."""
+        digest = hash_key(key)
+        cached = self._cache.get(digest)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < CACHE_TTL_S:
+            grant = cached[1]
+        else:
+            with self._sessions() as session:
+                row = session.scalar(
+                    select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))
+                )
+            grant = (
+                None if row is None else KeyGrant(row.id, row.name, row.trajectory_id, row.channel)
+            )
+            self._cache[digest] = (now, grant)
+        if grant is None:
+            raise AuthenticationError("invalid or revoked API key", code="invalid_api_key")
+        return grant
+
+
+def check_admin_token(request: Request, admin_token: str | None) -> None:
+    """Raises ``AuthenticationError`` unless the bearer token equals ``admin_token`` (when set)."""
+    if admin_token is None:
+        return
+    token = bearer_token(request) or ""
+    if not hmac.compare_digest(token.encode(), admin_token.encode()):
+        raise AuthenticationError("admin token required", code="invalid_admin_token")

@@ -1,0 +1,128 @@
+"""The policy version registry: which weights serve the agents now, and which produced a step.
+
+Owns: the mapping from what an agent asks for (a model name, or the alias ``policy``) to the
+upstream model name (base model or LoRA adapter) and the policy version to stamp on the step.
+A switch is one reference assignment, so a request resolves against exactly one version: calls
+in flight finish on the version they started with and say so (``x-trajgate-policy-version``).
+Several gateway processes converge by re-reading the active row (``refresh``).
+Never: loads weights; the trainer bridge pushes them into vLLM and then registers them here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.models import PolicyVersion, utc_now
+from gateway.errors import InvalidRequestError, NotFoundError
+
+
+@dataclass(frozen=True)
+class ActivePolicy:
+    """The version stamped on steps and the upstream model name the alias resolves to."""
+
+    version: int
+    model_name: str | None
+
+
+@dataclass(frozen=True)
+class Resolution:
+    upstream_model: Any
+    policy_version: int
+
+
+class PolicyRegistry:
+    """In-memory view of ``policy_versions`` with atomic switches."""
+
+    def __init__(
+        self, sessions: sessionmaker[Session], *, alias: str, default_version: int
+    ) -> None:
+        self._sessions = sessions
+        self.alias = alias
+        self._default = ActivePolicy(default_version, None)
+        self.active = self._default
+        self._version_by_model: dict[str, int] = {}
+
+    def refresh(self) -> None:
+        """Re-read the registry from the database (start-up, and periodically)."""
+        with self._sessions() as session:
+            rows = session.scalars(select(PolicyVersion).order_by(PolicyVersion.version)).all()
+        self._version_by_model = {row.model_name: row.version for row in rows}
+        active = [row for row in rows if row.active]
+        self.active = (
+            ActivePolicy(active[-1].version, active[-1].model_name) if active else self._default
+        )
+
+    def resolve(self, requested_model: Any) -> Resolution:
+        """Map the request's ``model`` to what goes upstream and the version to stamp.
+
+        Raises:
+            InvalidRequestError: the alias was asked for but no policy version is active.
+        """
+        active = self.active  # one read: the whole call uses this snapshot
+        if requested_model == self.alias:
+            if active.model_name is None:
+                raise InvalidRequestError(
+                    f"model {self.alias!r} is the current policy, but no policy version is "
+                    "active; register one with POST /admin/policy-versions",
+                    param="model",
+                )
+            return Resolution(active.model_name, active.version)
+        if isinstance(requested_model, str) and requested_model in self._version_by_model:
+            return Resolution(requested_model, self._version_by_model[requested_model])
+        return Resolution(requested_model, active.version)
+
+    def register(
+        self, version: int, model_name: str, weights_location: str | None, activate: bool
+    ) -> PolicyVersion:
+        """Add a version (idempotent for identical fields); optionally make it active.
+
+        Raises:
+            InvalidRequestError: the version exists with a different model name.
+        """
+        with self._sessions.begin() as session:
+            row = session.get(PolicyVersion, version)
+            if row is not None and row.model_name != model_name:
+                raise InvalidRequestError(
+                    f"policy version {version} is already registered for model "
+                    f"{row.model_name!r}, not {model_name!r}",
+                    param="version",
+                )
+            if row is None:
+                row = PolicyVersion(
+                    version=version,
+                    model_name=model_name,
+                    weights_location=weights_location,
+                    active=False,
+                    created_at=utc_now(),
+                )
+                session.add(row)
+        if activate:
+            return self.activate(version)
+        self.refresh()
+        return row
+
+    def activate(self, version: int) -> PolicyVersion:
+        """Make ``version`` the one the alias serves; every other version becomes inactive.
+
+        Raises:
+            NotFoundError: no such version.
+        """
+        now: datetime = utc_now()
+        with self._sessions.begin() as session:
+            row = session.get(PolicyVersion, version)
+            if row is None:
+                raise NotFoundError(f"policy version {version} is not registered", param="version")
+            session.execute(update(PolicyVersion).values(active=False))
+            row.active = True
+            row.activated_at = now
+        self.refresh()
+        return row
+
+    def list(self) -> list[PolicyVersion]:
+        with self._sessions() as session:
+            return list(session.scalars(select(PolicyVersion).order_by(PolicyVersion.version)))

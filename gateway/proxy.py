@@ -1,0 +1,639 @@
+"""The OpenAI-compatible surface: chat completions, completions and models, streaming or not.
+
+Owns: attribution of a call to a trajectory (URL, header or API key), the upstream attempt loop
+(retries only before any byte reached the client), the order "upstream answers → steps commit →
+client gets the (last part of the) answer", time limits, client disconnects, and Idempotency-Key
+replays. Never: changes what the client receives beyond removing fields the gateway asked for;
+never retries after a timeout (tokens may already have been generated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Annotated, Any
+
+import anyio
+import httpx
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from httpx_sse import EventSource
+from starlette.concurrency import run_in_threadpool
+
+from datapool.calls import AttemptRecord, find_replay, find_resend
+from datapool.models import StepOutcome
+from datapool.records import CallRecord, ChoiceRecord
+from gateway.auth import KeyGrant, bearer_token
+from gateway.capture import (
+    ClientAsked,
+    Endpoint,
+    prepare_request,
+    read_choices,
+    request_hash,
+    strip_for_client,
+)
+from gateway.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    TrajgateError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    envelope,
+)
+from gateway.streaming import StreamCapture
+from gateway.upstreams import NoHealthyUpstreamError, Replica
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+log = logging.getLogger("trajgate.proxy")
+
+TRAJECTORY_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+UPSTREAM_PATHS: dict[Endpoint, str] = {
+    "chat.completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+}
+
+
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+StateDep = Annotated["GatewayState", Depends(_state)]
+router = APIRouter()
+
+
+# -- input checks ------------------------------------------------------------------------
+
+
+def check_trajectory_id(trajectory_id: str) -> str:
+    """Raise ``InvalidRequestError`` unless the id is 1-200 of ``[A-Za-z0-9._:-]``."""
+    if not TRAJECTORY_ID_PATTERN.match(trajectory_id):
+        raise InvalidRequestError(
+            "trajectory id must be 1-200 characters of letters, digits, '.', '_', ':' or '-' "
+            f"starting with a letter or digit; got {trajectory_id[:80]!r}",
+            param="trajectory_id",
+        )
+    return trajectory_id
+
+
+async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past ``max_body_bytes``, 400 when not an object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise PayloadTooLargeError(
+            f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes",
+            code="payload_too_large",
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise PayloadTooLargeError(
+                f"request body exceeds the limit of {max_body_bytes} bytes",
+                code="payload_too_large",
+            )
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid UTF-8: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_body(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    """The checks the gateway needs to capture the call; everything else is vLLM's to judge."""
+    if endpoint == "chat.completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError(
+                f"'messages' must be a non-empty list, got {type(messages).__name__}",
+                param="messages",
+            )
+        if not all(isinstance(message, dict) for message in messages):
+            raise InvalidRequestError(
+                "every item of 'messages' must be an object", param="messages"
+            )
+    else:
+        prompt = body.get("prompt")
+        single_text = isinstance(prompt, str)
+        single_ids = isinstance(prompt, list) and all(
+            isinstance(token, int) and not isinstance(token, bool) for token in prompt
+        )
+        if not (single_text or single_ids) or not prompt:
+            raise InvalidRequestError(
+                "'prompt' must be one non-empty string or one list of token ids (send one "
+                "request per prompt, so each becomes its own step)",
+                param="prompt",
+            )
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise InvalidRequestError("'stream' must be a boolean", param="stream")
+    n = body.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise InvalidRequestError(f"'n' must be a positive integer, got {n!r}", param="n")
+
+
+# -- attribution -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Attribution:
+    trajectory_id: str
+    group_id: str | None
+    channel: str | None
+
+
+def attribute(state: GatewayState, request: Request, url_trajectory_id: str | None) -> Attribution:
+    """Which trajectory a call belongs to: URL, else ``X-Trajgate-Trajectory``, else the API
+    key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys."""
+    grant: KeyGrant | None = None
+    token = bearer_token(request)
+    if state.settings.api_key_required:
+        if token is None:
+            raise AuthenticationError(
+                "an API key is required: send 'Authorization: Bearer tg-...'",
+                code="missing_api_key",
+            )
+        grant = state.keys.verify(token)
+    elif token is not None and token.startswith("tg-"):
+        grant = state.keys.verify(token)
+    header_id = request.headers.get("x-trajgate-trajectory")
+    trajectory_id = url_trajectory_id or header_id or (grant.trajectory_id if grant else None)
+    trajectory_id = check_trajectory_id(trajectory_id or f"anon-{uuid.uuid4()}")
+    if grant and grant.trajectory_id and grant.trajectory_id != trajectory_id:
+        raise PermissionDeniedError(
+            f"this API key is bound to trajectory {grant.trajectory_id!r}, not {trajectory_id!r}"
+        )
+    channel = request.headers.get("x-trajgate-channel") or (grant.channel if grant else None)
+    if grant and grant.channel and channel != grant.channel:
+        raise PermissionDeniedError(
+            f"this API key is bound to channel {grant.channel!r}, not {channel!r}"
+        )
+    return Attribution(trajectory_id, request.headers.get("x-trajgate-group"), channel)
+
+
+# -- routes ------------------------------------------------------------------------------
+
+
+@router.post("/t/{trajectory_id}/v1/chat/completions")
+async def chat_completions_by_url(
+    trajectory_id: str, request: Request, state: StateDep
+) -> Response:
+    return await proxy_call(state, request, "chat.completions", check_trajectory_id(trajectory_id))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: StateDep) -> Response:
+    return await proxy_call(state, request, "chat.completions", None)
+
+
+@router.post("/t/{trajectory_id}/v1/completions")
+async def completions_by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
+    return await proxy_call(state, request, "completions", check_trajectory_id(trajectory_id))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, state: StateDep) -> Response:
+    return await proxy_call(state, request, "completions", None)
+
+
+@router.get("/t/{trajectory_id}/v1/models")
+async def models_by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
+    check_trajectory_id(trajectory_id)
+    return await list_models(request, state)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, state: StateDep) -> Response:
+    """vLLM's model list from the first healthy replica, passed through unchanged."""
+    if state.settings.api_key_required:
+        attribute(state, request, None)
+    replica = state.upstreams.pick("models")
+    try:
+        upstream = await state.client.get(f"{replica.url}/v1/models")
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
+    return Response(
+        upstream.content,
+        status_code=upstream.status_code,
+        media_type=upstream.headers.get("content-type"),
+    )
+
+
+# -- the call ----------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """Everything known about one logical call while it is in flight."""
+
+    endpoint: Endpoint
+    attribution: Attribution
+    body: dict[str, Any]
+    upstream_body: dict[str, Any]
+    asked: ClientAsked
+    policy_version: int
+    call_id: str
+    request_hash: str
+    idempotency_key: str | None
+    resend_of: str | None
+    started: float = field(default_factory=time.perf_counter)
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.attribution.trajectory_id
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000.0
+
+    def add_attempt(
+        self,
+        replica: Replica | None,
+        outcome: str,
+        *,
+        status_code: int | None = None,
+        error: str | None = None,
+        response_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.attempts.append(
+            AttemptRecord(
+                id=str(uuid.uuid4()),
+                call_id=self.call_id,
+                trajectory_id=self.trajectory_id,
+                attempt_index=len(self.attempts),
+                upstream=replica.url if replica else None,
+                status_code=status_code,
+                outcome=outcome,
+                error=error,
+                latency_ms=self.elapsed_ms(),
+                idempotency_key=self.idempotency_key,
+                response_body=response_body,
+            )
+        )
+
+    def record(
+        self,
+        replica: Replica | None,
+        choices: list[ChoiceRecord],
+        *,
+        prompt_ids: list[int] | None = None,
+        prompt_tokens: int | None = None,
+        model: Any = None,
+        outcome: str = StepOutcome.OK,
+        error: str | None = None,
+        ttft_ms: float | None = None,
+    ) -> CallRecord:
+        if self.resend_of is not None:
+            choices = [replace(c, flags=[*c.flags, "resend"]) for c in choices]
+        return CallRecord(
+            request=self.body,
+            upstream_request=self.upstream_body,
+            model=model if isinstance(model, str) else self.upstream_body.get("model"),
+            upstream=replica.url if replica else "",
+            policy_version=self.policy_version,
+            latency_ms=self.elapsed_ms(),
+            prompt_token_ids=prompt_ids,
+            prompt_tokens=prompt_tokens,
+            choices=choices,
+            outcome=outcome,
+            error=error,
+            call_id=self.call_id,
+            endpoint=self.endpoint,
+            request_hash=self.request_hash,
+            idempotency_key=self.idempotency_key,
+            ttft_ms=ttft_ms,
+            group_id=self.attribution.group_id,
+            channel=self.attribution.channel,
+        )
+
+    def headers(self, step_ids: list[str]) -> dict[str, str]:
+        return {
+            "x-trajgate-trajectory-id": self.trajectory_id,
+            "x-trajgate-call-id": self.call_id,
+            "x-trajgate-step-id": ",".join(step_ids),
+            "x-trajgate-policy-version": str(self.policy_version),
+        }
+
+
+def failed_choice(outcome: str) -> list[ChoiceRecord]:
+    return [ChoiceRecord(0, None, None, None, None, flags=[outcome])]
+
+
+async def proxy_call(
+    state: GatewayState, request: Request, endpoint: Endpoint, url_trajectory_id: str | None
+) -> Response:
+    """Forward one call upstream, commit its steps, and answer as vLLM answered."""
+    body = await read_json_object(request, state.settings.max_body_bytes)
+    check_body(endpoint, body)
+    attribution = attribute(state, request, url_trajectory_id)
+    idempotency_key = request.headers.get("idempotency-key")
+    sessions = state.store.sessions
+    if idempotency_key:
+        replay = await run_in_threadpool(
+            find_replay, sessions, attribution.trajectory_id, idempotency_key
+        )
+        if replay is not None:
+            state.metrics.replays.inc()
+            return JSONResponse(
+                replay[1],
+                headers={
+                    "x-trajgate-trajectory-id": attribution.trajectory_id,
+                    "x-trajgate-call-id": replay[0],
+                    "x-trajgate-replayed": "true",
+                },
+            )
+    resolution = state.policy.resolve(body.get("model"))
+    client_body = (
+        body
+        if resolution.upstream_model == body.get("model")
+        else {**body, "model": resolution.upstream_model}
+    )
+    upstream_body, asked = prepare_request(endpoint, client_body)
+    digest = request_hash(endpoint, body)
+    resend_of = None
+    if state.settings.resend_window_s > 0 and not idempotency_key:
+        resend_of = await run_in_threadpool(
+            find_resend, sessions, attribution.trajectory_id, digest, state.settings.resend_window_s
+        )
+    call = Call(
+        endpoint=endpoint,
+        attribution=attribution,
+        body=body,
+        upstream_body=upstream_body,
+        asked=asked,
+        policy_version=resolution.policy_version,
+        call_id=resend_of or str(uuid.uuid4()),
+        request_hash=digest,
+        idempotency_key=idempotency_key,
+        resend_of=resend_of,
+    )
+    stream = body.get("stream") is True
+    replica, upstream = await open_upstream(state, call, stream)
+    if upstream.status_code != 200:
+        content = await upstream.aread()
+        await upstream.aclose()
+        replica.in_flight -= 1
+        call.add_attempt(
+            replica,
+            StepOutcome.UPSTREAM_ERROR,
+            status_code=upstream.status_code,
+            error=content.decode("utf-8", "replace"),
+        )
+        step_ids = await commit(
+            state,
+            call,
+            call.record(
+                replica,
+                failed_choice(StepOutcome.UPSTREAM_ERROR),
+                outcome=StepOutcome.UPSTREAM_ERROR,
+                error=content.decode("utf-8", "replace"),
+            ),
+        )
+        state.metrics.requests.labels(endpoint, str(upstream.status_code)).inc()
+        return Response(
+            content,
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type"),
+            headers=call.headers(step_ids),
+        )
+    if stream:
+        return StreamingResponse(
+            relay_stream(state, call, replica, upstream),
+            media_type=upstream.headers.get("content-type", "text/event-stream"),
+            headers=call.headers([]),
+        )
+    return await finish_unary(state, call, replica, upstream)
+
+
+async def open_upstream(
+    state: GatewayState, call: Call, stream: bool
+) -> tuple[Replica, httpx.Response]:
+    """Send the call to a replica, retrying on another one on connection errors and 502/503/504
+    (nothing has reached the client yet). Returns the replica and the open response, whose
+    ``in_flight`` count the caller must release."""
+    settings = state.settings
+    tried: set[str] = set()
+    for attempt in range(settings.upstream_max_attempts):
+        if attempt:
+            await asyncio.sleep(settings.upstream_retry_backoff_ms * 2 ** (attempt - 1) / 1000)
+        try:
+            replica = state.upstreams.pick(call.trajectory_id, frozenset(tried))
+        except NoHealthyUpstreamError:
+            tried.clear()
+            replica = state.upstreams.pick(call.trajectory_id)
+        tried.add(replica.url)
+        replica.in_flight += 1
+        request = state.client.build_request(
+            "POST", replica.url + UPSTREAM_PATHS[call.endpoint], json=call.upstream_body
+        )
+        limit_s = (
+            settings.upstream_first_byte_timeout_s if stream else settings.upstream_total_timeout_s
+        )
+        try:
+            with anyio.fail_after(limit_s):
+                response = await state.client.send(request, stream=True)
+                if not stream:
+                    await response.aread()
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            replica.in_flight -= 1
+            connect = isinstance(exc, httpx.ConnectTimeout)
+            outcome = StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
+            call.add_attempt(replica, outcome, error=repr(exc))
+            state.metrics.attempts_failed.labels(outcome).inc()
+            if connect:
+                state.upstreams.mark_failure(replica)
+                if attempt + 1 < settings.upstream_max_attempts:
+                    continue
+            await fail_call(state, call, replica, outcome, repr(exc))
+            raise UpstreamTimeoutError(
+                f"upstream {replica.url} did not answer within {limit_s:g} s", code=outcome
+            ) from exc
+        except httpx.TransportError as exc:
+            replica.in_flight -= 1
+            state.upstreams.mark_failure(replica)
+            call.add_attempt(replica, StepOutcome.UPSTREAM_UNREACHABLE, error=repr(exc))
+            state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_UNREACHABLE).inc()
+            if attempt + 1 < settings.upstream_max_attempts:
+                continue
+            await fail_call(state, call, replica, StepOutcome.UPSTREAM_UNREACHABLE, repr(exc))
+            raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
+        if (
+            response.status_code in RETRYABLE_STATUS
+            and attempt + 1 < settings.upstream_max_attempts
+        ):
+            content = await response.aread()
+            await response.aclose()
+            replica.in_flight -= 1
+            state.upstreams.mark_failure(replica)
+            call.add_attempt(
+                replica,
+                StepOutcome.UPSTREAM_ERROR,
+                status_code=response.status_code,
+                error=content.decode("utf-8", "replace"),
+            )
+            state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_ERROR).inc()
+            continue
+        state.upstreams.mark_success(replica)
+        return replica, response
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+async def fail_call(
+    state: GatewayState, call: Call, replica: Replica | None, outcome: str, error: str
+) -> None:
+    await commit(
+        state, call, call.record(replica, failed_choice(outcome), outcome=outcome, error=error)
+    )
+    state.metrics.requests.labels(call.endpoint, "error").inc()
+
+
+async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[str]:
+    """Make the call durable (steps and attempts) and count it."""
+    step_ids = await state.record(call.trajectory_id, record, call.attempts)
+    state.metrics.steps_written.inc(len(step_ids))
+    for choice in record.choices:
+        for flag in choice.flags:
+            state.metrics.step_flags.labels(flag).inc()
+    if record.prompt_tokens:
+        state.metrics.tokens.labels("prompt").inc(record.prompt_tokens)
+    sampled = sum(len(choice.response_token_ids or []) for choice in record.choices)
+    state.metrics.tokens.labels("completion").inc(sampled)
+    return step_ids
+
+
+async def finish_unary(
+    state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
+) -> Response:
+    try:
+        response = upstream.json()
+    finally:
+        await upstream.aclose()
+        replica.in_flight -= 1
+    prompt_ids, choices = read_choices(call.endpoint, call.body, response)
+    if replica.system_fingerprint is None:
+        replica.system_fingerprint = response.get("system_fingerprint")
+    client_response = strip_for_client(response, call.asked)
+    call.add_attempt(replica, StepOutcome.OK, status_code=200, response_body=client_response)
+    record = call.record(
+        replica,
+        choices,
+        prompt_ids=prompt_ids,
+        prompt_tokens=(response.get("usage") or {}).get("prompt_tokens"),
+        model=response.get("model"),
+    )
+    step_ids = await commit(state, call, record)
+    state.metrics.requests.labels(call.endpoint, "200").inc()
+    state.metrics.latency.labels(call.endpoint, "false").observe(call.elapsed_ms() / 1000)
+    return JSONResponse(client_response, headers=call.headers(step_ids))
+
+
+def _sse(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
+
+
+async def relay_stream(
+    state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
+) -> AsyncIterator[bytes]:
+    """Yield the client's SSE events as the upstream's arrive; commit before the last ones.
+
+    A client disconnect closes the upstream response (vLLM aborts the request) and records the
+    partial step with finish reason ``client_disconnect``; a time limit ends the stream with an
+    error event and records ``upstream_timeout``. Either way the step is never left open.
+    """
+    settings = state.settings
+    capture = StreamCapture(
+        call.endpoint,
+        call.body,
+        call.asked,
+        int(call.body.get("n") or 1),
+        replica.system_fingerprint,
+    )
+    events = EventSource(upstream).aiter_sse()
+    deadline = call.started + settings.upstream_total_timeout_s
+    abort_reason: str | None = None
+    ttft_ms: float | None = None
+    finished = False
+    try:
+        while True:
+            first = not capture.first_token_seen
+            limit_s = (
+                settings.upstream_first_byte_timeout_s
+                if first
+                else settings.upstream_between_chunks_timeout_s
+            )
+            limit_s = min(limit_s, deadline - time.perf_counter())
+            try:
+                with anyio.fail_after(max(limit_s, 0.0)):
+                    event = await events.__anext__()
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                abort_reason = StepOutcome.UPSTREAM_TIMEOUT
+                message = f"upstream stopped sending within {limit_s:.3g} s"
+                call.add_attempt(replica, abort_reason, status_code=200, error=message)
+                yield _sse(json.dumps(envelope(message, "upstream_timeout", code=504)))
+                break
+            if event.data == "[DONE]":
+                finished = True
+                break
+            for payload in capture.feed(event.data):
+                yield _sse(payload)
+            if ttft_ms is None and capture.first_token_seen:
+                ttft_ms = call.elapsed_ms()
+                state.metrics.ttft.labels(call.endpoint).observe(ttft_ms / 1000)
+    except (asyncio.CancelledError, GeneratorExit):
+        abort_reason = StepOutcome.CLIENT_DISCONNECT
+        raise
+    except httpx.HTTPError as exc:
+        abort_reason = StepOutcome.UPSTREAM_ERROR
+        call.add_attempt(replica, abort_reason, status_code=200, error=repr(exc))
+        yield _sse(json.dumps(envelope(f"upstream stream failed: {exc!r}", "upstream_error")))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()  # closing the connection makes vLLM abort the request
+            replica.in_flight -= 1
+            if finished and capture.error is None:
+                call.add_attempt(replica, StepOutcome.OK, status_code=200)
+            outcome = StepOutcome.OK if abort_reason is None else abort_reason
+            if capture.error is not None:
+                outcome = StepOutcome.UPSTREAM_ERROR
+            record = call.record(
+                replica,
+                capture.choices(abort_reason if abort_reason else None),
+                prompt_ids=capture.prompt_ids,
+                prompt_tokens=(capture.usage or {}).get("prompt_tokens")
+                if capture.usage
+                else (len(capture.prompt_ids) if capture.prompt_ids is not None else None),
+                model=capture.model,
+                outcome=outcome,
+                error=json.dumps(capture.error) if capture.error else None,
+                ttft_ms=ttft_ms,
+            )
+            try:
+                await commit(state, call, record)
+            except TrajgateError as exc:
+                log.warning("stream of call %s not recorded: %s", call.call_id, exc.message)
+                abort_reason = abort_reason or "not_recorded"
+                capture.release()
+            state.metrics.requests.labels(call.endpoint, "200").inc()
+            state.metrics.latency.labels(call.endpoint, "true").observe(call.elapsed_ms() / 1000)
+    if abort_reason is None:
+        for payload in capture.release():
+            yield _sse(payload)
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,112 @@
+"""The vLLM replicas behind the gateway: choosing one per call, and knowing which are alive.
+
+Owns: least-outstanding-requests balancing with stickiness by trajectory (so a trajectory's
+growing prompt keeps hitting the replica whose prefix cache holds it), health checks that take a
+dead replica out and bring it back, and per-replica in-flight counts. Never: retries by itself;
+the proxy decides when a retry is safe (only before any byte reached the client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger("trajgate.upstreams")
+
+
+@dataclass
+class Replica:
+    """One vLLM server: base URL (without /v1), health, requests in flight, learnt fingerprint."""
+
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    system_fingerprint: str | None = None
+    served_models: set[str] = field(default_factory=set)
+
+
+class NoHealthyUpstreamError(RuntimeError):
+    """Every replica is marked unhealthy (or excluded after failing this call)."""
+
+
+class UpstreamPool:
+    """Picks a replica per call.
+
+    Stickiness: each trajectory prefers the replica with the highest rendezvous hash of
+    ``(trajectory_id, url)`` among healthy ones, unless that replica has more than
+    ``sticky_slack`` requests in flight beyond the least loaded one; then least-outstanding wins.
+    Rendezvous hashing keeps most trajectories on their replica when one is added or removed.
+    """
+
+    def __init__(self, urls: list[str], *, sticky_slack: int = 4, failures_to_eject: int = 2):
+        if not urls:
+            raise ValueError("at least one upstream URL is required")
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        self.sticky_slack = sticky_slack
+        self.failures_to_eject = failures_to_eject
+
+    def pick(self, trajectory_id: str, exclude: frozenset[str] = frozenset()) -> Replica:
+        """The replica for this call. Raises ``NoHealthyUpstreamError`` when none is usable."""
+        candidates = [r for r in self.replicas if r.healthy and r.url not in exclude]
+        if not candidates:
+            # All marked down: try the ones not excluded anyway rather than refusing outright.
+            candidates = [r for r in self.replicas if r.url not in exclude]
+        if not candidates:
+            raise NoHealthyUpstreamError(
+                f"no usable upstream among {[r.url for r in self.replicas]}"
+            )
+        sticky = max(candidates, key=lambda r: _rendezvous(trajectory_id, r.url))
+        least = min(candidates, key=lambda r: r.in_flight)
+        if sticky.in_flight - least.in_flight > self.sticky_slack:
+            return least
+        return sticky
+
+    def mark_failure(self, replica: Replica) -> None:
+        replica.consecutive_failures += 1
+        if replica.consecutive_failures >= self.failures_to_eject and replica.healthy:
+            replica.healthy = False
+            log.warning("upstream %s marked unhealthy", replica.url)
+
+    def mark_success(self, replica: Replica) -> None:
+        replica.consecutive_failures = 0
+        if not replica.healthy:
+            replica.healthy = True
+            log.warning("upstream %s healthy again", replica.url)
+
+    async def check_health(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+        """One round of ``GET /health`` on every replica; updates ``healthy``."""
+
+        async def probe(replica: Replica) -> None:
+            try:
+                response = await client.get(f"{replica.url}/health", timeout=timeout_s)
+                ok = response.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                self.mark_success(replica)
+            else:
+                replica.consecutive_failures = max(
+                    replica.consecutive_failures + 1, self.failures_to_eject
+                )
+                if replica.healthy:
+                    replica.healthy = False
+                    log.warning("upstream %s failed its health check", replica.url)
+
+        await asyncio.gather(*(probe(replica) for replica in self.replicas))
+
+    async def health_loop(
+        self, client: httpx.AsyncClient, interval_s: float, timeout_s: float
+    ) -> None:
+        """Probe every ``interval_s`` seconds until cancelled."""
+        while True:
+            await self.check_health(client, timeout_s)
+            await asyncio.sleep(interval_s)
+
+
+def _rendezvous(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
