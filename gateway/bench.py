@@ -6,7 +6,7 @@ directly at the emulator, through the gateway and through any other proxy given,
 JSON report. Never: asserts goals; it measures and reports, ``goals_met`` says how it went.
 
 Per configuration (``stream`` × ``concurrency``) and per target, ``requests`` calls are sent by
-``concurrency`` workers, each with its own keep-alive connection (httpx), after a warm-up of
+``concurrency`` workers, each with its own keep-alive connection, after a warm-up of
 ``max(warmup_requests, concurrency)`` calls on the same connections. Latency is wall time from
 sending the request to the last byte of the answer (ms); throughput is answered calls ÷ wall
 time of the run (req/s).
@@ -48,6 +48,8 @@ from datapool.models import Step
 
 GatewayMode = Literal["process", "thread"]
 GATEWAY_MODES: tuple[GatewayMode, ...] = ("process", "thread")
+Loadgen = Literal["raw", "httpx"]
+LOADGENS: tuple[Loadgen, ...] = ("raw", "httpx")
 
 # Goals of issue 3 on the 2-core reference machine.
 GOAL_ADDED_P50_MS = 1.0
@@ -58,15 +60,22 @@ GOAL_THROUGHPUT_RATIO = 0.7
 class BenchSettings(BaseModel):
     """One benchmark: the load, the emulated engine's speed, and what to measure."""
 
-    requests: int = Field(default=200, ge=1, description="Measured calls per run and target.")
-    warmup_requests: int = Field(default=20, ge=0, description="Unmeasured calls first.")
+    requests: int = Field(default=100, ge=1, description="Measured calls per run and target.")
+    warmup_requests: int = Field(default=10, ge=0, description="Unmeasured calls first.")
     concurrencies: tuple[int, ...] = Field(default=(1, 64), description="Workers per run.")
     streams: tuple[bool, ...] = Field(default=(False, True), description="stream values to run.")
     prompt_tokens: int = Field(default=1000, ge=1, description="Prompt length (tokens).")
     response_tokens: int = Field(default=200, ge=1, description="Response length (tokens).")
-    ttft_ms: float = Field(default=0.0, ge=0, description="Emulated time to first token (ms).")
-    inter_token_ms: float = Field(default=0.0, ge=0, description="Emulated token gap (ms).")
+    # 20 ms to first token and 5 ms between tokens (200 tokens/s per stream) is a fast GPU engine
+    # at batch 64; the 2 cores cannot emulate faster streams at concurrency 64 (the emulator and
+    # load generator would need more than a core; docs/benchmarks.md). 0 and 0 measure pure cost.
+    ttft_ms: float = Field(default=20.0, ge=0, description="Emulated time to first token (ms).")
+    inter_token_ms: float = Field(default=5.0, ge=0, description="Emulated token gap (ms).")
     steps_per_trajectory: int = Field(default=8, ge=1, description="Calls per trajectory.")
+    loadgen: Loadgen = Field(
+        default="raw",
+        description="'raw': a minimal asyncio HTTP/1.1 client (cheap); 'httpx': httpx clients.",
+    )
     gateway_mode: GatewayMode = Field(
         default="process",
         description="'process': `trajgate serve` in a child process (no GIL shared with the "
@@ -126,70 +135,171 @@ def chat_body(settings: BenchSettings, stream: bool) -> dict[str, Any]:
     return body
 
 
-@asynccontextmanager
-async def load_clients(concurrency: int) -> AsyncIterator[list[httpx.AsyncClient]]:
-    """One single-connection httpx client per worker: ``concurrency`` keep-alive connections.
+class RawConnection(asyncio.Protocol):
+    """The load generator's HTTP/1.1 client: one keep-alive connection, one call at a time.
 
-    Why not one client with a pool of ``concurrency``: httpcore's pool costs CPU that grows with
-    the number of waiting requests; measured on 2 cores against the emulator, one pooled client at
-    concurrency 64 spent 8.2 ms of CPU per call (104 req/s), 64 one-connection clients 0.61 ms
-    (1,365 req/s), the same as one client at concurrency 1 (0.69 ms).
+    Why not httpx: on 2 cores, httpx spent 0.6 ms of CPU per non-streaming call and 14 to 20 ms
+    per 200-chunk stream (70 to 100 us per SSE chunk), so at concurrency 64 the load generator
+    used most of a core and was the bottleneck of the direct runs (see docs/benchmarks.md). This
+    client only frames the answer (``content-length`` or chunked) and keeps its bytes.
     """
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    timeout = httpx.Timeout(600.0, connect=30.0)
-    clients = [httpx.AsyncClient(limits=limits, timeout=timeout) for _ in range(concurrency)]
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        # Parse state of the answer being read, so each byte is looked at once.
+        self.status = 0  # 0 until the head has arrived
+        self.length: int | None = None  # content-length; None when chunked
+        self.position = 0  # where the next chunk-size line starts (chunked)
+        self.parts: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection closed mid-answer: {exc!r}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.waiter is not None and not self.waiter.done():
+            answer = self._answer()
+            if answer is not None:
+                self._reset()
+                self.waiter.set_result(answer)
+
+    def _answer(self) -> tuple[int, bytes] | None:
+        """``(status, body)`` once the whole answer is buffered; None while it is not."""
+        if not self.status:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return None
+            head = bytes(self.buffer[:head_end]).lower()
+            del self.buffer[: head_end + 4]
+            self.status = int(head[9:12])
+            if b"transfer-encoding: chunked" not in head:
+                marker = head.find(b"content-length:")
+                end = head.find(b"\r\n", marker)
+                self.length = (
+                    int(head[marker + 15 : end if end > 0 else None]) if marker >= 0 else 0
+                )
+        if self.length is not None:
+            if len(self.buffer) < self.length:
+                return None
+            body = bytes(self.buffer[: self.length])
+            del self.buffer[: self.length]
+            return self.status, body
+        while True:
+            line_end = self.buffer.find(b"\r\n", self.position)
+            if line_end < 0:
+                return None
+            size = int(self.buffer[self.position : line_end].split(b";", 1)[0], 16)
+            if len(self.buffer) < line_end + 2 + size + 2:
+                return None
+            if size == 0:
+                del self.buffer[: line_end + 4]
+                return self.status, b"".join(self.parts)
+            self.parts.append(bytes(self.buffer[line_end + 2 : line_end + 2 + size]))
+            self.position = line_end + 2 + size + 2
+
+    async def call(self, request: bytes) -> tuple[int, bytes]:
+        """Send one request (bytes of head and body) and wait for the whole answer."""
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return await self.waiter
+
+
+class Caller:
+    """One worker's way to a target (``base_url`` without ``/v1``): a raw or an httpx client."""
+
+    def __init__(self, base_url: str, loadgen: Loadgen) -> None:
+        url = httpx.URL(base_url)
+        self.base_url, self.loadgen = base_url.rstrip("/"), loadgen
+        self.host, self.port = url.host, url.port or 80
+        self.raw: RawConnection | None = None
+        self.client: httpx.AsyncClient | None = None
+        if loadgen == "httpx":
+            # One single-connection client per worker: one shared pool of 64 connections cost
+            # 8.2 ms of CPU per call at concurrency 64 (httpcore's pool scans its waiters).
+            limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+            timeout = httpx.Timeout(600.0, connect=30.0)
+            self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        elif loadgen != "raw":
+            raise ValueError(f"loadgen must be one of {LOADGENS}, got {loadgen!r}")
+
+    async def call(self, path: str, body: bytes, stream: bool) -> str | None:
+        """POST ``body`` to ``path``; None when it answered 200 (and, streaming, ended with
+        ``data: [DONE]``), else the error as text."""
+        if self.client is not None:
+            response = await self.client.post(
+                self.base_url + path, content=body, headers={"content-type": "application/json"}
+            )
+            status, content = response.status_code, response.content
+        else:
+            if self.raw is None or self.raw.transport is None or self.raw.transport.is_closing():
+                loop = asyncio.get_running_loop()
+                _transport, self.raw = await loop.create_connection(
+                    RawConnection, self.host, self.port
+                )
+            head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            status, content = await self.raw.call(head.encode() + body)
+        if status != 200:
+            return f"HTTP {status}: {content[:300].decode(errors='replace')}"
+        if stream and not content.rstrip().endswith(b"data: [DONE]"):
+            return f"stream ended without data: [DONE]: {content[-80:]!r}"
+        return None
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        if self.raw is not None and self.raw.transport is not None:
+            self.raw.transport.close()
+
+
+@asynccontextmanager
+async def callers(base_url: str, loadgen: Loadgen, concurrency: int) -> AsyncIterator[list[Caller]]:
+    """``concurrency`` callers, each with its own keep-alive connection to ``base_url``."""
+    workers = [Caller(base_url, loadgen) for _ in range(concurrency)]
     try:
-        yield clients
+        yield workers
     finally:
-        for client in clients:
-            await client.aclose()
+        for worker in workers:
+            await worker.close()
 
 
 async def drive(
-    clients: list[httpx.AsyncClient],
-    url_of: Callable[[int, int], str],
+    workers: list[Caller],
+    path_of: Callable[[int, int], str],
     body: bytes,
     *,
     stream: bool,
     requests: int,
 ) -> Sample:
-    """Send ``requests`` calls from one worker per client; ``url_of(worker, k)`` names the URL.
-
-    A call counts when it answers 200 and (streaming) ends with ``data: [DONE]``; anything else
-    is an error, the first one kept as text.
-    """
+    """Send ``requests`` calls from the workers; worker ``w``'s ``k``-th call goes to
+    ``path_of(w, k)``. A call counts when ``Caller.call`` says it succeeded; otherwise it is an
+    error, the first one kept as text."""
     sample = Sample()
-    headers = {"content-type": "application/json"}
     next_call = 0
 
-    async def one(client: httpx.AsyncClient, url: str) -> str | None:
-        if not stream:
-            response = await client.post(url, content=body, headers=headers)
-            if response.status_code != 200:
-                return f"HTTP {response.status_code}: {response.text[:300]}"
-            return None
-        async with client.stream("POST", url, content=body, headers=headers) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return f"HTTP {response.status_code}: {response.text[:300]}"
-            tail = b""
-            async for chunk in response.aiter_bytes():
-                tail = (tail + chunk)[-32:]
-            if not tail.rstrip().endswith(b"data: [DONE]"):
-                return f"stream ended without data: [DONE]: {tail!r}"
-        return None
-
-    async def worker(client: httpx.AsyncClient, worker_index: int) -> None:
+    async def work(caller: Caller, worker_index: int) -> None:
         nonlocal next_call
         k = 0
         while next_call < requests:
             next_call += 1
-            url = url_of(worker_index, k)
+            path = path_of(worker_index, k)
             k += 1
             started = time.perf_counter()
             try:
-                error = await one(client, url)
-            except httpx.HTTPError as exc:
+                error = await caller.call(path, body, stream)
+            except (OSError, httpx.HTTPError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             if error is None:
                 sample.latencies_ms.append((time.perf_counter() - started) * 1000.0)
@@ -198,7 +308,7 @@ async def drive(
                 sample.first_error = sample.first_error or error
 
     cpu_started, wall_started = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(worker(client, w) for w, client in enumerate(clients)))
+    await asyncio.gather(*(work(caller, w) for w, caller in enumerate(workers)))
     sample.wall_s = time.perf_counter() - wall_started
     sample.loadgen_cpu_s = time.process_time() - cpu_started
     return sample
@@ -335,7 +445,8 @@ def _cpu_ms_per_call(before: float | None, after: float | None, calls: int) -> f
 
 async def _measure(
     targets: Targets,
-    url_of: Callable[[int, int], str],
+    base_url: str,
+    path_of: Callable[[int, int], str],
     body: bytes,
     stream: bool,
     concurrency: int,
@@ -345,17 +456,17 @@ async def _measure(
     """Warm up, then one measured run on the same connections; also each process's CPU ms
     per call during the measured run."""
     pids = {"emulator": targets.emulator_pid, "gateway": targets.gateway_pid if gateway else None}
-    async with load_clients(concurrency) as clients:
+    async with callers(base_url, settings.loadgen, concurrency) as workers:
         if settings.warmup_requests:
             await drive(
-                clients,
-                lambda w, k: url_of(-1 - w, k),  # negative workers: warm-up trajectories
+                workers,
+                lambda w, k: path_of(-1 - w, k),  # negative workers: warm-up trajectories
                 body,
                 stream=stream,
                 requests=max(settings.warmup_requests, concurrency),
             )
         before = {name: process_cpu_s(pid) for name, pid in pids.items()}
-        sample = await drive(clients, url_of, body, stream=stream, requests=settings.requests)
+        sample = await drive(workers, path_of, body, stream=stream, requests=settings.requests)
     calls = sample.ok + sample.errors
     cpu = {
         f"{name}_cpu_ms_per_call": _cpu_ms_per_call(before[name], process_cpu_s(pid), calls)
@@ -419,6 +530,7 @@ def run_benchmark(
         "benchmark": "gateway",
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "gateway_mode": settings.gateway_mode,
+        "loadgen": settings.loadgen,
         "emulator": {
             "prompt_tokens": settings.prompt_tokens,
             "response_tokens": settings.response_tokens,
@@ -449,20 +561,17 @@ def _run_one(
     run_id = f"bench-{session}-{'s' if stream else 'p'}{concurrency}"
     spt = settings.steps_per_trajectory
 
-    def direct_url(_w: int, _k: int) -> str:
-        return f"{targets.emulator_url}/v1/chat/completions"
-
-    def gateway_url(w: int, k: int) -> str:
+    def gateway_path(w: int, k: int) -> str:
         phase = "m" if w >= 0 else "w"  # measured or warm-up; only "m" steps are counted
-        trajectory = f"{run_id}-{phase}{abs(w)}-{k // spt}"
-        return f"{targets.gateway_url}/t/{trajectory}/v1/chat/completions"
+        return f"/t/{run_id}-{phase}{abs(w)}-{k // spt}/v1/chat/completions"
 
-    direct, direct_cpu = asyncio.run(
-        _measure(targets, direct_url, body, stream, concurrency, settings, gateway=False)
-    )
-    via_gateway, gateway_cpu = asyncio.run(
-        _measure(targets, gateway_url, body, stream, concurrency, settings, gateway=True)
-    )
+    def measure(base_url: str, path_of: Callable[[int, int], str], gateway: bool) -> Any:
+        return asyncio.run(
+            _measure(targets, base_url, path_of, body, stream, concurrency, settings, gateway)
+        )
+
+    direct, direct_cpu = measure(targets.emulator_url, _fixed_path("/v1"), False)
+    via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, True)
     run: dict[str, Any] = {
         "stream": stream,
         "concurrency": concurrency,
@@ -478,20 +587,18 @@ def _run_one(
         run["direct_error"] = direct.first_error
     proxies = []
     for proxy_url in settings.proxy_urls:
-        sample, _cpu = asyncio.run(
-            _measure(
-                targets, _fixed_url(proxy_url), body, stream, concurrency, settings, gateway=False
-            )
-        )
+        url = httpx.URL(proxy_url)
+        base_url = str(url.copy_with(path="/", query=None)).rstrip("/")
+        sample, _cpu = measure(base_url, _fixed_path(url.path), False)
         proxies.append({"url": proxy_url, **_compare(direct, sample, "proxy")})
     if proxies:
         run["proxies"] = proxies
     return run
 
 
-def _fixed_url(proxy_url: str) -> Callable[[int, int], str]:
-    url = f"{proxy_url.rstrip('/')}/chat/completions"
-    return lambda _worker, _k: url
+def _fixed_path(prefix: str) -> Callable[[int, int], str]:
+    path = f"{prefix.rstrip('/')}/chat/completions"
+    return lambda _worker, _k: path
 
 
 def goals_met(runs: list[dict[str, Any]]) -> dict[str, bool | None]:

@@ -177,8 +177,8 @@ def demo(
 @bench_app.command("gateway")
 def bench_gateway(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    requests: Annotated[int, typer.Option(help="Measured calls per run and target.")] = 200,
-    warmup_requests: Annotated[int, typer.Option(help="Unmeasured calls first.")] = 20,
+    requests: Annotated[int, typer.Option(help="Measured calls per run and target.")] = 100,
+    warmup_requests: Annotated[int, typer.Option(help="Unmeasured calls first.")] = 10,
     concurrency: Annotated[
         list[int] | None, typer.Option(help="Workers per run (repeat); default 1 and 64.")
     ] = None,
@@ -187,11 +187,14 @@ def bench_gateway(
     ] = None,
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length (tokens).")] = 1000,
     response_tokens: Annotated[int, typer.Option(help="Response length (tokens).")] = 200,
-    ttft_ms: Annotated[float, typer.Option(help="Emulated time to first token (ms).")] = 0.0,
-    inter_token_ms: Annotated[float, typer.Option(help="Emulated gap between tokens (ms).")] = 0.0,
+    ttft_ms: Annotated[float, typer.Option(help="Emulated time to first token (ms).")] = 20.0,
+    inter_token_ms: Annotated[float, typer.Option(help="Emulated gap between tokens (ms).")] = 5.0,
     gateway_mode: Annotated[
         str, typer.Option(help="'process' (trajgate serve, own process) or 'thread'.")
     ] = "process",
+    loadgen: Annotated[
+        str, typer.Option(help="Load generator client: 'raw' (cheap asyncio) or 'httpx'.")
+    ] = "raw",
     proxy_url: Annotated[
         list[str] | None,
         typer.Option(help="Another proxy's base URL ending in /v1, pointed at the emulator."),
@@ -216,6 +219,7 @@ def bench_gateway(
         ttft_ms=ttft_ms,
         inter_token_ms=inter_token_ms,
         gateway_mode=gateway_mode,  # type: ignore[arg-type]
+        loadgen=loadgen,  # type: ignore[arg-type]
         proxy_urls=tuple(proxy_url or []),
         emulator_port=emulator_port,
         data_dir=data_dir,
