@@ -13,9 +13,9 @@ Shapes (checked against the real vLLM 0.32 server, see tests/test_bench_gateway.
 - streaming: per choice, a first chunk with ``delta: {role, content: ""}`` and top-level
   ``prompt_token_ids`` (``null`` unless asked), then one chunk per token with per-choice
   ``token_ids`` (``null`` unless asked) and ``logprobs``; the last token chunk carries
-  ``finish_reason``, ``stop_reason`` and ``system_fingerprint``; with
-  ``stream_options.include_usage`` a final chunk with ``choices: []`` and ``usage``; then
-  ``data: [DONE]``.
+  ``finish_reason``, ``stop_reason`` and (without a usage chunk) ``system_fingerprint``; with
+  ``stream_options.include_usage`` a final chunk with ``choices: []``, ``usage`` and
+  ``system_fingerprint``; then ``data: [DONE]``.
 
 Deliberately different from vLLM: ``top_logprobs`` is always ``[]``; ``n`` choices stream
 round-robin, one token each; a response ends at ``response_tokens`` (``finish_reason: "stop"``) or
@@ -252,7 +252,8 @@ class ResponseBook:
                     choice["stop_reason"] = None
                 choice["token_ids"] = [token_id] if shape.return_token_ids else None
                 chunk: dict[str, Any] = {**self._head(kind), "choices": [choice]}
-                if last:
+                if last and not shape.include_usage:
+                    # vLLM puts the fingerprint on the usage chunk when there is one.
                     chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
                 chunks.append(chunk)
         if shape.include_usage:
