@@ -68,6 +68,7 @@ THINKING_STRIPPED = "thinking_stripped"
 TOOL_ARGUMENTS_CHANGED = "tool_arguments_changed"
 HISTORY_REWRITTEN = "history_rewritten"
 HISTORY_TRUNCATED = "history_truncated"
+TOOL_CALL_RERENDERED = "tool_call_rerendered"
 RETOKENISED = "retokenised"
 DIVERGENCE_WINDOW_TOKENS = 8
 
@@ -104,8 +105,10 @@ def classify_divergence(
     ``history_rewritten`` (an earlier message changed, or the generated content was edited),
     ``tool_arguments_changed`` (an echoed tool call's arguments differ from the generated string,
     matched by tool_call id: case C04), ``thinking_stripped`` (the generated turn had reasoning
-    that the template or the agent dropped: case C02), ``retokenised`` (every message matches, so
-    the same text was rendered into other IDs: case C01).
+    that the template or the agent dropped: case C02), ``tool_call_rerendered`` (every message
+    matches, but the template renders the parsed tool call, not the sampled text: spacing and
+    argument formatting differ), ``retokenised`` (every message matches, so the same text was
+    rendered into other IDs: case C01).
     """
     if len(new_messages) <= len(parent_messages):
         return HISTORY_TRUNCATED
@@ -127,6 +130,8 @@ def classify_divergence(
         return THINKING_STRIPPED
     if _text(echoed.get("content")) != generated_text:
         return HISTORY_REWRITTEN
+    if generated_args:
+        return TOOL_CALL_RERENDERED
     return RETOKENISED
 
 

@@ -5,7 +5,8 @@ makes is captured as a step of that trajectory.
     python examples/openai_tool_agent.py --base-url http://127.0.0.1:8000/t/demo-1/v1
 
 The tool loop: the model is asked a question with a ``get_weather`` tool; the first call uses
-``tool_choice="required"`` (vLLM then guarantees a well-formed call even from a random tiny model),
+``tool_choice`` naming ``get_weather`` (with ``strict`` tools, vLLM then guarantees a well-formed
+call even from a random tiny model),
 the agent runs the tool, sends the result back, and asks for the final answer.
 """
 
@@ -22,10 +23,14 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Current weather for a city.",
+            # strict: vLLM then constrains the call to this schema (xgrammar structural tag),
+            # so even the random tiny model emits a well-formed call.
+            "strict": True,
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string"}},
+                "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
                 "required": ["city"],
+                "additionalProperties": False,
             },
         },
     }
@@ -45,8 +50,8 @@ def run(base_url: str, model: str, question: str, seed: int, max_tokens: int) ->
     first = client.chat.completions.create(
         model=model,
         messages=messages,
-        tools=TOOLS,
-        tool_choice="required",  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=max_tokens,
         temperature=1.0,
         seed=seed,
@@ -74,7 +79,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--question", default="What is the weather in Paris?")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
     answer = run(args.base_url, args.model, args.question, args.seed, args.max_tokens)
     print(json.dumps({"answer": answer}))
