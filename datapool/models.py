@@ -4,8 +4,11 @@ Owns: the tables and their columns. Never: changes the schema at run time; every
 through an Alembic migration in ``migrations/`` (a test compares these models with the migrated
 database on SQLite and PostgreSQL).
 
-Token payloads (prompt IDs, response IDs, behaviour logprobs) are JSON arrays on the step row
-for now; they are exactly the engine's numbers, never re-encoded text.
+Token payloads (prompt IDs, response IDs, behaviour logprobs) are not on the step row: a new
+step's payload is a row of ``step_payloads`` (binary int32/float blobs, committed with the step)
+until compaction moves it into a Parquet file listed in ``payload_files`` (see
+``datapool.payload`` and docs/datapool.md). They are exactly the engine's numbers, never
+re-encoded text.
 """
 
 from __future__ import annotations
@@ -14,7 +17,19 @@ import enum
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -61,6 +76,30 @@ class Trajectory(Base):
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Counter of logical calls, bumped atomically (UPDATE ... RETURNING) to number steps.
     call_count: Mapped[int] = mapped_column(Integer, default=0)
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    # Facts about the whole episode: "empty" (closed without steps, C15), "incomplete" (in flight
+    # when its gateway died, C14).
+    flags: Mapped[list[Any]] = mapped_column(default=list)
+    last_step_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Why it left "open": "explicit", "idle_timeout", "abandoned", "failed".
+    completion_reason: Mapped[str | None] = mapped_column(String(50))
+    # Calls that arrived after the trajectory closed and were refused (409), never stored.
+    rejected_calls: Mapped[int] = mapped_column(Integer, default=0)
+    # The writer process that last wrote a step here while open ("host:pid:start"), so a restart
+    # can tell which open trajectories were in flight in a process that died.
+    writer_id: Mapped[str | None] = mapped_column(String(200), index=True)
+
+
+class TrajectoryGroup(Base):
+    """Rollouts of the same task; complete when ``expected_size`` members are complete."""
+
+    __tablename__ = "trajectory_groups"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    expected_size: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(20), default="open")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Step(Base):
@@ -102,9 +141,72 @@ class Step(Base):
     # ...) and a short window of both sides around the divergence offset.
     divergence_kind: Mapped[str | None] = mapped_column(String(50))
     divergence_detail: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
-    prompt_token_ids: Mapped[list[Any] | None] = mapped_column(JSONColumn)
-    response_token_ids: Mapped[list[Any] | None] = mapped_column(JSONColumn)
-    response_logprobs: Mapped[list[Any] | None] = mapped_column(JSONColumn)
+    # The prompt is the first ``prompt_base_tokens`` of the parent's prompt + response followed
+    # by the stored delta; 0 or None means the delta is the whole prompt.
+    prompt_base_tokens: Mapped[int | None] = mapped_column(Integer)
+    # None while the payload is in ``step_payloads``; the Parquet file after compaction.
+    payload_file_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class StepPayload(Base):
+    """A recent step's token payload, committed in the step's own transaction.
+
+    Blobs: ``prompt_delta`` and ``response_token_ids`` are little-endian int32;
+    ``response_logprobs`` is one width byte (``4`` or ``8``) then little-endian float32/float64
+    values. NULL = the engine reported nothing (never made up).
+    """
+
+    __tablename__ = "step_payloads"
+
+    step_id: Mapped[str] = mapped_column(
+        ForeignKey("steps.id", ondelete="CASCADE"), primary_key=True
+    )
+    prompt_delta: Mapped[bytes | None] = mapped_column(LargeBinary)
+    response_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    response_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class PayloadFile(Base):
+    """One compacted Parquet file of step payloads (any pyarrow filesystem URI)."""
+
+    __tablename__ = "payload_files"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    steps: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class RewardSource(enum.StrEnum):
+    RULE = "rule"
+    MODEL = "model"
+    HUMAN = "human"
+    AGENT = "agent"
+
+
+class Reward(Base):
+    """One append-only reward record on a step or a trajectory.
+
+    The current value of ``(target_kind, target_id, name)`` is the latest record without an
+    error. A record with ``error`` set and ``value`` NULL says a reward function failed; it never
+    stands for 0.0.
+    """
+
+    __tablename__ = "rewards"
+    __table_args__ = (Index("ix_rewards_target_name", "target_kind", "target_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    target_kind: Mapped[str] = mapped_column(String(20))
+    target_id: Mapped[str] = mapped_column(String(200))
+    trajectory_id: Mapped[str] = mapped_column(String(200), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    value: Mapped[float | None] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(20))
+    author: Mapped[str | None] = mapped_column(String(200))
+    error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
 
 

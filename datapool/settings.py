@@ -1,24 +1,28 @@
 """Settings of the data pool, read from ``TRAJGATE_*`` environment variables.
 
-Owns: where the pool lives. Never: opens connections (see ``datapool.db``).
+Owns: where the pool lives and how its write path trades latency, durability and file size.
+Never: opens connections (see ``datapool.db``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+WriteFailureMode = Literal["refuse", "serve"]
+
 
 class PoolSettings(BaseSettings):
-    """Where the pool's SQL state and files live."""
+    """Where the pool's SQL state and files live, and how steps reach them."""
 
     model_config = SettingsConfigDict(env_prefix="TRAJGATE_", extra="ignore")
 
     data_dir: Path = Field(
         default=Path(".trajgate"),
-        description="Directory of the embedded pool: the SQLite file and, later, Parquet payloads.",
+        description="Directory of the embedded pool: the SQLite file and the Parquet payloads.",
     )
     database_url: str | None = Field(
         default=None,
@@ -28,8 +32,90 @@ class PoolSettings(BaseSettings):
             "postgresql+psycopg://... for several gateway processes or heavy concurrent load."
         ),
     )
+    payload_uri: str | None = Field(
+        default=None,
+        description=(
+            "Where compacted Parquet payload files go: a local directory or any URI a pyarrow "
+            "filesystem understands (s3://bucket/prefix, gs://...). Unset means "
+            "<data_dir>/payloads."
+        ),
+    )
+    compaction_min_steps: int = Field(
+        default=20_000,
+        gt=0,
+        description=(
+            "Compact recent payloads into one Parquet file once this many wait in the SQL "
+            "table. Larger files read faster and compress better; the SQL table stays bigger."
+        ),
+    )
+    compaction_max_steps: int = Field(
+        default=200_000, gt=0, description="Most step payloads written into one Parquet file."
+    )
+    compaction_interval_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds between the writer's checks for compaction; 0 turns them off.",
+    )
+    parquet_row_group_steps: int = Field(
+        default=4096,
+        gt=0,
+        description="Steps per Parquet row group: smaller groups make point reads cheaper.",
+    )
+    write_batch_max_calls: int = Field(
+        default=512,
+        gt=0,
+        description=(
+            "Most calls committed in one transaction (group commit). Calls that arrive while a "
+            "commit runs wait for the next one, so latency stays about one commit."
+        ),
+    )
+    write_queue_max_calls: int = Field(
+        default=20_000,
+        gt=0,
+        description="Calls waiting to be committed before record() refuses with 503.",
+    )
+    on_write_failure: WriteFailureMode = Field(
+        default="refuse",
+        description=(
+            "When the database cannot take a step (disk full, locked past the timeout, "
+            "unreachable): 'refuse' answers the client 503 so it retries and nothing is lost "
+            "silently; 'serve' answers anyway without a step id, logs and counts the lost call."
+        ),
+    )
+    trajectory_idle_timeout_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="An open trajectory without a new step for this long is completed; 0: never.",
+    )
+    lineage_cache_trajectories: int = Field(
+        default=4096,
+        gt=0,
+        description=(
+            "Open trajectories whose token sequences the writer keeps in memory to find a new "
+            "step's parent without reading payloads back (about 4 bytes per token each)."
+        ),
+    )
+    reward_functions: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Reward functions run on every completed trajectory: names of entry points in the "
+            "group 'trajgate.rewards' or module paths 'pkg.mod:fn'."
+        ),
+    )
+    tokenizer_dir: Path | None = Field(
+        default=None,
+        description=(
+            "A Hugging Face tokenizer directory used only to decode stored IDs into text for "
+            "/api/steps; unset, the API returns IDs without text. Text is never encoded."
+        ),
+    )
 
     def resolved_database_url(self) -> str:
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'pool.sqlite3').resolve()}"
+
+    def resolved_payload_uri(self) -> str:
+        if self.payload_uri:
+            return self.payload_uri
+        return str((self.data_dir / "payloads").resolve())

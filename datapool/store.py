@@ -1,39 +1,90 @@
-"""Writes captured calls into the pool and reads steps back.
+"""Writes captured calls into the pool and reads steps back with their exact token payloads.
 
-Owns: the transaction that turns one ``CallRecord`` into steps (trajectory created on first use,
-step numbered, parent chosen by token lineage). Never: tokenizes, or writes half a call: every
-step of a call commits in one transaction or none does.
+Owns: the transaction that turns calls into steps (trajectory created on first use, steps
+numbered, parent chosen by token lineage, payload stored as a prompt delta in ``step_payloads``),
+many calls per transaction (group commit, see ``datapool.writer``), and reading a step's exact
+``prompt_token_ids`` / ``response_token_ids`` / ``response_logprobs`` back. Never: tokenizes, or
+writes half a call: every step of a batch commits in one transaction or none does.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+import numpy as np
+from sqlalchemy import Engine, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import make_sessionmaker
-from datapool.models import Step, StepOutcome, Trajectory, utc_now
-from datapool.prefix import (
-    RETOKENISED,
-    Candidate,
-    Lineage,
-    choose_parent,
-    classify_divergence,
-    divergence_window,
+from datapool.errors import TrajectoryClosedError
+from datapool.lineage import TOKEN_BYTES, LineageCache, TrajectoryTokens
+from datapool.models import (
+    Step,
+    StepOutcome,
+    StepPayload,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+    utc_now,
 )
+from datapool.payload import (
+    PayloadFiles,
+    StepRef,
+    TokenPayload,
+    encode_ids,
+    encode_logprobs,
+    reconstruct,
+)
+from datapool.prefix import RETOKENISED, Lineage, classify_divergence, divergence_window
 from datapool.records import CallRecord
+from datapool.settings import PoolSettings
+
+
+@dataclass(frozen=True)
+class StoredStep:
+    """A step row with its exact payload; every column of ``Step`` reads through (``.flags``).
+
+    ``prompt_token_ids`` ``[P]``, ``response_token_ids`` ``[R]``, ``response_logprobs`` ``[R]``,
+    each None when the engine reported nothing.
+    """
+
+    row: Step
+    prompt_token_ids: list[int] | None
+    response_token_ids: list[int] | None
+    response_logprobs: list[float] | None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.row, name)
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """One call waiting to be committed."""
+
+    trajectory_id: str
+    call: CallRecord
+
+
+CallResult = list[str] | Exception
 
 
 class PoolStore:
     """The pool's write and read API over one SQL engine (SQLite or PostgreSQL)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, settings: PoolSettings | None = None) -> None:
         self.engine = engine
+        self.settings = settings or PoolSettings()
         self.sessions: sessionmaker[Session] = make_sessionmaker(engine)
+        self.payloads = PayloadFiles(self.sessions, self.settings.resolved_payload_uri())
+        self._lineage = LineageCache(self.settings.lineage_cache_trajectories)
+        self._write_lock = threading.Lock()
+
+    # ---- writing ---------------------------------------------------------------------------
 
     def record_call(
         self,
@@ -42,156 +93,367 @@ class PoolStore:
         *,
         group_id: str | None = None,
         channel: str | None = None,
+        writer_id: str | None = None,
     ) -> list[str]:
         """Commit one call as one step per choice and return the step ids (in choice order).
 
         A failed call (``call.outcome != "ok"``) is still recorded, as one step with the error, so
-        the trajectory shows what happened; it never becomes a parent.
+        the trajectory shows what happened; it never becomes a parent. Raises
+        ``TrajectoryClosedError`` when the trajectory is no longer open (counted on it).
         """
-        group_id = group_id or call.group_id
-        channel = channel or call.channel
-        with self.sessions.begin() as session:
-            self._ensure_trajectory(session, trajectory_id, group_id, channel)
-            step_index = (
-                session.execute(
-                    update(Trajectory)
-                    .where(Trajectory.id == trajectory_id)
-                    .values(call_count=Trajectory.call_count + 1)
-                    .returning(Trajectory.call_count)
-                ).scalar_one()
-                - 1
+        if group_id or channel:
+            call = _with_attribution(call, group_id, channel)
+        [result] = self.record_calls([PendingCall(trajectory_id, call)], writer_id=writer_id)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def record_calls(
+        self, pending: Sequence[PendingCall], *, writer_id: str | None = None
+    ) -> list[CallResult]:
+        """Commit many calls in one transaction; per call, its step ids or why it was refused.
+
+        Refusals (``TrajectoryClosedError``) do not abort the others. Any database error aborts
+        the whole transaction and propagates; the lineage memory is then dropped for the
+        trajectories involved so it never holds uncommitted steps.
+        """
+        with self._write_lock:
+            trajectory_ids = list(dict.fromkeys(p.trajectory_id for p in pending))
+            try:
+                with self.sessions.begin() as session:
+                    return self._record_in(session, pending, trajectory_ids, writer_id)
+            except BaseException:
+                for trajectory_id in trajectory_ids:
+                    self._lineage.forget(trajectory_id)
+                raise
+
+    def _record_in(
+        self,
+        session: Session,
+        pending: Sequence[PendingCall],
+        trajectory_ids: list[str],
+        writer_id: str | None,
+    ) -> list[CallResult]:
+        first_call: dict[str, CallRecord] = {}
+        for p in pending:
+            first_call.setdefault(p.trajectory_id, p.call)
+        now = utc_now()
+        self._insert_ignore(
+            session,
+            Trajectory,
+            [
+                {
+                    "id": trajectory_id,
+                    "group_id": first_call[trajectory_id].group_id,
+                    "channel": first_call[trajectory_id].channel or "train",
+                    "status": TrajectoryStatus.OPEN.value,
+                    "metadata_json": {},
+                    "tags": [],
+                    "flags": [],
+                    "call_count": 0,
+                    "rejected_calls": 0,
+                    "created_at": now,
+                }
+                for trajectory_id in trajectory_ids
+            ],
+        )
+        group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
+        if group_ids:
+            self._insert_ignore(
+                session,
+                TrajectoryGroup,
+                [{"id": g, "status": "open", "created_at": now} for g in group_ids],
             )
-            lineage, kind, detail = self._lineage(session, trajectory_id, call)
-            step_ids: list[str] = []
-            for choice in call.choices:
-                flags = list(choice.flags)
-                if lineage.extends_parent is False:
-                    flags.append("prefix_break")
-                step = Step(
-                    id=str(uuid.uuid4()),
-                    trajectory_id=trajectory_id,
-                    parent_step_id=lineage.parent_step_id,
-                    call_id=call.call_id,
-                    endpoint=call.endpoint,
-                    request_hash=call.request_hash,
-                    idempotency_key=call.idempotency_key,
-                    step_index=step_index,
-                    choice_index=choice.choice_index,
-                    policy_version=call.policy_version,
-                    model=call.model,
-                    upstream=call.upstream,
-                    outcome=call.outcome,
-                    error=call.error,
-                    request=call.request,
-                    upstream_request=call.upstream_request,
-                    response_message=choice.response_message,
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
-                    prompt_tokens=call.prompt_tokens,
-                    completion_tokens=(
+        query = select(Trajectory.id, Trajectory.status, Trajectory.call_count).where(
+            Trajectory.id.in_(trajectory_ids)
+        )
+        if session.get_bind().dialect.name == "postgresql":
+            query = query.with_for_update()
+        state = {tid: (status, count) for tid, status, count in session.execute(query)}
+        self._refresh_lineage(session, trajectory_ids)
+
+        results: list[CallResult] = []
+        next_index = {tid: count for tid, (_status, count) in state.items()}
+        rejected: dict[str, int] = {}
+        step_rows: list[dict[str, Any]] = []
+        payload_rows: list[dict[str, Any]] = []
+        for p in pending:
+            status = state[p.trajectory_id][0]
+            if status != TrajectoryStatus.OPEN:
+                rejected[p.trajectory_id] = rejected.get(p.trajectory_id, 0) + 1
+                results.append(TrajectoryClosedError(p.trajectory_id, status))
+                continue
+            step_index = next_index[p.trajectory_id]
+            next_index[p.trajectory_id] = step_index + 1
+            results.append(
+                self._steps_of_call(session, p, step_index, now, step_rows, payload_rows)
+            )
+        if step_rows:
+            session.execute(insert(Step), step_rows)
+            session.execute(insert(StepPayload), payload_rows)
+        counts = {tid: n for tid, n in next_index.items() if n != state[tid][1]}
+        for trajectory_id, call_count in counts.items():
+            session.execute(
+                update(Trajectory)
+                .where(Trajectory.id == trajectory_id)
+                .values(call_count=call_count, last_step_at=now, writer_id=writer_id)
+            )
+        for trajectory_id, n in rejected.items():
+            session.execute(
+                update(Trajectory)
+                .where(Trajectory.id == trajectory_id)
+                .values(rejected_calls=Trajectory.rejected_calls + n)
+            )
+        return results
+
+    def _steps_of_call(
+        self,
+        session: Session,
+        p: PendingCall,
+        step_index: int,
+        now: Any,
+        step_rows: list[dict[str, Any]],
+        payload_rows: list[dict[str, Any]],
+    ) -> list[str]:
+        call = p.call
+        tokens = self._lineage.get(p.trajectory_id)
+        assert tokens is not None  # _refresh_lineage loaded every trajectory of the batch
+        prompt = encode_ids(call.prompt_token_ids)
+        if prompt is None or call.outcome != StepOutcome.OK:
+            lineage = Lineage(tokens.latest_step_id, None, None)
+            kind, detail = None, None
+        else:
+            lineage = tokens.choose_parent(prompt)
+            kind, detail = self._divergence(session, tokens, call, lineage, step_rows)
+        base_tokens = 0
+        if prompt is not None and lineage.parent_step_id is not None:
+            if lineage.extends_parent:
+                base_tokens = len(tokens.sequence_of(lineage.parent_step_id)) // TOKEN_BYTES
+            elif lineage.divergence_offset:
+                base_tokens = lineage.divergence_offset
+        delta = None if prompt is None else prompt[base_tokens * TOKEN_BYTES :]
+        step_ids: list[str] = []
+        for choice in call.choices:
+            step_id = str(uuid.uuid4())
+            flags = list(choice.flags)
+            if lineage.extends_parent is False:
+                flags.append("prefix_break")
+            response = encode_ids(choice.response_token_ids)
+            step_rows.append(
+                {
+                    "id": step_id,
+                    "trajectory_id": p.trajectory_id,
+                    "parent_step_id": lineage.parent_step_id,
+                    "call_id": call.call_id,
+                    "endpoint": call.endpoint,
+                    "request_hash": call.request_hash,
+                    "idempotency_key": call.idempotency_key,
+                    "step_index": step_index,
+                    "choice_index": choice.choice_index,
+                    "policy_version": call.policy_version,
+                    "model": call.model,
+                    "upstream": call.upstream,
+                    "outcome": call.outcome,
+                    "error": call.error,
+                    "request": call.request,
+                    "upstream_request": call.upstream_request,
+                    "response_message": choice.response_message,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                    "prompt_tokens": call.prompt_tokens,
+                    "completion_tokens": (
                         len(choice.response_token_ids)
                         if choice.response_token_ids is not None
                         else None
                     ),
-                    latency_ms=call.latency_ms,
-                    ttft_ms=call.ttft_ms,
-                    flags=flags,
-                    extends_parent=lineage.extends_parent,
-                    divergence_offset=lineage.divergence_offset,
-                    divergence_kind=kind,
-                    divergence_detail=detail,
-                    prompt_token_ids=call.prompt_token_ids,
-                    response_token_ids=choice.response_token_ids,
-                    response_logprobs=choice.response_logprobs,
-                )
-                session.add(step)
-                step_ids.append(step.id)
-            return step_ids
-
-    def _lineage(
-        self, session: Session, trajectory_id: str, call: CallRecord
-    ) -> tuple[Lineage, str | None, dict[str, Any] | None]:
-        """Parent, extends flag, and for a break its kind and a window of both sides."""
-        if call.prompt_token_ids is None or call.outcome != StepOutcome.OK:
-            latest = session.scalar(
-                select(Step.id)
-                .where(Step.trajectory_id == trajectory_id)
-                .order_by(Step.step_index.desc(), Step.choice_index)
-                .limit(1)
+                    "latency_ms": call.latency_ms,
+                    "ttft_ms": call.ttft_ms,
+                    "flags": flags,
+                    "extends_parent": lineage.extends_parent,
+                    "divergence_offset": lineage.divergence_offset,
+                    "divergence_kind": kind,
+                    "divergence_detail": detail,
+                    "prompt_base_tokens": base_tokens if prompt is not None else None,
+                    "payload_file_id": None,
+                    "created_at": now,
+                }
             )
-            return Lineage(latest, None, None), None, None
-        candidates = self._candidates(session, trajectory_id)
-        lineage = choose_parent(candidates, call.prompt_token_ids)
+            payload_rows.append(
+                {
+                    "step_id": step_id,
+                    "prompt_delta": delta,
+                    "response_token_ids": response,
+                    "response_logprobs": encode_logprobs(choice.response_logprobs),
+                    "created_at": now,
+                }
+            )
+            step_ids.append(step_id)
+        if call.outcome == StepOutcome.OK and prompt is not None:
+            for step_id, choice in zip(step_ids, call.choices, strict=True):
+                response = encode_ids(choice.response_token_ids)
+                if response is not None:
+                    tokens.add(step_id, lineage, prompt, response)
+        if step_ids:
+            tokens.latest_step_id = step_ids[0]
+        tokens.step_count += len(step_ids)
+        return step_ids
+
+    def _divergence(
+        self,
+        session: Session,
+        tokens: TrajectoryTokens,
+        call: CallRecord,
+        lineage: Lineage,
+        batch_rows: list[dict[str, Any]],
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """For a prefix break: its kind (from the messages) and a window of both sides."""
         if lineage.extends_parent is not False or lineage.divergence_offset is None:
-            return lineage, None, None
-        parent = session.get(Step, lineage.parent_step_id)
-        assert parent is not None
+            return None, None
+        assert lineage.parent_step_id is not None and call.prompt_token_ids is not None
+        in_batch = [r for r in batch_rows if r["id"] == lineage.parent_step_id]
+        if in_batch:
+            parent_request, parent_response = (
+                in_batch[0]["request"],
+                in_batch[0]["response_message"],
+            )
+        else:
+            parent_request, parent_response = session.execute(
+                select(Step.request, Step.response_message).where(Step.id == lineage.parent_step_id)
+            ).one()
         new_messages = call.request.get("messages")
         kind = (
-            classify_divergence(
-                parent.request.get("messages") or [], parent.response_message, new_messages
-            )
+            classify_divergence(parent_request.get("messages") or [], parent_response, new_messages)
             if isinstance(new_messages, list)
             else RETOKENISED
         )
-        parent_sequence = candidates[-1].sequence
+        sequence = np.frombuffer(tokens.sequence_of(lineage.parent_step_id), dtype="<i4")
         detail = divergence_window(
-            parent_sequence, call.prompt_token_ids, lineage.divergence_offset
+            sequence.tolist(), call.prompt_token_ids, lineage.divergence_offset
         )
-        return lineage, kind, detail
+        return kind, detail
 
-    def _ensure_trajectory(
-        self, session: Session, trajectory_id: str, group_id: str | None, channel: str | None
-    ) -> None:
-        values: dict[str, Any] = {
-            "id": trajectory_id,
-            "group_id": group_id,
-            "channel": channel or "train",
-            "status": "open",
-            "metadata_json": {},
-            "call_count": 0,
-            "created_at": utc_now(),
-        }
+    def _refresh_lineage(self, session: Session, trajectory_ids: Sequence[str]) -> None:
+        """Make the lineage memory of ``trajectory_ids`` match the database (another process,
+        an eviction or a restart may have left it behind)."""
+        counts = dict(
+            session.execute(
+                select(Step.trajectory_id, func.count())
+                .where(Step.trajectory_id.in_(trajectory_ids))
+                .group_by(Step.trajectory_id)
+            ).all()
+        )
+        for trajectory_id in trajectory_ids:
+            cached = self._lineage.get(trajectory_id)
+            expected = int(counts.get(trajectory_id, 0))
+            if cached is not None and cached.step_count == expected:
+                continue
+            self._lineage.put(trajectory_id, self._rebuild_lineage(session, trajectory_id))
+
+    def _rebuild_lineage(self, session: Session, trajectory_id: str) -> TrajectoryTokens:
+        rows = self._step_rows(session, trajectory_id)
+        payloads = self._payloads_of(session, rows)
+        tokens = TrajectoryTokens()
+        for row in rows:
+            tokens.step_count += 1
+            if row.choice_index == 0 or tokens.latest_step_id is None:
+                tokens.latest_step_id = row.id
+            payload = payloads[row.id]
+            if (
+                row.outcome == StepOutcome.OK
+                and payload.prompt_token_ids is not None
+                and payload.response_token_ids is not None
+            ):
+                lineage = Lineage(row.parent_step_id, row.extends_parent, row.divergence_offset)
+                known = {c.step_id for c in tokens.candidates}
+                if row.parent_step_id not in known:
+                    lineage = Lineage(None, None, None)
+                tokens.add(
+                    row.id,
+                    lineage,
+                    encode_ids(payload.prompt_token_ids) or b"",
+                    encode_ids(payload.response_token_ids) or b"",
+                )
+        return tokens
+
+    @staticmethod
+    def _insert_ignore(session: Session, model: Any, rows: list[dict[str, Any]]) -> None:
         dialect = session.get_bind().dialect.name
         if dialect == "postgresql":
-            stmt: Any = postgresql.insert(Trajectory).values(values).on_conflict_do_nothing()
+            stmt: Any = postgresql.insert(model).on_conflict_do_nothing()
         elif dialect == "sqlite":
-            stmt = sqlite.insert(Trajectory).values(values).on_conflict_do_nothing()
+            stmt = sqlite.insert(model).on_conflict_do_nothing()
         else:
             raise ValueError(
                 f"unsupported database dialect {dialect!r}; expected sqlite or postgresql"
             )
-        session.execute(stmt)
+        session.execute(stmt, rows)
+
+    def forget_lineage(self, trajectory_id: str) -> None:
+        """Drop a closed trajectory's sequences from the writer's memory."""
+        with self._write_lock:
+            self._lineage.forget(trajectory_id)
+
+    # ---- reading ---------------------------------------------------------------------------
 
     @staticmethod
-    def _candidates(session: Session, trajectory_id: str) -> Sequence[Candidate]:
-        rows = session.execute(
-            select(Step.id, Step.prompt_token_ids, Step.response_token_ids)
-            .where(
-                Step.trajectory_id == trajectory_id,
-                Step.outcome == StepOutcome.OK,
-                Step.prompt_token_ids.is_not(None),
-                Step.response_token_ids.is_not(None),
+    def _step_rows(session: Session, trajectory_id: str) -> list[Step]:
+        return list(
+            session.scalars(
+                select(Step)
+                .where(Step.trajectory_id == trajectory_id)
+                .order_by(Step.step_index, Step.choice_index)
             )
-            .order_by(Step.step_index, Step.choice_index)
-        ).all()
-        return [Candidate(step_id, [*prompt, *response]) for step_id, prompt, response in rows]
+        )
 
-    def get_step(self, step_id: str) -> Step | None:
-        with self.sessions() as session:
-            return session.get(Step, step_id)
-
-    def steps_of(self, trajectory_id: str) -> list[Step]:
-        """Steps of a trajectory in call order, then choice order."""
-        with self.sessions() as session:
-            return list(
-                session.scalars(
-                    select(Step)
-                    .where(Step.trajectory_id == trajectory_id)
-                    .order_by(Step.step_index, Step.choice_index)
-                )
+    def _payloads_of(self, session: Session, rows: Sequence[Step]) -> dict[str, TokenPayload]:
+        refs = [
+            StepRef(
+                r.id, r.trajectory_id, r.parent_step_id, r.prompt_base_tokens, r.payload_file_id
             )
+            for r in rows
+        ]
+        return reconstruct(self.payloads.load(session, refs))
+
+    def steps_of(self, trajectory_id: str) -> list[StoredStep]:
+        """Steps of a trajectory in call order, then choice order, with exact payloads."""
+        with self.sessions() as session:
+            rows = self._step_rows(session, trajectory_id)
+            payloads = self._payloads_of(session, rows)
+        return [_stored(row, payloads[row.id]) for row in rows]
+
+    def get_step(self, step_id: str) -> StoredStep | None:
+        """One step with its exact payload (reads its trajectory's delta chain), or None."""
+        with self.sessions() as session:
+            row = session.get(Step, step_id)
+            if row is None:
+                return None
+            chain = self._chain_rows(session, row)
+            payloads = self._payloads_of(session, chain)
+        return _stored(row, payloads[row.id])
+
+    @staticmethod
+    def _chain_rows(session: Session, row: Step) -> list[Step]:
+        """``row`` and the ancestors its prompt delta is built on."""
+        chain = [row]
+        by_id = {r.id: r for r in PoolStore._step_rows(session, row.trajectory_id)}
+        current = row
+        while current.prompt_base_tokens and current.parent_step_id in by_id:
+            current = by_id[current.parent_step_id]
+            chain.append(current)
+        return chain
 
     def get_trajectory(self, trajectory_id: str) -> Trajectory | None:
         with self.sessions() as session:
             return session.get(Trajectory, trajectory_id)
+
+
+def _stored(row: Step, payload: TokenPayload) -> StoredStep:
+    return StoredStep(
+        row, payload.prompt_token_ids, payload.response_token_ids, payload.response_logprobs
+    )
+
+
+def _with_attribution(call: CallRecord, group_id: str | None, channel: str | None) -> CallRecord:
+    from dataclasses import replace
+
+    return replace(call, group_id=group_id or call.group_id, channel=channel or call.channel)

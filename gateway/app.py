@@ -22,12 +22,14 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.calls import AttemptRecord, record_attempts
 from datapool.db import make_engine
+from datapool.errors import PoolError
 from datapool.records import CallRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
-from gateway import admin, proxy
+from datapool.writer import PoolWriter
+from gateway import admin, pool_api, proxy
 from gateway.auth import KeyRing
-from gateway.errors import install_error_handlers
+from gateway.errors import from_pool_error, install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
@@ -48,6 +50,7 @@ class GatewayState:
     keys: KeyRing
     metrics: GatewayMetrics
     pending_writes: int = 0
+    writer: PoolWriter | None = None
 
     async def record(
         self, trajectory_id: str, call: CallRecord, attempts: list[AttemptRecord]
@@ -55,7 +58,11 @@ class GatewayState:
         """Make one call durable (its steps, then its attempts); returns the step ids."""
         self.pending_writes += 1
         try:
-            step_ids = await run_in_threadpool(self.store.record_call, trajectory_id, call)
+            assert self.writer is not None, "the lifespan starts the pool writer"
+            try:
+                step_ids = await self.writer.record(trajectory_id, call)
+            except PoolError as exc:
+                raise from_pool_error(exc) from exc
             await run_in_threadpool(record_attempts, self.store.sessions, attempts)
         finally:
             self.pending_writes -= 1
@@ -63,16 +70,24 @@ class GatewayState:
 
 
 def create_app(
-    gateway_settings: GatewaySettings | None = None, pool_settings: PoolSettings | None = None
+    gateway_settings: GatewaySettings | None = None,
+    pool_settings: PoolSettings | None = None,
+    *,
+    upstream_transport: httpx.AsyncBaseTransport | None = None,
 ) -> FastAPI:
-    """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``)."""
+    """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``).
+
+    ``upstream_transport`` replaces the network for upstream calls (tests that need an upstream
+    shape the real vLLM cannot produce pass an ``httpx.MockTransport``).
+    """
     settings = gateway_settings or GatewaySettings()
     pool = pool_settings or PoolSettings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_engine(pool.resolved_database_url())
-        store = PoolStore(engine)
+        store = PoolStore(engine, pool)
+        writer = await run_in_threadpool(PoolWriter(store).start)
         upstreams = UpstreamPool(settings.upstream_urls)
         policy = PolicyRegistry(
             store.sessions, alias=settings.policy_alias, default_version=settings.policy_version
@@ -84,7 +99,9 @@ def create_app(
             read=settings.upstream_between_chunks_timeout_s,
         )
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(
+            timeout=timeout, limits=limits, transport=upstream_transport
+        ) as client:
             state = GatewayState(
                 settings,
                 store,
@@ -94,6 +111,7 @@ def create_app(
                 KeyRing(store.sessions),
                 GatewayMetrics(upstreams, lambda: float(state.pending_writes)),
             )
+            state.writer = writer
             app.state.gateway = state
             tasks = [
                 asyncio.create_task(
@@ -113,12 +131,14 @@ def create_app(
                 for task in tasks:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+                await run_in_threadpool(writer.close)
         engine.dispose()
 
     app = FastAPI(title="trajgate gateway", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(proxy.router)
     app.include_router(admin.router)
+    app.include_router(pool_api.router, prefix="/api")
 
     @app.get("/health")
     async def health() -> dict[str, str]:

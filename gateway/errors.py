@@ -10,8 +10,14 @@ checks the shape.
      ├── AuthenticationError           401 authentication_error
      ├── PermissionDeniedError         403 permission_error
      ├── NotFoundError                 404 not_found_error
+     ├── ConflictError                 409 conflict_error
+     ├── ServiceUnavailableError       503 service_unavailable
      └── UpstreamError                 502 upstream_error
           └── UpstreamTimeoutError     504 upstream_timeout
+
+The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:
+TrajectoryClosedError → 409, UnknownTargetError → 404, InvalidPoolRequestError → 400,
+PoolUnavailableError → 503.
 """
 
 from __future__ import annotations
@@ -22,6 +28,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from datapool.errors import (
+    InvalidPoolRequestError,
+    PoolError,
+    PoolUnavailableError,
+    TrajectoryClosedError,
+    UnknownTargetError,
+)
 
 
 class TrajgateError(Exception):
@@ -59,6 +73,33 @@ class NotFoundError(TrajgateError):
     error_type = "not_found_error"
 
 
+class ConflictError(TrajgateError):
+    """The request conflicts with the pool's state (e.g. a call for a closed trajectory)."""
+
+    status_code = 409
+    error_type = "conflict_error"
+
+
+class ServiceUnavailableError(TrajgateError):
+    """The pool cannot take writes now; retry later (nothing was half-written)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+def from_pool_error(exc: PoolError) -> TrajgateError:
+    """The gateway error a pool error becomes (status per the tree in the module docstring)."""
+    if isinstance(exc, TrajectoryClosedError):
+        return ConflictError(exc.message, param=exc.param, code="trajectory_closed")
+    if isinstance(exc, UnknownTargetError):
+        return NotFoundError(exc.message, param=exc.param, code="unknown_target")
+    if isinstance(exc, InvalidPoolRequestError):
+        return InvalidRequestError(exc.message, param=exc.param)
+    if isinstance(exc, PoolUnavailableError):
+        return ServiceUnavailableError(exc.message, code="pool_unavailable")
+    return TrajgateError(exc.message, param=exc.param)
+
+
 class UpstreamError(TrajgateError):
     status_code = 502
     error_type = "upstream_error"
@@ -84,6 +125,10 @@ def install_error_handlers(app: FastAPI) -> None:
             envelope(exc.message, exc.error_type, param=exc.param, code=exc.code),
             status_code=exc.status_code,
         )
+
+    @app.exception_handler(PoolError)
+    async def _pool(request: Request, exc: PoolError) -> JSONResponse:
+        return await _trajgate(request, from_pool_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,0 +1,45 @@
+"""The data pool's exception tree; the gateway maps each class to one HTTP status.
+
+PoolError                          (500)
+ ├── TrajectoryClosedError         409: a call arrived after its trajectory closed
+ ├── UnknownTargetError            404: a reward or action names no stored step/trajectory
+ ├── InvalidPoolRequestError       400: a value the pool cannot accept (says expected vs got)
+ └── PoolUnavailableError          503: the database cannot take writes now (disk full,
+                                        locked past its timeout, unreachable)
+"""
+
+from __future__ import annotations
+
+
+class PoolError(Exception):
+    """Base of every error the pool raises on purpose."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class TrajectoryClosedError(PoolError):
+    """A step for a trajectory that is complete, abandoned or failed (counted, never stored)."""
+
+    def __init__(self, trajectory_id: str, status: str) -> None:
+        super().__init__(
+            f"trajectory {trajectory_id!r} is {status}; it accepts no more steps "
+            "(expected status 'open')",
+            param="trajectory_id",
+        )
+        self.trajectory_id = trajectory_id
+        self.status = status
+
+
+class UnknownTargetError(PoolError):
+    """A step or trajectory id that the pool does not hold."""
+
+
+class InvalidPoolRequestError(PoolError):
+    """A request the pool understood but cannot accept."""
+
+
+class PoolUnavailableError(PoolError):
+    """The database refused or failed a write; nothing was half-written."""

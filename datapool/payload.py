@@ -1,0 +1,408 @@
+"""Token payloads: how a step's prompt IDs, response IDs and logprobs are stored and read back.
+
+Owns: the binary encoding of recent payloads (``step_payloads`` rows), the prompt delta, the
+compaction of recent payloads into Parquet files on any pyarrow filesystem, and exact
+reconstruction. Never: tokenizes or decodes; every number stored is the engine's own.
+
+Shapes (``P`` prompt tokens, ``R`` response tokens, ``D`` delta tokens):
+
+- A step's prompt ``[P]`` is stored as ``prompt_base_tokens`` = b and a delta ``[D]``: the prompt
+  is ``S_parent[:b] + delta`` with ``S_parent = P_parent + R_parent``. When the prompt extends its
+  parent, ``b = len(S_parent)``; at a prefix break, ``b`` = the divergence offset (the shared
+  head is still not stored twice). b = 0 or None: the delta is the whole prompt.
+- Recent payloads (``step_payloads``) are blobs: int32 little-endian IDs; logprobs as one width
+  byte ``b"4"``/``b"8"`` then float32/float64 little-endian. float32 is used only when every
+  value round-trips exactly (vLLM's logprobs are float32 numbers), else float64.
+- Parquet files (zstd, byte-stream-split) have one row per step: ``step_id`` string,
+  ``trajectory_id`` string, ``step_index`` int32, ``choice_index`` int32, ``prompt_delta``
+  list<int32>, ``response_token_ids`` list<int32>, ``response_logprobs`` list<float64>; sorted by
+  trajectory so a trajectory's reads touch few row groups.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.models import PayloadFile, Step, StepPayload
+
+IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float64]
+SQL_IN_CHUNK = 2000  # ids per IN (...) list, well under SQLite's bound-parameter limit
+
+PARQUET_SCHEMA = pa.schema(
+    [
+        ("step_id", pa.string()),
+        ("trajectory_id", pa.string()),
+        ("step_index", pa.int32()),
+        ("choice_index", pa.int32()),
+        ("prompt_delta", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
+        ("response_logprobs", pa.list_(pa.float64())),
+    ]
+)
+
+
+def encode_ids(ids: Sequence[int] | IntArray | None) -> bytes | None:
+    """``[T]`` IDs as int32 little-endian bytes (4 T bytes); None stays None.
+
+    Raises ``ValueError`` when an ID does not fit int32 (no vocabulary is that large).
+    """
+    if ids is None:
+        return None
+    array = np.asarray(ids, dtype=np.int64)
+    if array.size and (array.min() < -(2**31) or array.max() >= 2**31):
+        raise ValueError(f"token ids must fit int32; got range {array.min()}..{array.max()}")
+    return array.astype("<i4").tobytes()
+
+
+def decode_ids(blob: bytes | None) -> IntArray | None:
+    if blob is None:
+        return None
+    return np.frombuffer(blob, dtype="<i4").astype(np.int32)
+
+
+def encode_logprobs(values: Sequence[float] | None) -> bytes | None:
+    """float32 with width byte ``4`` when every value round-trips exactly, else float64 (``8``)."""
+    if values is None:
+        return None
+    wide = np.asarray(values, dtype=np.float64)
+    narrow = wide.astype(np.float32)
+    if np.array_equal(narrow.astype(np.float64), wide, equal_nan=True):
+        return b"4" + narrow.astype("<f4").tobytes()
+    return b"8" + wide.astype("<f8").tobytes()
+
+
+def decode_logprobs(blob: bytes | None) -> FloatArray | None:
+    if blob is None:
+        return None
+    width, body = blob[:1], blob[1:]
+    if width == b"4":
+        return np.frombuffer(body, dtype="<f4").astype(np.float64)
+    if width == b"8":
+        return np.frombuffer(body, dtype="<f8").astype(np.float64)
+    raise ValueError(f"logprobs blob width byte must be b'4' or b'8', got {width!r}")
+
+
+@dataclass(frozen=True)
+class StoredPayload:
+    """A step's payload as stored: delta form (see the module docstring)."""
+
+    step_id: str
+    parent_step_id: str | None
+    prompt_base_tokens: int | None
+    prompt_delta: IntArray | None
+    response_token_ids: IntArray | None
+    response_logprobs: FloatArray | None
+
+
+@dataclass(frozen=True)
+class TokenPayload:
+    """A step's exact payload: ``[P]`` prompt IDs, ``[R]`` response IDs, ``[R]`` logprobs."""
+
+    prompt_token_ids: list[int] | None
+    response_token_ids: list[int] | None
+    response_logprobs: list[float] | None
+
+
+class PayloadMissingError(LookupError):
+    """A step's payload, or the parent payload its prompt delta needs, is not stored."""
+
+
+def reconstruct(stored: Mapping[str, StoredPayload]) -> dict[str, TokenPayload]:
+    """Exact payloads of every step in ``stored`` (which must hold each step's base chain).
+
+    Raises ``PayloadMissingError`` when a delta's parent is absent or shorter than its base.
+    """
+    prompts: dict[str, IntArray | None] = {}
+
+    def prompt_of(step_id: str) -> IntArray | None:
+        chain: list[StoredPayload] = []
+        current: str | None = step_id
+        while current is not None and current not in prompts:
+            entry = stored.get(current)
+            if entry is None:
+                raise PayloadMissingError(f"payload of step {current} is not stored")
+            chain.append(entry)
+            current = entry.parent_step_id if entry.prompt_base_tokens else None
+        for entry in reversed(chain):
+            prompts[entry.step_id] = _prompt(entry, prompts, stored)
+        return prompts[step_id]
+
+    result: dict[str, TokenPayload] = {}
+    for step_id, entry in stored.items():
+        prompt = prompt_of(step_id)
+        result[step_id] = TokenPayload(
+            None if prompt is None else prompt.tolist(),
+            None if entry.response_token_ids is None else entry.response_token_ids.tolist(),
+            None if entry.response_logprobs is None else entry.response_logprobs.tolist(),
+        )
+    return result
+
+
+def _prompt(
+    entry: StoredPayload,
+    prompts: Mapping[str, IntArray | None],
+    stored: Mapping[str, StoredPayload],
+) -> IntArray | None:
+    """``S_parent[:b] + delta`` (see the module docstring); the parent prompt is in ``prompts``."""
+    if entry.prompt_delta is None:
+        return None
+    base = entry.prompt_base_tokens or 0
+    if base == 0:
+        return entry.prompt_delta
+    parent_id = entry.parent_step_id
+    parent_prompt = prompts.get(parent_id) if parent_id is not None else None
+    if parent_id is None or parent_prompt is None:
+        raise PayloadMissingError(
+            f"step {entry.step_id} stores a delta on parent {parent_id}, whose prompt is missing"
+        )
+    sequence = full_sequence(parent_prompt, stored[parent_id].response_token_ids)
+    if len(sequence) < base:
+        raise PayloadMissingError(
+            f"step {entry.step_id} needs {base} tokens of its parent's sequence, "
+            f"which has {len(sequence)}"
+        )
+    return np.concatenate([sequence[:base], entry.prompt_delta])
+
+
+def full_sequence(prompt: IntArray, response: IntArray | None) -> IntArray:
+    """``P + R`` as one int32 array ``[P + R]``."""
+    if response is None:
+        return prompt
+    return np.concatenate([prompt, response])
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """What reading a step's payload needs from its SQL row."""
+
+    step_id: str
+    trajectory_id: str
+    parent_step_id: str | None
+    prompt_base_tokens: int | None
+    payload_file_id: str | None
+
+
+def _chunks(items: Sequence[str]) -> Iterable[Sequence[str]]:
+    for start in range(0, len(items), SQL_IN_CHUNK):
+        yield items[start : start + SQL_IN_CHUNK]
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path
+
+
+class PayloadFiles:
+    """Reads recent payloads from SQL and compacted ones from Parquet; compacts the former.
+
+    ``root_uri`` is where new Parquet files go (a local directory or a pyarrow filesystem URI);
+    reading uses each file's own stored URI, so moving the root never loses older files.
+    """
+
+    def __init__(self, sessions: sessionmaker[Session], root_uri: str) -> None:
+        self.sessions = sessions
+        self.root_uri = root_uri.rstrip("/")
+
+    def load(self, session: Session, refs: Sequence[StepRef]) -> dict[str, StoredPayload]:
+        """Stored payloads of ``refs`` (callers pass whole base chains, e.g. a trajectory)."""
+        by_id = {ref.step_id: ref for ref in refs}
+        result = self._load_recent(session, [r.step_id for r in refs if r.payload_file_id is None])
+        missing = [step_id for step_id in by_id if step_id not in result]
+        if missing:
+            # Compacted (possibly between our SELECT of the step rows and now): ask again.
+            files: dict[str, str | None] = {}
+            for chunk in _chunks(missing):
+                rows = session.execute(
+                    select(Step.id, Step.payload_file_id).where(Step.id.in_(chunk))
+                )
+                files.update({step_id: file_id for step_id, file_id in rows})
+            by_file: dict[str, list[str]] = {}
+            for step_id in missing:
+                file_id = files.get(step_id)
+                if file_id is not None:
+                    by_file.setdefault(file_id, []).append(step_id)
+            for file_id, step_ids in by_file.items():
+                result.update(self._load_file(session, file_id, step_ids, by_id))
+        return result
+
+    def _load_recent(self, session: Session, step_ids: Sequence[str]) -> dict[str, StoredPayload]:
+        result: dict[str, StoredPayload] = {}
+        if not step_ids:
+            return result
+        for chunk in _chunks(step_ids):
+            rows = session.execute(
+                select(
+                    StepPayload.step_id,
+                    Step.parent_step_id,
+                    Step.prompt_base_tokens,
+                    StepPayload.prompt_delta,
+                    StepPayload.response_token_ids,
+                    StepPayload.response_logprobs,
+                )
+                .join(Step, Step.id == StepPayload.step_id)
+                .where(StepPayload.step_id.in_(chunk))
+            )
+            for step_id, parent_id, base, delta, response, logprobs in rows:
+                result[step_id] = StoredPayload(
+                    step_id,
+                    parent_id,
+                    base,
+                    decode_ids(delta),
+                    decode_ids(response),
+                    decode_logprobs(logprobs),
+                )
+        return result
+
+    def _load_file(
+        self,
+        session: Session,
+        file_id: str,
+        step_ids: Sequence[str],
+        refs: Mapping[str, StepRef],
+    ) -> dict[str, StoredPayload]:
+        uri = session.scalar(select(PayloadFile.uri).where(PayloadFile.id == file_id))
+        if uri is None:
+            raise PayloadMissingError(f"payload file {file_id} is not registered")
+        trajectories = sorted({refs[s].trajectory_id for s in step_ids})
+        fs, path = _filesystem(uri)
+        table = pq.read_table(
+            path,
+            filesystem=fs,
+            filters=[("trajectory_id", "in", trajectories)],
+        )
+        table = table.filter(pc.is_in(table["step_id"], value_set=pa.array(list(step_ids))))
+        result: dict[str, StoredPayload] = {}
+        columns = table.to_pydict()
+        for i, step_id in enumerate(columns["step_id"]):
+            ref = refs[step_id]
+            result[step_id] = StoredPayload(
+                step_id,
+                ref.parent_step_id,
+                ref.prompt_base_tokens,
+                _int_array(columns["prompt_delta"][i]),
+                _int_array(columns["response_token_ids"][i]),
+                None
+                if columns["response_logprobs"][i] is None
+                else np.asarray(columns["response_logprobs"][i], dtype=np.float64),
+            )
+        return result
+
+    def pending_steps(self) -> int:
+        """Payloads still in the SQL table (not yet compacted)."""
+        with self.sessions() as session:
+            return int(session.scalar(select(func.count()).select_from(StepPayload)) or 0)
+
+    def compact(self, max_steps: int, row_group_steps: int = 4096) -> PayloadFile | None:
+        """Move up to ``max_steps`` oldest recent payloads into one new Parquet file.
+
+        Order: write the file, then in one transaction register it, point the steps at it and
+        delete their SQL payloads. A crash between the two leaves an unregistered file (harmless,
+        never read); a concurrent compactor that took some of the same rows makes this
+        transaction roll back and the file is deleted.
+        """
+        with self.sessions() as session:
+            rows = session.execute(
+                select(
+                    StepPayload.step_id,
+                    Step.trajectory_id,
+                    Step.step_index,
+                    Step.choice_index,
+                    StepPayload.prompt_delta,
+                    StepPayload.response_token_ids,
+                    StepPayload.response_logprobs,
+                )
+                .join(Step, Step.id == StepPayload.step_id)
+                .order_by(StepPayload.created_at)
+                .limit(max_steps)
+            ).all()
+        if not rows:
+            return None
+        rows = sorted(rows, key=lambda row: (row[1], row[2], row[3]))
+        table = pa.table(
+            {
+                "step_id": [row[0] for row in rows],
+                "trajectory_id": [row[1] for row in rows],
+                "step_index": pa.array([row[2] for row in rows], pa.int32()),
+                "choice_index": pa.array([row[3] for row in rows], pa.int32()),
+                "prompt_delta": _list_column([decode_ids(row[4]) for row in rows], pa.int32()),
+                "response_token_ids": _list_column(
+                    [decode_ids(row[5]) for row in rows], pa.int32()
+                ),
+                "response_logprobs": _list_column(
+                    [decode_logprobs(row[6]) for row in rows], pa.float64()
+                ),
+            },
+            schema=PARQUET_SCHEMA,
+        )
+        file_id = str(uuid.uuid4())
+        uri = f"{self.root_uri}/payloads-{file_id}.parquet"
+        fs, path = _filesystem(uri)
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(path) as sink:
+            pq.write_table(
+                table,
+                sink,
+                compression="zstd",
+                row_group_size=row_group_steps,
+                use_dictionary=["step_id", "trajectory_id"],
+                use_byte_stream_split=[
+                    "prompt_delta.list.element",
+                    "response_token_ids.list.element",
+                    "response_logprobs.list.element",
+                ],
+            )
+        size_bytes = fs.get_file_info(path).size or 0
+        step_ids = [row[0] for row in rows]
+        record = PayloadFile(id=file_id, uri=uri, steps=len(rows), size_bytes=size_bytes)
+        try:
+            with self.sessions.begin() as session:
+                session.add(record)
+                deleted = 0
+                for chunk in _chunks(step_ids):
+                    session.execute(
+                        update(Step).where(Step.id.in_(chunk)).values(payload_file_id=file_id)
+                    )
+                    result: Any = session.execute(
+                        delete(StepPayload).where(StepPayload.step_id.in_(chunk))
+                    )
+                    deleted += int(result.rowcount)
+                if deleted != len(step_ids):
+                    raise RuntimeError(
+                        f"compaction raced another compactor: expected to move {len(step_ids)} "
+                        f"payloads, {deleted} were still there"
+                    )
+        except BaseException:
+            fs.delete_file(path)
+            raise
+        return record
+
+
+def _int_array(values: list[int] | None) -> IntArray | None:
+    return None if values is None else np.asarray(values, dtype=np.int32)
+
+
+def _list_column(arrays: Sequence[npt.NDArray[Any] | None], value_type: pa.DataType) -> pa.Array:
+    """A list<value_type> column from numpy arrays (None = null) without per-element Python."""
+    lengths = np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    present = [a for a in arrays if a is not None]
+    dtype = np.int32 if value_type == pa.int32() else np.float64
+    values = np.concatenate(present).astype(dtype) if present else np.zeros(0, dtype=dtype)
+    mask = pa.array([a is None for a in arrays], pa.bool_())
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(values, value_type), mask=mask
+    )

@@ -1,0 +1,205 @@
+"""The write path off the request's hot path, but durable: group commit on one writer thread.
+
+Owns: ``PoolWriter.record`` (await it; it returns the step ids once their transaction has
+committed, so a delivered response's step survives ``kill -9``), batching of concurrent calls into
+one transaction, the refuse/serve policy when the database fails, the counters that say so, and
+the writer's background upkeep (compaction of payloads into Parquet, idle-timeout completion,
+marking trajectories that were in flight in a crashed writer ``incomplete``).
+Never: answers before the commit; holds an acknowledged step only in memory.
+
+Why group commit rather than a write-ahead spool (figures in docs/datapool.md): both make the
+step durable before the answer, but the spool needs a second copy of every payload, a replay that
+must be idempotent, and answers step ids and 409s that the database has not confirmed yet; group
+commit costs one transaction per batch and keeps the database the only source of truth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from datapool.errors import PoolError, PoolUnavailableError
+from datapool.lifecycle import close_idle, mark_interrupted, release_writer
+from datapool.records import CallRecord
+from datapool.settings import PoolSettings
+from datapool.store import CallResult, PendingCall, PoolStore
+
+log = logging.getLogger("trajgate.pool.writer")
+
+
+@dataclass
+class WriterStats:
+    """Counters of the write path (exported as gateway metrics)."""
+
+    committed_calls: int = 0
+    committed_batches: int = 0
+    rejected_calls: int = 0  # trajectory closed (409)
+    failed_calls: int = 0  # database error: refused (503) or served unrecorded
+    unrecorded_calls: int = 0  # served without a step because on_write_failure='serve'
+    compacted_steps: int = 0
+    last_error: str | None = None
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Item:
+    pending: PendingCall
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[str]]
+
+
+_STOP = object()
+
+
+class PoolWriter:
+    """Commits calls for the whole process through one thread, many calls per transaction."""
+
+    def __init__(self, store: PoolStore, settings: PoolSettings | None = None) -> None:
+        self.store = store
+        self.settings = settings or store.settings
+        self.stats = WriterStats()
+        self.writer_id = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+        self._queue: queue.Queue[_Item | object] = queue.Queue(self.settings.write_queue_max_calls)
+        self._thread = threading.Thread(target=self._run, name="pool-writer", daemon=True)
+        self._upkeep_stop = threading.Event()
+        self._upkeep = threading.Thread(target=self._run_upkeep, name="pool-upkeep", daemon=True)
+        self._started = False
+
+    def start(self) -> PoolWriter:
+        """Mark trajectories left open by dead writers on this host, then start the threads."""
+        interrupted = mark_interrupted(self.store.sessions, self.writer_id)
+        if interrupted:
+            log.warning("marked %d trajectories of crashed writers incomplete", interrupted)
+        self._thread.start()
+        self._upkeep.start()
+        self._started = True
+        return self
+
+    def close(self) -> None:
+        """Commit what is queued, stop the threads, and release this writer's open trajectories
+        (a clean stop leaves them open and unflagged)."""
+        if not self._started:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout=60)
+        self._upkeep_stop.set()
+        self._upkeep.join(timeout=60)
+        release_writer(self.store.sessions, self.writer_id)
+        self._started = False
+
+    async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
+        """Commit ``call`` and return its step ids (choice order) once durable.
+
+        Raises ``TrajectoryClosedError`` (409) when the trajectory is closed, and
+        ``PoolUnavailableError`` (503) when the database fails and ``on_write_failure`` is
+        'refuse'; with 'serve' it returns ``[]`` (logged and counted as unrecorded).
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[str]] = loop.create_future()
+        item = _Item(PendingCall(trajectory_id, call), loop, future)
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            return self._on_failure(
+                PoolUnavailableError(
+                    f"the pool's write queue is full ({self.settings.write_queue_max_calls} calls)"
+                )
+            )
+        try:
+            return await future
+        except PoolUnavailableError as exc:
+            return self._on_failure(exc)
+
+    def _on_failure(self, exc: PoolUnavailableError) -> list[str]:
+        if self.settings.on_write_failure == "serve":
+            self.stats.unrecorded_calls += 1
+            log.error("call served without being recorded: %s", exc.message)
+            return []
+        raise exc
+
+    # ---- the writer thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if first is _STOP:
+                break
+            batch: list[_Item] = [first]  # type: ignore[list-item]
+            while len(batch) < self.settings.write_batch_max_calls:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    stopping = True
+                    break
+                batch.append(nxt)  # type: ignore[arg-type]
+            self._commit(batch)
+
+    def _commit(self, batch: list[_Item]) -> None:
+        try:
+            results = self.store.record_calls(
+                [item.pending for item in batch], writer_id=self.writer_id
+            )
+        except Exception as exc:  # the database failed the whole batch: try each call alone
+            if len(batch) > 1:
+                for item in batch:
+                    self._commit([item])
+                return
+            self.stats.failed_calls += 1
+            self.stats.last_error = repr(exc)
+            log.error("pool write failed: %r", exc)
+            results = [PoolUnavailableError(f"the pool could not commit the call: {exc!r}")]
+        self.stats.committed_batches += 1
+        self.stats.batch_sizes.append(len(batch))
+        del self.stats.batch_sizes[:-1000]
+        for item, result in zip(batch, results, strict=True):
+            if isinstance(result, PoolError) and not isinstance(result, PoolUnavailableError):
+                self.stats.rejected_calls += 1
+            elif not isinstance(result, Exception):
+                self.stats.committed_calls += 1
+            item.loop.call_soon_threadsafe(_resolve, item.future, result)
+
+    # ---- upkeep ----------------------------------------------------------------------------
+
+    def _run_upkeep(self) -> None:
+        interval_s = self.settings.compaction_interval_s
+        if interval_s <= 0:
+            return
+        while not self._upkeep_stop.wait(interval_s):
+            try:
+                self.upkeep()
+            except Exception as exc:  # upkeep never stops the writer; it says why and retries
+                self.stats.last_error = repr(exc)
+                log.error("pool upkeep failed: %r", exc)
+
+    def upkeep(self) -> None:
+        """One round: complete idle trajectories, compact payloads past the threshold."""
+        if self.settings.trajectory_idle_timeout_s > 0:
+            for trajectory_id in close_idle(
+                self.store.sessions, self.settings.trajectory_idle_timeout_s
+            ):
+                self.store.forget_lineage(trajectory_id)
+        while self.store.payloads.pending_steps() >= self.settings.compaction_min_steps:
+            file = self.store.payloads.compact(
+                self.settings.compaction_max_steps, self.settings.parquet_row_group_steps
+            )
+            if file is None:
+                break
+            self.stats.compacted_steps += file.steps
+
+
+def _resolve(future: asyncio.Future[list[str]], result: CallResult) -> None:
+    if future.done():  # the awaiting request was cancelled; the step is committed anyway
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -1,0 +1,190 @@
+"""The pool API and lifecycle through a real gateway in front of the vLLM-shaped emulator, on
+SQLite and PostgreSQL: 409 after completion, reward backfill by step id, unrewarded is null
+(C16), empty trajectories (C15), groups, filters with cursor pagination, reward functions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from tests_support import free_port
+
+from datapool.settings import PoolSettings
+from gateway.app import create_app
+from gateway.emulator import EmulatorSettings, EmulatorThread
+from gateway.server import BackgroundServer
+from gateway.settings import GatewaySettings
+
+CHAT = {"model": "emulated", "messages": [{"role": "user", "content": "find the capybara"}]}
+
+
+@pytest.fixture
+def emulator() -> Iterator[EmulatorThread]:
+    settings = EmulatorSettings(port=free_port(), prompt_tokens=20, response_tokens=5)
+    server = EmulatorThread(settings).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def api(emulator: EmulatorThread, pool_settings: PoolSettings) -> Iterator[httpx.Client]:
+    pool = pool_settings.model_copy(
+        update={"reward_functions": ["pool_reward_fns:steps_times_half", "pool_reward_fns:broken"]}
+    )
+    settings = GatewaySettings(upstream_url=emulator.url, port=free_port())
+    server = BackgroundServer(create_app(settings, pool), port=settings.port).start()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+    server.stop()
+
+
+def chat(api: httpx.Client, trajectory_id: str) -> httpx.Response:
+    return api.post(f"/t/{trajectory_id}/v1/chat/completions", json=CHAT)
+
+
+def assert_envelope(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error: dict[str, Any] = body["error"]
+    return error
+
+
+def test_call_after_completion_is_refused_with_409_and_counted(api: httpx.Client) -> None:
+    assert chat(api, "done-1").status_code == 200
+    completed = api.post("/api/trajectories/done-1/complete", json={"reward": 1.0})
+    assert completed.status_code == 200
+    assert completed.json()["status"] == "complete"
+    assert completed.json()["rewards"]["final"] == 1.0
+    error = assert_envelope(chat(api, "done-1"), 409)
+    assert error["code"] == "trajectory_closed" and "complete" in error["message"]
+    detail = api.get("/api/trajectories/done-1").json()
+    assert detail["rejected_calls"] == 1
+    assert len(detail["steps"]) == 1  # the refused call left no step
+
+
+def test_reward_backfill_by_step_id_and_unknown_target_is_404(api: httpx.Client) -> None:
+    step_id = chat(api, "rw-1").headers["x-trajgate-step-id"]
+    step = api.get(f"/api/steps/{step_id}").json()
+    assert step["rewards"] == {}  # unrewarded: no value, not 0.0
+    assert len(step["response_token_ids"]) == len(step["response_logprobs"]) == 5
+    assert len(step["prompt_token_ids"]) == 20 and step["prompt_text"] is None
+    posted = api.post(
+        "/api/rewards",
+        json={"rewards": [{"target": "step", "target_id": step_id, "name": "fmt", "value": 0.5}]},
+    )
+    assert posted.status_code == 201
+    api.post(
+        "/api/rewards",
+        json={"rewards": [{"target": "step", "target_id": step_id, "name": "fmt", "value": 0.7}]},
+    )
+    assert api.get(f"/api/steps/{step_id}").json()["rewards"] == {"fmt": 0.7}  # latest wins
+    history = api.get("/api/rewards", params={"target_id": step_id}).json()
+    assert [r["value"] for r in history] == [0.5, 0.7]  # append-only
+    bad = api.post(
+        "/api/rewards",
+        json={
+            "rewards": [
+                {"target": "step", "target_id": step_id, "name": "fmt", "value": 1.0},
+                {"target": "step", "target_id": "no-such-step", "name": "fmt", "value": 1.0},
+            ]
+        },
+    )
+    assert "no-such-step" in assert_envelope(bad, 404)["message"]
+    assert len(api.get("/api/rewards", params={"target_id": step_id}).json()) == 2  # none added
+    assert_envelope(api.get("/api/steps/no-such-step"), 404)
+
+
+def test_group_of_four_with_two_unrewarded_reports_null_not_zero(api: httpx.Client) -> None:
+    """C16: rewards [-1.0, -1.0, missing, missing]."""
+    assert api.put("/api/groups/g16", json={"expected_size": 4}).status_code == 200
+    for i in range(4):
+        api.post("/api/trajectories", json={"id": f"g16-{i}", "group_id": "g16"})
+        chat(api, f"g16-{i}")
+    for i in range(2):
+        api.post(f"/api/trajectories/g16-{i}/complete", json={"reward": -1.0})
+    for i in range(2, 4):
+        api.post(f"/api/trajectories/g16-{i}/complete")
+    assert api.get("/api/groups/g16").json()["status"] == "complete"
+    rewarded = api.get("/api/trajectories", params={"group_id": "g16", "rewarded": True}).json()
+    unrewarded = api.get("/api/trajectories", params={"group_id": "g16", "rewarded": False}).json()
+    assert sorted(t["id"] for t in rewarded["data"]) == ["g16-0", "g16-1"]
+    assert sorted(t["id"] for t in unrewarded["data"]) == ["g16-2", "g16-3"]
+    assert all("final" not in t["rewards"] for t in unrewarded["data"])
+
+
+def test_rewarded_trajectory_without_steps_is_flagged_empty(api: httpx.Client) -> None:
+    """C15: the agent's call bypassed capture; the trajectory only has a reward."""
+    api.post("/api/trajectories", json={"id": "c15"})
+    api.post(
+        "/api/rewards",
+        json={
+            "rewards": [{"target": "trajectory", "target_id": "c15", "name": "final", "value": 1}]
+        },
+    )
+    assert api.get("/api/trajectories/c15").json()["flags"] == ["empty"]
+    listed = api.get("/api/trajectories", params={"flag": "empty"}).json()["data"]
+    assert [t["id"] for t in listed] == ["c15"]
+
+
+def test_filters_and_cursor_pages_cover_every_trajectory_once(api: httpx.Client) -> None:
+    for i in range(5):
+        api.post(
+            "/api/trajectories",
+            json={"id": f"page-{i}", "channel": "val" if i % 2 else "train", "tags": ["math"]},
+        )
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params: dict[str, Any] = {"limit": 2, "tag": "math"}
+        if cursor:
+            params["cursor"] = cursor
+        page = api.get("/api/trajectories", params=params).json()
+        seen += [t["id"] for t in page["data"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert sorted(seen) == [f"page-{i}" for i in range(5)]  # 3 pages: 2 + 2 + 1
+    val = api.get("/api/trajectories", params={"channel": "val"}).json()["data"]
+    assert sorted(t["id"] for t in val) == ["page-1", "page-3"]
+    chat(api, "page-0")
+    found = api.get("/api/trajectories", params={"q": "capybara"}).json()["data"]
+    assert [t["id"] for t in found] == ["page-0"]
+    assert_envelope(api.get("/api/trajectories", params={"cursor": "garbage"}), 400)
+
+
+def test_reward_functions_run_on_completion_and_failures_are_recorded(
+    api: httpx.Client,
+) -> None:
+    chat(api, "fn-1")
+    chat(api, "fn-1")
+    api.post("/api/trajectories/fn-1/complete")
+    deadline = time.monotonic() + 20
+    records: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and len(records) < 2:
+        records = api.get("/api/rewards", params={"trajectory_id": "fn-1"}).json()
+        time.sleep(0.1)
+    by_name = {r["name"]: r for r in records}
+    assert by_name["steps_times_half"]["value"] == 1.0  # 0.5 * 2 steps
+    assert by_name["broken"]["value"] is None
+    assert "reward model unreachable" in by_name["broken"]["error"]
+    assert api.get("/api/trajectories/fn-1").json()["rewards"] == {"steps_times_half": 1.0}
+
+
+def test_openapi_documents_every_pool_route(api: httpx.Client) -> None:
+    paths = api.get("/openapi.json").json()["paths"]
+    assert {
+        "/api/trajectories",
+        "/api/trajectories/{trajectory_id}",
+        "/api/trajectories/{trajectory_id}/complete",
+        "/api/trajectories/{trajectory_id}/abandon",
+        "/api/trajectories/{trajectory_id}/fail",
+        "/api/groups/{group_id}",
+        "/api/steps/{step_id}",
+        "/api/steps/stale",
+        "/api/rewards",
+        "/api/summary",
+    } <= set(paths)

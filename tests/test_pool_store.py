@@ -1,0 +1,117 @@
+"""The pool's storage: payloads as prompt deltas, exact reconstruction before and after
+compaction into Parquet, and the fast lineage agreeing with ``prefix.choose_parent``."""
+
+from __future__ import annotations
+
+import random
+
+from datapool.db import make_engine
+from datapool.lineage import TrajectoryTokens
+from datapool.payload import decode_logprobs, encode_ids, encode_logprobs
+from datapool.prefix import Candidate, Lineage, choose_parent
+from datapool.records import CallRecord, ChoiceRecord
+from datapool.settings import PoolSettings
+from datapool.store import PoolStore
+
+
+def call(prompt: list[int] | None, response: list[int] | None, **kw: object) -> CallRecord:
+    logprobs = None if response is None else [-0.5 - i / 4 for i in range(len(response))]
+    return CallRecord(
+        request={"messages": [{"role": "user", "content": "x"}]},
+        upstream_request={},
+        model="tiny",
+        upstream="http://up",
+        policy_version=0,
+        latency_ms=1.0,
+        prompt_token_ids=prompt,
+        prompt_tokens=None if prompt is None else len(prompt),
+        choices=[ChoiceRecord(0, response, logprobs, {"role": "assistant"}, "stop")],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def make_store(pool_settings: PoolSettings) -> PoolStore:
+    return PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+
+
+def test_extending_prompt_is_stored_as_a_delta_and_read_back_exactly(
+    pool_settings: PoolSettings,
+) -> None:
+    store = make_store(pool_settings)
+    p1, r1 = [1, 2, 3], [4, 5]
+    p2 = [*p1, *r1, 6, 7]  # extends: delta is [6, 7], base = 3 + 2 = 5 tokens
+    p3 = [1, 2, 9, 9]  # breaks at offset 2 against step 2's sequence
+    [s1] = store.record_call("t1", call(p1, r1))
+    [s2] = store.record_call("t1", call(p2, [8]))
+    [s3] = store.record_call("t1", call(p3, [10, 11]))
+    steps = store.steps_of("t1")
+    assert [s.id for s in steps] == [s1, s2, s3]
+    assert [s.prompt_token_ids for s in steps] == [p1, p2, p3]
+    assert [s.response_token_ids for s in steps] == [r1, [8], [10, 11]]
+    assert steps[1].response_logprobs == [-0.5]
+    assert steps[1].prompt_base_tokens == 5 and steps[1].extends_parent is True
+    assert steps[2].extends_parent is False and steps[2].divergence_offset == 2
+    assert steps[2].prompt_base_tokens == 2  # the shared head [1, 2] is not stored again
+    assert steps[2].parent_step_id == s2
+    assert store.get_step(s3).prompt_token_ids == p3  # type: ignore[union-attr]
+
+
+def test_compaction_moves_payloads_to_parquet_and_reads_stay_exact(
+    pool_settings: PoolSettings,
+) -> None:
+    store = make_store(pool_settings)
+    p1, r1 = [1, 2, 3], [4, 5]
+    store.record_call("t2", call(p1, r1))
+    file = store.payloads.compact(max_steps=100)
+    assert file is not None and file.steps == 1
+    assert store.payloads.pending_steps() == 0
+    # a new step on top of a compacted parent: delta against a payload read from Parquet
+    p2 = [*p1, *r1, 6]
+    [s2] = store.record_call("t2", call(p2, [7]))
+    PoolStore(store.engine, pool_settings)  # a fresh process' store reads the same
+    fresh = make_store(pool_settings)
+    assert fresh.get_step(s2).prompt_token_ids == p2  # type: ignore[union-attr]
+    store.payloads.compact(max_steps=100)
+    steps = fresh.steps_of("t2")
+    assert [s.prompt_token_ids for s in steps] == [p1, p2]
+    assert all(s.payload_file_id is not None for s in steps)
+
+
+def test_missing_ids_stay_missing_and_failed_calls_have_no_payload(
+    pool_settings: PoolSettings,
+) -> None:
+    store = make_store(pool_settings)
+    store.record_call("t3", call(None, None))
+    store.record_call("t3", call([1], None, outcome="upstream_error", error="400"))
+    steps = store.steps_of("t3")
+    assert [s.prompt_token_ids for s in steps] == [None, [1]]
+    assert [s.response_token_ids for s in steps] == [None, None]
+    assert steps[1].parent_step_id == steps[0].id
+
+
+def test_logprobs_are_float32_when_exact_and_float64_otherwise() -> None:
+    exact = [-0.5, -0.25]  # representable in float32: 1 width byte + 2 * 4 bytes
+    inexact = [-0.1]  # not representable in float32: 1 + 8 bytes
+    assert len(encode_logprobs(exact) or b"") == 9
+    assert len(encode_logprobs(inexact) or b"") == 9
+    assert list(decode_logprobs(encode_logprobs(inexact))) == inexact  # type: ignore[arg-type]
+
+
+def test_fast_lineage_agrees_with_prefix_choose_parent() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        tokens = TrajectoryTokens()
+        candidates: list[Candidate] = []
+        for k in range(rng.randint(0, 5)):
+            base = (
+                list(rng.choice(candidates).sequence) if candidates and rng.random() < 0.7 else []
+            )
+            prompt = base[: rng.randint(0, len(base))] + [rng.randint(0, 3) for _ in range(3)]
+            response = [rng.randint(0, 3) for _ in range(rng.randint(0, 2))]
+            lineage = tokens.choose_parent(encode_ids(prompt) or b"")
+            assert lineage == choose_parent(candidates, prompt)
+            tokens.add(f"s{k}", lineage, encode_ids(prompt) or b"", encode_ids(response) or b"")
+            candidates.append(Candidate(f"s{k}", [*prompt, *response]))
+        probe = [rng.randint(0, 3) for _ in range(rng.randint(0, 9))]
+        assert tokens.choose_parent(encode_ids(probe) or b"") == choose_parent(candidates, probe)
+    assert Lineage(None, None, None) == TrajectoryTokens().choose_parent(b"")
