@@ -23,7 +23,7 @@ import anyio
 import httpx
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from httpx_sse import EventSource
+from httpx_sse import EventSource, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from datapool.calls import AttemptRecord, find_replay, find_resend
@@ -413,8 +413,9 @@ async def proxy_call(
             headers=call.headers(step_ids),
         )
     if stream:
+        events, first = await first_event(state, call, replica, upstream)
         return StreamingResponse(
-            relay_stream(state, call, replica, upstream),
+            relay_stream(state, call, replica, upstream, events, first),
             media_type=upstream.headers.get("content-type", "text/event-stream"),
             headers=call.headers([]),
         )
@@ -543,12 +544,43 @@ async def finish_unary(
     return JSONResponse(client_response, headers=call.headers(step_ids))
 
 
+async def first_event(
+    state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
+) -> tuple[AsyncIterator[ServerSentEvent], ServerSentEvent | None]:
+    """Wait for the stream's first event before answering, so a slow first byte is still a
+    clean 504 (nothing has been sent) rather than an error inside a 200 stream."""
+    events = EventSource(upstream).aiter_sse()
+    limit_s = state.settings.upstream_first_byte_timeout_s
+    try:
+        with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
+            return events, await events.__anext__()
+    except StopAsyncIteration:
+        return events, None
+    except (TimeoutError, httpx.HTTPError) as exc:
+        await upstream.aclose()
+        replica.in_flight -= 1
+        timeout = isinstance(exc, TimeoutError | httpx.TimeoutException)
+        outcome = StepOutcome.UPSTREAM_TIMEOUT if timeout else StepOutcome.UPSTREAM_ERROR
+        call.add_attempt(replica, outcome, status_code=200, error=repr(exc))
+        await fail_call(state, call, replica, outcome, repr(exc))
+        if timeout:
+            raise UpstreamTimeoutError(
+                f"upstream {replica.url} sent no first chunk within {limit_s:g} s", code=outcome
+            ) from exc
+        raise UpstreamError(f"upstream {replica.url} stream failed: {exc!r}") from exc
+
+
 def _sse(data: str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
 async def relay_stream(
-    state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
+    state: GatewayState,
+    call: Call,
+    replica: Replica,
+    upstream: httpx.Response,
+    events: AsyncIterator[ServerSentEvent],
+    first: ServerSentEvent | None,
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE events as the upstream's arrive; commit before the last ones.
 
@@ -564,23 +596,24 @@ async def relay_stream(
         int(call.body.get("n") or 1),
         replica.system_fingerprint,
     )
-    events = EventSource(upstream).aiter_sse()
     deadline = call.started + settings.upstream_total_timeout_s
     abort_reason: str | None = None
     ttft_ms: float | None = None
     finished = False
     try:
         while True:
-            first = not capture.first_token_seen
             limit_s = (
-                settings.upstream_first_byte_timeout_s
-                if first
-                else settings.upstream_between_chunks_timeout_s
+                settings.upstream_between_chunks_timeout_s
+                if capture.first_token_seen
+                else settings.upstream_first_byte_timeout_s
             )
             limit_s = min(limit_s, deadline - time.perf_counter())
             try:
-                with anyio.fail_after(max(limit_s, 0.0)):
-                    event = await events.__anext__()
+                if first is not None:
+                    event, first = first, None
+                else:
+                    with anyio.fail_after(max(limit_s, 0.0)):
+                        event = await events.__anext__()
             except StopAsyncIteration:
                 break
             except TimeoutError:
