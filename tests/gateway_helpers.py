@@ -1,0 +1,109 @@
+"""Helpers shared by the gateway tests: reading steps back, SSE parsing, mock upstreams."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from datapool.db import make_engine
+from datapool.models import Step
+from datapool.settings import PoolSettings
+from datapool.store import PoolStore
+from gateway.app import create_app
+from gateway.server import BackgroundServer
+from gateway.settings import GatewaySettings
+
+
+def steps_of(pool_settings: PoolSettings, trajectory_id: str) -> list[Step]:
+    engine = make_engine(pool_settings.resolved_database_url())
+    try:
+        return PoolStore(engine, pool_settings).steps_of(trajectory_id)
+    finally:
+        engine.dispose()
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The ``data`` payloads of an SSE body, in order (``[DONE]`` included)."""
+    payloads = []
+    for event in text.split("\n\n"):
+        for line in event.splitlines():
+            if line.startswith("data: "):
+                payloads.append(line[len("data: ") :])
+    return payloads
+
+
+def sse_chunks(text: str) -> list[dict[str, Any]]:
+    return [json.loads(p) for p in sse_payloads(text) if p != "[DONE]"]
+
+
+@contextmanager
+def gateway_with(
+    pool_settings: PoolSettings,
+    port: int,
+    *,
+    upstream_url: str = "http://upstream.test",
+    transport: httpx.AsyncBaseTransport | None = None,
+    **settings: Any,
+) -> Iterator[BackgroundServer]:
+    """A real gateway on ``port`` whose upstream calls go to ``transport`` (or the network)."""
+    gateway_settings = GatewaySettings(
+        upstream_url=upstream_url, port=port, health_check_interval_s=3600, **settings
+    )
+    app = create_app(gateway_settings, pool_settings, upstream_transport=transport)
+    server = BackgroundServer(app, port=port).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def chat_response(
+    ids: list[int] | None,
+    logprobs: list[float] | None,
+    *,
+    completion_tokens: int,
+    prompt_ids: list[int] | None = None,
+    content: str = "ok",
+    finish_reason: str = "stop",
+) -> dict[str, Any]:
+    """A non-streaming chat completion in vLLM 0.32's shape (as the real server sends it)."""
+    prompt_ids = [1, 2, 3] if prompt_ids is None else prompt_ids
+    return {
+        "id": "chatcmpl-mock",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "tool_calls": []},
+                "logprobs": None
+                if logprobs is None
+                else {"content": [{"token": "x", "logprob": lp} for lp in logprobs]},
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "token_ids": ids,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+        "system_fingerprint": "fp-mock",
+        "prompt_token_ids": prompt_ids,
+    }
+
+
+def sse_body(chunks: list[dict[str, Any]]) -> bytes:
+    return (
+        b"".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n".encode() for c in chunks)
+        + b"data: [DONE]\n\n"
+    )
+
+
+Handler = Callable[[httpx.Request], httpx.Response]
