@@ -25,6 +25,9 @@ class ChoiceRecord:
     finish_reason: str | None
     flags: list[str] = field(default_factory=list)
     stop_reason: str | None = None
+    # Set by the gateway when it must name the step before it is written (streaming answers
+    # carry ``x-trajgate-step-id`` in headers sent before the first token); else the pool picks.
+    step_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ class PoolStore:
         delta = None if prompt is None else prompt[base_tokens * TOKEN_BYTES :]
         step_ids: list[str] = []
         for choice in call.choices:
-            step_id = str(uuid.uuid4())
+            step_id = choice.step_id or str(uuid.uuid4())
             flags = list(choice.flags)
             if lineage.extends_parent is False:
                 flags.append("prefix_break")

@@ -254,6 +254,8 @@ class Call:
     resend_of: str | None
     started: float = field(default_factory=time.perf_counter)
     attempts: list[AttemptRecord] = field(default_factory=list)
+    # Named before writing when the answer's headers go out first (streaming): index = choice.
+    step_ids: list[str] = field(default_factory=list)
 
     @property
     def trajectory_id(self) -> str:
@@ -301,6 +303,13 @@ class Call:
     ) -> CallRecord:
         if self.resend_of is not None:
             choices = [replace(c, flags=[*c.flags, "resend"]) for c in choices]
+        if self.step_ids:
+            choices = [
+                replace(c, step_id=self.step_ids[c.choice_index])
+                if c.choice_index < len(self.step_ids)
+                else c
+                for c in choices
+            ]
         return CallRecord(
             request=self.body,
             upstream_request=self.upstream_body,
@@ -414,10 +423,11 @@ async def proxy_call(
         )
     if stream:
         events, first = await first_event(state, call, replica, upstream)
+        call.step_ids = [str(uuid.uuid4()) for _ in range(int(body.get("n") or 1))]
         return StreamingResponse(
             relay_stream(state, call, replica, upstream, events, first),
             media_type=upstream.headers.get("content-type", "text/event-stream"),
-            headers=call.headers([]),
+            headers=call.headers(call.step_ids),
         )
     return await finish_unary(state, call, replica, upstream)
 

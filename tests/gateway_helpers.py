@@ -50,9 +50,8 @@ def gateway_with(
     **settings: Any,
 ) -> Iterator[BackgroundServer]:
     """A real gateway on ``port`` whose upstream calls go to ``transport`` (or the network)."""
-    gateway_settings = GatewaySettings(
-        upstream_url=upstream_url, port=port, health_check_interval_s=3600, **settings
-    )
+    settings.setdefault("health_check_interval_s", 3600)
+    gateway_settings = GatewaySettings(upstream_url=upstream_url, port=port, **settings)
     app = create_app(gateway_settings, pool_settings, upstream_transport=transport)
     server = BackgroundServer(app, port=port).start()
     try:
