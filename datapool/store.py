@@ -10,13 +10,14 @@ writes half a call: every step of a batch commits in one transaction or none doe
 from __future__ import annotations
 
 import threading
+import typing
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, Table, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -191,18 +192,29 @@ class PoolStore:
         if step_rows:
             session.execute(insert(Step), step_rows)
             session.execute(insert(StepPayload), payload_rows)
-        counts = {tid: n for tid, n in next_index.items() if n != state[tid][1]}
-        for trajectory_id, call_count in counts.items():
-            session.execute(
-                update(Trajectory)
-                .where(Trajectory.id == trajectory_id)
-                .values(call_count=call_count, last_step_at=now, writer_id=writer_id)
+        table = typing.cast(Table, Trajectory.__table__)
+        counts = [
+            {"b_id": tid, "b_count": n, "b_at": now, "b_writer": writer_id}
+            for tid, n in next_index.items()
+            if n != state[tid][1]
+        ]
+        if counts:  # one executemany, not one ORM UPDATE per trajectory
+            session.connection().execute(
+                update(table)
+                .where(table.c.id == bindparam("b_id"))
+                .values(
+                    call_count=bindparam("b_count"),
+                    last_step_at=bindparam("b_at"),
+                    writer_id=bindparam("b_writer"),
+                ),
+                counts,
             )
-        for trajectory_id, n in rejected.items():
-            session.execute(
-                update(Trajectory)
-                .where(Trajectory.id == trajectory_id)
-                .values(rejected_calls=Trajectory.rejected_calls + n)
+        if rejected:
+            session.connection().execute(
+                update(table)
+                .where(table.c.id == bindparam("b_id"))
+                .values(rejected_calls=table.c.rejected_calls + bindparam("b_n")),
+                [{"b_id": tid, "b_n": n} for tid, n in rejected.items()],
             )
         return results
 

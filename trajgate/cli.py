@@ -28,6 +28,10 @@ app.add_typer(db_app, name="db")
 app.add_typer(vllm_app, name="vllm")
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
+export_app = typer.Typer(help="Export pool data for use without trajgate.", no_args_is_help=True)
+rewards_app = typer.Typer(help="Rewards in the pool.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+app.add_typer(rewards_app, name="rewards")
 
 DatabaseUrlOpt = Annotated[
     str | None,
@@ -240,6 +244,90 @@ def bench_gateway(
             json.dumps({key: value for key, value in run.items() if key != "cpu_ms_per_call"})
         )
     typer.echo(json.dumps({"goals_met": report["goals_met"]}))
+
+
+@bench_app.command("pool")
+def bench_pool(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    trajectories: Annotated[int, typer.Option(help="Synthetic trajectories.")] = 100,
+    turns: Annotated[int, typer.Option(help="Calls per trajectory.")] = 20,
+    concurrency: Annotated[int, typer.Option(help="Concurrent agents.")] = 64,
+    postgres_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Also measure PostgreSQL: a URL of an EMPTY database (its tables are created).",
+            envvar="TRAJGATE_BENCH_POSTGRES_URL",
+        ),
+    ] = None,
+    compare_spool: Annotated[
+        bool, typer.Option(help="Also price the write-ahead-spool alternative.")
+    ] = False,
+) -> None:
+    """Write synthetic agent trajectories through the pool's writer on SQLite (and PostgreSQL);
+    print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness."""
+    import tempfile
+
+    from datapool.bench import run_pool_benchmark
+
+    with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
+        urls = [f"sqlite:///{Path(tmp) / 'pool.sqlite3'}"]
+        if postgres_url:
+            urls.append(postgres_url)
+        report = run_pool_benchmark(urls, trajectories, turns, concurrency, compare_spool)
+    typer.echo(json.dumps(report, indent=2 if not as_json else None))
+
+
+@export_app.command("trajectories")
+def export_trajectories(
+    out: Annotated[Path, typer.Option(help="Output file.")],
+    format: Annotated[str, typer.Option(help="'parquet' or 'jsonl'.")] = "parquet",
+    status: Annotated[list[str] | None, typer.Option(help="Only these statuses (repeat).")] = None,
+    channel: Annotated[str | None, typer.Option(help="Only this channel.")] = None,
+    group: Annotated[str | None, typer.Option(help="Only this group id.")] = None,
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Export the steps of the matching trajectories (schema in docs/datapool.md)."""
+    from rich.progress import Progress
+
+    from datapool.db import make_engine
+    from datapool.export import export_trajectories as run_export
+    from datapool.export import select_trajectories
+    from datapool.store import PoolStore
+
+    if format not in ("parquet", "jsonl"):
+        raise typer.BadParameter(
+            f"expected 'parquet' or 'jsonl', got {format!r}", param_hint="--format"
+        )
+    pool = _pool_settings(database_url, data_dir)
+    store = PoolStore(make_engine(pool.resolved_database_url()), pool)
+    ids = select_trajectories(store, status=status, channel=channel, group_id=group)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("export trajectories", total=len(ids))
+        rows = run_export(
+            store,
+            ids,
+            out,
+            format,  # type: ignore[arg-type]  # checked above
+            progress=lambda n: bar.update(task, advance=n),
+        )
+    typer.echo(json.dumps({"trajectories": len(ids), "rows": rows, "out": str(out)}))
+
+
+@rewards_app.command("import")
+def rewards_import(
+    path: Annotated[Path, typer.Argument(help="A .jsonl or .parquet file of rewards.")],
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Append rewards computed elsewhere (all or none; unknown targets fail the import)."""
+    from datapool.db import make_engine, make_sessionmaker
+    from datapool.rewards import add_rewards, read_reward_file
+
+    pool = _pool_settings(database_url, data_dir)
+    sessions = make_sessionmaker(make_engine(pool.resolved_database_url()))
+    ids = add_rewards(sessions, read_reward_file(path))
+    typer.echo(json.dumps({"imported": len(ids)}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,254 @@
+"""``trajgate bench pool``: write synthetic agent trajectories through the pool's writer and
+measure commit rate, storage per token, amplification and exact reconstruction.
+
+Owns: the synthetic traffic and the measurements. Never: used by the gateway.
+
+Traffic (per trajectory, T = 20 turns): a 1,000-token system prompt and a 50-token task, then per
+turn a 150-token response and a 300-token tool result (+ 4 template tokens) appended to the next
+prompt, so turn k's prompt extends turn k-1's prompt + response. Token IDs are Zipf(1.1) draws
+over a 151,936-token vocabulary (the shape of real text, not uniform noise); logprobs are float32
+values. Messages are short placeholders: the benchmark measures the token payload path.
+
+Measured: ``steps_per_s`` (steps committed per wall second through ``PoolWriter``, ``C``
+concurrent agents), ``ack_ms_p50/p99`` (time until ``record`` returned, i.e. durable),
+``amplification`` (stored payload bytes after compaction ÷ 4 bytes × tokens of each trajectory's
+final sequence ``P_T + R_T``), ``amplification_before_compaction`` (the SQL blobs), and
+``bytes_per_token`` (stored bytes ÷ those final-sequence tokens, the distinct tokens),
+``read_tokens_per_s`` (prompt tokens reconstructed per second reading every step back) and
+``exact`` (every prompt, response and logprob equal to what was written).
+
+The write-path comparison (``spool``) appends the same calls as JSON lines to a per-process file
+from one writer thread with the same batching, flushing (kill -9 durable) or fsyncing (power-loss
+durable) once per batch, to price the alternative of a write-ahead spool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, select
+
+from datapool import db
+from datapool.db import make_engine
+from datapool.models import PayloadFile, StepPayload
+from datapool.records import CallRecord, ChoiceRecord
+from datapool.settings import PoolSettings
+from datapool.store import PoolStore
+from datapool.writer import PoolWriter
+
+VOCAB_TOKENS = 151_936
+
+
+def synthetic_trajectory(
+    rng: np.random.Generator,
+    turns: int = 20,
+    system_tokens: int = 1000,
+    response_tokens: int = 150,
+    tool_tokens: int = 300,
+) -> list[tuple[list[int], list[int], list[float]]]:
+    """``[(P_k, R_k, L_k)]`` for k < turns, each prompt extending the previous prompt + response."""
+
+    def draw(n: int) -> list[int]:
+        return [int(x) for x in (rng.zipf(1.1, n) - 1) % VOCAB_TOKENS]
+
+    prompt = draw(system_tokens) + draw(50)
+    calls = []
+    for _ in range(turns):
+        response = draw(response_tokens)
+        logprobs = (-rng.exponential(1.0, response_tokens)).astype(np.float32).tolist()
+        calls.append((prompt, response, logprobs))
+        prompt = prompt + response + draw(tool_tokens + 4)
+    return calls
+
+
+def _call(prompt: list[int], response: list[int], logprobs: list[float], turn: int) -> CallRecord:
+    return CallRecord(
+        request={"model": "bench", "messages": [{"role": "user", "content": f"turn {turn}"}]},
+        upstream_request={"model": "bench"},
+        model="bench",
+        upstream="bench://",
+        policy_version=0,
+        latency_ms=1.0,
+        prompt_token_ids=prompt,
+        prompt_tokens=len(prompt),
+        choices=[ChoiceRecord(0, response, logprobs, {"role": "assistant"}, "stop")],
+    )
+
+
+async def _drive(
+    record: Any, trajectories: list[list[CallRecord]], concurrency: int
+) -> tuple[float, list[float]]:
+    """Run every trajectory's calls in order, ``concurrency`` trajectories at a time."""
+    pending = list(enumerate(trajectories))
+    acks_ms: list[float] = []
+
+    async def agent() -> None:
+        while pending:
+            index, calls = pending.pop()
+            for call in calls:
+                started = time.perf_counter()
+                await record(f"bench-{index}", call)
+                acks_ms.append((time.perf_counter() - started) * 1000)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(agent() for _ in range(concurrency)))
+    return time.perf_counter() - started, acks_ms
+
+
+def bench_pool(
+    database_url: str,
+    data_dir: Path,
+    trajectories: int = 100,
+    turns: int = 20,
+    concurrency: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One measurement on one database (already empty); returns the figures named above."""
+    db.upgrade(database_url)
+    settings = PoolSettings(data_dir=data_dir, database_url=database_url, compaction_interval_s=0)
+    rng = np.random.default_rng(seed)
+    shapes = [synthetic_trajectory(rng, turns) for _ in range(trajectories)]
+    calls = [[_call(p, r, lp, k) for k, (p, r, lp) in enumerate(shape)] for shape in shapes]
+    store = PoolStore(make_engine(database_url), settings)
+    writer = PoolWriter(store, settings).start()
+    try:
+        wall_s, acks_ms = asyncio.run(_drive(writer.record, calls, concurrency))
+    finally:
+        writer.close()
+    steps = trajectories * turns
+    final_tokens = sum(len(s[-1][0]) + len(s[-1][1]) for s in shapes)
+    with store.sessions() as session:
+        blob_bytes = session.scalar(
+            select(
+                func.sum(
+                    func.coalesce(func.length(StepPayload.prompt_delta), 0)
+                    + func.coalesce(func.length(StepPayload.response_token_ids), 0)
+                    + func.coalesce(func.length(StepPayload.response_logprobs), 0)
+                )
+            )
+        )
+    while store.payloads.compact(settings.compaction_max_steps) is not None:
+        pass
+    with store.sessions() as session:
+        stored_bytes = int(session.scalar(select(func.sum(PayloadFile.size_bytes))) or 0)
+    started = time.perf_counter()
+    exact = True
+    read_tokens = 0
+    fresh = PoolStore(make_engine(database_url), settings)
+    for index, shape in enumerate(shapes):
+        for step, (prompt, response, logprobs) in zip(
+            fresh.steps_of(f"bench-{index}"), shape, strict=True
+        ):
+            read_tokens += len(step.prompt_token_ids or [])
+            exact &= (
+                step.prompt_token_ids == prompt
+                and step.response_token_ids == response
+                and step.response_logprobs == logprobs
+            )
+    read_s = time.perf_counter() - started
+    store.engine.dispose()
+    fresh.engine.dispose()
+    return {
+        "backend": make_engine(database_url).dialect.name,
+        "trajectories": trajectories,
+        "turns": turns,
+        "steps": steps,
+        "concurrency": concurrency,
+        "steps_per_s": round(steps / wall_s, 1),
+        "ack_ms_p50": round(float(np.percentile(acks_ms, 50)), 2),
+        "ack_ms_p99": round(float(np.percentile(acks_ms, 99)), 2),
+        "final_sequence_tokens": final_tokens,
+        "stored_payload_bytes": stored_bytes,
+        "bytes_per_token": round(stored_bytes / final_tokens, 3),
+        "amplification": round(stored_bytes / (4 * final_tokens), 3),
+        "amplification_before_compaction": round(int(blob_bytes or 0) / (4 * final_tokens), 3),
+        "read_tokens_per_s": round(read_tokens / read_s),
+        "exact": bool(exact),
+    }
+
+
+def bench_spool(
+    directory: Path, trajectories: int, turns: int, concurrency: int, fsync: bool, seed: int = 0
+) -> dict[str, Any]:
+    """The write-ahead-spool alternative: same traffic, JSON lines, one flush/fsync per batch."""
+    rng = np.random.default_rng(seed)
+    calls = [
+        [_call(p, r, lp, k) for k, (p, r, lp) in enumerate(synthetic_trajectory(rng, turns))]
+        for _ in range(trajectories)
+    ]
+    path = directory / f"spool-{uuid.uuid4().hex}.jsonl"
+    items: queue.Queue[Any] = queue.Queue()
+
+    def run() -> None:
+        with path.open("ab") as sink:
+            while True:
+                first = items.get()
+                if first is None:
+                    return
+                batch = [first]
+                while len(batch) < 512:
+                    try:
+                        batch.append(items.get_nowait())
+                    except queue.Empty:
+                        break
+                for line, _loop, _future in batch:
+                    sink.write(line)
+                sink.flush()
+                if fsync:
+                    os.fsync(sink.fileno())
+                for _line, loop, future in batch:
+                    loop.call_soon_threadsafe(future.set_result, [])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    async def record(trajectory_id: str, call: CallRecord) -> list[str]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[str]] = loop.create_future()
+        line = json.dumps({"trajectory_id": trajectory_id, "call": asdict(call)}).encode() + b"\n"
+        items.put((line, loop, future))
+        return await future
+
+    wall_s, acks_ms = asyncio.run(_drive(record, calls, concurrency))
+    items.put(None)
+    thread.join()
+    return {
+        "option": "spool+fsync" if fsync else "spool+flush",
+        "steps_per_s": round(trajectories * turns / wall_s, 1),
+        "ack_ms_p50": round(float(np.percentile(acks_ms, 50)), 2),
+        "ack_ms_p99": round(float(np.percentile(acks_ms, 99)), 2),
+        "spool_bytes": path.stat().st_size,
+    }
+
+
+def run_pool_benchmark(
+    database_urls: list[str],
+    trajectories: int = 100,
+    turns: int = 20,
+    concurrency: int = 64,
+    compare_spool: bool = False,
+) -> dict[str, Any]:
+    """Every database URL (empty, migrated here) and optionally the spool alternative."""
+    report: dict[str, Any] = {"runs": []}
+    with tempfile.TemporaryDirectory(prefix="trajgate-bench-pool-") as tmp:
+        for i, url in enumerate(database_urls):
+            report["runs"].append(
+                bench_pool(url, Path(tmp) / f"pool-{i}", trajectories, turns, concurrency)
+            )
+        if compare_spool:
+            report["spool"] = [
+                bench_spool(Path(tmp), trajectories, turns, concurrency, fsync=f)
+                for f in (False, True)
+            ]
+    return report

@@ -1,0 +1,91 @@
+"""``trajgate export trajectories`` writes Parquet that pyarrow, DuckDB and Polars read without
+trajgate, with exact IDs, null rewards for the unrewarded, and untrainable rows marked; and
+``trajgate rewards import`` appends rewards from JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from datapool.db import make_engine
+from datapool.lifecycle import close_trajectory, create_trajectory
+from datapool.models import TrajectoryStatus
+from datapool.records import CallRecord, ChoiceRecord
+from datapool.settings import PoolSettings
+from datapool.store import PoolStore
+from trajgate.cli import app
+
+
+def _call(prompt: list[int], response: list[int]) -> CallRecord:
+    return CallRecord(
+        request={"messages": [{"role": "user", "content": "q"}]},
+        upstream_request={},
+        model="tiny",
+        upstream="http://up",
+        policy_version=3,
+        latency_ms=1.0,
+        prompt_token_ids=prompt,
+        prompt_tokens=len(prompt),
+        choices=[ChoiceRecord(0, response, [-0.5] * len(response), {"content": "a"}, "stop")],
+    )
+
+
+def _cli_pool(pool_settings: PoolSettings) -> list[str]:
+    return ["--database-url", pool_settings.resolved_database_url()]
+
+
+def test_export_parquet_reads_back_in_pyarrow_duckdb_and_polars(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    store.record_call("e1", _call([1, 2], [3]))
+    store.record_call("e1", _call([1, 2, 3, 4], [5, 6]))  # delta [4] on base 3 tokens
+    close_trajectory(store.sessions, "e1", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    create_trajectory(store.sessions, "e2")
+    close_trajectory(store.sessions, "e2", TrajectoryStatus.COMPLETE)  # empty (C15)
+    out = tmp_path / "steps.parquet"
+    result = CliRunner().invoke(
+        app,
+        ["export", "trajectories", "--out", str(out), "--status", "complete"]
+        + _cli_pool(pool_settings),
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["rows"] == 2  # e2 has no steps
+    table = pq.read_table(out)
+    assert table.column("prompt_token_ids").to_pylist() == [[1, 2], [1, 2, 3, 4]]
+    assert table.column("trajectory_rewards_json").to_pylist() == ['{"final": 1.0}'] * 2
+    assert table.column("step_rewards_json").to_pylist() == ["{}", "{}"]  # unrewarded
+    duck = duckdb.sql(
+        f"SELECT response_token_ids, policy_version FROM read_parquet('{out}') ORDER BY step_index"
+    ).fetchall()
+    assert duck == [([3], 3), ([5, 6], 3)]
+    frame = pl.read_parquet(out)
+    assert frame["trainable"].to_list() == [True, True]
+    assert frame["response_logprobs"].to_list()[1] == [-0.5, -0.5]
+
+
+def test_rewards_import_appends_from_jsonl_and_rejects_unknown_targets(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    [step_id] = store.record_call("i1", _call([1], [2]))
+    good = tmp_path / "good.jsonl"
+    good.write_text(
+        json.dumps({"target": "step", "target_id": step_id, "name": "judge", "value": 0.25})
+        + "\n"
+        + json.dumps({"target": "trajectory", "target_id": "i1", "name": "final", "value": 1})
+        + "\n"
+    )
+    ok = CliRunner().invoke(app, ["rewards", "import", str(good)] + _cli_pool(pool_settings))
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output) == {"imported": 2}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"target": "step", "target_id": "nope", "name": "x", "value": 1}))
+    failed = CliRunner().invoke(app, ["rewards", "import", str(bad)] + _cli_pool(pool_settings))
+    assert failed.exit_code != 0
+    assert "nope" in str(failed.exception)
