@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,7 +28,13 @@ from starlette.concurrency import run_in_threadpool
 from datapool.calls import AttemptRecord, find_replay, find_resend
 from datapool.models import StepOutcome
 from datapool.records import CallRecord, ChoiceRecord
-from gateway.auth import KeyGrant, bearer_token
+from gateway.attribution import (
+    Attribution,
+    attribute,
+    check_body,
+    check_trajectory_id,
+    read_json_object,
+)
 from gateway.capture import (
     ClientAsked,
     Endpoint,
@@ -39,10 +44,7 @@ from gateway.capture import (
     strip_for_client,
 )
 from gateway.errors import (
-    AuthenticationError,
-    InvalidRequestError,
-    PayloadTooLargeError,
-    PermissionDeniedError,
+    ServiceUnavailableError,
     TrajgateError,
     UpstreamError,
     UpstreamTimeoutError,
@@ -56,7 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trajgate.proxy")
 
-TRAJECTORY_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 UPSTREAM_PATHS: dict[Endpoint, str] = {
     "chat.completions": "/v1/chat/completions",
@@ -71,120 +72,6 @@ def _state(request: Request) -> GatewayState:
 
 StateDep = Annotated["GatewayState", Depends(_state)]
 router = APIRouter()
-
-
-# -- input checks ------------------------------------------------------------------------
-
-
-def check_trajectory_id(trajectory_id: str) -> str:
-    """Raise ``InvalidRequestError`` unless the id is 1-200 of ``[A-Za-z0-9._:-]``."""
-    if not TRAJECTORY_ID_PATTERN.match(trajectory_id):
-        raise InvalidRequestError(
-            "trajectory id must be 1-200 characters of letters, digits, '.', '_', ':' or '-' "
-            f"starting with a letter or digit; got {trajectory_id[:80]!r}",
-            param="trajectory_id",
-        )
-    return trajectory_id
-
-
-async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past ``max_body_bytes``, 400 when not an object."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise PayloadTooLargeError(
-            f"request body of {declared} bytes exceeds the limit of {max_body_bytes} bytes",
-            code="payload_too_large",
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise PayloadTooLargeError(
-                f"request body exceeds the limit of {max_body_bytes} bytes",
-                code="payload_too_large",
-            )
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks).decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid UTF-8: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def check_body(endpoint: Endpoint, body: dict[str, Any]) -> None:
-    """The checks the gateway needs to capture the call; everything else is vLLM's to judge."""
-    if endpoint == "chat.completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError(
-                f"'messages' must be a non-empty list, got {type(messages).__name__}",
-                param="messages",
-            )
-        if not all(isinstance(message, dict) for message in messages):
-            raise InvalidRequestError(
-                "every item of 'messages' must be an object", param="messages"
-            )
-    else:
-        prompt = body.get("prompt")
-        single_text = isinstance(prompt, str)
-        single_ids = isinstance(prompt, list) and all(
-            isinstance(token, int) and not isinstance(token, bool) for token in prompt
-        )
-        if not (single_text or single_ids) or not prompt:
-            raise InvalidRequestError(
-                "'prompt' must be one non-empty string or one list of token ids (send one "
-                "request per prompt, so each becomes its own step)",
-                param="prompt",
-            )
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise InvalidRequestError("'stream' must be a boolean", param="stream")
-    n = body.get("n", 1)
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise InvalidRequestError(f"'n' must be a positive integer, got {n!r}", param="n")
-
-
-# -- attribution -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Attribution:
-    trajectory_id: str
-    group_id: str | None
-    channel: str | None
-
-
-def attribute(state: GatewayState, request: Request, url_trajectory_id: str | None) -> Attribution:
-    """Which trajectory a call belongs to: URL, else ``X-Trajgate-Trajectory``, else the API
-    key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys."""
-    grant: KeyGrant | None = None
-    token = bearer_token(request)
-    if state.settings.api_key_required:
-        if token is None:
-            raise AuthenticationError(
-                "an API key is required: send 'Authorization: Bearer tg-...'",
-                code="missing_api_key",
-            )
-        grant = state.keys.verify(token)
-    elif token is not None and token.startswith("tg-"):
-        grant = state.keys.verify(token)
-    header_id = request.headers.get("x-trajgate-trajectory")
-    trajectory_id = url_trajectory_id or header_id or (grant.trajectory_id if grant else None)
-    trajectory_id = check_trajectory_id(trajectory_id or f"anon-{uuid.uuid4()}")
-    if grant and grant.trajectory_id and grant.trajectory_id != trajectory_id:
-        raise PermissionDeniedError(
-            f"this API key is bound to trajectory {grant.trajectory_id!r}, not {trajectory_id!r}"
-        )
-    channel = request.headers.get("x-trajgate-channel") or (grant.channel if grant else None)
-    if grant and grant.channel and channel != grant.channel:
-        raise PermissionDeniedError(
-            f"this API key is bound to channel {grant.channel!r}, not {channel!r}"
-        )
-    return Attribution(trajectory_id, request.headers.get("x-trajgate-group"), channel)
 
 
 # -- routes ------------------------------------------------------------------------------
@@ -446,8 +333,10 @@ async def open_upstream(
         try:
             replica = state.upstreams.pick(call.trajectory_id, frozenset(tried))
         except NoHealthyUpstreamError:
-            tried.clear()
-            replica = state.upstreams.pick(call.trajectory_id)
+            try:
+                replica = state.upstreams.pick(call.trajectory_id)
+            except NoHealthyUpstreamError as exc:
+                raise ServiceUnavailableError(str(exc), code="no_capturing_upstream") from exc
         tried.add(replica.url)
         replica.in_flight += 1
         request = state.client.build_request(

@@ -24,6 +24,7 @@ class BackgroundServer:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self.app = app
         self.url = f"http://{host}:{port}"
 
     def start(self, timeout_s: float = 30.0) -> BackgroundServer:

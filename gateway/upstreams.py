@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -27,7 +27,9 @@ class Replica:
     in_flight: int = 0
     consecutive_failures: int = 0
     system_fingerprint: str | None = None
-    served_models: set[str] = field(default_factory=set)
+    # Whether the replica returns token ids when asked (probed once it is healthy): None until
+    # known. A replica that answers without them is never routed to (case C06).
+    returns_token_ids: bool | None = None
 
 
 class NoHealthyUpstreamError(RuntimeError):
@@ -52,10 +54,16 @@ class UpstreamPool:
 
     def pick(self, trajectory_id: str, exclude: frozenset[str] = frozenset()) -> Replica:
         """The replica for this call. Raises ``NoHealthyUpstreamError`` when none is usable."""
-        candidates = [r for r in self.replicas if r.healthy and r.url not in exclude]
+        capturing = [r for r in self.replicas if r.returns_token_ids is not False]
+        if not capturing:
+            raise NoHealthyUpstreamError(
+                f"no upstream returns token ids (probed {[r.url for r in self.replicas]}); "
+                "trajgate needs vLLM >= 0.10.2, which honours return_token_ids"
+            )
+        candidates = [r for r in capturing if r.healthy and r.url not in exclude]
         if not candidates:
             # All marked down: try the ones not excluded anyway rather than refusing outright.
-            candidates = [r for r in self.replicas if r.url not in exclude]
+            candidates = [r for r in capturing if r.url not in exclude]
         if not candidates:
             raise NoHealthyUpstreamError(
                 f"no usable upstream among {[r.url for r in self.replicas]}"
@@ -89,6 +97,8 @@ class UpstreamPool:
                 ok = False
             if ok:
                 self.mark_success(replica)
+                if replica.returns_token_ids is None:
+                    replica.returns_token_ids = await probe_token_ids(client, replica, timeout_s)
             else:
                 replica.consecutive_failures = max(
                     replica.consecutive_failures + 1, self.failures_to_eject
@@ -110,3 +120,33 @@ class UpstreamPool:
 
 def _rendezvous(key: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
+
+
+async def probe_token_ids(
+    client: httpx.AsyncClient, replica: Replica, timeout_s: float
+) -> bool | None:
+    """Ask the replica for one token with ``return_token_ids`` (case C06).
+
+    Returns True when the answer carries ``token_ids``, False when a well-formed answer has
+    none (an old server, or a proxy that rebuilt the response and dropped the field), None when
+    the probe itself could not run (no model listed, an error): unknown, so not refused.
+    """
+    try:
+        models = (await client.get(f"{replica.url}/v1/models", timeout=timeout_s)).json()
+        model = models["data"][0]["id"]
+        answer = await client.post(
+            f"{replica.url}/v1/completions",
+            json={"model": model, "prompt": "a", "max_tokens": 1, "return_token_ids": True},
+            timeout=timeout_s,
+        )
+        choice = answer.json()["choices"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(choice, dict) or "text" not in choice:
+        return None
+    returns_ids = isinstance(choice.get("token_ids"), list)
+    if not returns_ids:
+        log.error(
+            "upstream %s returns no token ids: not routed to (capture would lose them)", replica.url
+        )
+    return returns_ids

@@ -515,7 +515,11 @@ def test_c13_a_503_then_200_is_one_step_with_both_attempts(pool_settings: PoolSe
         ]
     )
     transport = httpx.MockTransport(
-        lambda request: httpx.Response(200) if request.url.path == "/health" else next(answers)
+        lambda request: (
+            next(answers)
+            if request.url.path == "/v1/chat/completions"
+            else httpx.Response(200 if request.url.path == "/health" else 404)
+        )
     )
     with gateway_with(
         pool_settings, free_port(), transport=transport, upstream_retry_backoff_ms=1

@@ -393,3 +393,40 @@ def test_metrics_count_requests_steps_tokens_and_flags(gateway: BackgroundServer
     assert 'trajgate_step_flags_total{flag="truncated"} 1.0' in text
     assert "trajgate_upstream_healthy{" in text
     assert "trajgate_write_queue_depth" in text
+
+
+def test_an_upstream_that_returns_no_token_ids_is_refused_at_start(
+    pool_settings: PoolSettings,
+) -> None:
+    # Mock upstream: an old server (or a rebuilding proxy) that ignores return_token_ids (C06).
+    def old_server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]})
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "a"}]})
+        return httpx.Response(200, json={})
+
+    with gateway_with(
+        pool_settings,
+        free_port(),
+        transport=httpx.MockTransport(old_server),
+        health_check_interval_s=0.05,
+    ) as gw:
+        deadline = time.monotonic() + 10
+        response = _post(f"{gw.url}/t/old/v1/chat/completions", CHAT)
+        while response.status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            response = _post(f"{gw.url}/t/old/v1/chat/completions", CHAT)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_capturing_upstream"
+    assert "token ids" in response.json()["error"]["message"]
+
+
+def test_the_real_vllm_passes_the_token_id_probe(gateway: BackgroundServer) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        replicas = gateway.app.state.gateway.upstreams.replicas
+        if replicas[0].returns_token_ids is not None:
+            break
+        time.sleep(0.1)
+    assert replicas[0].returns_token_ids is True
