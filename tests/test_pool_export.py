@@ -51,8 +51,15 @@ def test_export_parquet_reads_back_in_pyarrow_duckdb_and_polars(
     out = tmp_path / "steps.parquet"
     result = CliRunner().invoke(
         app,
-        ["export", "trajectories", "--out", str(out), "--status", "complete"]
-        + _cli_pool(pool_settings),
+        [
+            "export",
+            "trajectories",
+            "--out",
+            str(out),
+            "--status",
+            "complete",
+            *_cli_pool(pool_settings),
+        ],
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1])["rows"] == 2  # e2 has no steps
@@ -81,11 +88,11 @@ def test_rewards_import_appends_from_jsonl_and_rejects_unknown_targets(
         + json.dumps({"target": "trajectory", "target_id": "i1", "name": "final", "value": 1})
         + "\n"
     )
-    ok = CliRunner().invoke(app, ["rewards", "import", str(good)] + _cli_pool(pool_settings))
+    ok = CliRunner().invoke(app, ["rewards", "import", str(good), *_cli_pool(pool_settings)])
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.output) == {"imported": 2}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"target": "step", "target_id": "nope", "name": "x", "value": 1}))
-    failed = CliRunner().invoke(app, ["rewards", "import", str(bad)] + _cli_pool(pool_settings))
+    failed = CliRunner().invoke(app, ["rewards", "import", str(bad), *_cli_pool(pool_settings)])
     assert failed.exit_code != 0
     assert "nope" in str(failed.exception)
