@@ -414,6 +414,19 @@ async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[st
         state.metrics.tokens.labels("prompt").inc(record.prompt_tokens)
     sampled = sum(len(choice.response_token_ids or []) for choice in record.choices)
     state.metrics.tokens.labels("completion").inc(sampled)
+    log.info(
+        "call trajectory=%s call=%s endpoint=%s outcome=%s steps=%d prompt_tokens=%s "
+        "completion_tokens=%d latency_ms=%.1f policy_version=%d",
+        call.trajectory_id,
+        call.call_id,
+        call.endpoint,
+        record.outcome,
+        len(step_ids),
+        record.prompt_tokens,
+        sampled,
+        record.latency_ms,
+        call.policy_version,
+    )
     return step_ids
 
 
