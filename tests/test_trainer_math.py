@@ -1,0 +1,162 @@
+"""Advantage estimators and policy losses against values derived by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer_bridge.advantages import (
+    discounted_returns,
+    group_stats,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from trainer_bridge.losses import LossConfig, aggregate, policy_loss
+
+NAN = float("nan")
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _close(actual: torch.Tensor, expected: list[float]) -> None:
+    assert torch.allclose(actual, _t(*expected), atol=1e-6, equal_nan=True), actual
+
+
+def test_grpo_divides_by_the_unbiased_group_std() -> None:
+    # rewards [1, 0, 0, 1]: mean 0.5, std = sqrt(4 * 0.25 / 3) = 0.57735; A = ±0.5 / 0.57735
+    advantages = grpo_advantages(_t(1, 0, 0, 1), torch.tensor([7, 7, 7, 7]))
+    _close(advantages, [0.866025, -0.866025, -0.866025, 0.866025])
+
+
+def test_dr_grpo_leaves_out_the_std() -> None:
+    advantages = grpo_advantages(_t(1, 0, 0, 1), torch.tensor([1, 1, 1, 1]), scale_by_std=False)
+    _close(advantages, [0.5, -0.5, -0.5, 0.5])
+
+
+def test_groups_are_normalised_separately() -> None:
+    # group 1: [2, 4] -> mean 3, std sqrt(2); group 2: [10, 10] -> degenerate -> 0
+    advantages = grpo_advantages(_t(2, 4, 10, 10), torch.tensor([1, 1, 2, 2]))
+    _close(advantages, [-1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0])
+
+
+def test_c16_unrewarded_members_are_left_out_of_the_baseline_not_zeroed() -> None:
+    # two rewarded -1.0, two never rewarded: baseline over the two, scored size 2
+    rewards = _t(-1, -1, NAN, NAN)
+    stats = group_stats(rewards, torch.tensor([0, 0, 0, 0]))
+    assert stats.scored_size.tolist() == [2]
+    _close(stats.mean, [-1.0])
+    advantages = grpo_advantages(rewards, torch.tensor([0, 0, 0, 0]))
+    _close(advantages, [0, 0, NAN, NAN])  # had NaN been 0.0, the mean would be -0.5
+
+
+@pytest.mark.parametrize(
+    ("rewards", "eps", "degenerate"),
+    [
+        ([0.6, 0.6, 0.6, 0.6], 1e-6, True),
+        # std of [0.6, 0.6, 0.6, 0.6000001] = 0.5e-7 < 1e-6: still degenerate
+        ([0.6, 0.6, 0.6, 0.6000001], 1e-6, True),
+        ([0.6, 0.6, 0.6, 0.6000001], 1e-9, False),
+        ([0.0, 1.0, 1.0, 1.0], 1e-6, False),
+    ],
+)
+def test_c17_degenerate_groups_are_flagged_with_a_configurable_epsilon(
+    rewards: list[float], eps: float, degenerate: bool
+) -> None:
+    stats = group_stats(_t(*rewards), torch.tensor([0, 0, 0, 0]), degenerate_eps=eps)
+    assert bool(stats.degenerate[0]) is degenerate
+    assert float(stats.mean[0]) == pytest.approx(sum(rewards) / 4)
+
+
+def test_rloo_subtracts_the_mean_of_the_others() -> None:
+    # [1, 0, 0, 1]: A_0 = 1 - (0 + 0 + 1) / 3 = 2/3; A_1 = 0 - (1 + 0 + 1) / 3 = -2/3
+    advantages = rloo_advantages(_t(1, 0, 0, 1), torch.tensor([0, 0, 0, 0]))
+    _close(advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+def test_rloo_skips_unrewarded_members_and_has_no_baseline_alone() -> None:
+    # group 0: [1, 0, NaN] -> A = [1 - 0, 0 - 1, NaN]; group 1: a single member -> NaN
+    advantages = rloo_advantages(_t(1, 0, NAN, 5), torch.tensor([0, 0, 0, 1]))
+    _close(advantages, [1, -1, NAN, NAN])
+
+
+def test_reinforce_pp_uses_the_batch_baseline() -> None:
+    # [1, 2, 3]: mean 2, std 1 -> [-1, 0, 1]
+    _close(reinforce_pp_advantages(_t(1, 2, 3)), [-1, 0, 1])
+
+
+def test_discounted_returns_credit_earlier_steps_less() -> None:
+    # final reward 1 over 3 steps, gamma 0.9: [0.81, 0.9, 1]
+    _close(discounted_returns(_t(0, 0, 1), 0.9), [0.81, 0.9, 1.0])
+    with pytest.raises(ValueError, match="gamma"):
+        discounted_returns(_t(1), 1.5)
+
+
+def test_on_policy_loss_is_minus_the_masked_advantage_under_each_aggregation() -> None:
+    logprobs = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    advantages = _t(1, -2)
+    # per-token loss at ratio 1 is -A: row 0 -> [-1, -1], row 1 -> [2]
+    expected = {
+        "token_mean": (-1 - 1 + 2) / 3,
+        "seq_mean": (-1 + 2) / 2,
+        "seq_sum_token_mean": (-2 / 3 + 2 / 3) / 2,
+    }
+    for aggregation, value in expected.items():
+        config = LossConfig(aggregation=aggregation)  # type: ignore[arg-type]
+        out = policy_loss(logprobs, logprobs.detach(), advantages, mask, config)
+        assert float(out.loss.detach()) == pytest.approx(value)
+        assert out.clip_fraction == 0.0 and out.ratio_mean == pytest.approx(1.0)
+
+
+def test_ratio_is_clipped_for_positive_advantages_and_clip_higher_widens_it() -> None:
+    behaviour = torch.zeros((1, 1), dtype=torch.float64)
+    logprobs = torch.full((1, 1), 0.5, dtype=torch.float64)  # ratio e^0.5 = 1.6487
+    mask = torch.ones((1, 1))
+    symmetric = policy_loss(logprobs, behaviour, _t(1), mask, LossConfig())
+    assert float(symmetric.loss) == pytest.approx(-1.2) and symmetric.clip_fraction == 1.0
+    higher = policy_loss(logprobs, behaviour, _t(1), mask, LossConfig(clip_high=0.28))
+    assert float(higher.loss) == pytest.approx(-1.28)
+    negative = policy_loss(logprobs, behaviour, _t(-1), mask, LossConfig())
+    assert float(negative.loss) == pytest.approx(math.exp(0.5))  # pessimistic: not clipped
+    assert negative.clip_fraction == 0.0
+
+
+def test_truncated_importance_weight_caps_the_sampler_mismatch() -> None:
+    # trainer's old logprob - behaviour logprob = ln 3 -> weight min(3, 2) = 2; ratio 1
+    old = torch.full((1, 1), math.log(3.0), dtype=torch.float64)
+    out = policy_loss(
+        old.clone(),
+        torch.zeros((1, 1), dtype=torch.float64),
+        _t(1),
+        torch.ones((1, 1)),
+        LossConfig(tis_cap=2.0),
+        old_logprobs=old,
+    )
+    assert out.tis_weight_mean == pytest.approx(2.0)
+    assert float(out.loss) == pytest.approx(-2.0)
+
+
+def test_k3_kl_to_the_reference_is_added_with_its_weight() -> None:
+    # ref - logp = ln 2: k3 = 2 - ln 2 - 1 = 0.306853; loss = -A + 0.5 * k3 at ratio 1
+    logprobs = torch.zeros((1, 1), dtype=torch.float64)
+    ref = torch.full((1, 1), math.log(2.0), dtype=torch.float64)
+    out = policy_loss(
+        logprobs, logprobs, _t(1), torch.ones((1, 1)), LossConfig(kl_coef=0.5), ref_logprobs=ref
+    )
+    assert out.kl == pytest.approx(1 - math.log(2))
+    assert float(out.loss) == pytest.approx(-1 + 0.5 * (1 - math.log(2)))
+
+
+def test_bad_configurations_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="token_mean, seq_mean or seq_sum_token_mean"):
+        LossConfig(aggregation="sum")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        x = torch.zeros((1, 1))
+        policy_loss(x, x, torch.zeros(1), x, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="must be"):
+        aggregate(torch.zeros((1, 1)), torch.ones((1, 1)), "max", None)  # type: ignore[arg-type]
