@@ -212,7 +212,10 @@ def bench_gateway(
     vLLM, directly and through the gateway (and any --proxy-url)."""
     from gateway.bench import BenchSettings, run_benchmark
 
-    streams = tuple(value.lower() == "true" for value in stream or ["false", "true"])
+    values = [value.lower() for value in stream or ["false", "true"]]
+    if not set(values) <= {"false", "true"}:
+        raise typer.BadParameter(f"--stream takes 'false' or 'true', got {stream}")
+    streams = tuple(value == "true" for value in values)
     settings = BenchSettings(
         requests=requests,
         warmup_requests=warmup_requests,
