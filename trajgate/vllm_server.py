@@ -141,6 +141,10 @@ def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> lis
         "--max-model-len",
         "2048",
         "--enforce-eager",
+        # vLLM's CPU default turns fp32 weights into bf16: logprobs then differ from the
+        # trainer's by ~1e-3 nats. fp32 keeps the sampler/trainer gap near 1e-7.
+        "--dtype",
+        "float32",
         "--seed",
         "0",
         "--enable-auto-tool-choice",

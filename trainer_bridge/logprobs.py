@@ -1,0 +1,43 @@
+"""Per-token log-probabilities and entropies of a causal LM over given token sequences.
+
+Owns: the alignment between logits and tokens. Shape legend: ``B`` rows, ``T`` tokens, ``V``
+vocabulary. Position t of every output holds the value for token t predicted from tokens < t;
+position 0 has no prediction and holds 0. This is the alignment of ``loss_mask`` and
+``behaviour_logprobs`` in a batch row. Never: re-tokenises text; it reads IDs only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def token_logprobs(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probabilities ``[B, T]`` (and entropies ``[B, T]``) of ``input_ids`` under ``model``.
+
+    ``temperature`` divides the logits first; vLLM's behaviour logprobs are raw (temperature 1)
+    by default (``--logprobs-mode raw_logprobs``), so compare at 1.0.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).logits  # [B, T, V]
+    logits = logits[:, :-1, :].float() / temperature  # predicts tokens 1..T-1: [B, T-1, V]
+    log_softmax = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
+    targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
+    picked = log_softmax.gather(-1, targets).squeeze(-1)  # [B, T-1]
+    zeros = torch.zeros_like(picked[:, :1])  # [B, 1]
+    logprobs = torch.cat([zeros, picked], dim=1)  # [B, T]
+    if not with_entropy:
+        return logprobs, None
+    entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)  # [B, T-1]
+    return logprobs, torch.cat([zeros, entropy], dim=1)  # [B, T]

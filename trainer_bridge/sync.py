@@ -1,0 +1,106 @@
+"""Publishing new weights: into vLLM, then into the gateway as the next policy version.
+
+Owns: the order "load weights into every vLLM replica → reset each prefix cache → register the
+version with the gateway (which switches the alias atomically)", so no call is served from a
+mix of old and new weights and every later step carries the new version. Never: trains.
+
+vLLM endpoints used (vLLM 0.32, checked against the CPU build):
+``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`` (needs
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), ``POST /collective_rpc {"method": "reload_weights",
+"kwargs": {"weights_path"}}`` and ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+WeightFormat = Literal["lora", "full"]
+
+
+class WeightSyncError(RuntimeError):
+    """vLLM or the gateway refused a step of the sync; the message names which and why."""
+
+
+@dataclass(frozen=True)
+class PublishedPolicy:
+    version: int
+    model_name: str
+    weights_location: str
+
+
+class WeightSync:
+    """Pushes weights to vLLM replicas and registers them with a gateway."""
+
+    def __init__(
+        self,
+        vllm_urls: list[str],
+        gateway_url: str,
+        *,
+        admin_token: str | None = None,
+        adapter_prefix: str = "policy",
+        base_model_name: str = "tiny",
+        timeout_s: float = 120.0,
+    ) -> None:
+        self.vllm_urls = [url.rstrip("/") for url in vllm_urls]
+        self.gateway_url = gateway_url.rstrip("/")
+        self.adapter_prefix = adapter_prefix
+        self.base_model_name = base_model_name
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers)
+
+    def _post(self, url: str, body: dict[str, object]) -> None:
+        response = self.client.post(url, json=body)
+        if response.status_code >= 400:
+            raise WeightSyncError(f"POST {url} -> {response.status_code}: {response.text[:500]}")
+
+    def register(self, version: int, model_name: str, weights_location: str) -> PublishedPolicy:
+        """Register and activate ``version`` in the gateway's policy registry."""
+        self._post(
+            f"{self.gateway_url}/admin/policy-versions",
+            {
+                "version": version,
+                "model_name": model_name,
+                "weights_location": weights_location,
+                "activate": True,
+            },
+        )
+        return PublishedPolicy(version, model_name, weights_location)
+
+    def publish(self, version: int, weights_dir: Path, fmt: WeightFormat) -> PublishedPolicy:
+        """Load ``weights_dir`` into every replica, reset their prefix caches, register.
+
+        LoRA: each version is its own adapter name (``<prefix>-v<version>``), so a call resolved
+        against the previous version before the switch still finds its adapter. Full weights:
+        reloaded in place under the base model name.
+
+        Raises:
+            WeightSyncError: a replica or the gateway refused.
+            ValueError: unknown ``fmt``.
+        """
+        location = str(weights_dir.resolve())
+        if fmt == "lora":
+            model_name = f"{self.adapter_prefix}-v{version}"
+            for url in self.vllm_urls:
+                self._post(
+                    f"{url}/v1/load_lora_adapter",
+                    {"lora_name": model_name, "lora_path": location, "load_inplace": True},
+                )
+        elif fmt == "full":
+            model_name = self.base_model_name
+            for url in self.vllm_urls:
+                self._post(
+                    f"{url}/collective_rpc",
+                    {"method": "reload_weights", "kwargs": {"weights_path": location}},
+                )
+        else:
+            raise ValueError(f"weight format must be 'lora' or 'full', got {fmt!r}")
+        for url in self.vllm_urls:
+            self._post(f"{url}/reset_prefix_cache", {})
+        return self.register(version, model_name, location)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,244 @@
+"""The torch trainer: one RL update of a Hugging Face causal LM (LoRA via peft, or full weights).
+
+Owns: the model and optimiser, micro-batching with gradient accumulation, gradient clipping,
+bf16 autocast on GPU, the update's metrics, and saving what vLLM loads (a peft adapter directory
+or full safetensors). Shape legend: ``B`` rows, ``T`` tokens. Never: talks HTTP (``sync`` and
+``client`` do), or computes advantages (``advantages`` does, before the batch gets here).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from torch import Tensor
+
+from trainer_bridge.logprobs import token_logprobs
+from trainer_bridge.losses import Aggregation, LossConfig, policy_loss
+
+
+class TrainerSettings(BaseSettings):
+    """How the policy is trained (``TRAJGATE_TRAINER_*`` variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
+
+    model_dir: Path = Field(
+        description="Hugging Face model directory of the policy's base weights."
+    )
+    lora_rank: int = Field(
+        default=8,
+        ge=0,
+        description="LoRA rank; 0 trains every weight (full fine-tuning, pushed with a reload).",
+    )
+    lora_alpha: int = Field(default=16, gt=0, description="LoRA scaling numerator.")
+    lora_target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules that get LoRA adapters (vLLM supports these for Qwen2).",
+    )
+    learning_rate: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    micro_batch_rows: int = Field(
+        default=8, ge=1, description="Rows per forward/backward; gradients accumulate over them."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    clip_low: float = Field(default=0.2, ge=0, description="PPO clip below 1.")
+    clip_high: float = Field(default=0.28, ge=0, description="PPO clip above 1 (clip-higher).")
+    tis_cap: float | None = Field(default=2.0, description="Truncated importance weight cap.")
+    aggregation: Aggregation = Field(default="token_mean", description="Loss aggregation.")
+    kl_coef: float = Field(default=0.0, ge=0, description="k3 KL weight (0 = no reference model).")
+    seed: int = Field(default=0, description="Seed of LoRA initialisation.")
+    device: str = Field(default="auto", description="'auto' (CUDA if present), 'cpu' or 'cuda'.")
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            tis_cap=self.tis_cap,
+            aggregation=self.aggregation,
+            kl_coef=self.kl_coef,
+        )
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Tensors of one update; all ``[B, T]`` except ``advantages`` (``[B, T]`` or ``[B]``)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        return TrainBatch(
+            self.input_ids[start:stop],
+            self.attention_mask[start:stop],
+            self.loss_mask[start:stop],
+            self.behaviour_logprobs[start:stop],
+            self.advantages[start:stop],
+        )
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.loss_mask,
+                    self.behaviour_logprobs,
+                    self.advantages,
+                )
+            )
+        )
+
+
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """What one update did. ``logprob_gap_mean_abs``: mean |trainer - vLLM| logprob of the
+    sampled tokens before the update (the sampler/trainer mismatch, in nats)."""
+
+    loss: float
+    clip_fraction: float
+    ratio_mean: float
+    kl: float
+    entropy_mean: float
+    grad_norm: float
+    tokens: int
+    tokens_per_s: float
+    logprob_gap_mean_abs: float
+    logprob_gap_max_abs: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {key: float(value) for key, value in self.__dict__.items()}
+
+
+class PolicyTrainer:
+    """Holds the policy model and performs clipped policy-gradient updates."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings = settings
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu")
+            if settings.device == "auto"
+            else settings.device
+        )
+        torch.manual_seed(settings.seed)
+        model: Any = AutoModelForCausalLM.from_pretrained(settings.model_dir, dtype=torch.float32)
+        if settings.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=settings.lora_rank,
+                lora_alpha=settings.lora_alpha,
+                target_modules=settings.lora_target_modules,
+                lora_dropout=0.0,
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lora)
+        self.model: Any = model.to(self.device)
+        self.model.train()
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.parameters, lr=settings.learning_rate, weight_decay=settings.weight_decay
+        )
+        self.loss_config = settings.loss_config()
+
+    def _autocast(self) -> Any:
+        enabled = self.device.type == "cuda"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """The current policy's logprobs ``[B, T]`` of the batch's tokens (no gradient)."""
+        chunks = []
+        for start in range(0, batch.rows, self.settings.micro_batch_rows):
+            micro = batch.slice(start, start + self.settings.micro_batch_rows).to(self.device)
+            with self._autocast():
+                values, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask)
+            chunks.append(values.float().cpu())
+        return torch.cat(chunks, dim=0)
+
+    def update(self, batch: TrainBatch) -> UpdateMetrics:
+        """One optimiser step over the whole batch, accumulated over micro-batches.
+
+        Micro-batch losses are weighted so the accumulated gradient equals the full-batch
+        aggregation: by token share for ``token_mean``, by row share for the others.
+
+        Raises:
+            ValueError: the batch has no token with ``loss_mask == 1``.
+        """
+        started = time.perf_counter()
+        total_tokens = int(batch.loss_mask.sum())
+        if total_tokens == 0:
+            raise ValueError("batch has no sampled token (loss_mask is all 0)")
+        old = self.logprobs(batch)  # [B, T], before the update
+        mask = batch.loss_mask.bool()
+        gap = (old - batch.behaviour_logprobs).abs()[mask]
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
+        step = self.settings.micro_batch_rows
+        for start in range(0, batch.rows, step):
+            micro = batch.slice(start, start + step).to(self.device)
+            micro_tokens = int(micro.loss_mask.sum())
+            if micro_tokens == 0:
+                continue
+            share = (
+                micro_tokens / total_tokens
+                if self.loss_config.aggregation == "token_mean"
+                else micro.rows / batch.rows
+            )
+            with self._autocast():
+                logprobs, entropy = token_logprobs(
+                    self.model, micro.input_ids, micro.attention_mask, with_entropy=True
+                )
+            out = policy_loss(
+                logprobs.float(),
+                micro.behaviour_logprobs.float(),
+                micro.advantages.float(),
+                micro.loss_mask,
+                self.loss_config,
+                old_logprobs=old[start : start + step].to(self.device),
+            )
+            (out.loss * share).backward()  # type: ignore[no-untyped-call]
+            token_share = micro_tokens / total_tokens
+            sums["loss"] += float(out.loss.detach()) * share
+            sums["clip"] += out.clip_fraction * token_share
+            sums["ratio"] += out.ratio_mean * token_share
+            sums["kl"] += out.kl * share
+            assert entropy is not None
+            sums["entropy"] += float(entropy.detach()[micro.loss_mask.bool()].mean()) * token_share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.max_grad_norm)
+        self.optimizer.step()
+        elapsed = time.perf_counter() - started
+        return UpdateMetrics(
+            loss=sums["loss"],
+            clip_fraction=sums["clip"],
+            ratio_mean=sums["ratio"],
+            kl=sums["kl"],
+            entropy_mean=sums["entropy"],
+            grad_norm=float(grad_norm),
+            tokens=total_tokens,
+            tokens_per_s=total_tokens / elapsed if elapsed > 0 else math.inf,
+            logprob_gap_mean_abs=float(gap.mean()),
+            logprob_gap_max_abs=float(gap.max()),
+        )
+
+    def save_for_vllm(self, directory: Path) -> Path:
+        """Write what vLLM loads: a peft adapter (LoRA) or full safetensors; returns the dir."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        return directory
