@@ -259,3 +259,114 @@ class ApiKey(Base):
     channel: Mapped[str | None] = mapped_column(String(100))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# ---- curation and batches (issue 5; see datapool.labels, datapool.curation, datapool.batches) ----
+
+
+class Label(Base):
+    """One append-only human label on a step, trajectory or group.
+
+    The current view of a target folds its records oldest first: ``tags`` are added and
+    ``remove_tags`` removed; ``quality``, ``decision`` and ``note`` are the latest non-null value.
+    """
+
+    __tablename__ = "labels"
+    __table_args__ = (Index("ix_labels_target", "target_kind", "target_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    target_kind: Mapped[str] = mapped_column(String(20))
+    target_id: Mapped[str] = mapped_column(String(200))
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    remove_tags: Mapped[list[Any]] = mapped_column(default=list)
+    quality: Mapped[str | None] = mapped_column(String(10))  # good / bad / unsure
+    decision: Mapped[str | None] = mapped_column(String(10))  # include / exclude
+    note: Mapped[str | None] = mapped_column(Text)
+    author: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class CurationRule(Base):
+    """A curation rule declared in the pool; its matches are ``curation_marks``."""
+
+    __tablename__ = "curation_rules"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    kind: Mapped[str] = mapped_column(String(50))
+    action: Mapped[str] = mapped_column(String(20))  # exclude / flag
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    enabled: Mapped[bool] = mapped_column(default=True)
+    author: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class CurationMark(Base):
+    """A rule's current match on one target (derived: re-applying a rule replaces its marks)."""
+
+    __tablename__ = "curation_marks"
+    __table_args__ = (
+        UniqueConstraint("rule_id", "target_kind", "target_id"),
+        Index("ix_curation_marks_target", "target_kind", "target_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rule_id: Mapped[int] = mapped_column(
+        ForeignKey("curation_rules.id", ondelete="CASCADE"), index=True
+    )
+    target_kind: Mapped[str] = mapped_column(String(20))
+    target_id: Mapped[str] = mapped_column(String(200))
+    trajectory_id: Mapped[str | None] = mapped_column(String(200), index=True)
+    action: Mapped[str] = mapped_column(String(20))
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class Batch(Base):
+    """An immutable materialised batch (rows in Parquet at ``uri``) and its one lease."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(20), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column()
+    manifest: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    uri: Mapped[str | None] = mapped_column(Text)
+    rows: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_id: Mapped[str | None] = mapped_column(String(36))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    leases: Mapped[int] = mapped_column(Integer, default=0)
+    expired_leases: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class BatchConsumption(Base):
+    """A consumer acknowledged a batch: trained on it once, with this policy version."""
+
+    __tablename__ = "batch_consumptions"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    consumer: Mapped[str] = mapped_column(String(200), primary_key=True)
+    lease_id: Mapped[str] = mapped_column(String(36))
+    policy_version_trained: Mapped[int | None] = mapped_column(Integer)
+    acked_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+class BatchRow(Base):
+    """Lineage: which steps each row of a batch holds (a merged row holds several)."""
+
+    __tablename__ = "batch_rows"
+
+    batch_id: Mapped[str] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True
+    )
+    row_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step_id: Mapped[str] = mapped_column(String(36), primary_key=True, index=True)
+    trajectory_id: Mapped[str] = mapped_column(String(200), index=True)
