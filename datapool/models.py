@@ -277,6 +277,8 @@ class Label(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     target_kind: Mapped[str] = mapped_column(String(20))
     target_id: Mapped[str] = mapped_column(String(200))
+    # The step's or trajectory's trajectory (None for a group): finds a trajectory's labels.
+    trajectory_id: Mapped[str | None] = mapped_column(String(200), index=True)
     tags: Mapped[list[Any]] = mapped_column(default=list)
     remove_tags: Mapped[list[Any]] = mapped_column(default=list)
     quality: Mapped[str | None] = mapped_column(String(10))  # good / bad / unsure

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Text, and_, cast, exists, func, or_, select
 from starlette.concurrency import run_in_threadpool
 
-from datapool import lifecycle, rewards
+from datapool import curation, lifecycle, rewards
 from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
 from datapool.store import PoolStore, StoredStep
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -381,6 +381,8 @@ async def complete_trajectory(
         background.add_task(
             rewards.run_reward_functions, store, trajectory_id, store.settings.reward_functions
         )
+    # Curation rules run after the reward functions (background tasks run in order).
+    background.add_task(curation.apply_on_completion, store, trajectory_id)
     return await run_in_threadpool(_detail, store, trajectory_id)
 
 

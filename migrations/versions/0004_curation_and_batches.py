@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
         sa.Column("target_kind", sa.String(20), nullable=False),
         sa.Column("target_id", sa.String(200), nullable=False),
+        sa.Column("trajectory_id", sa.String(200), nullable=True),
         sa.Column("tags", sa.JSON(), nullable=False),
         sa.Column("remove_tags", sa.JSON(), nullable=False),
         sa.Column("quality", sa.String(10), nullable=True),
@@ -35,6 +36,7 @@ def upgrade() -> None:
         _created_at(),
     )
     op.create_index("ix_labels_target", "labels", ["target_kind", "target_id"])
+    op.create_index("ix_labels_trajectory_id", "labels", ["trajectory_id"])
     op.create_table(
         "curation_rules",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),

@@ -1,0 +1,148 @@
+"""Leases: handing materialised batches to consumers exactly once each.
+
+Owns: ``lease_next`` (atomically give a consumer the oldest ready batch it has not consumed and
+nobody holds), ``ack`` (the update succeeded: recorded once per consumer, with the policy version
+it trained) and ``nack`` (give it back now). State lives in SQL only, so leases survive gateway
+restarts and work across several gateway processes. Never: reads or writes batch files.
+
+Atomicity: on PostgreSQL the candidate row is taken with ``SELECT ... FOR UPDATE SKIP LOCKED``
+(concurrent consumers skip each other's row instead of waiting or colliding); on SQLite one
+``UPDATE ... WHERE id = (SELECT ...) RETURNING`` runs under the database's single writer lock.
+Either way the UPDATE re-checks the lease condition, so two consumers never hold one batch.
+An expired lease counts in ``expired_leases`` when the next consumer takes the batch over; an
+ack or nack with a lease that expired (or was taken over) is refused with ``LeaseLostError``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, case, exists, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.errors import InvalidPoolRequestError, UnknownTargetError
+from datapool.models import Batch, BatchConsumption, utc_now
+
+LEASABLE = ("ready", "consumed", "leased")
+
+
+class LeaseLostError(InvalidPoolRequestError):
+    """The lease named in an ack/nack is not the batch's current, unexpired lease."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    batch_id: str
+    consumer: str
+    lease_id: str
+    expires_at: datetime
+    uri: str | None
+    rows: int
+    tokens: int
+
+
+def _eligible(consumer: str, now: datetime) -> Any:
+    consumed = exists().where(
+        BatchConsumption.batch_id == Batch.id, BatchConsumption.consumer == consumer
+    )
+    return and_(
+        Batch.status.in_(LEASABLE),
+        or_(Batch.lease_expires_at.is_(None), Batch.lease_expires_at < now),
+        ~consumed,
+    )
+
+
+def lease_next(sessions: sessionmaker[Session], consumer: str, lease_s: float) -> Lease | None:
+    """The next batch for ``consumer`` under a new lease of ``lease_s`` seconds, or None."""
+    if not consumer or len(consumer) > 200:
+        raise InvalidPoolRequestError(
+            f"consumer must be 1-200 characters, got {consumer!r}", param="consumer"
+        )
+    if lease_s <= 0:
+        raise InvalidPoolRequestError(f"lease_s must be > 0, got {lease_s}", param="lease_s")
+    now = utc_now()
+    lease_id = str(uuid.uuid4())
+    expires_at = now + timedelta(seconds=lease_s)
+    values = {
+        "status": "leased",
+        "lease_owner": consumer,
+        "lease_id": lease_id,
+        "lease_expires_at": expires_at,
+        "leases": Batch.leases + 1,
+        "expired_leases": Batch.expired_leases
+        + case((Batch.lease_expires_at.is_not(None), 1), else_=0),
+    }
+    oldest = select(Batch.id).where(_eligible(consumer, now)).order_by(Batch.created_at, Batch.id)
+    with sessions.begin() as session:
+        if session.get_bind().dialect.name == "postgresql":
+            batch_id = session.scalar(oldest.limit(1).with_for_update(skip_locked=True))
+            if batch_id is None:
+                return None
+            target = Batch.id == batch_id
+        else:
+            target = Batch.id == oldest.limit(1).scalar_subquery()
+        row = session.execute(
+            update(Batch)
+            .where(target, _eligible(consumer, now))
+            .values(**values)
+            .returning(Batch.id, Batch.uri, Batch.rows, Batch.tokens)
+            .execution_options(synchronize_session=False)
+        ).first()
+    if row is None:
+        return None
+    return Lease(row[0], consumer, lease_id, expires_at, row[1], row[2], row[3])
+
+
+def _release(session: Session, batch_id: str, consumer: str, lease_id: str, status: Any) -> None:
+    now = utc_now()
+    released = session.execute(
+        update(Batch)
+        .where(
+            Batch.id == batch_id,
+            Batch.lease_id == lease_id,
+            Batch.lease_owner == consumer,
+            Batch.lease_expires_at >= now,
+        )
+        .values(status=status, lease_owner=None, lease_id=None, lease_expires_at=None)
+        .returning(Batch.id)
+        .execution_options(synchronize_session=False)
+    ).first()
+    if released is None:
+        if session.get(Batch, batch_id) is None:
+            raise UnknownTargetError(f"no batch {batch_id!r}", param="batch_id")
+        raise LeaseLostError(
+            f"lease {lease_id!r} of {consumer!r} on batch {batch_id} is not current (expired, "
+            "released or taken over); lease the next batch instead",
+            param="lease_id",
+        )
+
+
+def ack(
+    sessions: sessionmaker[Session],
+    batch_id: str,
+    consumer: str,
+    lease_id: str,
+    policy_version_trained: int | None,
+) -> None:
+    """Record that ``consumer`` trained on the batch (once); the lease ends."""
+    with sessions.begin() as session:
+        _release(session, batch_id, consumer, lease_id, "consumed")
+        session.add(
+            BatchConsumption(
+                batch_id=batch_id,
+                consumer=consumer,
+                lease_id=lease_id,
+                policy_version_trained=policy_version_trained,
+                acked_at=utc_now(),
+            )
+        )
+
+
+def nack(sessions: sessionmaker[Session], batch_id: str, consumer: str, lease_id: str) -> None:
+    """Give the batch back now (the update failed); the next lease may take it."""
+    consumed = exists().where(BatchConsumption.batch_id == batch_id)
+    with sessions.begin() as session:
+        _release(session, batch_id, consumer, lease_id, case((consumed, "consumed"), else_="ready"))

@@ -1,0 +1,105 @@
+"""Which trajectories a filter names: shared by bulk labels, curation scopes and batch specs.
+
+Owns: ``TrajectoryFilter`` (the one filter shape of the curation and batch APIs) and turning it
+into trajectory ids. Never: decides readiness (see ``datapool.curation``); a filter only selects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Text, cast, exists, select
+from sqlalchemy.orm import Session
+
+from datapool.models import Step, Trajectory
+from datapool.rewards import current_rewards_query
+
+Quality = Literal["good", "bad", "unsure"]
+SQL_IN_CHUNK = 2000
+
+
+class TrajectoryFilter(BaseModel):
+    """Trajectories to act on; every given field must hold (AND)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    channel: str | None = None
+    status: list[str] | None = Field(default=None, description="Any of these statuses.")
+    group_ids: list[str] | None = None
+    trajectory_ids: list[str] | None = None
+    tags: list[str] = Field(default_factory=list, description="Every tag must be present.")
+    flags: list[str] = Field(default_factory=list, description="Every flag must be present.")
+    reward_name: str = "final"
+    reward_min: float | None = None
+    reward_max: float | None = None
+    rewarded: bool | None = Field(default=None, description="Has reward_name (true) or not.")
+    policy_version: int | None = Field(default=None, description="Has a step of this version.")
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    quality: list[Quality] | None = Field(
+        default=None, description="Current quality label of the trajectory is one of these."
+    )
+    limit: int | None = Field(default=None, ge=1, description="Oldest first, at most this many.")
+
+
+def json_contains(column: Any, value: str) -> Any:
+    """``value`` is an element of a JSON list column (text on SQLite, json on PostgreSQL)."""
+    return cast(column, Text).like(f"%{json.dumps(value)}%")
+
+
+def chunks(items: Sequence[str], size: int = SQL_IN_CHUNK) -> Iterable[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def select_trajectory_ids(session: Session, where: TrajectoryFilter) -> list[str]:
+    """Ids of the trajectories matching ``where``, oldest first."""
+    query = select(Trajectory.id).order_by(Trajectory.created_at, Trajectory.id)
+    if where.channel is not None:
+        query = query.where(Trajectory.channel == where.channel)
+    if where.status:
+        query = query.where(Trajectory.status.in_(where.status))
+    if where.group_ids is not None:
+        query = query.where(Trajectory.group_id.in_(where.group_ids))
+    if where.trajectory_ids is not None:
+        query = query.where(Trajectory.id.in_(where.trajectory_ids))
+    for tag in where.tags:
+        query = query.where(json_contains(Trajectory.tags, tag))
+    for flag in where.flags:
+        query = query.where(json_contains(Trajectory.flags, flag))
+    if where.reward_min is not None or where.reward_max is not None or where.rewarded is not None:
+        current = current_rewards_query("trajectory", where.reward_name)
+        if where.rewarded is False:
+            query = query.where(~Trajectory.id.in_(select(current.c.target_id)))
+        else:
+            query = query.join(current, current.c.target_id == Trajectory.id)
+            if where.reward_min is not None:
+                query = query.where(current.c.value >= where.reward_min)
+            if where.reward_max is not None:
+                query = query.where(current.c.value <= where.reward_max)
+    if where.policy_version is not None:
+        query = query.where(
+            exists().where(
+                Step.trajectory_id == Trajectory.id, Step.policy_version == where.policy_version
+            )
+        )
+    if where.created_after is not None:
+        query = query.where(Trajectory.created_at >= where.created_after)
+    if where.created_before is not None:
+        query = query.where(Trajectory.created_at < where.created_before)
+    if where.limit is not None and where.quality is None:
+        query = query.limit(where.limit)
+    ids = list(session.scalars(query))
+    if where.quality is not None:
+        from datapool.labels import current_labels
+
+        labels = current_labels(session, "trajectory", ids)
+        wanted = set(where.quality)
+        ids = [i for i in ids if i in labels and labels[i].quality in wanted]
+        if where.limit is not None:
+            ids = ids[: where.limit]
+    return ids

@@ -1,0 +1,166 @@
+"""The trainer's client of the pool: lease a batch, read its rows, ack or nack.
+
+Owns: the HTTP calls of ``/api/batches/lease``, ``/api/batches/{id}/rows`` (Arrow IPC),
+``/ack`` and ``/nack``, and turning Arrow rows into ``trainer_bridge.collate.Row``s or straight
+into a padded ``TrainBatch``. Never: builds or changes rows; they arrive exactly as the pool
+materialised them (token IDs, loss mask, behaviour logprobs, advantage).
+
+Typical loop::
+
+    with PoolClient("http://127.0.0.1:8000") as pool:
+        while (lease := pool.lease("trainer-0", lease_s=600)) is not None:
+            batch = train_batch(pool.rows(lease.batch_id), pad_token_id=0)
+            ...  # one RL update
+            pool.ack(lease, policy_version_trained=version)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+import pyarrow as pa
+
+from trainer_bridge.collate import Row, collate
+from trainer_bridge.trainer import TrainBatch
+
+
+class PoolClientError(RuntimeError):
+    """The pool answered with an error envelope (message, status code)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+
+
+class LeaseLostError(PoolClientError):
+    """The lease expired or was taken over before ack/nack; do not count the update as done."""
+
+
+@dataclass(frozen=True)
+class LeasedBatch:
+    """A batch held under a lease until ``expires_at`` (ISO 8601, UTC)."""
+
+    batch_id: str
+    consumer: str
+    lease_id: str
+    expires_at: str
+    rows: int
+    tokens: int
+
+
+class PoolClient:
+    """A synchronous client of one pool (gateway) at ``base_url``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 120.0,
+        transport: httpx.BaseTransport | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport, headers=headers
+        )
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _check(self, response: httpx.Response) -> httpx.Response:
+        if response.status_code < 400:
+            return response
+        try:
+            message = str(response.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:500]
+        if response.status_code == 409 and "lease" in message:
+            raise LeaseLostError(response.status_code, message)
+        raise PoolClientError(response.status_code, message)
+
+    def lease(self, consumer: str, lease_s: float | None = None) -> LeasedBatch | None:
+        """The next batch ``consumer`` has not consumed, under a lease; None when none is ready."""
+        body: dict[str, Any] = {"consumer": consumer}
+        if lease_s is not None:
+            body["lease_s"] = lease_s
+        response = self._check(self._http.post("/api/batches/lease", json=body))
+        if response.status_code == 204:
+            return None
+        data = response.json()
+        return LeasedBatch(
+            data["batch_id"],
+            data["consumer"],
+            data["lease_id"],
+            data["expires_at"],
+            data["rows"],
+            data["tokens"],
+        )
+
+    def rows(self, batch_id: str) -> pa.Table:
+        """The batch's rows (Arrow IPC stream → table)."""
+        response = self._check(self._http.get(f"/api/batches/{batch_id}/rows"))
+        return pa.ipc.open_stream(pa.py_buffer(response.content)).read_all()
+
+    def ack(self, lease: LeasedBatch, policy_version_trained: int | None = None) -> None:
+        """The update on this batch succeeded; raises ``LeaseLostError`` if the lease is gone."""
+        self._check(
+            self._http.post(
+                f"/api/batches/{lease.batch_id}/ack",
+                json={
+                    "consumer": lease.consumer,
+                    "lease_id": lease.lease_id,
+                    "policy_version_trained": policy_version_trained,
+                },
+            )
+        )
+
+    def nack(self, lease: LeasedBatch, reason: str | None = None) -> None:
+        """The update failed; the batch goes back to the pool now."""
+        self._check(
+            self._http.post(
+                f"/api/batches/{lease.batch_id}/nack",
+                json={"consumer": lease.consumer, "lease_id": lease.lease_id, "reason": reason},
+            )
+        )
+
+
+def rows_from_table(table: pa.Table, *, skip_unscored: bool = False) -> list[Row]:
+    """``Row``s of a batch table (columns ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
+    ``advantage``).
+
+    A NaN advantage (an unrewarded row, or ``ppo`` where the critic computes advantages) raises
+    ``ValueError`` unless ``skip_unscored``, which drops such rows: NaN never becomes 0.
+    """
+    columns = table.select(["input_ids", "loss_mask", "behaviour_logprobs", "advantage"])
+    rows: list[Row] = []
+    for ids, mask, logprobs, advantage in zip(
+        *(columns[name].to_pylist() for name in columns.column_names), strict=True
+    ):
+        if advantage is None or math.isnan(advantage):
+            if skip_unscored:
+                continue
+            raise ValueError(
+                "a row has no advantage (NaN: unrewarded, or algorithm 'ppo' whose critic "
+                "computes it); pass skip_unscored=True to drop such rows"
+            )
+        rows.append(Row(ids, mask, logprobs, float(advantage)))
+    return rows
+
+
+def train_batch(table: pa.Table, pad_token_id: int, *, skip_unscored: bool = False) -> TrainBatch:
+    """A padded ``TrainBatch`` (``[B, T]`` tensors) of a batch table (see ``rows_from_table``)."""
+    return collate(rows_from_table(table, skip_unscored=skip_unscored), pad_token_id)
