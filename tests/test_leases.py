@@ -1,0 +1,112 @@
+"""Leases on SQLite and PostgreSQL: an expired lease returns the batch exactly once, concurrent
+consumers never hold the same batch, a batch is trained on once per consumer, and lease state
+is only in SQL (a fresh store, as after a gateway restart, sees it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from batch_helpers import agent_turns, make_store, write_trajectory
+
+from datapool import leases
+from datapool.batch_settings import BatchSettings
+from datapool.batches import BatchSpec, materialise
+from datapool.models import Batch
+from datapool.settings import PoolSettings
+from datapool.store import PoolStore
+
+
+def make_batches(store: PoolStore, tmp_path: Path, n: int) -> list[str]:
+    settings = BatchSettings(batch_uri=str(tmp_path / "batches"))
+    ids = []
+    for i in range(n):
+        write_trajectory(store, f"t{i}", agent_turns(i + 1, 2), reward=float(i))
+        spec = BatchSpec(algorithm="sft", filters={"trajectory_ids": [f"t{i}"]})
+        ids.append(materialise(store, spec, settings).id)
+    return ids
+
+
+def test_an_expired_lease_returns_the_batch_exactly_once(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = make_store(pool_settings)
+    [batch_id] = make_batches(store, tmp_path, 1)
+    first = leases.lease_next(store.sessions, "crashed-trainer", 0.3)
+    assert first is not None and first.batch_id == batch_id
+    assert leases.lease_next(store.sessions, "other", 60) is None  # held, not expired
+    time.sleep(0.5)  # the crashed trainer never acks
+    got: list[leases.Lease | None] = []
+    barrier = threading.Barrier(4)
+
+    def take(consumer: str) -> None:
+        barrier.wait()
+        got.append(leases.lease_next(make_store(pool_settings).sessions, consumer, 60))
+
+    threads = [threading.Thread(target=take, args=(f"c{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [lease for lease in got if lease is not None]
+    assert len(winners) == 1 and winners[0].batch_id == batch_id
+    with pytest.raises(leases.LeaseLostError):  # the late ack of the expired lease is refused
+        leases.ack(store.sessions, batch_id, "crashed-trainer", first.lease_id, 1)
+    leases.ack(store.sessions, batch_id, winners[0].consumer, winners[0].lease_id, 1)
+    with make_store(pool_settings).sessions() as session:  # a fresh store: state is in SQL
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        assert (batch.status, batch.leases, batch.expired_leases) == ("consumed", 2, 1)
+
+
+def test_concurrent_consumers_never_share_a_batch_and_each_trains_once(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = make_store(pool_settings)
+    batch_ids = make_batches(store, tmp_path, 5)
+    held: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def consume(consumer: str) -> None:
+        own = make_store(pool_settings)
+        barrier.wait()
+        try:
+            while (lease := leases.lease_next(own.sessions, consumer, 60)) is not None:
+                held.setdefault(consumer, []).append(lease.batch_id)  # held, never acked
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume, args=(f"c{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    taken = [b for bs in held.values() for b in bs]
+    assert sorted(taken) == sorted(batch_ids)  # each batch held by exactly one consumer
+
+    # acked by its holder, a batch goes to other consumers but never back to the same one
+    [(consumer, [batch_id, *_])] = list(held.items())[:1]
+    with store.sessions() as session:
+        lease_id = session.get(Batch, batch_id).lease_id  # type: ignore[union-attr]
+    assert lease_id is not None
+    leases.ack(store.sessions, batch_id, consumer, lease_id, 3)
+    again = leases.lease_next(store.sessions, consumer, 60)
+    assert again is None or again.batch_id != batch_id
+    other = leases.lease_next(store.sessions, "late-consumer", 60)
+    assert other is not None and other.batch_id == batch_id
+
+
+def test_nack_gives_the_batch_back_at_once(pool_settings: PoolSettings, tmp_path: Path) -> None:
+    store = make_store(pool_settings)
+    [batch_id] = make_batches(store, tmp_path, 1)
+    lease = leases.lease_next(store.sessions, "a", 60)
+    assert lease is not None
+    leases.nack(store.sessions, batch_id, "a", lease.lease_id)
+    again = leases.lease_next(store.sessions, "a", 60)
+    assert again is not None and again.batch_id == batch_id and again.lease_id != lease.lease_id
+    with pytest.raises(leases.LeaseLostError):
+        leases.nack(store.sessions, batch_id, "a", lease.lease_id)
