@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -331,6 +331,126 @@ def rewards_import(
     sessions = make_sessionmaker(make_engine(pool.resolved_database_url()))
     ids = add_rewards(sessions, read_reward_file(path))
     typer.echo(json.dumps({"imported": len(ids)}))
+
+
+# ---- batches (curation and training batches; docs/batches.md) -------------------------------
+
+batches_app = typer.Typer(help="Training batches materialised from the pool.", no_args_is_help=True)
+app.add_typer(batches_app, name="batches")
+
+
+def _pool_store(database_url: str | None, data_dir: Path | None) -> tuple[PoolSettings, Any]:
+    from datapool.db import make_engine
+    from datapool.store import PoolStore
+
+    pool = _pool_settings(database_url, data_dir)
+    return pool, PoolStore(make_engine(pool.resolved_database_url()), pool)
+
+
+@batches_app.command("create")
+def batches_create(
+    spec: Annotated[
+        Path | None, typer.Option(help="A JSON file with a batch spec (fields in docs/batches.md).")
+    ] = None,
+    channel: Annotated[str | None, typer.Option(help="Channel (overrides the spec's).")] = None,
+    algorithm: Annotated[
+        str | None, typer.Option(help="grpo, rloo, reinforce_pp, ppo or sft.")
+    ] = None,
+    layout: Annotated[str | None, typer.Option(help="per_step or merged.")] = None,
+    name: Annotated[str | None, typer.Option(help="A name for the batch.")] = None,
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Materialise a batch spec into an immutable batch; prints its id and counts."""
+    from pydantic import ValidationError
+
+    from datapool.batches import BatchSpec, NothingToBatchError, materialise
+
+    fields: dict[str, Any] = json.loads(spec.read_text()) if spec is not None else {}
+    for key, value in (
+        ("channel", channel),
+        ("algorithm", algorithm),
+        ("layout", layout),
+        ("name", name),
+    ):
+        if value is not None:
+            fields[key] = value
+    try:
+        batch_spec = BatchSpec(**fields)
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--spec") from exc
+    _pool, store = _pool_store(database_url, data_dir)
+    try:
+        batch = materialise(store, batch_spec)
+    except NothingToBatchError as exc:
+        typer.echo(exc.message, err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(json.dumps({"id": batch.id, "uri": batch.uri, **batch.manifest["counts"]}))
+
+
+@batches_app.command("list")
+def batches_list(
+    status: Annotated[str | None, typer.Option(help="Only batches with this status.")] = None,
+    limit: Annotated[int, typer.Option(help="Most batches to list, newest first.")] = 100,
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """List batches (one JSON object per line)."""
+    from datapool.batches import list_batches
+
+    _pool, store = _pool_store(database_url, data_dir)
+    for batch in list_batches(store, status, limit):
+        typer.echo(
+            json.dumps(
+                {
+                    "id": batch.id,
+                    "name": batch.name,
+                    "status": batch.status,
+                    "rows": batch.rows,
+                    "tokens": batch.tokens,
+                    "created_at": batch.created_at.isoformat(),
+                }
+            )
+        )
+
+
+@batches_app.command("export")
+def batches_export(
+    batch_id: Annotated[str, typer.Argument(help="The batch to export.")],
+    out: Annotated[Path, typer.Option(help="Output file.")],
+    format: Annotated[
+        str, typer.Option(help="'parquet' (rows + prompt/response columns) or 'messages' (JSONL).")
+    ] = "parquet",
+    database_url: DatabaseUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Export a batch for verl / OpenRLHF / TRL (Parquet) or SFT trainers (JSONL messages)."""
+    from datapool.batch_export import EXPORT_FORMATS, export_batch
+    from datapool.batches import get_batch, read_rows
+
+    if format not in EXPORT_FORMATS:
+        raise typer.BadParameter(
+            f"expected one of {EXPORT_FORMATS}, got {format!r}", param_hint="--format"
+        )
+    _pool, store = _pool_store(database_url, data_dir)
+    batch = get_batch(store, batch_id)
+    rows = export_batch(store, batch, read_rows(batch), out, format)  # type: ignore[arg-type]
+    typer.echo(json.dumps({"batch_id": batch_id, "rows": rows, "out": str(out)}))
+
+
+@bench_app.command("export")
+def bench_export(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    trajectories: Annotated[int, typer.Option(help="Synthetic 10-turn trajectories.")] = 200,
+    turns: Annotated[int, typer.Option(help="Calls per trajectory.")] = 10,
+    group_size: Annotated[int, typer.Option(help="Trajectories per group.")] = 4,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per layout (best is kept).")] = 3,
+) -> None:
+    """Pool → trainer-ready Arrow rows: rows_per_s, tokens_per_s and merge_ratio."""
+    from datapool.batch_bench import bench_export as run
+
+    report = run(trajectories, turns, group_size, repeats)
+    typer.echo(json.dumps(report, indent=None if as_json else 2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""Exports of a batch for other trainers, and the ``trajgate batches`` CLI, on SQLite and
+PostgreSQL: Parquet with prompt/response columns that are exact slices of the stored IDs, JSONL
+chat messages for SFT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from batch_helpers import agent_turns, make_store, write_trajectory
+from typer.testing import CliRunner
+
+from datapool.settings import PoolSettings
+from trajgate.cli import app
+
+
+def test_cli_creates_lists_and_exports_a_batch_as_parquet_and_messages(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = make_store(pool_settings)
+    turns = agent_turns(12, 3)
+    write_trajectory(store, "ex", turns, reward=1.0)
+    steps = store.steps_of("ex")
+    db = ["--database-url", pool_settings.resolved_database_url(), "--data-dir", str(tmp_path)]
+    runner = CliRunner()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"algorithm": "reinforce_pp", "reward_names": ["final"]}))
+    created = runner.invoke(
+        app, ["batches", "create", "--spec", str(spec), "--layout", "merged", *db]
+    )
+    assert created.exit_code == 0, created.output
+    batch_id = json.loads(created.output)["id"]
+    listed = runner.invoke(app, ["batches", "list", *db])
+    assert json.loads(listed.output.splitlines()[0])["id"] == batch_id
+
+    out = tmp_path / "rows.parquet"
+    exported = runner.invoke(app, ["batches", "export", batch_id, "--out", str(out), *db])
+    assert exported.exit_code == 0, exported.output
+    [row] = pq.read_table(out).to_pylist()
+    p1 = len(steps[0].prompt_token_ids)
+    assert row["prompt_ids"] == steps[0].prompt_token_ids
+    assert row["response_ids"] == row["input_ids"][p1:]
+    assert row["response_mask"] == row["loss_mask"][p1:]
+    assert row["response_logprobs"] == row["behaviour_logprobs"][p1:]
+
+    jsonl = tmp_path / "sft.jsonl"
+    exported = runner.invoke(
+        app, ["batches", "export", batch_id, "--out", str(jsonl), "--format", "messages", *db]
+    )
+    assert exported.exit_code == 0, exported.output
+    [record] = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert record["messages"] == [*steps[-1].request["messages"], steps[-1].response_message]
+    assert record["reward"] == 1.0 and record["step_ids"] == [s.id for s in steps]
+    nothing = runner.invoke(app, ["batches", "create", *db])  # everything is batched already
+    assert nothing.exit_code == 1
