@@ -10,6 +10,7 @@ import typer.main
 from fastapi.routing import APIRoute
 from pydantic_settings import BaseSettings
 
+from datapool.batch_settings import BatchSettings
 from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.emulator import EmulatorSettings
@@ -27,7 +28,9 @@ def _env_names(settings: type[BaseSettings]) -> list[str]:
     return [f"{prefix}{name}".upper() for name in settings.model_fields]
 
 
-@pytest.mark.parametrize("settings", [GatewaySettings, PoolSettings, EmulatorSettings])
+@pytest.mark.parametrize(
+    "settings", [GatewaySettings, PoolSettings, EmulatorSettings, BatchSettings]
+)
 def test_every_setting_is_documented(settings: type[BaseSettings]) -> None:
     missing = [name for name in _env_names(settings) if name not in DOCS]
     assert missing == []
