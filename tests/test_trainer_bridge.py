@@ -177,5 +177,5 @@ def test_token_logprobs_align_position_t_with_token_t(tiny_model_dir: Path) -> N
     logprobs, entropy = token_logprobs(model, ids, torch.ones_like(ids), with_entropy=True)
     logits = model(input_ids=ids).logits
     expected = torch.log_softmax(logits[0, 1], dim=-1)[13]  # token 13 at position 2, from pos 1
-    assert float(logprobs[0, 2]) == pytest.approx(float(expected), abs=1e-5)
+    assert float(logprobs[0, 2].detach()) == pytest.approx(float(expected), abs=1e-5)
     assert float(logprobs[0, 0]) == 0.0 and entropy is not None and float(entropy[0, 0]) == 0.0
