@@ -19,8 +19,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import orjson
 
 from datapool.records import ChoiceRecord
 
@@ -36,6 +39,17 @@ TRUNCATED = "truncated"
 TOOL_CALL_TRUNCATED = "tool_call_truncated"
 THINKING_OFF = "thinking_off"
 PREFILL = "prefill"
+# Sampled under a grammar (forced tool call, JSON schema, regex): vLLM reports logprobs of the
+# masked distribution (a forced token has logprob 0), not of the policy the trainer computes, so
+# the importance ratio against them is meaningless. Curation usually keeps such steps out.
+CONSTRAINED = "constrained"
+_STRUCTURED_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,26 @@ class ClientAsked:
     return_token_ids: bool
     logprobs: bool
     include_usage: bool = True
+
+
+# An integer literal of 19 or more digits may not fit in 64 bits, where orjson would hand back a
+# float instead of the exact int (not a float's digits: no '.' before, no '.', 'e' or digit after).
+_LONG_INT = re.compile(rb"(?<![\d.])\d{19,}(?![\d.eE])")
+
+
+def loads(data: bytes) -> Any:
+    """Parse JSON exactly as ``json.loads`` does, with orjson where the result is the same.
+
+    orjson is several times faster, but turns integers past 64 bits into floats and refuses what
+    ``json.loads`` accepts beyond the standard (``NaN``, lone surrogates); those go to ``json``.
+    Raises ``json.JSONDecodeError`` (a ``ValueError``) on invalid JSON.
+    """
+    if _LONG_INT.search(data) is None:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
 
 
 def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> tuple[dict[str, Any], ClientAsked]:
@@ -104,7 +138,7 @@ def quality_flags(
     body: dict[str, Any], finish_reason: str | None, message: dict[str, Any] | None
 ) -> list[str]:
     """Facts curation may act on: truncated at max_tokens, a tool call cut mid-call (C18),
-    thinking turned off, an assistant prefill (C09)."""
+    thinking turned off, an assistant prefill (C09), sampling under a grammar."""
     flags: list[str] = []
     if finish_reason == "length":
         flags.append(TRUNCATED)
@@ -116,7 +150,20 @@ def quality_flags(
         flags.append(THINKING_OFF)
     if body.get("continue_final_message") is True:
         flags.append(PREFILL)
+    if is_constrained(body):
+        flags.append(CONSTRAINED)
     return flags
+
+
+def is_constrained(body: dict[str, Any]) -> bool:
+    """Whether vLLM samples this request under a grammar (see ``CONSTRAINED``)."""
+    tool_choice = body.get("tool_choice")
+    if body.get("tools") and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        return True
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        return True
+    return any(body.get(field) is not None for field in _STRUCTURED_FIELDS)
 
 
 def integrity_flags(

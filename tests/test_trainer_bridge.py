@@ -179,3 +179,52 @@ def test_token_logprobs_align_position_t_with_token_t(tiny_model_dir: Path) -> N
     expected = torch.log_softmax(logits[0, 1], dim=-1)[13]  # token 13 at position 2, from pos 1
     assert float(logprobs[0, 2].detach()) == pytest.approx(float(expected), abs=1e-5)
     assert float(logprobs[0, 0]) == 0.0 and entropy is not None and float(entropy[0, 0]) == 0.0
+
+
+def test_constrained_steps_carry_masked_logprobs_and_are_flagged(
+    gateway: BackgroundServer, pool_settings: PoolSettings, tiny_model_dir: Path
+) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    base = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 48,
+        "temperature": 1.0,
+    }
+    url = f"{gateway.url}/t/constrained/v1/chat/completions"
+    forced = {
+        **base,
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    assert httpx.post(url, json=forced, timeout=120).is_success
+    assert httpx.post(url, json=base, timeout=120).is_success
+    trainer = PolicyTrainer(TrainerSettings(model_dir=tiny_model_dir, lora_rank=0))
+    gaps = []
+    for step in steps_of(pool_settings, "constrained"):
+        batch = collate(
+            [
+                row_from_step(
+                    step.prompt_token_ids, step.response_token_ids, step.response_logprobs, 0.0
+                )
+            ],
+            PAD_ID,
+        )
+        mask = batch.loss_mask.bool()
+        gaps.append(float((trainer.logprobs(batch) - batch.behaviour_logprobs).abs()[mask].mean()))
+    constrained_step, free_step = steps_of(pool_settings, "constrained")
+    assert "constrained" in constrained_step.flags and "constrained" not in free_step.flags
+    # Masked logprobs (forced tokens at 0) are far from the policy's own; free sampling matches.
+    assert gaps[0] > 1.0 and gaps[1] < BASE_GAP_TOLERANCE
