@@ -13,6 +13,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
@@ -36,6 +37,28 @@ def make_engine(database_url: str) -> Engine:
 
         return engine
     return create_engine(database_url, pool_pre_ping=True)
+
+
+def insert_ignore(session: Session, model: Any, rows: list[dict[str, Any]]) -> int:
+    """``INSERT ... ON CONFLICT DO NOTHING`` of ``rows``; for one row, returns 1 if it was
+    inserted and 0 if it existed (for several rows, -1: drivers cannot tell).
+
+    The race-free way to create a row that concurrent requests may create too.
+    Raises ValueError on a database other than SQLite or PostgreSQL.
+    """
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        stmt: Any = postgresql.insert(model).on_conflict_do_nothing()
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(model).on_conflict_do_nothing()
+    else:
+        raise ValueError(f"unsupported database dialect {dialect!r}; expected sqlite or postgresql")
+    if len(rows) != 1:
+        session.execute(stmt, rows)
+        return -1
+    # RETURNING lists only the rows actually inserted (rowcount is -1 on psycopg here).
+    keys = list(model.__table__.primary_key.columns)
+    return len(session.execute(stmt.returning(*keys), rows[0]).all())
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

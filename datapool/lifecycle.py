@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from datapool.db import insert_ignore
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import (
     Reward,
@@ -50,26 +51,42 @@ def create_trajectory(
     Raises ``InvalidPoolRequestError`` when the id exists already.
     """
     with sessions.begin() as session:
-        if session.get(Trajectory, trajectory_id) is not None:
+        # Insert-or-ignore: concurrent creations of a group's members race on the group row.
+        if group_id is not None:
+            _ensure_group(session, group_id)
+        inserted = insert_ignore(
+            session,
+            Trajectory,
+            [
+                {
+                    "id": trajectory_id,
+                    "group_id": group_id,
+                    "channel": channel,
+                    "status": TrajectoryStatus.OPEN.value,
+                    "metadata_json": metadata or {},
+                    "tags": list(tags or []),
+                    "flags": [],
+                    "call_count": 0,
+                    "rejected_calls": 0,
+                    "created_at": utc_now(),
+                }
+            ],
+        )
+        if not inserted:
             raise InvalidPoolRequestError(
                 f"trajectory {trajectory_id!r} exists already", param="id"
             )
-        if group_id is not None and session.get(TrajectoryGroup, group_id) is None:
-            session.add(TrajectoryGroup(id=group_id, status="open", created_at=utc_now()))
-        trajectory = Trajectory(
-            id=trajectory_id,
-            group_id=group_id,
-            channel=channel,
-            status=TrajectoryStatus.OPEN.value,
-            metadata_json=metadata or {},
-            tags=list(tags or []),
-            flags=[],
-            call_count=0,
-            rejected_calls=0,
-            created_at=utc_now(),
-        )
-        session.add(trajectory)
+        trajectory = session.get(Trajectory, trajectory_id)
+        assert trajectory is not None
     return trajectory
+
+
+def _ensure_group(session: Session, group_id: str) -> None:
+    insert_ignore(
+        session,
+        TrajectoryGroup,
+        [{"id": group_id, "status": "open", "created_at": utc_now(), "expected_size": None}],
+    )
 
 
 def close_trajectory(
@@ -168,10 +185,9 @@ def set_group(
             f"expected_size must be >= 1, got {expected_size}", param="expected_size"
         )
     with sessions.begin() as session:
+        _ensure_group(session, group_id)
         group = session.get(TrajectoryGroup, group_id)
-        if group is None:
-            group = TrajectoryGroup(id=group_id, status="open", created_at=utc_now())
-            session.add(group)
+        assert group is not None
         group.expected_size = expected_size
         session.flush()
         update_group(session, group_id)

@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import Engine, Table, bindparam, func, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.db import make_sessionmaker
+from datapool.db import insert_ignore, make_sessionmaker
 from datapool.errors import TrajectoryClosedError
 from datapool.lineage import TOKEN_BYTES, LineageCache, TrajectoryTokens
 from datapool.models import (
@@ -139,7 +138,7 @@ class PoolStore:
         for p in pending:
             first_call.setdefault(p.trajectory_id, p.call)
         now = utc_now()
-        self._insert_ignore(
+        insert_ignore(
             session,
             Trajectory,
             [
@@ -160,7 +159,7 @@ class PoolStore:
         )
         group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
         if group_ids:
-            self._insert_ignore(
+            insert_ignore(
                 session,
                 TrajectoryGroup,
                 [{"id": g, "status": "open", "created_at": now} for g in group_ids],
@@ -386,19 +385,6 @@ class PoolStore:
                     encode_ids(payload.response_token_ids) or b"",
                 )
         return tokens
-
-    @staticmethod
-    def _insert_ignore(session: Session, model: Any, rows: list[dict[str, Any]]) -> None:
-        dialect = session.get_bind().dialect.name
-        if dialect == "postgresql":
-            stmt: Any = postgresql.insert(model).on_conflict_do_nothing()
-        elif dialect == "sqlite":
-            stmt = sqlite.insert(model).on_conflict_do_nothing()
-        else:
-            raise ValueError(
-                f"unsupported database dialect {dialect!r}; expected sqlite or postgresql"
-            )
-        session.execute(stmt, rows)
 
     def forget_lineage(self, trajectory_id: str) -> None:
         """Drop a closed trajectory's sequences from the writer's memory."""

@@ -188,3 +188,27 @@ def test_openapi_documents_every_pool_route(api: httpx.Client) -> None:
         "/api/rewards",
         "/api/summary",
     } <= set(paths)
+
+
+def test_concurrent_creation_of_a_groups_members_creates_each_once(
+    pool_settings: PoolSettings,
+) -> None:
+    # Found by the demo: members of one group created at once raced on the group row (500).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datapool import lifecycle
+    from datapool.db import make_engine
+    from datapool.store import PoolStore
+
+    engine = make_engine(pool_settings.resolved_database_url())
+    store = PoolStore(engine, pool_settings)
+
+    def create(i: int) -> str:
+        return lifecycle.create_trajectory(store.sessions, f"race-{i}", group_id="race-group").id
+
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        created = sorted(executor.map(create, range(16)))
+    assert created == sorted(f"race-{i}" for i in range(16))
+    with pytest.raises(Exception, match="exists already"):
+        create(0)
+    engine.dispose()
