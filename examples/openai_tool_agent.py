@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from openai import OpenAI
 
@@ -41,20 +42,31 @@ def get_weather(city: str) -> str:
     return json.dumps({"city": city, "temperature_c": 21, "sky": "sunny"})
 
 
-def run(base_url: str, model: str, question: str, seed: int, max_tokens: int) -> str:
+def run(
+    base_url: str,
+    model: str = "tiny",
+    question: str = "What is the weather in Paris?",
+    seed: int | None = None,
+    max_tokens: int = 96,
+    answer_max_tokens: int | None = None,
+    system: str = "You answer weather questions using tools.",
+) -> str:
+    """One episode: a forced tool call, the tool's result, the answer; returns the answer."""
     client = OpenAI(base_url=base_url, api_key="unused")
     messages: list[dict[str, object]] = [
-        {"role": "system", "content": "You answer weather questions using tools."},
+        {"role": "system", "content": system},
         {"role": "user", "content": question},
     ]
+    sampling: dict[str, Any] = {"temperature": 1.0}
+    if seed is not None:
+        sampling["seed"] = seed
     first = client.chat.completions.create(
         model=model,
-        messages=messages,
+        messages=messages,  # type: ignore[arg-type]
         tools=TOOLS,  # type: ignore[arg-type]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=max_tokens,
-        temperature=1.0,
-        seed=seed,
+        **sampling,
     )
     message = first.choices[0].message
     messages.append(message.model_dump(exclude_none=True))
@@ -64,11 +76,10 @@ def run(base_url: str, model: str, question: str, seed: int, max_tokens: int) ->
         messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     final = client.chat.completions.create(
         model=model,
-        messages=messages,
+        messages=messages,  # type: ignore[arg-type]
         tools=TOOLS,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        temperature=1.0,
-        seed=seed,
+        max_tokens=answer_max_tokens or max_tokens,
+        **sampling,
     )
     return final.choices[0].message.content or ""
 

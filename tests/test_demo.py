@@ -1,4 +1,10 @@
-"""The README's first command: ``trajgate demo`` captures a real agent episode end to end."""
+"""The README's first command, reduced: ``trajgate demo`` closes the RL loop on the real vLLM.
+
+Agents act through the gateway, rewards are backfilled by the registered reward function, a GRPO
+batch is leased and trained on (LoRA), the adapter is hot-loaded, and the next round's steps
+carry the new policy version. Whether the reward rises is measured by the full demo (closing
+note of the trainer issue), not asserted here: two updates are too few to tell.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,15 @@ from pathlib import Path
 
 from conftest import free_port
 
+from datapool.db import make_engine
+from datapool.settings import PoolSettings
+from datapool.store import PoolStore
 from trajgate.vllm_server import VLLMServer
 
 
-def test_demo_captures_both_calls_of_the_openai_sdk_agent(vllm: VLLMServer, tmp_path: Path) -> None:
+def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
+    vllm: VLLMServer, tmp_path: Path
+) -> None:
     vllm_port = vllm.url.rsplit(":", 1)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJGATE_DATA")}
     result = subprocess.run(
@@ -23,6 +34,15 @@ def test_demo_captures_both_calls_of_the_openai_sdk_agent(vllm: VLLMServer, tmp_
             "trajgate.cli",
             "demo",
             "--json",
+            "--rounds",
+            "2",
+            "--groups",
+            "4",
+            "--group-size",
+            "4",
+            "--agents",
+            "4",
+            "--no-control",
             "--port",
             str(free_port()),
             "--vllm-port",
@@ -32,15 +52,27 @@ def test_demo_captures_both_calls_of_the_openai_sdk_agent(vllm: VLLMServer, tmp_
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)
-    assert summary["steps_captured"] == 2  # the tool call, then the answer
-    assert summary["database_url"] == f"sqlite:///{tmp_path / '.trajgate' / 'pool.sqlite3'}"
-    for step in summary["steps"]:
-        assert step["response_tokens"] > 0
-        assert step["prompt_tokens"] > 0
-        assert step["policy_version"] == 0
-    assert summary["steps"][1]["extends_parent"] is not None
+    assert summary["batches_trained"] == 2
+    assert summary["policy_versions"] == [0, 1, 2]
+    # Three measured rounds (v0, v1, v2) of 4 groups x 4 rollouts, every one rewarded.
+    assert [(v, n) for v, _, n in summary["reward_by_policy_version"]] == [
+        (0, 16),
+        (1, 16),
+        (2, 16),
+    ]
+    assert all(0.0 <= mean <= 1.0 for _, mean, _ in summary["reward_by_policy_version"])
+    assert summary["trajectories"] == 48
+    assert summary["logprob_gap_mean_abs"] < 1e-4  # fp32 sampler and trainer agree
+    pool = PoolSettings(data_dir=tmp_path / summary["pool"])
+    store = PoolStore(make_engine(pool.resolved_database_url()), pool)
+    versions = {
+        step.policy_version
+        for round_index in range(3)
+        for step in store.steps_of(f"train-r{round_index}-g0-0")
+    }
+    assert versions == {0, 1, 2}  # each round was served by the version trained before it

@@ -127,7 +127,10 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
-    sync = WeightSync([vllm.url], gateway.url, base_model_name=vllm.served_model_name)
+    sync = WeightSync(
+        [vllm.url], gateway.url, base_model_name=vllm.served_model_name,
+        adapter_prefix=f"test-{tmp_path.name}",
+    )
     sync.register(0, vllm.served_model_name, str(tiny_model_dir))
     body = {
         "model": "policy",
@@ -146,7 +149,7 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
         trainer.update(batch)
     adapter_dir = trainer.save_for_vllm(tmp_path / "adapter-v1")
     published = sync.publish(1, adapter_dir, "lora")
-    assert published.model_name == "policy-v1"
+    assert published.model_name == f"test-{tmp_path.name}-v1"
 
     after_response = httpx.post(url, json=body, timeout=120)
     after = after_response.json()["choices"][0]["message"]["content"]
@@ -154,7 +157,7 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     assert after != before
     first, second = steps_of(pool_settings, "sync")
     assert (first.policy_version, second.policy_version) == (0, 1)
-    assert second.upstream_request["model"] == "policy-v1"
+    assert second.upstream_request["model"] == published.model_name
 
     # The sampler/trainer mismatch: trainer logprobs of the tokens vLLM sampled with the adapter.
     row = row_from_step(
@@ -166,6 +169,7 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     gap = (trainer_logprobs - new_batch.behaviour_logprobs).abs()[mask]
     print(f"logprob gap with LoRA v1: mean {float(gap.mean()):.2e}, max {float(gap.max()):.2e}")
     assert float(gap.mean()) < LORA_GAP_TOLERANCE
+    sync.unload_all()  # its directory is about to be deleted with tmp_path
     sync.close()
 
 

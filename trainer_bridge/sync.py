@@ -43,12 +43,15 @@ class WeightSync:
         admin_token: str | None = None,
         adapter_prefix: str = "policy",
         base_model_name: str = "tiny",
+        keep_adapters: int = 2,
         timeout_s: float = 120.0,
     ) -> None:
         self.vllm_urls = [url.rstrip("/") for url in vllm_urls]
         self.gateway_url = gateway_url.rstrip("/")
         self.adapter_prefix = adapter_prefix
         self.base_model_name = base_model_name
+        self.keep_adapters = keep_adapters
+        self.loaded_adapters: list[str] = []
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
 
@@ -75,7 +78,9 @@ class WeightSync:
 
         LoRA: each version is its own adapter name (``<prefix>-v<version>``), so a call resolved
         against the previous version before the switch still finds its adapter. Full weights:
-        reloaded in place under the base model name.
+        reloaded in place under the base model name. Adapters older than the last
+        ``keep_adapters`` are unloaded after the switch (the previous version stays for calls
+        still in flight).
 
         Raises:
             WeightSyncError: a replica or the gateway refused.
@@ -100,7 +105,24 @@ class WeightSync:
             raise ValueError(f"weight format must be 'lora' or 'full', got {fmt!r}")
         for url in self.vllm_urls:
             self._post(f"{url}/reset_prefix_cache", {})
-        return self.register(version, model_name, location)
+        published = self.register(version, model_name, location)
+        if fmt == "lora":
+            self.loaded_adapters.append(model_name)
+            while len(self.loaded_adapters) > self.keep_adapters:
+                self.unload(self.loaded_adapters.pop(0))
+        return published
+
+    def unload(self, model_name: str) -> None:
+        """Unload an adapter from every replica. Old versions must not pile up: vLLM reloads an
+        evicted adapter from its directory, and one whose directory is gone kills the engine
+        (vLLM 0.32, CPU: ``LoRAAdapterNotFoundError`` in the worker, then ``EngineDeadError``)."""
+        for url in self.vllm_urls:
+            self._post(f"{url}/v1/unload_lora_adapter", {"lora_name": model_name})
+
+    def unload_all(self) -> None:
+        """Unload every adapter this sync loaded (end of a run or a test)."""
+        while self.loaded_adapters:
+            self.unload(self.loaded_adapters.pop())
 
     def close(self) -> None:
         self.client.close()

@@ -93,6 +93,14 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Bind port.")] = None,
     database_url: DatabaseUrlOpt = None,
     data_dir: DataDirOpt = None,
+    access_log: Annotated[
+        bool,
+        typer.Option(
+            "--access-log/--no-access-log",
+            help="Log one line per HTTP request (off by default: it costs CPU on every call, "
+            "and each proxied call is already logged once with its trajectory and step).",
+        ),
+    ] = False,
 ) -> None:
     """Run the gateway: migrate the pool, then proxy and capture until interrupted."""
     import uvicorn
@@ -113,6 +121,11 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level="info",
+        access_log=access_log,
+        # uvloop and httptools (uvicorn[standard]): the event loop and HTTP parsing in C, several
+        # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
+        loop="uvloop",
+        http="httptools",
     )
 
 
@@ -167,13 +180,28 @@ def vllm_stop(port: Annotated[int, typer.Option(help="Port.")] = 8100) -> None:
 def demo(
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
+    rounds: Annotated[int, typer.Option(help="RL updates per arm.")] = 8,
+    groups: Annotated[int, typer.Option(help="Tasks (groups) per round.")] = 8,
+    group_size: Annotated[int, typer.Option(help="Rollouts per task.")] = 4,
+    agents: Annotated[int, typer.Option(help="Agents running at once.")] = 8,
+    control: Annotated[bool, typer.Option(help="Also run the shuffled-reward control.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Run the main job on the embedded defaults: vLLM with the tiny model, the gateway on
-    SQLite, an unmodified OpenAI-SDK agent through it; print the captured steps."""
-    from trajgate.demo import run_demo
+    """Run the whole loop on the embedded defaults: vLLM with the tiny model, the gateway on
+    SQLite, concurrent unmodified agents, rewards, curation, GRPO batches, LoRA updates
+    hot-loaded into vLLM as new policy versions; print the reward by policy version."""
+    from trajgate.demo import DemoConfig, run_demo
 
-    summary = run_demo(gateway_port=port, vllm_port=vllm_port, echo=not as_json)
+    config = DemoConfig(
+        rounds=rounds,
+        groups=groups,
+        group_size=group_size,
+        agents=agents,
+        control=control,
+        gateway_port=port,
+        vllm_port=vllm_port,
+    )
+    summary = run_demo(config, echo=not as_json)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
 

@@ -1,110 +1,334 @@
-"""The main job on the embedded defaults (``trajgate demo``).
+"""The main job on the embedded defaults (``trajgate demo``): the whole RL loop on a CPU.
 
-Sets up and runs, idempotently: the tiny model, vLLM's environment, a vLLM server, the pool on
-SQLite, the gateway; then runs the unmodified OpenAI-SDK agent in ``examples/`` against the
-gateway as a separate process and prints the steps the pool captured. Later issues extend this
-into the full loop (rewards, curation, batches, RL updates, LoRA hot-load).
+Sets up, idempotently: the tiny model, vLLM's environment and server (LoRA on), a fresh SQLite
+pool under ``.trajgate/demo-<time>``, the gateway in this process. Then, per round: concurrent
+unmodified agents (the OpenAI-SDK tool loop in ``examples/``, and LangChain for every fourth
+group) run one group of rollouts per task through the gateway with the model alias ``policy``;
+each trajectory is completed through the pool API, where the registered reward function
+``trajgate.demo_task:numeric_answer`` scores it and the curation rules run; a GRPO batch is
+materialised, leased, trained on (LoRA), acknowledged; the adapter is hot-loaded into vLLM and
+registered as the next policy version, so the next round's agents are served by it.
+
+A control arm repeats the loop from the base weights with rewards shuffled across the batch's
+trajectories before the advantages: it must not improve. A last round after each arm measures the
+final version. Never: reads the agents' text to build token IDs; training rows come only from
+the pool's captured IDs.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import uuid
+import importlib.util
+import math
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import httpx
+import pyarrow as pa
+import torch
+
 from datapool import db
-from datapool.db import make_engine
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
-from trajgate import tinymodel, vllm_server
+from trainer_bridge.advantages import grpo_advantages
+from trainer_bridge.client import PoolClient, train_batch
+from trainer_bridge.sync import WeightSync
+from trainer_bridge.trainer import PolicyTrainer, TrainerSettings, UpdateMetrics
+from trajgate import demo_task, tinymodel, vllm_server
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+REWARD_NAME = "numeric_answer"
+PAD_TOKEN_ID = 0
 
 
-def _say(echo: bool, text: str) -> None:
-    if echo:
-        print(text, flush=True)
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes of the demo. Defaults take about 3 minutes on 2 CPU cores once set up."""
+
+    rounds: int = 8
+    groups: int = 8
+    group_size: int = 4
+    agents: int = 8
+    answer_max_tokens: int = 6
+    learning_rate: float = 2e-2
+    lora_rank: int = 8
+    control: bool = True
+    gateway_port: int = 8000
+    vllm_port: int = 8100
+    seed: int = 0
 
 
-def run_demo(
-    *, gateway_port: int = 8000, vllm_port: int = 8100, echo: bool = True
-) -> dict[str, Any]:
-    """Run one captured agent episode end to end and return a summary of what the pool holds."""
-    _say(echo, "[1/5] tiny model")
-    model_dir = tinymodel.generate(vllm_server.default_model_dir())
-    _say(echo, "[2/5] vLLM environment (first time: several minutes)")
-    vllm_server.install(log=echo)
-    _say(echo, f"[3/5] vLLM server on port {vllm_port}")
-    server = vllm_server.start(model_dir, port=vllm_port)
-    try:
-        pool = PoolSettings()
-        db.upgrade(pool.resolved_database_url())
-        settings = GatewaySettings(upstream_url=server.url, port=gateway_port)
-        gateway = BackgroundServer(create_app(settings, pool), port=gateway_port).start()
-        trajectory_id = f"demo-{uuid.uuid4().hex[:8]}"
-        base_url = f"{gateway.url}/t/{trajectory_id}/v1"
-        _say(echo, f"[4/5] gateway at {gateway.url}; agent base_url={base_url}")
-        try:
-            agent = subprocess.run(
-                [
-                    sys.executable,
-                    str(EXAMPLES_DIR / "openai_tool_agent.py"),
-                    "--base-url",
-                    base_url,
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
+def _load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class DemoRun:
+    """One demo: the services it runs, the pool client, and the rounds' results."""
+
+    def __init__(self, config: DemoConfig, say: Callable[[str], None]) -> None:
+        self.config = config
+        self.say = say
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.openai_agent = _load_example("openai_tool_agent")
+        self.langchain_agent = _load_example("langchain_agent")
+        self.gaps: list[float] = []
+        self.batches_trained = 0
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.say("[1/4] tiny model, vLLM environment (first time: several minutes), vLLM server")
+        self.model_dir = tinymodel.generate(vllm_server.default_model_dir())
+        vllm_server.install(log=False)
+        self.vllm = vllm_server.start(self.model_dir, port=self.config.vllm_port)
+        self.pool_settings = PoolSettings(
+            data_dir=Path(".trajgate") / f"demo-{self.stamp}",
+            reward_functions=[f"trajgate.demo_task:{REWARD_NAME}"],
+        )
+        db.upgrade(self.pool_settings.resolved_database_url())
+        settings = GatewaySettings(upstream_url=self.vllm.url, port=self.config.gateway_port)
+        self.gateway = BackgroundServer(
+            create_app(settings, self.pool_settings), port=settings.port
+        ).start()
+        self.api = httpx.Client(base_url=self.gateway.url, timeout=300)
+        self.pool = PoolClient(self.gateway.url)
+        self.sync = WeightSync(
+            [self.vllm.url],
+            self.gateway.url,
+            adapter_prefix=f"demo-{self.stamp}",
+            base_model_name=self.vllm.served_model_name,
+        )
+        for rule in (
+            {"name": "integrity", "kind": "integrity"},
+            {
+                "name": "grammar-constrained",
+                "kind": "integrity",
+                "params": {"flags": ["constrained"]},
+            },
+        ):
+            _ok(self.api.post("/api/curation/rules", json=rule))
+        self.say(f"[2/4] gateway at {self.gateway.url}, pool {self.pool_settings.data_dir}")
+
+    def stop(self) -> None:
+        self.sync.unload_all()
+        self.pool.close()
+        self.sync.close()
+        self.api.close()
+        self.gateway.stop()
+        self.vllm.stop()  # a no-op when the server was already running before the demo
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _episode(self, channel: str, round_index: int, group: int, member: int) -> str:
+        trajectory_id = f"{channel}-r{round_index}-g{group}-{member}"
+        group_id = f"{channel}-r{round_index}-g{group}"
+        _ok(
+            self.api.post(
+                "/api/trajectories",
+                json={"id": trajectory_id, "group_id": group_id, "channel": channel},
             )
-        finally:
-            gateway.stop()
-        engine = make_engine(pool.resolved_database_url())
-        steps = PoolStore(engine).steps_of(trajectory_id)
-        engine.dispose()
-    finally:
-        server.stop()  # no-op when we reused a server someone else started
-    _say(
-        echo,
-        f"[5/5] captured {len(steps)} steps of trajectory {trajectory_id} "
-        f"in {pool.resolved_database_url()}",
-    )
-    summary_steps = []
-    for step in steps:
-        row = {
-            "step_id": step.id,
-            "step_index": step.step_index,
-            "policy_version": step.policy_version,
-            "finish_reason": step.finish_reason,
-            "prompt_tokens": len(step.prompt_token_ids or []),
-            "response_tokens": len(step.response_token_ids or []),
-            "response_token_ids_head": (step.response_token_ids or [])[:12],
-            "response_logprobs_head": [round(x, 4) for x in (step.response_logprobs or [])[:6]],
-            "tool_calls": [
-                call["function"] for call in (step.response_message or {}).get("tool_calls") or []
-            ],
-            "extends_parent": step.extends_parent,
-            "divergence_offset": step.divergence_offset,
-            "flags": step.flags,
-            "latency_ms": round(step.latency_ms, 1),
+        )
+        base_url = f"{self.gateway.url}/t/{trajectory_id}/v1"
+        question = demo_task.question(group)
+        if group % 4 == 3:
+            self.langchain_agent.run(
+                base_url, model="policy", question=question, max_tokens=48, max_turns=2
+            )
+        else:
+            self.openai_agent.run(
+                base_url,
+                model="policy",
+                question=question,
+                max_tokens=64,
+                answer_max_tokens=self.config.answer_max_tokens,
+                system=demo_task.SYSTEM_PROMPT,
+            )
+        _ok(self.api.post(f"/api/trajectories/{trajectory_id}/complete"))
+        return trajectory_id
+
+    def play_round(self, channel: str, round_index: int) -> list[str]:
+        """Run every group's rollouts concurrently; returns the completed trajectory ids."""
+        jobs = [(g, m) for g in range(self.config.groups) for m in range(self.config.group_size)]
+        with ThreadPoolExecutor(max_workers=self.config.agents) as executor:
+            futures = [executor.submit(self._episode, channel, round_index, g, m) for g, m in jobs]
+            return [future.result() for future in futures]
+
+    def rewards_of(self, trajectory_ids: list[str], timeout_s: float = 120.0) -> list[float]:
+        """Wait until the reward function scored every trajectory; returns the values."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(trajectory_ids)
+        values: dict[str, float] = {}
+        while pending and time.monotonic() < deadline:
+            for trajectory_id in list(pending):
+                records = [
+                    r
+                    for r in self.api.get(
+                        "/api/rewards", params={"trajectory_id": trajectory_id}
+                    ).json()
+                    if r["name"] == REWARD_NAME and r["target"] == "trajectory"
+                ]
+                if records:  # a value, or the function's error (unrewarded, never 0.0)
+                    if records[-1]["value"] is not None:
+                        values[trajectory_id] = float(records[-1]["value"])
+                    pending.discard(trajectory_id)
+            if pending:
+                time.sleep(0.2)
+        if pending:
+            self.say(f"  {len(pending)} trajectories were not rewarded (left out of the mean)")
+        return [values[t] for t in trajectory_ids if t in values]
+
+    def train_round(
+        self, trainer: PolicyTrainer, channel: str, version: int, shuffle: random.Random | None
+    ) -> UpdateMetrics:
+        spec = {
+            "channel": channel,
+            "algorithm": "grpo",
+            "layout": "per_step",
+            "group_size": self.config.group_size,
+            "reward_names": [REWARD_NAME],
+            "name": f"{channel}-v{version}",
         }
-        summary_steps.append(row)
-        if echo:
-            print(
-                f"  step {row['step_index']}: {row['prompt_tokens']} prompt ids -> "
-                f"{row['response_tokens']} sampled ids {row['response_token_ids_head']}... "
-                f"logprobs {row['response_logprobs_head']}... finish={row['finish_reason']} "
-                f"extends_parent={row['extends_parent']} flags={row['flags']} "
-                f"tool_calls={row['tool_calls']} latency={row['latency_ms']} ms"
+        _ok(self.api.post("/api/batches", json=spec))
+        lease = self.pool.lease(f"demo-{channel}", lease_s=600)
+        if lease is None:
+            raise RuntimeError("the batch just created was not leasable")
+        table = self.pool.rows(lease.batch_id)
+        if shuffle is not None:
+            table = shuffled_rewards(table, shuffle)
+        metrics = trainer.update(train_batch(table, PAD_TOKEN_ID))
+        self.pool.ack(lease, policy_version_trained=version)
+        self.batches_trained += 1
+        self.gaps.append(metrics.logprob_gap_mean_abs)
+        return metrics
+
+    # -- one arm -----------------------------------------------------------------------------
+
+    def run_arm(
+        self, channel: str, first_version: int, shuffle: random.Random | None
+    ) -> list[list[float]]:
+        """Rounds of collect → reward → batch → train → sync, then one measuring round.
+        Returns ``[version, mean reward, n]`` per policy version."""
+        trainer = PolicyTrainer(
+            TrainerSettings(
+                model_dir=self.model_dir,
+                lora_rank=self.config.lora_rank,
+                learning_rate=self.config.learning_rate,
+                seed=self.config.seed,
             )
-    _say(echo, f"agent said: {agent.stdout.strip()}")
-    return {
-        "trajectory_id": trajectory_id,
-        "database_url": pool.resolved_database_url(),
-        "steps_captured": len(steps),
-        "steps": summary_steps,
+        )
+        version = first_version
+        self.sync.register(version, self.vllm.served_model_name, str(self.model_dir))
+        curve: list[list[float]] = []
+        for round_index in range(self.config.rounds + 1):
+            t0 = time.monotonic()
+            trajectories = self.play_round(channel, round_index)
+            t1 = time.monotonic()
+            rewards = self.rewards_of(trajectories)
+            t2 = time.monotonic()
+            mean = sum(rewards) / len(rewards) if rewards else math.nan
+            curve.append([version, round(mean, 4), len(rewards)])
+            if round_index == self.config.rounds:
+                break
+            metrics = self.train_round(trainer, channel, version, shuffle)
+            t3 = time.monotonic()
+            adapter = trainer.save_for_vllm(
+                self.pool_settings.data_dir / "adapters" / f"{channel}-v{version + 1}"
+            )
+            self.sync.publish(version + 1, adapter, "lora")
+            t4 = time.monotonic()
+            self.say(
+                f"  {channel} v{version}: reward {mean:.3f} (n={len(rewards)}); update "
+                f"loss {metrics.loss:+.4f}, logprob gap {metrics.logprob_gap_mean_abs:.1e}"
+                f" -> v{version + 1}  [agents {t1 - t0:.1f} s, rewards {t2 - t1:.1f} s, "
+                f"batch+train {t3 - t2:.1f} s, sync {t4 - t3:.1f} s]"
+            )
+            version += 1
+        self.say(f"  {channel} v{version}: reward {curve[-1][1]:.3f} (n={curve[-1][2]})")
+        return curve
+
+
+def _ok(response: httpx.Response) -> httpx.Response:
+    """The response, or an error that carries the gateway's error envelope."""
+    if response.is_error:
+        raise RuntimeError(
+            f"{response.request.method} {response.request.url.path} -> "
+            f"{response.status_code}: {response.text[:500]}"
+        )
+    return response
+
+
+def shuffled_rewards(table: pa.Table, rng: random.Random) -> pa.Table:
+    """The control: permute the trajectories' rewards across the batch, then recompute GRPO
+    advantages within each group (so the advantages carry no information about the answers)."""
+    trajectory_ids = table.column("trajectory_id").to_pylist()
+    group_ids = table.column("group_id").to_pylist()
+    rewards = table.column("reward").to_pylist()
+    reward_of = dict(zip(trajectory_ids, rewards, strict=True))
+    order = sorted(reward_of)
+    values = [reward_of[t] for t in order]
+    rng.shuffle(values)
+    shuffled = dict(zip(order, values, strict=True))
+    groups = {g: i for i, g in enumerate(sorted(set(group_ids)))}
+    per_trajectory = sorted({(t, g) for t, g in zip(trajectory_ids, group_ids, strict=True)})
+    advantages = grpo_advantages(
+        torch.tensor([shuffled[t] for t, _ in per_trajectory], dtype=torch.float64),
+        torch.tensor([groups[g] for _, g in per_trajectory]),
+    )
+    advantage_of = {t: float(a) for (t, _), a in zip(per_trajectory, advantages, strict=True)}
+    column = pa.array([advantage_of[t] for t in trajectory_ids], type=pa.float64())
+    return table.set_column(table.schema.get_field_index("advantage"), "advantage", column)
+
+
+def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str, Any]:
+    """Run the loop and return the summary (also the ``--json`` output)."""
+    config = config or DemoConfig()
+    say: Callable[[str], None] = (
+        (lambda text: print(text, flush=True)) if echo else (lambda text: None)
+    )
+    started = time.monotonic()
+    run = DemoRun(config, say)
+    run.start()
+    try:
+        say(
+            f"[3/4] RL: {config.rounds} rounds of {config.groups} groups x {config.group_size} "
+            f"rollouts, GRPO + LoRA, each adapter hot-loaded as the next policy version"
+        )
+        curve = run.run_arm("train", 0, None)
+        control: list[list[float]] = []
+        if config.control:
+            say("[4/4] control: the same loop from the base weights with shuffled rewards")
+            control = run.run_arm("control", int(curve[-1][0]) + 1, random.Random(config.seed))
+        summary = run.api.get("/api/summary").json()
+        versions = sorted({int(v) for v, _, _ in curve + control})
+    finally:
+        run.stop()
+    result = {
+        "steps_captured": summary["steps"],
+        "trajectories": sum(summary["trajectories_by_status"].values()),
+        "batches_trained": run.batches_trained,
+        "policy_versions": versions,
+        "reward_by_policy_version": curve,
+        "control_reward_by_policy_version": control,
+        "logprob_gap_mean_abs": sum(run.gaps) / len(run.gaps) if run.gaps else None,
+        "pool": str(run.pool_settings.data_dir),
+        "wall_s": round(time.monotonic() - started, 1),
     }
+    say(
+        f"captured {result['steps_captured']} steps in {result['trajectories']} trajectories; "
+        f"{result['batches_trained']} batches trained; versions {versions}"
+    )
+    say("reward by policy version: " + ", ".join(f"v{int(v)} {m:.3f}" for v, m, _ in curve))
+    if control:
+        say("control (shuffled):      " + ", ".join(f"v{int(v)} {m:.3f}" for v, m, _ in control))
+    return result
