@@ -185,6 +185,16 @@ def demo(
     group_size: Annotated[int, typer.Option(help="Rollouts per task.")] = 4,
     agents: Annotated[int, typer.Option(help="Agents running at once.")] = 8,
     control: Annotated[bool, typer.Option(help="Also run the shuffled-reward control.")] = True,
+    asynchronous: Annotated[
+        bool,
+        typer.Option(
+            "--async/--sync",
+            help="Agents keep playing while the trainer trains (bounded by --max-staleness).",
+        ),
+    ] = False,
+    max_staleness: Annotated[
+        int, typer.Option(help="Async: drop steps more than this many versions behind.")
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run the whole loop on the embedded defaults: vLLM with the tiny model, the gateway on
@@ -198,6 +208,8 @@ def demo(
         group_size=group_size,
         agents=agents,
         control=control,
+        asynchronous=asynchronous,
+        max_staleness_versions=max_staleness,
         gateway_port=port,
         vllm_port=vllm_port,
     )

@@ -60,6 +60,10 @@ class DemoConfig:
     learning_rate: float = 2e-2
     lora_rank: int = 8
     control: bool = True
+    # Asynchronous: agents keep playing rounds while the trainer trains on earlier ones; a batch
+    # drops steps more than ``max_staleness_versions`` behind the version being trained.
+    asynchronous: bool = False
+    max_staleness_versions: int = 1
     gateway_port: int = 8000
     vllm_port: int = 8100
     seed: int = 0
@@ -189,9 +193,14 @@ class DemoRun:
         return [values[t] for t in trajectory_ids if t in values]
 
     def train_round(
-        self, trainer: PolicyTrainer, channel: str, version: int, shuffle: random.Random | None
+        self,
+        trainer: PolicyTrainer,
+        channel: str,
+        version: int,
+        shuffle: random.Random | None,
+        trajectory_ids: list[str] | None = None,
     ) -> UpdateMetrics:
-        spec = {
+        spec: dict[str, Any] = {
             "channel": channel,
             "algorithm": "grpo",
             "layout": "per_step",
@@ -199,6 +208,10 @@ class DemoRun:
             "reward_names": [REWARD_NAME],
             "name": f"{channel}-v{version}",
         }
+        if trajectory_ids is not None:  # asynchronous: exactly this round, staleness-bounded
+            spec["filters"] = {"trajectory_ids": trajectory_ids}
+            spec["max_staleness_versions"] = self.config.max_staleness_versions
+            spec["current_policy_version"] = version
         _ok(self.api.post("/api/batches", json=spec))
         lease = self.pool.lease(f"demo-{channel}", lease_s=600)
         if lease is None:
@@ -214,12 +227,8 @@ class DemoRun:
 
     # -- one arm -----------------------------------------------------------------------------
 
-    def run_arm(
-        self, channel: str, first_version: int, shuffle: random.Random | None
-    ) -> list[list[float]]:
-        """Rounds of collect → reward → batch → train → sync, then one measuring round.
-        Returns ``[version, mean reward, n]`` per policy version."""
-        trainer = PolicyTrainer(
+    def _new_trainer(self) -> PolicyTrainer:
+        return PolicyTrainer(
             TrainerSettings(
                 model_dir=self.model_dir,
                 lora_rank=self.config.lora_rank,
@@ -227,6 +236,82 @@ class DemoRun:
                 seed=self.config.seed,
             )
         )
+
+    def _publish(self, trainer: PolicyTrainer, channel: str, version: int) -> None:
+        adapter = trainer.save_for_vllm(
+            self.pool_settings.data_dir / "adapters" / f"{channel}-v{version}"
+        )
+        self.sync.publish(version, adapter, "lora")
+
+    def rewards_by_version(self, trajectory_ids: list[str]) -> list[list[float]]:
+        """``[version, mean reward, n]``, each trajectory under its last step's version."""
+        rewards = dict(zip(trajectory_ids, self.rewards_of(trajectory_ids), strict=False))
+        by_version: dict[int, list[float]] = {}
+        for trajectory_id, value in rewards.items():
+            steps = _ok(self.api.get(f"/api/trajectories/{trajectory_id}")).json()["steps"]
+            versions = [s["policy_version"] for s in steps if s["policy_version"] is not None]
+            if versions:
+                by_version.setdefault(max(versions), []).append(value)
+        return [
+            [version, round(sum(values) / len(values), 4), len(values)]
+            for version, values in sorted(by_version.items())
+        ]
+
+    def run_arm_async(
+        self, channel: str, first_version: int, shuffle: random.Random | None
+    ) -> list[list[float]]:
+        """Agents play rounds back to back in a thread while the trainer trains on each
+        finished round and publishes; returns ``[version, mean reward, n]`` per version."""
+        import queue
+        import threading
+
+        trainer = self._new_trainer()
+        version = first_version
+        self.sync.register(version, self.vllm.served_model_name, str(self.model_dir))
+        finished: queue.Queue[list[str] | BaseException] = queue.Queue()
+        played: list[str] = []
+
+        def play() -> None:
+            try:
+                for round_index in range(self.config.rounds + 1):
+                    finished.put(self.play_round(channel, round_index))
+            except BaseException as exc:  # surfaced in the trainer's thread
+                finished.put(exc)
+
+        agents = threading.Thread(target=play, daemon=True)
+        agents.start()
+        for _ in range(self.config.rounds):
+            item = finished.get()
+            if isinstance(item, BaseException):
+                raise item
+            played += item
+            self.rewards_of(item)
+            metrics = self.train_round(trainer, channel, version, shuffle, trajectory_ids=item)
+            self._publish(trainer, channel, version + 1)
+            self.say(
+                f"  {channel}: trained v{version} -> v{version + 1} while agents played "
+                f"on (loss {metrics.loss:+.4f}, gap {metrics.logprob_gap_mean_abs:.1e})"
+            )
+            version += 1
+        agents.join()
+        while not finished.empty():
+            item = finished.get()
+            if isinstance(item, BaseException):
+                raise item
+            played += item
+        curve = self.rewards_by_version(played)
+        for v, mean, n in curve:
+            self.say(f"  {channel} v{int(v)}: reward {mean:.3f} (n={int(n)})")
+        return curve
+
+    def run_arm(
+        self, channel: str, first_version: int, shuffle: random.Random | None
+    ) -> list[list[float]]:
+        """Rounds of collect → reward → batch → train → sync, then one measuring round.
+        Returns ``[version, mean reward, n]`` per policy version."""
+        if self.config.asynchronous:
+            return self.run_arm_async(channel, first_version, shuffle)
+        trainer = self._new_trainer()
         version = first_version
         self.sync.register(version, self.vllm.served_model_name, str(self.model_dir))
         curve: list[list[float]] = []
@@ -242,10 +327,7 @@ class DemoRun:
                 break
             metrics = self.train_round(trainer, channel, version, shuffle)
             t3 = time.monotonic()
-            adapter = trainer.save_for_vllm(
-                self.pool_settings.data_dir / "adapters" / f"{channel}-v{version + 1}"
-            )
-            self.sync.publish(version + 1, adapter, "lora")
+            self._publish(trainer, channel, version + 1)
             t4 = time.monotonic()
             self.say(
                 f"  {channel} v{version}: reward {mean:.3f} (n={len(rewards)}); update "
@@ -300,15 +382,19 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     run = DemoRun(config, say)
     run.start()
     try:
+        mode = "asynchronous" if config.asynchronous else "synchronous"
         say(
-            f"[3/4] RL: {config.rounds} rounds of {config.groups} groups x {config.group_size} "
-            f"rollouts, GRPO + LoRA, each adapter hot-loaded as the next policy version"
+            f"[3/4] RL ({mode}): {config.rounds} rounds of {config.groups} groups x "
+            f"{config.group_size} rollouts, GRPO + LoRA, each adapter hot-loaded as the next "
+            "policy version"
         )
         curve = run.run_arm("train", 0, None)
         control: list[list[float]] = []
         if config.control:
             say("[4/4] control: the same loop from the base weights with shuffled rewards")
-            control = run.run_arm("control", int(curve[-1][0]) + 1, random.Random(config.seed))
+            control = run.run_arm(
+                "control", max(int(v) for v, _, _ in curve) + 1, random.Random(config.seed)
+            )
         summary = run.api.get("/api/summary").json()
         versions = sorted({int(v) for v, _, _ in curve + control})
     finally:
