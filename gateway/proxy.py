@@ -22,7 +22,6 @@ import anyio
 import httpx
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from httpx_sse import EventSource, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from datapool.calls import AttemptRecord, find_replay, find_resend
@@ -38,6 +37,7 @@ from gateway.attribution import (
 from gateway.capture import (
     ClientAsked,
     Endpoint,
+    loads,
     prepare_request,
     read_choices,
     request_hash,
@@ -50,7 +50,7 @@ from gateway.errors import (
     UpstreamTimeoutError,
     envelope,
 )
-from gateway.streaming import StreamCapture
+from gateway.streaming import StreamCapture, sse_data
 from gateway.upstreams import NoHealthyUpstreamError, Replica
 
 if TYPE_CHECKING:
@@ -434,7 +434,8 @@ async def finish_unary(
     state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
 ) -> Response:
     try:
-        response = upstream.json()
+        content = upstream.content
+        response = loads(content)
     finally:
         await upstream.aclose()
         replica.in_flight -= 1
@@ -453,15 +454,17 @@ async def finish_unary(
     step_ids = await commit(state, call, record)
     state.metrics.requests.labels(call.endpoint, "200").inc()
     state.metrics.latency.labels(call.endpoint, "false").observe(call.elapsed_ms() / 1000)
+    if client_response is response:  # nothing hidden: vLLM's own bytes, unparsed and unchanged
+        return Response(content, media_type="application/json", headers=call.headers(step_ids))
     return JSONResponse(client_response, headers=call.headers(step_ids))
 
 
 async def first_event(
     state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
-) -> tuple[AsyncIterator[ServerSentEvent], ServerSentEvent | None]:
+) -> tuple[AsyncIterator[bytes], bytes | None]:
     """Wait for the stream's first event before answering, so a slow first byte is still a
     clean 504 (nothing has been sent) rather than an error inside a 200 stream."""
-    events = EventSource(upstream).aiter_sse()
+    events = sse_data(upstream.aiter_bytes())
     limit_s = state.settings.upstream_first_byte_timeout_s
     try:
         with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
@@ -482,8 +485,8 @@ async def first_event(
         raise UpstreamError(f"upstream {replica.url} stream failed: {exc!r}") from exc
 
 
-def _sse(data: str) -> bytes:
-    return f"data: {data}\n\n".encode()
+def _sse(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
 
 
 async def relay_stream(
@@ -491,14 +494,19 @@ async def relay_stream(
     call: Call,
     replica: Replica,
     upstream: httpx.Response,
-    events: AsyncIterator[ServerSentEvent],
-    first: ServerSentEvent | None,
+    events: AsyncIterator[bytes],
+    first: bytes | None,
 ) -> AsyncIterator[bytes]:
     """Yield the client's SSE events as the upstream's arrive; commit before the last ones.
 
     A client disconnect closes the upstream response (vLLM aborts the request) and records the
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with an
     error event and records ``upstream_timeout``. Either way the step is never left open.
+
+    Time limits cost nothing per chunk: the silence between chunks is the transport's read
+    limit (``upstream_between_chunks_timeout_s``, one timer per connection, re-armed only when it
+    fires early: ``gateway.transport``), and the total limit is checked as each chunk arrives (a
+    stream that goes silent just before it ends one silence limit later).
     """
     settings = state.settings
     capture = StreamCapture(
@@ -514,30 +522,30 @@ async def relay_stream(
     finished = False
     try:
         while True:
-            limit_s = (
-                settings.upstream_between_chunks_timeout_s
-                if capture.first_token_seen
-                else settings.upstream_first_byte_timeout_s
-            )
-            limit_s = min(limit_s, deadline - time.perf_counter())
+            message = None
             try:
                 if first is not None:
-                    event, first = first, None
+                    data, first = first, None
                 else:
-                    with anyio.fail_after(max(limit_s, 0.0)):
-                        event = await events.__anext__()
+                    data = await events.__anext__()
             except StopAsyncIteration:
                 break
-            except TimeoutError:
-                abort_reason = StepOutcome.UPSTREAM_TIMEOUT
+            except httpx.TimeoutException:
+                limit_s = settings.upstream_between_chunks_timeout_s
                 message = f"upstream stopped sending within {limit_s:.3g} s"
+            else:
+                if time.perf_counter() > deadline:
+                    limit_s = settings.upstream_total_timeout_s
+                    message = f"upstream stream took longer than {limit_s:.3g} s in all"
+            if message is not None:
+                abort_reason = StepOutcome.UPSTREAM_TIMEOUT
                 call.add_attempt(replica, abort_reason, status_code=200, error=message)
-                yield _sse(json.dumps(envelope(message, "upstream_timeout", code=504)))
+                yield _sse(json.dumps(envelope(message, "upstream_timeout", code=504)).encode())
                 break
-            if event.data == "[DONE]":
+            if data == b"[DONE]":
                 finished = True
                 break
-            for payload in capture.feed(event.data):
+            for payload in capture.feed(data):
                 yield _sse(payload)
             if ttft_ms is None and capture.first_token_seen:
                 ttft_ms = call.elapsed_ms()
@@ -548,7 +556,9 @@ async def relay_stream(
     except httpx.HTTPError as exc:
         abort_reason = StepOutcome.UPSTREAM_ERROR
         call.add_attempt(replica, abort_reason, status_code=200, error=repr(exc))
-        yield _sse(json.dumps(envelope(f"upstream stream failed: {exc!r}", "upstream_error")))
+        yield _sse(
+            json.dumps(envelope(f"upstream stream failed: {exc!r}", "upstream_error")).encode()
+        )
     finally:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()  # closing the connection makes vLLM abort the request

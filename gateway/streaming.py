@@ -15,13 +15,21 @@ Two places hold output back, both only at the very end of a stream:
   chunk; for a client that did not ask for usage, the usage chunk is dropped and the fingerprint
   is stamped back on terminal chunks. The fingerprint is learnt per upstream; until it is known,
   terminal chunks are held until the usage chunk brings it.
+
+Payloads are bytes end to end: a chunk the client sees unchanged is sent as the very bytes vLLM
+sent; a chunk with fields removed is re-serialised by orjson, whose output (compact, UTF-8 kept,
+floats as shortest round-trip digits) is byte for byte what vLLM's pydantic ``model_dump_json``
+writes for the same values.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from datapool.records import ChoiceRecord
 from gateway.capture import (
@@ -31,9 +39,52 @@ from gateway.capture import (
     check_against_usage,
     choice_logprobs,
     integrity_flags,
+    loads,
     quality_flags,
     strip_for_client,
 )
+
+
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The ``data`` payload of each server-sent event in ``chunks`` (raw body bytes), in order.
+
+    Follows the SSE rules that matter here: lines end in LF, CRLF or CR; ``data:`` lines of one
+    event are joined with LF (one leading space dropped); a blank line ends the event; comments and
+    other fields are ignored; an event without data is not one.
+    """
+    pending = b""  # the unfinished last line (and a CR that may be half of a CRLF)
+    data: list[bytes] = []
+    async for chunk in chunks:
+        text = pending + chunk if pending else chunk
+        hold = b""
+        if b"\r" in text:
+            if text.endswith(b"\r"):
+                text, hold = text[:-1], b"\r"
+            text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = text.split(b"\n")
+        pending = lines.pop() + hold
+        for line in lines:
+            if not line:
+                if data:
+                    yield data[0] if len(data) == 1 else b"\n".join(data)
+                    data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                data.append(value[1:] if value.startswith(b" ") else value)
+
+
+def _dumps(chunk: dict[str, Any]) -> bytes:
+    """A chunk as vLLM serialises it (pydantic: compact, UTF-8 as is, shortest float digits).
+
+    orjson refuses integers past 64 bits and strings with lone surrogates, which pydantic would
+    write; those chunks fall back to ``json`` (same layout; floats may then differ in notation).
+    """
+    try:
+        return orjson.dumps(chunk)
+    except TypeError:
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode(
+            "utf-8", "surrogatepass"
+        )
 
 
 @dataclass
@@ -48,11 +99,6 @@ class _ChoiceState:
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: str | None = None
-
-
-def _dumps(chunk: dict[str, Any]) -> str:
-    # vLLM's own serialisation of chunks is compact JSON with UTF-8 kept as is.
-    return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
 
 
 class StreamCapture:
@@ -85,9 +131,9 @@ class StreamCapture:
 
     # -- feeding -------------------------------------------------------------------------
 
-    def feed(self, data: str) -> list[str]:
+    def feed(self, data: bytes) -> list[bytes]:
         """Take one upstream event payload; return the payloads to flush to the client now."""
-        chunk = json.loads(data)
+        chunk = loads(data)
         if not isinstance(chunk, dict):
             return [data]
         if "error" in chunk and "choices" not in chunk:
@@ -109,16 +155,16 @@ class StreamCapture:
             return []
         return [self._for_client(chunk, data)]
 
-    def release(self) -> list[str]:
+    def release(self) -> list[bytes]:
         """Payloads held back at the end (terminal and usage chunks); call after committing."""
         return self._release()
 
-    def _release(self) -> list[str]:
+    def _release(self) -> list[bytes]:
         released = [self._for_client(chunk, None) for chunk in self._held]
         self._held = []
         return released
 
-    def _for_client(self, chunk: dict[str, Any], raw: str | None) -> str:
+    def _for_client(self, chunk: dict[str, Any], raw: bytes | None) -> bytes:
         client = strip_for_client(chunk, self.asked)
         terminal = any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
         if terminal and not self.asked.include_usage and self.fingerprint is not None:

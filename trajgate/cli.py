@@ -177,6 +177,48 @@ def vllm_stop(port: Annotated[int, typer.Option(help="Port.")] = 8100) -> None:
 
 
 @app.command()
+def train(
+    model_dir: Annotated[Path, typer.Option(help="Base model directory (Hugging Face format).")],
+    gateway_url: Annotated[str, typer.Option(help="Gateway base URL.")] = "http://127.0.0.1:8000",
+    vllm_url: Annotated[
+        list[str] | None, typer.Option(help="vLLM base URL; repeat for replicas.")
+    ] = None,
+    consumer: Annotated[str, typer.Option(help="Consumer id for leases.")] = "trainer-0",
+    spec: Annotated[
+        Path | None, typer.Option(help="Batch spec (JSON) to materialise when none waits.")
+    ] = None,
+    max_updates: Annotated[int | None, typer.Option(help="Stop after this many updates.")] = None,
+    idle_exit_s: Annotated[
+        float | None, typer.Option(help="Stop after this long without a batch.")
+    ] = None,
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank; 0 = full fine-tuning.")] = 8,
+    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    admin_token: Annotated[
+        str | None, typer.Option(help="Gateway admin token.", envvar="TRAJGATE_ADMIN_TOKEN")
+    ] = None,
+) -> None:
+    """Lease batches from the pool, train (LoRA or full), ack, and publish each update to vLLM
+    and the gateway as the next policy version. The same command on a CPU or a GPU host."""
+    from trainer_bridge.loop import LoopSettings, run_loop
+    from trainer_bridge.trainer import TrainerSettings
+
+    loop = LoopSettings(
+        gateway_url=gateway_url.rstrip("/"),
+        vllm_urls=vllm_url or ["http://127.0.0.1:8100"],
+        consumer=consumer,
+        spec=json.loads(spec.read_text()) if spec else None,
+        max_updates=max_updates,
+        idle_exit_s=idle_exit_s,
+        admin_token=admin_token,
+    )
+    settings = TrainerSettings(
+        model_dir=model_dir, lora_rank=lora_rank, learning_rate=learning_rate, device=device
+    )
+    run_loop(loop, settings, say=typer.echo)
+
+
+@app.command()
 def demo(
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
