@@ -128,7 +128,9 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     tmp_path: Path,
 ) -> None:
     sync = WeightSync(
-        [vllm.url], gateway.url, base_model_name=vllm.served_model_name,
+        [vllm.url],
+        gateway.url,
+        base_model_name=vllm.served_model_name,
         adapter_prefix=f"test-{tmp_path.name}",
     )
     sync.register(0, vllm.served_model_name, str(tiny_model_dir))
@@ -232,3 +234,51 @@ def test_constrained_steps_carry_masked_logprobs_and_are_flagged(
     assert "constrained" in constrained_step.flags and "constrained" not in free_step.flags
     # Masked logprobs (forced tokens at 0) are far from the policy's own; free sampling matches.
     assert gaps[0] > 1.0 and gaps[1] < BASE_GAP_TOLERANCE
+
+
+def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
+    vllm: VLLMServer,
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    from trainer_bridge.loop import LoopSettings, run_loop
+
+    api = httpx.Client(base_url=gateway.url, timeout=120)
+    WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
+    # One group of 4 rollouts of the same task, rewarded 1, 0, 0.5, 0.25 through the API.
+    for member, reward in enumerate([1.0, 0.0, 0.5, 0.25]):
+        trajectory = f"loop-{member}"
+        api.post("/api/trajectories", json={"id": trajectory, "group_id": "loop-g"})
+        body = {
+            "model": "policy",
+            "messages": [{"role": "user", "content": "Temperature?"}],
+            "max_tokens": 6,
+            "temperature": 1.0,
+        }
+        assert api.post(f"/t/{trajectory}/v1/chat/completions", json=body).is_success
+        api.post(
+            f"/api/trajectories/{trajectory}/complete", json={"reward": reward}
+        ).raise_for_status()
+    loop = LoopSettings(
+        gateway_url=gateway.url,
+        vllm_urls=[vllm.url],
+        consumer="loop-test",
+        spec={"channel": "train", "algorithm": "grpo", "group_size": 4},
+        max_updates=1,
+        adapter_dir=tmp_path,
+        adapter_prefix=f"loop-{tmp_path.name}",
+    )
+    metrics = run_loop(
+        loop, TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2), say=lambda _: None
+    )
+    assert len(metrics) == 1 and metrics[0]["policy_version"] == 1.0
+    assert metrics[0]["tokens"] == 4 * 6
+    versions = api.get("/admin/policy-versions").json()
+    assert [(v["version"], v["active"]) for v in versions] == [(0, False), (1, True)]
+    batches = api.get("/api/batches").json()
+    assert len(batches) == 1
+    after = api.post("/t/loop-after/v1/chat/completions", json=body)
+    assert after.headers["x-trajgate-policy-version"] == "1"
+    WeightSync([vllm.url], gateway.url).unload(f"loop-{tmp_path.name}-v1")

@@ -1,0 +1,111 @@
+"""The trainer's side of the loop, against running services: lease → train → ack → publish.
+
+Owns: ``trajgate train``. It needs only URLs and a model path, so the same loop runs against the
+CPU demo's services and against a GPU host (vLLM on GPUs, the trainer on a GPU: ``--device cuda``
+or the default ``auto``). Never: runs agents or computes rewards; it trains on what the pool
+hands out, one batch per update, exactly once per consumer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from trainer_bridge.client import PoolClient, train_batch
+from trainer_bridge.sync import WeightSync
+from trainer_bridge.trainer import PolicyTrainer, TrainerSettings
+
+
+@dataclass
+class LoopSettings:
+    """Where the services are and how long to run."""
+
+    gateway_url: str
+    vllm_urls: list[str]
+    consumer: str = "trainer-0"
+    lease_s: float = 600.0
+    spec: dict[str, Any] | None = None  # materialised whenever no batch is waiting
+    first_version: int | None = None  # default: the gateway's active version
+    max_updates: int | None = None
+    idle_exit_s: float | None = None  # stop after this long without a batch
+    poll_s: float = 2.0
+    admin_token: str | None = None
+    adapter_dir: Path = Path(".trajgate/adapters")
+    adapter_prefix: str = "policy"
+    pad_token_id: int = 0
+    metrics: list[dict[str, float]] = field(default_factory=list)
+
+
+def active_version(gateway_url: str, admin_token: str | None) -> int:
+    """The gateway's active policy version, or 0 when none is registered."""
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    versions = httpx.get(f"{gateway_url}/admin/policy-versions", headers=headers, timeout=30)
+    versions.raise_for_status()
+    active = [v["version"] for v in versions.json() if v["active"]]
+    return int(active[0]) if active else 0
+
+
+def run_loop(
+    loop: LoopSettings,
+    trainer_settings: TrainerSettings,
+    say: Callable[[str], None] = print,
+) -> list[dict[str, float]]:
+    """Train until ``max_updates`` or ``idle_exit_s``; returns each update's metrics.
+
+    A failed update is nacked (the batch returns to the pool) and re-raised.
+    """
+    trainer = PolicyTrainer(trainer_settings)
+    version = (
+        loop.first_version
+        if loop.first_version is not None
+        else active_version(loop.gateway_url, loop.admin_token)
+    )
+    sync = WeightSync(
+        loop.vllm_urls,
+        loop.gateway_url,
+        admin_token=loop.admin_token,
+        adapter_prefix=loop.adapter_prefix,
+    )
+    idle_since = time.monotonic()
+    with PoolClient(loop.gateway_url) as pool:
+        while loop.max_updates is None or len(loop.metrics) < loop.max_updates:
+            lease = pool.lease(loop.consumer, lease_s=loop.lease_s)
+            if lease is None and loop.spec is not None:
+                created = httpx.post(f"{loop.gateway_url}/api/batches", json=loop.spec, timeout=300)
+                if created.status_code not in (201, 409):  # 409: nothing ready yet
+                    created.raise_for_status()
+                lease = pool.lease(loop.consumer, lease_s=loop.lease_s)
+            if lease is None:
+                if (
+                    loop.idle_exit_s is not None
+                    and time.monotonic() - idle_since > loop.idle_exit_s
+                ):
+                    break
+                time.sleep(loop.poll_s)
+                continue
+            try:
+                metrics = trainer.update(train_batch(pool.rows(lease.batch_id), loop.pad_token_id))
+            except BaseException:
+                pool.nack(lease, reason="update failed")
+                raise
+            pool.ack(lease, policy_version_trained=version)
+            adapter = trainer.save_for_vllm(
+                loop.adapter_dir / f"{loop.adapter_prefix}-v{version + 1}"
+            )
+            sync.publish(version + 1, adapter, "lora" if trainer_settings.lora_rank else "full")
+            version += 1
+            loop.metrics.append({"policy_version": float(version), **metrics.as_dict()})
+            say(
+                f"batch {lease.batch_id}: loss {metrics.loss:+.4f}, "
+                f"clip {metrics.clip_fraction:.3f}, gap {metrics.logprob_gap_mean_abs:.1e}, "
+                f"{metrics.tokens_per_s:.0f} tokens/s "
+                f"-> policy v{version}"
+            )
+            idle_since = time.monotonic()
+    sync.close()
+    return loop.metrics
