@@ -7,14 +7,17 @@ comes only from ``migrations/``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 import migrations
 
@@ -74,13 +77,45 @@ def alembic_config(database_url: str) -> Config:
     return config
 
 
+# Key of the PostgreSQL advisory lock held while migrating (any constant bigint; "trajgate").
+MIGRATION_LOCK_KEY = 0x7472616A67617465
+
+
+@contextmanager
+def _migration_lock(database_url: str) -> Iterator[None]:
+    """Serialise migrations of one database across processes.
+
+    Several gateway replicas starting at once each run ``upgrade``; without the lock their
+    ``CREATE TABLE alembic_version`` race and all but one fail. On PostgreSQL the lock is a
+    session advisory lock held on its own connection; SQLite serialises writers itself.
+    """
+    if not database_url.startswith("postgresql"):
+        yield
+        return
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            try:
+                yield
+            finally:
+                connection.execute(
+                    text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY}
+                )
+    finally:
+        engine.dispose()
+
+
 def upgrade(database_url: str, revision: str = "head") -> None:
-    """Migrate the database at ``database_url`` up to ``revision`` (idempotent)."""
+    """Migrate the database at ``database_url`` up to ``revision`` (idempotent, and safe when
+    several processes do it at once)."""
     if database_url.startswith("sqlite"):
         make_engine(database_url).dispose()  # creates the data directory
-    command.upgrade(alembic_config(database_url), revision)
+    with _migration_lock(database_url):
+        command.upgrade(alembic_config(database_url), revision)
 
 
 def downgrade(database_url: str, revision: str) -> None:
     """Migrate the database at ``database_url`` down to ``revision`` (``base`` drops everything)."""
-    command.downgrade(alembic_config(database_url), revision)
+    with _migration_lock(database_url):
+        command.downgrade(alembic_config(database_url), revision)
