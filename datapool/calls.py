@@ -6,54 +6,47 @@ repeats. Never: creates steps (``datapool.store`` does); a failed attempt is nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.models import CallAttempt, Step, StepOutcome, utc_now
+from datapool.records import AttemptRecord
+
+__all__ = ["AttemptRecord", "attempt_rows", "find_replay", "find_resend", "record_attempts"]
 
 
-@dataclass(frozen=True)
-class AttemptRecord:
-    """One try of a logical call against one upstream replica."""
-
-    id: str
-    call_id: str
-    trajectory_id: str
-    attempt_index: int
-    upstream: str | None
-    status_code: int | None
-    outcome: str
-    error: str | None
-    latency_ms: float
-    idempotency_key: str | None = None
-    response_body: dict[str, Any] | None = None
+def attempt_rows(attempts: Iterable[AttemptRecord], created_at: datetime) -> list[dict[str, Any]]:
+    """``call_attempts`` rows for a Core ``insert`` (the writer's batch uses them too)."""
+    return [
+        {
+            "id": a.id,
+            "call_id": a.call_id,
+            "trajectory_id": a.trajectory_id,
+            "attempt_index": a.attempt_index,
+            "upstream": a.upstream,
+            "status_code": a.status_code,
+            "outcome": a.outcome,
+            "error": a.error,
+            "latency_ms": a.latency_ms,
+            "idempotency_key": a.idempotency_key,
+            "response_body": a.response_body,
+            "created_at": created_at,
+        }
+        for a in attempts
+    ]
 
 
 def record_attempts(sessions: sessionmaker[Session], attempts: list[AttemptRecord]) -> None:
-    """Commit the attempts of one call in one transaction."""
+    """Commit the attempts of one call in one transaction (calls through ``PoolWriter`` carry
+    them in ``CallRecord.attempts`` instead, committed with their steps)."""
     if not attempts:
         return
     with sessions.begin() as session:
-        session.add_all(
-            CallAttempt(
-                id=a.id,
-                call_id=a.call_id,
-                trajectory_id=a.trajectory_id,
-                attempt_index=a.attempt_index,
-                upstream=a.upstream,
-                status_code=a.status_code,
-                outcome=a.outcome,
-                error=a.error,
-                latency_ms=a.latency_ms,
-                idempotency_key=a.idempotency_key,
-                response_body=a.response_body,
-            )
-            for a in attempts
-        )
+        session.execute(insert(CallAttempt), attempt_rows(attempts, utc_now()))
 
 
 def find_replay(

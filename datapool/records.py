@@ -31,6 +31,23 @@ class ChoiceRecord:
 
 
 @dataclass(frozen=True)
+class AttemptRecord:
+    """One try of a logical call against one upstream replica (``call_attempts``)."""
+
+    id: str
+    call_id: str
+    trajectory_id: str
+    attempt_index: int
+    upstream: str | None
+    status_code: int | None
+    outcome: str
+    error: str | None
+    latency_ms: float
+    idempotency_key: str | None = None
+    response_body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class CallRecord:
     """One proxied call: what the client sent, what went upstream, and what came back.
 
@@ -58,3 +75,6 @@ class CallRecord:
     ttft_ms: float | None = None
     group_id: str | None = None
     channel: str | None = None
+    # The upstream attempts of the call (retries included), committed in the same transaction as
+    # its steps; none when the call was refused (trajectory closed).
+    attempts: tuple[AttemptRecord, ...] = ()

@@ -20,10 +20,12 @@ import numpy as np
 from sqlalchemy import Engine, Table, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from datapool.calls import attempt_rows
 from datapool.db import insert_ignore, make_sessionmaker
 from datapool.errors import TrajectoryClosedError
 from datapool.lineage import TOKEN_BYTES, LineageCache, TrajectoryTokens
 from datapool.models import (
+    CallAttempt,
     Step,
     StepOutcome,
     StepPayload,
@@ -191,6 +193,18 @@ class PoolStore:
         if step_rows:
             session.execute(insert(Step), step_rows)
             session.execute(insert(StepPayload), payload_rows)
+        # A call's attempts commit with its steps: one transaction per batch, not one more per call.
+        attempts = attempt_rows(
+            (
+                a
+                for p, result in zip(pending, results, strict=True)
+                if not isinstance(result, Exception)
+                for a in p.call.attempts
+            ),
+            now,
+        )
+        if attempts:
+            session.execute(insert(CallAttempt), attempts)
         table = typing.cast(Table, Trajectory.__table__)
         counts = [
             {"b_id": tid, "b_count": n, "b_at": now, "b_writer": writer_id}

@@ -20,14 +20,13 @@ from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from datapool.calls import AttemptRecord, record_attempts
 from datapool.db import make_engine
 from datapool.errors import PoolError
 from datapool.records import CallRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from datapool.writer import PoolWriter
-from gateway import admin, batches_api, pool_api, proxy
+from gateway import admin, batches_api, inspector, pool_api, proxy
 from gateway.auth import KeyRing
 from gateway.errors import from_pool_error, install_error_handlers
 from gateway.metrics import GatewayMetrics
@@ -53,10 +52,9 @@ class GatewayState:
     pending_writes: int = 0
     writer: PoolWriter | None = None
 
-    async def record(
-        self, trajectory_id: str, call: CallRecord, attempts: list[AttemptRecord]
-    ) -> list[str]:
-        """Make one call durable (its steps, then its attempts); returns the step ids."""
+    async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
+        """Make one call durable (its steps and its attempts, one group-commit transaction);
+        returns the step ids."""
         self.pending_writes += 1
         try:
             assert self.writer is not None, "the lifespan starts the pool writer"
@@ -64,7 +62,6 @@ class GatewayState:
                 step_ids = await self.writer.record(trajectory_id, call)
             except PoolError as exc:
                 raise from_pool_error(exc) from exc
-            await run_in_threadpool(record_attempts, self.store.sessions, attempts)
         finally:
             self.pending_writes -= 1
         return step_ids
@@ -140,6 +137,7 @@ def create_app(
     app.include_router(admin.router)
     app.include_router(pool_api.router, prefix="/api")
     app.include_router(batches_api.router, prefix="/api")
+    app.include_router(inspector.router)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -216,6 +216,7 @@ class Call:
             ttft_ms=ttft_ms,
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
+            attempts=tuple(self.attempts),
         )
 
     def headers(self, step_ids: list[str]) -> dict[str, str]:
@@ -405,7 +406,7 @@ async def fail_call(
 
 async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[str]:
     """Make the call durable (steps and attempts) and count it."""
-    step_ids = await state.record(call.trajectory_id, record, call.attempts)
+    step_ids = await state.record(call.trajectory_id, record)
     state.metrics.steps_written.inc(len(step_ids))
     for choice in record.choices:
         for flag in choice.flags:
