@@ -8,10 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from trajgate.config import ConfigFileSettings
 
 
-class BatchSettings(BaseSettings):
+class BatchSettings(ConfigFileSettings):
     """Where batch files live and how long consumers may hold them."""
 
     model_config = SettingsConfigDict(env_prefix="TRAJGATE_", extra="ignore")

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from trajgate.config import ConfigFileSettings
 
 WriteFailureMode = Literal["refuse", "serve"]
 
 
-class PoolSettings(BaseSettings):
+class PoolSettings(ConfigFileSettings):
     """Where the pool's SQL state and files live, and how steps reach them."""
 
     model_config = SettingsConfigDict(env_prefix="TRAJGATE_", extra="ignore")

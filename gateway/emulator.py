@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from trajgate.config import ConfigFileSettings
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-emulated"
 _ID_MARK = "@@TRAJGATE_ID@@"
@@ -46,10 +48,11 @@ _CREATED_MARK = "@@TRAJGATE_CREATED@@"
 _MAX_HEAD_BYTES = 64 * 1024
 
 
-class EmulatorSettings(BaseSettings):
+class EmulatorSettings(ConfigFileSettings):
     """What the emulated engine answers and how fast (``TRAJGATE_EMULATOR_*`` variables)."""
 
     model_config = SettingsConfigDict(env_prefix="TRAJGATE_EMULATOR_", extra="ignore")
+    config_section = "emulator"
 
     host: str = Field(default="127.0.0.1", description="Address the emulator binds to.")
     port: int = Field(default=8200, ge=0, le=65535, description="Port; 0 picks a free one.")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ipaddress
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from trajgate.config import ConfigFileSettings
 
 
 def is_loopback(host: str) -> bool:
@@ -21,7 +23,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(ConfigFileSettings):
     """How the gateway listens, where it forwards, its limits and its keys."""
 
     model_config = SettingsConfigDict(env_prefix="TRAJGATE_", extra="ignore")

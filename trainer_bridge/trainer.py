@@ -12,21 +12,23 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 from torch import Tensor
 
 from trainer_bridge.logprobs import token_logprobs
 from trainer_bridge.losses import Aggregation, LossConfig, policy_loss
+from trajgate.config import ConfigFileSettings
 
 
-class TrainerSettings(BaseSettings):
+class TrainerSettings(ConfigFileSettings):
     """How the policy is trained (``TRAJGATE_TRAINER_*`` variables)."""
 
     model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
+    config_section = "trainer"
 
     model_dir: Path = Field(
         description="Hugging Face model directory of the policy's base weights."
@@ -123,6 +125,16 @@ class UpdateMetrics:
         return {key: float(value) for key, value in self.__dict__.items()}
 
 
+class World(Protocol):
+    """The ranks of a data-parallel update (``trainer_bridge.distributed.GlooWorld``)."""
+
+    def sum(self, value: float) -> float: ...
+
+    def max(self, value: float) -> float: ...
+
+    def sum_gradients(self, parameters: list[torch.nn.Parameter]) -> None: ...
+
+
 class PolicyTrainer:
     """Holds the policy model and performs clipped policy-gradient updates."""
 
@@ -172,17 +184,23 @@ class PolicyTrainer:
             chunks.append(values.float().cpu())
         return torch.cat(chunks, dim=0)
 
-    def update(self, batch: TrainBatch) -> UpdateMetrics:
+    def update(self, batch: TrainBatch, world: World | None = None) -> UpdateMetrics:
         """One optimiser step over the whole batch, accumulated over micro-batches.
 
         Micro-batch losses are weighted so the accumulated gradient equals the full-batch
         aggregation: by token share for ``token_mean``, by row share for the others.
+        With ``world`` (data parallel, ``trainer_bridge.distributed``), ``batch`` is this rank's
+        shard: shares are taken of the whole batch's tokens and rows (summed over ranks), and
+        the gradients are summed over ranks before clipping, so every rank applies the update
+        a single process would apply to the whole batch.
 
         Raises:
-            ValueError: the batch has no token with ``loss_mask == 1``.
+            ValueError: the (whole) batch has no token with ``loss_mask == 1``.
         """
         started = time.perf_counter()
-        total_tokens = int(batch.loss_mask.sum())
+        local_tokens = int(batch.loss_mask.sum())
+        total_tokens = int(world.sum(local_tokens)) if world else local_tokens
+        total_rows = int(world.sum(batch.rows)) if world else batch.rows
         if total_tokens == 0:
             raise ValueError("batch has no sampled token (loss_mask is all 0)")
         old = self.logprobs(batch)  # [B, T], before the update
@@ -199,7 +217,7 @@ class PolicyTrainer:
             share = (
                 micro_tokens / total_tokens
                 if self.loss_config.aggregation == "token_mean"
-                else micro.rows / batch.rows
+                else micro.rows / total_rows
             )
             with self._autocast():
                 logprobs, entropy = token_logprobs(
@@ -221,6 +239,11 @@ class PolicyTrainer:
             sums["kl"] += out.kl * share
             assert entropy is not None
             sums["entropy"] += float(entropy.detach()[micro.loss_mask.bool()].mean()) * token_share
+        gap_sum, gap_max = float(gap.sum()), float(gap.max()) if gap.numel() else 0.0
+        if world is not None:
+            world.sum_gradients(self.parameters)
+            sums = {key: world.sum(value) for key, value in sums.items()}
+            gap_sum, gap_max = world.sum(gap_sum), world.max(gap_max)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.max_grad_norm)
         self.optimizer.step()
         elapsed = time.perf_counter() - started
@@ -233,8 +256,8 @@ class PolicyTrainer:
             grad_norm=float(grad_norm),
             tokens=total_tokens,
             tokens_per_s=total_tokens / elapsed if elapsed > 0 else math.inf,
-            logprob_gap_mean_abs=float(gap.mean()),
-            logprob_gap_max_abs=float(gap.max()),
+            logprob_gap_mean_abs=gap_sum / total_tokens,
+            logprob_gap_max_abs=gap_max,
         )
 
     def save_for_vllm(self, directory: Path) -> Path:

@@ -1,0 +1,250 @@
+"""The trainer under ``torchrun``: data-parallel RL updates, each rank on its share of one batch.
+
+Run it (CPU, gloo; on GPUs the same command picks NCCL and one GPU per rank)::
+
+    torchrun --nproc-per-node 2 -m trainer_bridge.distributed
+
+configured by ``TRAJGATE_TRAINER_*`` variables (``TrainerSettings`` and ``DistributedSettings``,
+docs/deployment.md) or a ``TRAJGATE_CONFIG`` file.
+
+Owns: the lease protocol across ranks and the gradient reduction. Rank 0 alone talks to the
+pool's lease API: it leases the next batch and broadcasts the lease to every rank; each rank
+fetches the batch's rows, orders them longest first and keeps rows ``rank, rank + W, ...`` (so
+the ranks' token counts differ by at most one row); ``PolicyTrainer.update(shard, world)``
+weighs each micro-batch by its share of the *whole* batch and sums gradients over the ranks
+before clipping, so every rank applies exactly the update one process would apply to the whole
+batch (tests/test_distributed.py checks it within float tolerance). After the update rank 0 acks,
+saves the weights and publishes them (vLLM, then the gateway's policy registry); a failed update
+on rank 0 nacks, and a crashed rank lets the lease expire, so the batch comes back either way.
+
+Deliberately different from torch's ``DistributedDataParallel`` wrapper: the gradients are
+all-reduced once per update, after gradient accumulation over micro-batches (what DDP does with
+``no_sync`` on every micro-batch but the last), without DDP's bucketing that overlaps the
+reduction with the backward pass. For LoRA's few megabytes of gradients that overlap buys
+nothing, and no rank can hang waiting for a peer's extra backward pass when the shards split
+into different numbers of micro-batches. Full fine-tuning of a model that does not fit one GPU
+needs FSDP2 (``torch.distributed.fsdp.fully_shard`` per decoder layer, then on the model) in
+place of the replicated model here: documented in docs/deployment.md, not built.
+
+Shape legend: ``B`` rows of the whole batch, ``B_r`` rows of rank r's share, ``T`` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from trainer_bridge.client import LeasedBatch, PoolClient, rows_from_table
+from trainer_bridge.collate import Row, collate
+from trainer_bridge.sync import WeightSync
+from trainer_bridge.trainer import PolicyTrainer, TrainerSettings, UpdateMetrics
+from trajgate.config import ConfigFileSettings
+
+
+class DistributedSettings(ConfigFileSettings):
+    """Where the pool is and how the ranks run (``TRAJGATE_TRAINER_*`` variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
+    config_section = "trainer"
+
+    pool_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="Base URL of a gateway (or the load balancer) whose /api the ranks use.",
+    )
+    consumer: str = Field(
+        default="trainer", description="Consumer id of the leases: one per training run."
+    )
+    lease_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Lease length: longer than one update, short enough to recover a crash.",
+    )
+    max_updates: int | None = Field(
+        default=None, ge=1, description="Stop after this many updates; unset: run until idle."
+    )
+    idle_wait_s: float = Field(
+        default=5.0, gt=0, description="Seconds to wait before asking again when no batch waits."
+    )
+    idle_exit_s: float | None = Field(
+        default=None, gt=0, description="Stop after this long without a batch; unset: never."
+    )
+    pad_token_id: int = Field(default=0, ge=0, description="Token id used for right padding.")
+    weights_dir: Path = Field(
+        default=Path(".trajgate/weights"),
+        description="Where rank 0 saves each update's weights (a directory vLLM can read).",
+    )
+    vllm_urls: str = Field(
+        default="",
+        description="vLLM base URLs (comma-separated) to load each update into; empty: none.",
+    )
+    gateway_url: str | None = Field(
+        default=None,
+        description="Gateway whose policy registry gets each new version; default pool_url.",
+    )
+    admin_token: str | None = Field(
+        default=None, description="The gateways' TRAJGATE_ADMIN_TOKEN (policy registration)."
+    )
+    first_version: int = Field(
+        default=1, ge=1, description="Policy version of the first published update."
+    )
+
+
+class GlooWorld:
+    """``trainer_bridge.trainer.World`` over the default process group (gloo or NCCL)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+
+    def _reduce(self, value: float, op: Any) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=op)
+        return float(tensor.item())
+
+    def sum(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.SUM)
+
+    def max(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.MAX)
+
+    def sum_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Sum every gradient over the ranks (a rank without tokens contributes zeros)."""
+        for parameter in parameters:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+
+    def broadcast_parameters(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Start every rank from rank 0's trainable weights."""
+        with torch.no_grad():
+            for parameter in parameters:
+                dist.broadcast(parameter.data, src=0)
+
+
+def shard_rows(rows: list[Row], rank: int, world_size: int) -> list[Row]:
+    """Rank ``rank``'s rows: longest first, every ``world_size``-th (balanced token counts)."""
+    ordered = sorted(rows, key=lambda row: len(row.input_ids), reverse=True)
+    return ordered[rank::world_size]
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass
+class RankReport:
+    """What one rank did: the metrics of each update and the batches it trained on."""
+
+    rank: int
+    updates: list[dict[str, Any]]
+
+
+def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> RankReport:
+    """The training loop of one rank; ``torch.distributed`` must be initialised."""
+    trainer = PolicyTrainer(trainer_settings)
+    world = GlooWorld(trainer.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+    world.broadcast_parameters(trainer.parameters)
+    sync = (
+        WeightSync(
+            [url.strip() for url in settings.vllm_urls.split(",") if url.strip()],
+            settings.gateway_url or settings.pool_url,
+            admin_token=settings.admin_token,
+        )
+        if world.rank == 0 and settings.vllm_urls.strip()
+        else None
+    )
+    version = settings.first_version
+    report = RankReport(world.rank, [])
+    idle_since = time.monotonic()
+    with PoolClient(settings.pool_url) as pool:
+        while settings.max_updates is None or len(report.updates) < settings.max_updates:
+            lease: LeasedBatch | None = None
+            if world.rank == 0:
+                lease = pool.lease(settings.consumer, lease_s=settings.lease_s)
+            lease = _broadcast(lease)
+            if lease is None:
+                waited = time.monotonic() - idle_since
+                if settings.idle_exit_s is not None and _broadcast(waited) > settings.idle_exit_s:
+                    break
+                time.sleep(settings.idle_wait_s)
+                continue
+            metrics = _update_on_share(trainer, world, pool, lease, settings, sync, version)
+            report.updates.append(
+                {"batch_id": lease.batch_id, "policy_version": version, **metrics.as_dict()}
+            )
+            version += 1
+            idle_since = time.monotonic()
+    if sync is not None:
+        sync.close()
+    return report
+
+
+def _update_on_share(
+    trainer: PolicyTrainer,
+    world: GlooWorld,
+    pool: PoolClient,
+    lease: LeasedBatch,
+    settings: DistributedSettings,
+    sync: WeightSync | None,
+    version: int,
+) -> UpdateMetrics:
+    """One update of every rank on its share of ``lease``'s batch; rank 0 acks and publishes."""
+    try:
+        table: pa.Table = pool.rows(lease.batch_id)
+        share = shard_rows(rows_from_table(table), world.rank, world.size)
+        if not share:
+            raise ValueError(
+                f"batch {lease.batch_id} has {table.num_rows} rows for {world.size} ranks; "
+                "every rank needs at least one (make batches larger or use fewer ranks)"
+            )
+        metrics = trainer.update(collate(share, settings.pad_token_id), world)
+    except BaseException:
+        if world.rank == 0:
+            pool.nack(lease, reason="distributed update failed")
+        raise
+    if world.rank == 0:
+        pool.ack(lease, policy_version_trained=version)
+        weights = trainer.save_for_vllm(settings.weights_dir / f"policy-v{version}")
+        if sync is not None:
+            sync.publish(version, weights, "lora" if trainer.settings.lora_rank else "full")
+    dist.barrier()  # no rank leases the next batch before rank 0 has acked this one
+    return metrics
+
+
+def main() -> None:
+    """``torchrun -m trainer_bridge.distributed``: one process per rank."""
+    import json
+
+    trainer_settings = TrainerSettings()  # type: ignore[call-arg]  # model_dir from env/config
+    if trainer_settings.device == "cuda" or (
+        trainer_settings.device == "auto" and torch.cuda.is_available()
+    ):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        trainer_settings = trainer_settings.model_copy(
+            update={"device": f"cuda:{torch.cuda.current_device()}"}
+        )
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend)
+    try:
+        report = run(DistributedSettings(), trainer_settings)
+        print(json.dumps({"rank": report.rank, "updates": report.updates}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
