@@ -372,3 +372,28 @@ class BatchRow(Base):
     row_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     step_id: Mapped[str] = mapped_column(String(36), primary_key=True, index=True)
     trajectory_id: Mapped[str] = mapped_column(String(200), index=True)
+
+
+# ---- training metrics and inspector indexes (issue 7; migration 0005) ----
+
+
+class TrainingMetric(Base):
+    """One append-only row of metrics a trainer reported (loss, KL, grad norm, ...) at a step."""
+
+    __tablename__ = "training_metrics"
+    __table_args__ = (Index("ix_training_metrics_run_step", "run", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run: Mapped[str] = mapped_column(String(200), default="default")
+    policy_version: Mapped[int | None] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+
+
+# Sort keys of the inspector's trajectory list, the time axis of its step charts, and the
+# current-reward subquery (kind, name -> latest record per target).
+Index("ix_trajectories_created_at", Trajectory.created_at)
+Index("ix_trajectories_last_step_at", Trajectory.last_step_at)
+Index("ix_steps_created_at", Step.created_at)
+Index("ix_rewards_kind_name_target", Reward.target_kind, Reward.name, Reward.target_id, Reward.id)

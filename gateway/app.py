@@ -26,7 +26,7 @@ from datapool.records import CallRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from datapool.writer import PoolWriter
-from gateway import admin, batches_api, pool_api, proxy
+from gateway import admin, batches_api, inspector, pool_api, proxy
 from gateway.auth import KeyRing
 from gateway.errors import from_pool_error, install_error_handlers
 from gateway.metrics import GatewayMetrics
@@ -137,6 +137,7 @@ def create_app(
     app.include_router(admin.router)
     app.include_router(pool_api.router, prefix="/api")
     app.include_router(batches_api.router, prefix="/api")
+    app.include_router(inspector.router)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -1,0 +1,631 @@
+// The trajgate inspector: one Alpine.js component over the pool's JSON API (/api/...).
+// Captured content is untrusted: it reaches the DOM only through x-text / attribute bindings
+// (textContent / setAttribute), never as HTML. Writes send X-Trajgate-Inspector: 1 and JSON,
+// which a page on another site cannot make a browser send without a CORS preflight.
+"use strict";
+
+const LIST_KEYS = ["status", "channel", "group_id", "tag", "flag", "reward_name", "reward_min",
+  "reward_max", "rewarded", "policy_version", "created_after", "created_before", "q", "sort",
+  "order", "offset", "limit"];
+const MULTI = ["status", "tag", "flag"];
+const LIVE_INTERVAL_MS = 2000;
+
+function emptyFilter() {
+  return { status: [], channel: "", group_id: "", tag: "", flag: "", reward_name: "final",
+    reward_min: "", reward_max: "", rewarded: "", policy_version: "", created_after: "",
+    created_before: "", q: "", sort: "created_at", order: "desc", offset: 0, limit: 50 };
+}
+
+function splitList(text) {
+  return String(text || "").split(",").map((s) => s.trim()).filter(Boolean);
+}
+
+function localToIso(value) {
+  return value ? new Date(value).toISOString() : "";
+}
+
+function isoToLocal(value) {
+  if (!value) return "";
+  const d = new Date(value);
+  const pad = (n) => String(n).padStart(2, "0");
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}T${pad(d.getHours())}:${pad(d.getMinutes())}`;
+}
+
+// Behaviour logprob 0 (certain) is green, -5 and below red.
+function logprobColour(lp) {
+  if (lp === null || lp === undefined) return "background: #ddd";
+  const x = Math.max(0, Math.min(1, -lp / 5));
+  return `background: hsl(${Math.round(120 * (1 - x))} 70% 80%)`;
+}
+
+function showable(text) {
+  // Make whitespace tokens visible without turning them into markup.
+  return text.replace(/\n/g, "↵\n").replace(/\t/g, "→").replace(/^ $/, "·");
+}
+
+document.addEventListener("alpine:init", () => {
+  window.Alpine.data("inspector", () => ({
+    view: "list",
+    message: "",
+    messageIsError: false,
+    needToken: false,
+    tokenInput: "",
+    // list
+    f: emptyFilter(),
+    rows: [],
+    total: null,
+    selected: [],
+    cursor: 0,
+    live: true,
+    updatedAt: "",
+    bulk: { scope: "selected", target: "trajectory", tags: "", quality: "", decision: "", note: "" },
+    columns: [
+      { key: "id", label: "trajectory", sort: true },
+      { key: "group_id", label: "group", sort: false },
+      { key: "channel", label: "channel", sort: true },
+      { key: "status", label: "status", sort: true },
+      { key: "steps", label: "steps", sort: false },
+      { key: "tokens", label: "tokens", sort: false },
+      { key: "reward", label: "reward", sort: true },
+      { key: "tags", label: "tags", sort: false },
+      { key: "flags", label: "flags", sort: false },
+      { key: "label", label: "label", sort: false },
+      { key: "created_at", label: "created", sort: true },
+      { key: "last_step_at", label: "last step", sort: true },
+    ],
+    // trajectory / tokens / group
+    traj: null,
+    stepOrder: [],
+    isTree: false,
+    tok: null,
+    tokenList: [],
+    hoverText: "",
+    group: null,
+    groupReward: "final",
+    groupAlgorithm: "grpo",
+    // curation
+    rules: [],
+    marks: [],
+    newRule: { name: "", kind: "length", action: "exclude", params: "" },
+    // batches
+    spec: { name: "", channel: "train", algorithm: "grpo", layout: "per_step", group_size: "",
+      reward_names: "final", drop_degenerate_groups: true, exclude_batched: true },
+    specFilters: {},
+    preview: null,
+    batchList: [],
+    batch: null,
+    // charts
+    chartBucket: "60",
+    chartReward: "final",
+    plots: [],
+    timer: null,
+
+    init() {
+      this.route();
+      this.timer = setInterval(() => {
+        if (this.live && this.view === "list" && !this.needToken && !document.hidden) {
+          this.loadList(false);
+        }
+      }, LIVE_INTERVAL_MS);
+    },
+
+    // ---- plumbing ------------------------------------------------------------------------
+    async api(path, options = {}) {
+      const headers = { "X-Trajgate-Inspector": "1" };
+      const token = sessionStorage.getItem("trajgate-admin-token");
+      if (token) headers.Authorization = `Bearer ${token}`;
+      if (options.body !== undefined) headers["Content-Type"] = "application/json";
+      const response = await fetch(path, {
+        method: options.method || "GET",
+        headers,
+        body: options.body === undefined ? undefined : JSON.stringify(options.body),
+      });
+      if (response.status === 401) {
+        this.needToken = true;
+        throw new Error("the admin token is required");
+      }
+      if (options.raw) {
+        if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
+        return response;
+      }
+      if (response.status === 204) return null;
+      const data = await response.json();
+      if (!response.ok) {
+        const error = (data && data.error) || {};
+        const err = new Error(error.message || `${response.status}`);
+        err.status = response.status;
+        err.data = data;
+        throw err;
+      }
+      return data;
+    },
+    say(text, isError = false) {
+      this.message = text;
+      this.messageIsError = isError;
+    },
+    fail(err) {
+      this.say(String(err.message || err), true);
+    },
+    saveToken() {
+      sessionStorage.setItem("trajgate-admin-token", this.tokenInput);
+      this.tokenInput = "";
+      this.needToken = false;
+      this.route();
+    },
+    go(url) {
+      history.pushState(null, "", url);
+      this.route();
+    },
+    route() {
+      const path = location.pathname.replace(/\/+$/, "");
+      const parts = path.split("/").slice(2).map(decodeURIComponent);
+      this.readFilter();
+      this.say("");
+      if (parts[0] === "trajectories" && parts[1]) return this.showTrajectory(parts[1]);
+      if (parts[0] === "steps" && parts[1]) return this.showTokens(parts[1]);
+      if (parts[0] === "groups" && parts[1]) return this.showGroup(parts[1]);
+      if (parts[0] === "curation") return this.showCuration();
+      if (parts[0] === "batches") return this.showBatches();
+      if (parts[0] === "charts") return this.showCharts();
+      this.view = "list";
+      this.loadList(true);
+    },
+
+    // ---- filter state in the URL ---------------------------------------------------------
+    readFilter() {
+      const params = new URLSearchParams(location.search);
+      const f = emptyFilter();
+      for (const key of LIST_KEYS) {
+        if (!params.has(key)) continue;
+        if (key === "status") f.status = params.getAll(key);
+        else if (key === "tag" || key === "flag") f[key] = params.getAll(key).join(",");
+        else if (key === "offset" || key === "limit") f[key] = Number(params.get(key));
+        else if (key.startsWith("created_")) f[key] = isoToLocal(params.get(key));
+        else f[key] = params.get(key);
+      }
+      this.f = f;
+    },
+    apiParams() {
+      const params = new URLSearchParams();
+      for (const key of LIST_KEYS) {
+        const value = this.f[key];
+        if (key === "status") value.forEach((s) => params.append("status", s));
+        else if (MULTI.includes(key)) splitList(value).forEach((v) => params.append(key, v));
+        else if (key.startsWith("created_")) { if (value) params.set(key, localToIso(value)); }
+        else if (value !== "" && value !== null && value !== undefined) params.set(key, value);
+      }
+      return params;
+    },
+    listSearch() {
+      const params = this.apiParams();
+      const defaults = emptyFilter();
+      for (const key of ["sort", "order", "offset", "limit", "reward_name"]) {
+        if (String(params.get(key)) === String(defaults[key])) params.delete(key);
+      }
+      const text = params.toString();
+      return text ? `?${text}` : "";
+    },
+    applyFilters() {
+      this.f.offset = 0;
+      this.total = null;
+      this.go(`/inspector${this.listSearch()}`);
+    },
+    clearFilters() {
+      this.f = emptyFilter();
+      this.applyFilters();
+    },
+    sortBy(key) {
+      if (this.f.sort === key) this.f.order = this.f.order === "desc" ? "asc" : "desc";
+      else { this.f.sort = key; this.f.order = "desc"; }
+      this.f.offset = 0;
+      this.go(`/inspector${this.listSearch()}`);
+    },
+    page(direction) {
+      this.f.offset = Math.max(0, this.f.offset + direction * this.f.limit);
+      this.go(`/inspector${this.listSearch()}`);
+    },
+    // The same selection as the curation/batch API's TrajectoryFilter; text search has no
+    // field there, so it becomes the list of matching ids.
+    async trajectoryFilter() {
+      const f = this.f;
+      const out = { reward_name: f.reward_name || "final" };
+      if (f.channel) out.channel = f.channel;
+      if (f.status.length) out.status = f.status;
+      if (f.group_id) out.group_ids = [f.group_id];
+      if (splitList(f.tag).length) out.tags = splitList(f.tag);
+      if (splitList(f.flag).length) out.flags = splitList(f.flag);
+      if (f.reward_min !== "") out.reward_min = Number(f.reward_min);
+      if (f.reward_max !== "") out.reward_max = Number(f.reward_max);
+      if (f.rewarded !== "") out.rewarded = f.rewarded === "true";
+      if (f.policy_version !== "") out.policy_version = Number(f.policy_version);
+      if (f.created_after) out.created_after = localToIso(f.created_after);
+      if (f.created_before) out.created_before = localToIso(f.created_before);
+      if (f.q) {
+        const params = this.apiParams();
+        const found = await this.api(`/api/inspector/trajectory-ids?${params}`);
+        out.trajectory_ids = found.ids;
+      }
+      return out;
+    },
+
+    // ---- list ----------------------------------------------------------------------------
+    async loadList(withTotal) {
+      try {
+        const params = this.apiParams();
+        if (withTotal || this.total === null) params.set("with_total", "true");
+        const page = await this.api(`/api/inspector/trajectories?${params}`);
+        this.rows = page.data;
+        if (page.total !== null) this.total = page.total;
+        const ids = new Set(this.rows.map((r) => r.id));
+        this.selected = this.selected.filter((id) => ids.has(id));
+        this.cursor = Math.min(this.cursor, Math.max(0, this.rows.length - 1));
+        this.updatedAt = new Date().toLocaleTimeString();
+        sessionStorage.setItem("trajgate-list-ids", JSON.stringify(this.rows.map((r) => r.id)));
+      } catch (err) { this.fail(err); }
+    },
+    selectAll(on) {
+      this.selected = on ? this.rows.map((r) => r.id) : [];
+    },
+    openTrajectory(id) {
+      this.go(`/inspector/trajectories/${encodeURIComponent(id)}${this.listSearch()}`);
+    },
+    labelBody(fields) {
+      const body = {};
+      const tags = Array.isArray(fields.tags) ? fields.tags : splitList(fields.tags);
+      if (tags.length) body.tags = tags;
+      if (fields.quality) body.quality = fields.quality;
+      if (fields.decision) body.decision = fields.decision;
+      if (fields.note) body.note = fields.note;
+      body.author = "inspector";
+      return body;
+    },
+    async applyBulk() {
+      const body = this.labelBody(this.bulk);
+      if (Object.keys(body).length === 1) return this.say("choose tags, quality, include/exclude or a note", true);
+      try {
+        let filter;
+        if (this.bulk.scope === "selected") {
+          if (!this.selected.length) return this.say("select trajectories first (space or the checkboxes)", true);
+          filter = { trajectory_ids: [...this.selected] };
+        } else {
+          filter = await this.trajectoryFilter();
+        }
+        const result = await this.api("/api/labels/bulk", {
+          method: "POST", body: { ...body, target: this.bulk.target, filter } });
+        this.say(`labelled ${result.ids.length} ${this.bulk.target}(s)`);
+        this.loadList(true);
+      } catch (err) { this.fail(err); }
+    },
+    async label(kind, id, fields) {
+      const body = this.labelBody(fields);
+      if (Object.keys(body).length === 1) return this.say("nothing to label", true);
+      try {
+        await this.api("/api/labels", { method: "POST", body: { ...body, target: kind, target_id: id } });
+        this.say(`${kind} ${id}: ${this.labelText(body)}`);
+        if (this.view === "trajectory" && this.traj) await this.showTrajectory(this.traj.id, true);
+        if (this.view === "list") await this.loadList(false);
+      } catch (err) { this.fail(err); }
+    },
+    labelText(l) {
+      return [(l.tags || []).join(","), l.quality, l.decision, l.note && `“${l.note}”`]
+        .filter(Boolean).join(" · ");
+    },
+    onKey(event) {
+      const t = event.target;
+      if (t && (t.tagName === "INPUT" || t.tagName === "SELECT" || t.tagName === "TEXTAREA")) return;
+      if (event.ctrlKey || event.metaKey || event.altKey) return;
+      const labels = { g: { quality: "good" }, b: { quality: "bad" }, u: { quality: "unsure" },
+        x: { decision: "exclude" }, i: { decision: "include" } };
+      if (this.view === "list") {
+        const row = this.rows[this.cursor];
+        if (event.key === "j") this.cursor = Math.min(this.rows.length - 1, this.cursor + 1);
+        else if (event.key === "k") this.cursor = Math.max(0, this.cursor - 1);
+        else if (event.key === "Enter" && row) this.openTrajectory(row.id);
+        else if (event.key === " " && row) {
+          this.selected = this.selected.includes(row.id)
+            ? this.selected.filter((id) => id !== row.id) : [...this.selected, row.id];
+        } else if (labels[event.key] && row) this.label("trajectory", row.id, labels[event.key]);
+        else return;
+        event.preventDefault();
+      } else if (this.view === "trajectory" && this.traj) {
+        if (event.key === "n" || event.key === "p") this.nextTrajectory(event.key === "n" ? 1 : -1);
+        else if (labels[event.key]) this.label("trajectory", this.traj.id, labels[event.key]);
+        else if (event.key === "Escape") this.go(`/inspector${this.listSearch()}`);
+        else return;
+        event.preventDefault();
+      } else if (event.key === "Escape" && this.view === "tokens" && this.tok) {
+        this.go(`/inspector/trajectories/${encodeURIComponent(this.tok.trajectory_id)}`);
+      }
+    },
+    nextTrajectory(direction) {
+      const ids = JSON.parse(sessionStorage.getItem("trajgate-list-ids") || "[]");
+      const at = ids.indexOf(this.traj.id);
+      const next = ids[at + direction];
+      if (at >= 0 && next) this.openTrajectory(next);
+      else this.say("no more trajectories on this page of the list");
+    },
+
+    // ---- trajectory ----------------------------------------------------------------------
+    async showTrajectory(id, keepView = false) {
+      if (!keepView) { this.view = "trajectory"; this.traj = null; }
+      try {
+        const reward = this.f.reward_name || "final";
+        const traj = await this.api(`/api/inspector/trajectories/${encodeURIComponent(id)}?reward_name=${encodeURIComponent(reward)}`);
+        this.layoutSteps(traj.steps);
+        this.traj = traj;
+      } catch (err) { this.fail(err); }
+    },
+    // Steps in call order; a tree (indented under their parent) when some step has two
+    // children or its parent is not the step before it.
+    layoutSteps(steps) {
+      const children = new Map();
+      const byId = new Map(steps.map((s) => [s.id, s]));
+      let tree = false;
+      steps.forEach((s, k) => {
+        const parent = s.parent_step_id && byId.has(s.parent_step_id) ? s.parent_step_id : null;
+        if (!children.has(parent)) children.set(parent, []);
+        children.get(parent).push(s);
+        if (parent && k > 0 && steps[k - 1].id !== parent) tree = true;
+      });
+      for (const [parent, kids] of children) if (parent && kids.length > 1) tree = true;
+      this.isTree = tree;
+      if (!tree) { this.stepOrder = steps.map((s) => ({ ...s, depth: 0 })); return; }
+      // Depth grows at each fork, so a straight chain stays flush and each branch indents.
+      const order = [];
+      const visit = (parent, depth) => {
+        const kids = children.get(parent) || [];
+        for (const s of kids) {
+          const d = kids.length > 1 ? depth + 1 : depth;
+          order.push({ ...s, depth: Math.min(d, 12) });
+          visit(s.id, d);
+        }
+      };
+      visit(null, 0);
+      this.stepOrder = order;
+    },
+    contentText(content) {
+      if (content === null || content === undefined) return "";
+      if (typeof content === "string") return content;
+      if (Array.isArray(content)) {
+        return content.map((part) => (part && part.text !== undefined ? part.text : JSON.stringify(part))).join("");
+      }
+      return JSON.stringify(content);
+    },
+    samplingOf(request) {
+      const out = {};
+      for (const [k, v] of Object.entries(request || {})) {
+        if (k !== "messages" && k !== "tools" && k !== "prompt") out[k] = v;
+      }
+      return out;
+    },
+
+    // ---- tokens --------------------------------------------------------------------------
+    async showTokens(stepId) {
+      this.view = "tokens";
+      this.tok = null;
+      this.hoverText = "";
+      try {
+        const tok = await this.api(`/api/steps/${encodeURIComponent(stepId)}/tokens`);
+        const prompt = tok.prompt_token_ids || [];
+        const response = tok.response_token_ids || [];
+        const texts = tok.token_texts;
+        const list = [];
+        [...prompt, ...response].forEach((id, i) => {
+          const inResponse = i >= prompt.length;
+          const r = i - prompt.length;
+          const lp = inResponse && tok.response_logprobs ? tok.response_logprobs[r] : null;
+          const text = texts ? texts[i] : String(id);
+          const cls = ["tk"];
+          if (!inResponse) { cls.push("prompt"); if (i < tok.prompt_base_tokens) cls.push("history"); }
+          if (tok.loss_mask[i]) cls.push("masked");
+          if (i === prompt.length) cls.push("boundary");
+          list.push({
+            i, cls: cls.join(" "),
+            style: inResponse ? logprobColour(lp) : "",
+            text: showable(text),
+            boundary: i === prompt.length,
+            title: `#${i} ${inResponse ? "response" : "prompt"} · id ${id} · text ${JSON.stringify(text)}`
+              + (inResponse ? ` · logprob ${lp === null ? "n/a" : lp.toFixed(4)}` : "")
+              + ` · loss mask ${tok.loss_mask[i]}`,
+          });
+        });
+        this.tokenList = list;
+        this.tok = tok;
+      } catch (err) { this.fail(err); }
+    },
+
+    // ---- group ---------------------------------------------------------------------------
+    async showGroup(groupId) {
+      this.view = "group";
+      this.group = { group_id: groupId, members: [], reward_name: this.groupReward };
+      await this.loadGroup();
+    },
+    async loadGroup() {
+      try {
+        const id = this.group.group_id;
+        this.group = await this.api(`/api/groups/${encodeURIComponent(id)}/rollouts?reward_name=${encodeURIComponent(this.groupReward)}&algorithm=${this.groupAlgorithm}`);
+      } catch (err) { this.fail(err); }
+    },
+
+    // ---- curation ------------------------------------------------------------------------
+    async showCuration() {
+      this.view = "curation";
+      try {
+        this.rules = await this.api("/api/curation/rules");
+        this.marks = await this.api("/api/curation/marks?limit=500");
+      } catch (err) { this.fail(err); }
+    },
+    async createRule() {
+      try {
+        const params = this.newRule.params.trim() ? JSON.parse(this.newRule.params) : {};
+        const created = await this.api("/api/curation/rules", { method: "POST", body: {
+          name: this.newRule.name, kind: this.newRule.kind, action: this.newRule.action,
+          params, author: "inspector" } });
+        this.say(`rule ${created.name}: matched ${created.result ? created.result.matched : 0}`);
+        this.newRule = { name: "", kind: "length", action: "exclude", params: "" };
+        await this.showCuration();
+      } catch (err) { this.fail(err); }
+    },
+    async deleteRule(id) {
+      try {
+        await this.api(`/api/curation/rules/${id}`, { method: "DELETE" });
+        await this.showCuration();
+      } catch (err) { this.fail(err); }
+    },
+    async applyRules() {
+      try {
+        const results = await this.api("/api/curation/apply", { method: "POST", body: {} });
+        this.say(results.map((r) => `${r.name}: ${r.matched}`).join(" · ") || "no rules");
+        await this.showCuration();
+      } catch (err) { this.fail(err); }
+    },
+
+    // ---- batches -------------------------------------------------------------------------
+    async showBatches() {
+      this.view = "batches";
+      this.preview = null;
+      try {
+        this.specFilters = await this.trajectoryFilter();
+        if (this.f.channel) this.spec.channel = this.f.channel;
+        this.batchList = await this.api("/api/batches?limit=200");
+      } catch (err) { this.fail(err); }
+    },
+    specBody() {
+      const s = this.spec;
+      const body = { channel: s.channel || "train", algorithm: s.algorithm, layout: s.layout,
+        filters: this.specFilters, drop_degenerate_groups: s.drop_degenerate_groups,
+        exclude_batched: s.exclude_batched };
+      if (s.name) body.name = s.name;
+      if (s.group_size !== "") body.group_size = Number(s.group_size);
+      const names = splitList(s.reward_names);
+      body.reward_names = names;
+      return body;
+    },
+    async previewBatch() {
+      try {
+        this.preview = await this.api("/api/batches/preview", { method: "POST", body: this.specBody() });
+        this.say(`preview: ${this.preview.rows} rows`);
+      } catch (err) {
+        this.preview = null;
+        this.fail(err);
+      }
+    },
+    async createBatch() {
+      try {
+        const batch = await this.api("/api/batches", { method: "POST", body: this.specBody() });
+        this.say(`batch ${batch.id}: ${batch.rows} rows, ${batch.tokens} tokens`);
+        this.batchList = await this.api("/api/batches?limit=200");
+        this.batch = batch;
+      } catch (err) { this.fail(err); }
+    },
+    async openBatch(id) {
+      try { this.batch = await this.api(`/api/batches/${id}`); } catch (err) { this.fail(err); }
+    },
+    async download(id) {
+      try {
+        const response = await this.api(`/api/batches/${id}/rows?format=parquet`, { raw: true });
+        const url = URL.createObjectURL(await response.blob());
+        const a = document.createElement("a");
+        a.href = url;
+        a.download = `${id}.parquet`;
+        document.body.appendChild(a);
+        a.click();
+        a.remove();
+        setTimeout(() => URL.revokeObjectURL(url), 10000);
+      } catch (err) { this.fail(err); }
+    },
+
+    // ---- charts --------------------------------------------------------------------------
+    async showCharts() {
+      this.view = "charts";
+      await this.$nextTick();
+      await this.loadCharts();
+    },
+    async loadCharts() {
+      try {
+        const data = await this.api(`/api/charts?bucket_s=${this.chartBucket}&reward_name=${encodeURIComponent(this.chartReward)}`);
+        const metrics = await this.api("/api/training-metrics?limit=100000");
+        this.plots.forEach((p) => p.destroy());
+        this.plots = [];
+        this.drawReward(data.reward_by_version);
+        this.drawSteps(data.steps_over_time);
+        this.drawHistogram("chart-completion", data.completion_tokens_histogram, "steps");
+        this.drawHistogram("chart-prompt", data.prompt_tokens_histogram, "steps");
+        this.drawFlags(data.flag_rates);
+        this.drawTraining(metrics);
+      } catch (err) { this.fail(err); }
+    },
+    plot(id, opts, data) {
+      const el = document.getElementById(id);
+      el.textContent = "";
+      if (!data[0].length) { el.textContent = "no data yet"; return; }
+      const width = Math.max(320, Math.min(560, el.parentElement.clientWidth - 16));
+      this.plots.push(new window.uPlot({ width, height: 220, ...opts }, data, el));
+    },
+    // One bucket alone would make uPlot span years around it: pad by a bucket either side.
+    timeRange() {
+      const pad = Number(this.chartBucket);
+      return (u, min, max) => (min === max ? [min - pad, max + pad] : [min, max]);
+    },
+    palette(k) {
+      return ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"][k % 7];
+    },
+    drawReward(points) {
+      const times = [...new Set(points.map((p) => p.t))].sort((a, b) => a - b);
+      const versions = [...new Set(points.map((p) => p.policy_version))].sort((a, b) => (a ?? -1) - (b ?? -1));
+      const series = versions.map((v) => times.map((t) => {
+        const p = points.find((q) => q.t === t && q.policy_version === v);
+        return p ? p.mean : null;
+      }));
+      this.plot("chart-reward", {
+        scales: { x: { range: this.timeRange() } },
+        series: [{}, ...versions.map((v, k) => ({ label: `policy v${v}`, stroke: this.palette(k), width: 2, spanGaps: true, points: { show: true } }))],
+      }, [times, ...series]);
+    },
+    drawSteps(points) {
+      this.plot("chart-steps", {
+        scales: { x: { range: this.timeRange() } },
+        series: [{}, { label: "steps", stroke: "#1f77b4", width: 2, scale: "steps" },
+          { label: "tokens", stroke: "#ff7f0e", width: 2, scale: "tokens" }],
+        axes: [{}, { scale: "steps" }, { scale: "tokens", side: 1, grid: { show: false } }],
+      }, [points.map((p) => p.t), points.map((p) => p.steps), points.map((p) => p.prompt_tokens + p.completion_tokens)]);
+    },
+    drawHistogram(id, hist, label) {
+      const xs = hist.counts.map((_, k) => k * hist.width);
+      const bars = window.uPlot.paths.bars({ size: [0.9, 40] });
+      this.plot(id, {
+        scales: { x: { time: false } },
+        series: [{ label: "tokens ≥" }, { label, stroke: "#2ca02c", fill: "#2ca02c88", paths: bars, points: { show: false } }],
+      }, [xs, hist.counts]);
+    },
+    drawFlags(rates) {
+      const xs = rates.versions.map((v) => v.policy_version ?? -1);
+      this.plot("chart-flags", {
+        scales: { x: { time: false } },
+        series: [{ label: "policy v" }, ...rates.flags.map((f, k) => ({ label: f, stroke: this.palette(k), width: 2, points: { show: true } }))],
+      }, [xs, ...rates.flags.map((f) => rates.versions.map((v) => v.rates[f]))]);
+    },
+    drawTraining(rows) {
+      const names = [...new Set(rows.flatMap((r) => Object.keys(r.metrics)))].sort();
+      this.plot("chart-training", {
+        scales: { x: { time: false } },
+        series: [{ label: "step" }, ...names.map((n, k) => ({ label: n, stroke: this.palette(k), width: 2, points: { show: true } }))],
+      }, [rows.map((r) => r.step), ...names.map((n) => rows.map((r) => r.metrics[n] ?? null))]);
+    },
+
+    // ---- formatting ----------------------------------------------------------------------
+    fmtReward(value) {
+      return value === undefined || value === null ? "unrewarded" : Number(value).toFixed(3);
+    },
+    fmtRewards(rewards) {
+      const entries = Object.entries(rewards || {});
+      return entries.length ? entries.map(([k, v]) => `${k}=${Number(v).toFixed(3)}`).join(" ") : "unrewarded";
+    },
+    fmtTime(value) {
+      return value ? new Date(value).toLocaleString() : "";
+    },
+    fmtMs(value) {
+      return value === null || value === undefined ? "—" : `${Math.round(value)} ms`;
+    },
+  }));
+});

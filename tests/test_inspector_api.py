@@ -1,0 +1,145 @@
+"""The inspector's JSON endpoints on SQLite and PostgreSQL: sorted paged lists, the token view
+(stored IDs exactly, never re-encoded), group advantages, training metrics, the admin token and
+the refusal of cross-site writes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
+from fastapi.testclient import TestClient
+
+from datapool.settings import PoolSettings
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+
+
+@pytest.fixture
+def pool(pool_settings: PoolSettings) -> PoolSettings:
+    """Four trajectories: g1 = a (reward 1.0), b (0.0), c (0.5); d unrewarded, no group."""
+    store = make_store(pool_settings)
+    for seed, (tid, group, reward) in enumerate(
+        [("a", "g1", 1.0), ("b", "g1", 0.0), ("c", "g1", 0.5), ("d", None, None)]
+    ):
+        write_trajectory(store, tid, agent_turns(seed, 2), group_id=group, reward=reward)
+    store.engine.dispose()
+    return pool_settings
+
+
+def client_for(pool: PoolSettings, **gateway: object) -> TestClient:
+    return TestClient(create_app(GatewaySettings(**gateway), pool))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def client(pool: PoolSettings) -> Iterator[TestClient]:
+    with client_for(pool) as test_client:
+        yield test_client
+
+
+def test_list_sorts_by_reward_with_unrewarded_last_in_both_orders(client: TestClient) -> None:
+    def ids(order: str) -> list[str]:
+        page = client.get(
+            "/api/inspector/trajectories",
+            params={"sort": "reward", "order": order, "with_total": "true"},
+        ).json()
+        assert page["total"] == 4
+        return [row["id"] for row in page["data"]]
+
+    assert ids("desc") == ["a", "c", "b", "d"]
+    assert ids("asc") == ["b", "c", "a", "d"]
+
+
+def test_list_filters_pages_and_counts_steps_and_tokens(client: TestClient) -> None:
+    page = client.get(
+        "/api/inspector/trajectories",
+        params={"group_id": "g1", "reward_min": 0.5, "sort": "id", "order": "asc", "limit": 1},
+    ).json()
+    assert [row["id"] for row in page["data"]] == ["a"]
+    # a: turn 1 = 5 prompt + 2 response, turn 2 = (5 + 2 + 3) + 2: 7 + 12 = 19 tokens, 2 steps.
+    assert (page["data"][0]["steps"], page["data"][0]["tokens"]) == (2, 19)
+    second = client.get(
+        "/api/inspector/trajectories",
+        params={"group_id": "g1", "reward_min": 0.5, "sort": "id", "order": "asc", "offset": 1},
+    ).json()
+    assert [row["id"] for row in second["data"]] == ["c"]
+    unrewarded = client.get("/api/inspector/trajectories", params={"rewarded": "false"}).json()
+    assert [row["id"] for row in unrewarded["data"]] == ["d"]
+
+
+def test_step_tokens_are_the_stored_ids_with_mask_and_logprobs(client: TestClient) -> None:
+    view = client.get("/api/inspector/trajectories/a").json()
+    second = view["steps"][1]
+    assert second["extends_parent"] is True
+    tokens = client.get(f"/api/steps/{second['id']}/tokens").json()
+    (p0, r0), (p1, r1) = agent_turns(0, 2)
+    assert tokens["prompt_token_ids"] == p1
+    assert tokens["response_token_ids"] == r1
+    assert tokens["response_logprobs"] == logprobs_of(r1)
+    assert tokens["loss_mask"] == [0] * len(p1) + [1] * len(r1)
+    assert tokens["prompt_base_tokens"] == len(p0) + len(r0)  # the parent's prompt + response
+    assert tokens["token_texts"] is None  # no tokenizer configured: ids only
+
+
+def test_group_rollouts_carry_grpo_advantages(client: TestClient) -> None:
+    # rewards 1, 0, 0.5: mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5;
+    # advantages (R - 0.5) / 0.5 = 1, -1, 0.
+    group = client.get("/api/groups/g1/rollouts").json()
+    advantages = {m["id"]: round(m["advantage"], 4) for m in group["members"]}
+    assert advantages == {"a": 1.0, "b": -1.0, "c": 0.0}
+
+
+def test_training_metrics_append_and_poll_after_an_id(client: TestClient) -> None:
+    rows = [{"policy_version": 1, "step": s, "metrics": {"loss": 2.0 - s}} for s in range(3)]
+    ids = client.post("/api/training-metrics", json={"rows": rows}).json()["ids"]
+    assert len(ids) == 3
+    newer = client.get("/api/training-metrics", params={"after_id": ids[0]}).json()
+    assert [(r["step"], r["metrics"]["loss"]) for r in newer] == [(1, 1.0), (2, 0.0)]
+    bad = client.post(
+        "/api/training-metrics", json={"rows": [{"step": 1, "metrics": {"loss": "nan"}}]}
+    )
+    assert bad.status_code == 400
+
+
+def test_charts_count_every_step_once(client: TestClient) -> None:
+    charts = client.get("/api/charts", params={"bucket_s": 86400}).json()
+    assert sum(b["steps"] for b in charts["steps_over_time"]) == 8  # 4 trajectories x 2 turns
+    assert sum(charts["completion_tokens_histogram"]["counts"]) == 8
+    (version,) = charts["reward_by_version"]
+    # rewarded: 1.0, 0.0, 0.5 -> mean 0.5 over n = 3 (d is unrewarded, not 0)
+    assert (version["mean"], version["n"]) == (0.5, 3)
+
+
+def test_cross_site_writes_are_refused_and_same_origin_ones_pass(client: TestClient) -> None:
+    body = {"rows": [{"step": 0, "metrics": {"loss": 1.0}}]}
+    for headers in (
+        {"sec-fetch-site": "cross-site"},
+        {"sec-fetch-site": "same-site"},
+        {"origin": "http://evil.example"},
+    ):
+        refused = client.post("/api/training-metrics", json=body, headers=headers)
+        assert refused.status_code == 403, headers
+        assert refused.json()["error"]["code"] == "cross_site"
+    same = {"origin": "http://testserver", "sec-fetch-site": "same-origin"}
+    assert client.post("/api/training-metrics", json=body, headers=same).status_code == 201
+    assert client.post("/api/training-metrics", json=body).status_code == 201  # a trainer
+    assert len(client.get("/api/training-metrics").json()) == 2
+
+
+def test_admin_token_guards_the_inspector_api_but_not_its_page(pool: PoolSettings) -> None:
+    with client_for(pool, admin_token="s3cret") as client:
+        assert client.get("/inspector").status_code == 200  # the page holds no data
+        denied = client.get("/api/inspector/trajectories")
+        assert denied.status_code == 401
+        assert denied.json()["error"]["code"] == "invalid_admin_token"
+        ok = client.get("/api/inspector/trajectories", headers={"authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+def test_inspector_page_forbids_inline_script(client: TestClient) -> None:
+    page = client.get("/inspector/trajectories/a")
+    assert page.status_code == 200
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self' 'unsafe-eval'" in csp and "unsafe-inline" not in csp.split(";")[1]
+    assert client.get("/inspector/static/..%2Finspector.py").status_code == 404  # no traversal
+    assert client.get("/inspector/static/vendor/alpinejs-3.17.5.min.js").status_code == 200

@@ -1,0 +1,266 @@
+"""The web inspector end to end: headless Chromium (Debian's package, driven by Playwright)
+against the gateway in front of the real vLLM, with data captured from a real OpenAI-SDK agent.
+
+Screenshots of every view go to ``test-artifacts/inspector/`` (gitignored).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import io
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+from inspector_helpers import CHROMIUM, CHROMIUM_ARGS, SCRIPT_PAYLOAD, populate, run_episode
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from datapool.settings import PoolSettings
+from gateway.server import BackgroundServer
+from trajgate import vllm_server
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "inspector"
+
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="needs Debian's chromium (scripts/setup.sh installs it)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool decodes stored IDs with the tiny model's tokenizer (never encodes text)."""
+    monkeypatch.setenv("TRAJGATE_TOKENIZER_DIR", str(vllm_server.default_model_dir()))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert errors == [], f"script errors in the page: {errors}"
+
+
+def shot(page: Page, name: str, backend: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{backend}-{name}.png"), full_page=True)
+
+
+def backend_of(pool_settings: PoolSettings) -> str:
+    return "sqlite" if str(pool_settings.database_url).startswith("sqlite") else "postgresql"
+
+
+def test_inspector_views_curation_and_batches_in_a_real_browser(
+    gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
+) -> None:
+    assert os.environ["TRAJGATE_TOKENIZER_DIR"]
+    base = gateway.url
+    backend = backend_of(pool_settings)
+    made = populate(base)
+
+    # ---- list: 8 trajectories, newest first; filters narrow it and live in the URL.
+    page.goto(f"{base}/inspector")
+    rows = page.get_by_test_id("trajectory-row")
+    expect(rows).to_have_count(8)
+    expect(page.get_by_test_id("total")).to_have_text("8 matching")
+    shot(page, "list", backend)
+    page.locator("input[name=group_id]").fill("tokyo")
+    page.locator("input[name=reward_min]").fill("0.5")
+    page.get_by_test_id("apply-filters").click()
+    expect(rows).to_have_count(2)  # tokyo-1 (1.0) and tokyo-2 (0.5); tokyo-0 has 0.0
+    assert "group_id=tokyo" in page.url and "reward_min=0.5" in page.url
+    page.get_by_role("columnheader", name="reward").click()  # sort by reward, descending
+    expect(rows.nth(0)).to_contain_text("tokyo-1")
+    expect(rows.nth(1)).to_contain_text("tokyo-2")
+    assert "sort=reward" in page.url
+    page.reload()  # the filter and sort come back from the URL alone
+    expect(rows).to_have_count(2)
+    expect(rows.nth(0)).to_contain_text("tokyo-1")
+    shot(page, "list-filtered", backend)
+    page.goto(f"{base}/inspector?rewarded=false")
+    expect(rows).to_have_count(1)
+    expect(rows.nth(0)).to_contain_text("lonely")
+    expect(rows.nth(0).get_by_test_id("row-reward")).to_have_text("unrewarded")
+
+    # ---- trajectory view: steps in order with state, action, policy version, flags.
+    page.goto(f"{base}/inspector/trajectories/paris-0")
+    steps = page.get_by_test_id("step")
+    expect(steps).to_have_count(len(made["paris-0"]["steps"]))
+    expect(steps.nth(0)).to_contain_text("What is the weather in Paris?")
+    expect(steps.nth(0)).to_contain_text("policy v0")
+    expect(steps.nth(0)).to_contain_text("rewards format=0.250")
+    expect(page.get_by_test_id("trajectory-rewards")).to_have_text("final=1.000")
+    if any(s["extends_parent"] is False for s in made["paris-0"]["steps"]):
+        expect(page.get_by_test_id("prefix-break").first).to_contain_text("prefix break at token")
+    shot(page, "trajectory", backend)
+
+    # ---- token view: every prompt and response token, the boundary, hover text.
+    step = made["paris-0"]["steps"][-1]
+    page.get_by_test_id("open-tokens").last.click()
+    tokens = page.get_by_test_id("tokens").locator("span")
+    expect(tokens).to_have_count(step["prompt_tokens"] + step["completion_tokens"])
+    boundary = page.locator("[data-boundary=response-start]")
+    expect(boundary).to_have_count(1)
+    boundary.hover()
+    hover = page.get_by_test_id("token-hover")
+    expect(hover).to_contain_text(f"#{step['prompt_tokens']} response")
+    expect(hover).to_contain_text("logprob -")
+    expect(hover).to_contain_text("loss mask 1")
+    shot(page, "tokens", backend)
+
+    # ---- group view: rollouts side by side with GRPO advantages.
+    # paris rewards 1, 0, 1: mean 2/3, unbiased std sqrt(1/3) = 0.5774;
+    # advantages (1 - 2/3) / 0.5774 = 0.577 and (0 - 2/3) / 0.5774 = -1.155.
+    page.goto(f"{base}/inspector/groups/paris")
+    advantages = page.get_by_test_id("advantage")
+    expect(advantages).to_have_text(["0.577", "-1.155", "0.577"])
+    shot(page, "group", backend)
+
+    # ---- curation changes what a batch contains: exclude paris-1 from the trajectory view.
+    before = httpx.post(
+        f"{base}/api/batches/preview",
+        json={"filters": {"group_ids": ["paris"]}, "drop_degenerate_groups": False},
+    ).json()
+    assert {r["trajectory_id"] for r in before["head"]} == {"paris-0", "paris-1", "paris-2"}
+    page.goto(f"{base}/inspector/trajectories/paris-1")
+    page.get_by_test_id("trajectory-decision").select_option("exclude")
+    page.get_by_test_id("trajectory-note").fill("answer is nonsense")
+    page.get_by_test_id("trajectory-label-save").click()
+    expect(page.get_by_test_id("trajectory-label")).to_contain_text("exclude")
+    expect(page.get_by_test_id("readiness")).to_contain_text("not ready")
+
+    # Bulk on the filter, keyboard review: tag every tokyo trajectory, then exclude one by key.
+    page.goto(f"{base}/inspector?group_id=tokyo")
+    expect(rows).to_have_count(3)
+    page.get_by_test_id("bulk-scope").select_option("filter")
+    page.get_by_test_id("bulk-tags").fill("reviewed")
+    page.get_by_test_id("bulk-apply").click()
+    expect(page.get_by_test_id("message")).to_have_text("labelled 3 trajectory(s)")
+    expect(rows.filter(has_text="reviewed")).to_have_count(3)
+    page.locator("body").press("j")  # cursor to the second row (tokyo-1)
+    page.locator("body").press("x")  # exclude it
+    expect(rows.nth(1).get_by_test_id("row-decision")).to_have_text("exclude")
+
+    # ---- batches: the spec comes from the list's filter; preview, materialise, download.
+    page.goto(f"{base}/inspector?group_id=paris")
+    page.get_by_test_id("batch-from-filter").click()
+    expect(page.get_by_test_id("spec-filters")).to_contain_text('"group_ids":["paris"]')
+    page.get_by_test_id("spec-name").fill("paris-batch")
+    # Without paris-1 the group's rewards are 1, 1: degenerate (std 0), so keep it explicitly.
+    page.get_by_test_id("spec-drop-degenerate").uncheck()
+    page.get_by_test_id("batch-preview").click()
+    preview_rows = page.get_by_test_id("preview-row")
+    expect(preview_rows.first).to_be_visible()
+    texts = preview_rows.all_inner_texts()
+    assert not any("paris-1" in t for t in texts), "the excluded trajectory is not in the batch"
+    assert {"paris-0", "paris-2"} <= {t.split()[0] for t in texts}
+    page.get_by_test_id("batch-create").click()
+    expect(page.get_by_test_id("batch-detail")).to_contain_text("paris-0")
+    expect(page.get_by_test_id("batch-detail")).not_to_contain_text("paris-1")
+    shot(page, "batches", backend)
+    batch_id = httpx.get(f"{base}/api/batches").json()[0]["id"]
+    with page.expect_download() as download_info:
+        page.get_by_test_id(f"download-{batch_id}").click()
+    table = pq.read_table(io.BytesIO(Path(download_info.value.path()).read_bytes()))
+    assert set(table["trajectory_id"].to_pylist()) == {"paris-0", "paris-2"}
+
+    # ---- curation page: a rule, what it marked and why.
+    page.goto(f"{base}/inspector/curation")
+    page.get_by_test_id("rule-name").fill("short-responses-only")
+    page.get_by_test_id("rule-kind").select_option("length")
+    page.get_by_test_id("rule-params").fill('{"max_response_tokens": 8}')
+    page.get_by_test_id("rule-create").click()
+    expect(page.get_by_test_id("marks")).to_contain_text("short-responses-only")
+    expect(page.get_by_test_id("marks")).to_contain_text("response")
+    shot(page, "curation", backend)
+
+    # ---- charts render from the aggregates and the trainer's metrics.
+    page.goto(f"{base}/inspector/charts")
+    expect(page.locator("#chart-training canvas")).to_have_count(1)
+    expect(page.locator("#chart-reward canvas")).to_have_count(1)
+    expect(page.locator("#chart-completion canvas")).to_have_count(1)
+    shot(page, "charts", backend)
+
+
+def test_inspector_renders_captured_script_as_text_and_updates_live(
+    gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
+) -> None:
+    base = gateway.url
+    backend = backend_of(pool_settings)
+    run_episode(base, "xss", question=SCRIPT_PAYLOAD, reward=0.0)
+
+    page.goto(f"{base}/inspector/trajectories/xss")
+    user = page.get_by_test_id("message-content").nth(1)
+    expect(user).to_have_text(SCRIPT_PAYLOAD)  # the markup shows as its own characters
+    assert page.evaluate("window.__pwned") is None  # and neither the script nor onerror ran
+    assert user.evaluate("element => element.children.length") == 0  # text, no elements
+    assert page.locator("img, main script").count() == 0
+    shot(page, "script-as-text", backend)
+
+    # Live: a trajectory recorded while the list is open appears without a reload; paused, not.
+    page.goto(f"{base}/inspector")
+    rows = page.get_by_test_id("trajectory-row")
+    expect(rows).to_have_count(1)
+    run_episode(base, "arrives-live", complete=False)
+    expect(rows).to_have_count(2, timeout=10_000)
+    expect(rows.nth(0)).to_contain_text("arrives-live")
+    page.get_by_test_id("live-toggle").click()  # pause
+    run_episode(base, "arrives-paused", complete=False)
+    page.wait_for_timeout(5000)  # more than two live intervals
+    expect(rows).to_have_count(2)
+    page.get_by_test_id("live-toggle").click()  # resume
+    expect(rows).to_have_count(3, timeout=10_000)
+    shot(page, "list-live", backend)
+
+
+def test_cross_site_page_cannot_write_through_the_inspector(
+    gateway: BackgroundServer, page: Page, tmp_path: Path
+) -> None:
+    """A page on another origin posts to the gateway; the browser sends it, the gateway refuses
+    it, and nothing is written."""
+    base = gateway.url
+    run_episode(base, "victim", reward=1.0)
+    # Another origin on this machine (a different port is another origin, and the same site).
+    evil_dir = tmp_path / "evil"
+    evil_dir.mkdir()
+    (evil_dir / "evil.html").write_text("<html><body>evil</body></html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(evil_dir))
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    try:
+        page.goto(f"http://127.0.0.1:{evil.server_address[1]}/evil.html")
+        statuses = page.evaluate(
+            """async (base) => {
+                const out = [];
+                // A 'simple' request needs no preflight: the browser really sends it.
+                for (const path of ["/api/training-metrics", "/api/labels"]) {
+                    const r = await fetch(base + path, {method: "POST", mode: "no-cors",
+                        headers: {"Content-Type": "text/plain"},
+                        body: JSON.stringify({rows: [{step: 1, metrics: {x: 1}}],
+                            target: "trajectory", target_id: "victim", decision: "exclude"})});
+                    out.push(r.type);
+                }
+                return out;
+            }""",
+            base,
+        )
+        assert statuses == ["opaque", "opaque"]
+        assert httpx.get(f"{base}/api/training-metrics").json() == []
+        assert httpx.get(f"{base}/api/labels", params={"trajectory_id": "victim"}).json() == []
+    finally:
+        evil.shutdown()
