@@ -28,3 +28,15 @@ echo "== tiny model"
 .venv/bin/trajgate model create
 echo "== vLLM environment"
 .venv/bin/trajgate vllm install
+
+# The inspector's browser tests drive Debian's chromium with Playwright (never
+# `playwright install`: browsers cannot be downloaded here). apt needs root, which CI has.
+if [ ! -x /usr/bin/chromium ]; then
+  echo "== chromium (apt)"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "chromium is missing and installing it needs root: sudo apt-get install -y chromium" >&2
+    exit 1
+  fi
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
+fi

@@ -535,5 +535,30 @@ def bench_export(
     typer.echo(json.dumps(report, indent=None if as_json else 2))
 
 
+@bench_app.command("inspector")
+def bench_inspector(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    trajectories: Annotated[int, typer.Option(help="Synthetic trajectories.")] = 100_000,
+    steps_per_trajectory: Annotated[int, typer.Option(help="Steps per trajectory.")] = 10,
+    repeats: Annotated[int, typer.Option(help="Timed rounds of each request.")] = 20,
+    pool_dir: Annotated[
+        Path | None,
+        typer.Option(help="Keep the filled pool here and reuse it on the next run."),
+    ] = None,
+) -> None:
+    """Fill a SQLite pool in bulk and time the inspector's JSON endpoints: list_p50_ms,
+    list_p99_ms, trajectory_view_p50_ms, step_tokens_p50_ms (and fill_s)."""
+    from datapool.inspector_bench import run_inspector_benchmark
+
+    report = run_inspector_benchmark(
+        trajectories,
+        steps_per_trajectory,
+        repeats,
+        pool_dir,
+        progress=lambda line: typer.echo(line, err=True),
+    )
+    typer.echo(json.dumps(report, indent=None if as_json else 2))
+
+
 if __name__ == "__main__":
     app()
