@@ -48,9 +48,10 @@ def test_compose_file_is_valid_against_the_compose_specification() -> None:
 
 
 def test_compose_config_accepts_the_file_when_a_compose_cli_is_installed(tmp_path: Path) -> None:
-    if shutil.which("docker") and subprocess.run(
-        ["docker", "compose", "version"], capture_output=True
-    ).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
         command = ["docker", "compose"]
     elif shutil.which("docker-compose"):
         command = ["docker-compose"]
@@ -69,7 +70,7 @@ def test_compose_runs_the_images_and_health_checks_a_gpu_host_needs() -> None:
     services = compose()["services"]
     assert {name: service.get("image") for name, service in services.items()} == {
         "postgres": "postgres:17",
-        "vllm": "vllm/vllm-openai:v0.11.0",
+        "vllm": "vllm/vllm-openai:v0.32.0",
         "migrate": "trajgate:latest",
         "gateway": "trajgate:latest",
         "lb": "nginx:1.28-alpine",

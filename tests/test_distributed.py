@@ -31,8 +31,9 @@ from trainer_bridge.distributed import shard_rows
 from trainer_bridge.trainer import PolicyTrainer, TrainerSettings
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-# float32 sums in another order (two shards, other padding widths): a few ulps of the weights
-WEIGHT_TOLERANCE = 1e-6
+# float32 sums in another order (two shards, other padding widths, other thread counts): far
+# below the update itself (> 1e-3, asserted)
+WEIGHT_TOLERANCE = 1e-5
 
 
 def test_shard_rows_gives_each_rank_every_other_row_longest_first() -> None:

@@ -15,6 +15,8 @@ from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.emulator import EmulatorSettings
 from gateway.settings import GatewaySettings
+from trainer_bridge.distributed import DistributedSettings
+from trainer_bridge.trainer import TrainerSettings
 from trajgate.cli import app as cli_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +31,15 @@ def _env_names(settings: type[BaseSettings]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "settings", [GatewaySettings, PoolSettings, EmulatorSettings, BatchSettings]
+    "settings",
+    [
+        GatewaySettings,
+        PoolSettings,
+        EmulatorSettings,
+        BatchSettings,
+        TrainerSettings,
+        DistributedSettings,
+    ],
 )
 def test_every_setting_is_documented(settings: type[BaseSettings]) -> None:
     missing = [name for name in _env_names(settings) if name not in DOCS]

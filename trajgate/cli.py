@@ -347,13 +347,42 @@ def bench_pool(
     compare_spool: Annotated[
         bool, typer.Option(help="Also price the write-ahead-spool alternative.")
     ] = False,
+    gateways: Annotated[
+        int | None,
+        typer.Option(
+            help="Instead: agents through this many `trajgate serve` processes behind a "
+            "round-robin balancer, against one process; steps/s and lost/duplicated steps.",
+            min=1,
+        ),
+    ] = None,
+    backend: Annotated[
+        str, typer.Option(help="With --gateways: 'postgresql' or 'sqlite'.")
+    ] = "postgresql",
 ) -> None:
     """Write synthetic agent trajectories through the pool's writer on SQLite (and PostgreSQL);
-    print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness."""
+    print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness.
+    With --gateways N: committed steps/s through N gateway processes versus one."""
     import tempfile
 
     from datapool.bench import run_pool_benchmark
 
+    if gateways is not None:
+        from trajgate.fleet import bench_gateways, ensure_postgres_database
+
+        with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
+            if backend == "postgresql":
+                url = postgres_url or "postgresql+psycopg://postgres@127.0.0.1:5432/trajgate_bench"
+                ensure_postgres_database(url)
+            elif backend == "sqlite":
+                url = f"sqlite:///{Path(tmp) / 'pool.sqlite3'}"
+            else:
+                raise typer.BadParameter(
+                    f"expected 'postgresql' or 'sqlite', got {backend!r}", param_hint="--backend"
+                )
+            counts = [1] if gateways == 1 else [1, gateways]
+            report = bench_gateways(url, counts, trajectories, turns, concurrency, Path(tmp))
+        typer.echo(json.dumps(report, indent=2 if not as_json else None))
+        return
     with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
         urls = [f"sqlite:///{Path(tmp) / 'pool.sqlite3'}"]
         if postgres_url:

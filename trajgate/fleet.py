@@ -299,3 +299,116 @@ def audit(database_url: str, trajectory_ids: list[str], result: DriveResult) -> 
             1 for steps in by_trajectory.values() if len({row[6] for row in steps}) > 1
         ),
     )
+
+
+def ensure_postgres_database(url: str) -> None:
+    """Create the database of ``url`` on its server when it does not exist yet."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    with psycopg.connect(
+        host=parsed.host,
+        port=parsed.port,
+        user=parsed.username,
+        password=parsed.password,
+        dbname="postgres",
+        autocommit=True,
+    ) as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
+        ).fetchone()
+        if exists is None:
+            conn.execute(f'CREATE DATABASE "{parsed.database}"')
+
+
+def bench_gateways(
+    database_url: str,
+    gateway_counts: list[int],
+    trajectories: int,
+    turns: int,
+    concurrency: int,
+    work_dir: Path,
+) -> dict[str, Any]:
+    """Committed steps/s of agents through ``n`` ``trajgate serve`` processes on one pool behind
+    the round-robin balancer, for each ``n``, and the audit of each run (lost and duplicated
+    steps must be 0). Every run uses its own trajectory ids, so one database serves them all.
+
+    Upstream: the emulator in its own process (200-token prompts, 50-token answers, no delay),
+    so the figure is the gateways' and the database's, not an engine's.
+    """
+    import uuid
+
+    from datapool import db
+
+    db.upgrade(database_url)
+    emulator_port = _free_port()
+    emulator = start_emulator(
+        {
+            "TRAJGATE_EMULATOR_HOST": "0.0.0.0",  # reached as 127.0.0.<replica>: see audit
+            "TRAJGATE_EMULATOR_PORT": str(emulator_port),
+            "TRAJGATE_EMULATOR_PROMPT_TOKENS": "200",
+            "TRAJGATE_EMULATOR_RESPONSE_TOKENS": "50",
+        },
+        work_dir / "emulator.log",
+    )
+    runs: list[dict[str, Any]] = []
+    try:
+        for count in gateway_counts:
+            ports = [_free_port() for _ in range(count)]
+            processes: list[subprocess.Popen[bytes]] = []
+            balancer: Balancer | None = None
+            try:
+                for i, port in enumerate(ports):
+                    env = {
+                        "TRAJGATE_DATABASE_URL": database_url,
+                        "TRAJGATE_DATA_DIR": str(work_dir / "data"),
+                        "TRAJGATE_PORT": str(port),
+                        "TRAJGATE_UPSTREAM_URL": f"http://127.0.0.{i + 1}:{emulator_port}",
+                    }
+                    processes.append(start_gateway(env, work_dir / "gateways.log"))
+                balancer = Balancer([("127.0.0.1", port) for port in ports]).start()
+                prefix = f"bench-{count}g-{uuid.uuid4().hex[:8]}"
+                ids = [f"{prefix}-{i}" for i in range(trajectories)]
+                result = asyncio.run(drive(balancer.url, ids, turns, concurrency))
+                report = audit(database_url, ids, result)
+                runs.append(
+                    {
+                        "gateways": count,
+                        "steps": len(result.delivered),
+                        "steps_per_s": round(len(result.delivered) / result.wall_s, 1),
+                        "failed_attempts": result.failed_attempts,
+                        **report.as_dict(),
+                    }
+                )
+            finally:
+                if balancer is not None:
+                    balancer.stop()
+                for process in processes:
+                    process.terminate()
+                for process in processes:
+                    process.wait(timeout=60)
+    finally:
+        emulator.kill()
+        emulator.wait()
+    backend = make_engine(database_url).dialect.name
+    base = runs[0]["steps_per_s"]
+    return {
+        "backend": backend,
+        "trajectories": trajectories,
+        "turns": turns,
+        "concurrency": concurrency,
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+        "speedup": {str(run["gateways"]): round(run["steps_per_s"] / base, 2) for run in runs},
+        "lost": sum(run["lost"] for run in runs),
+        "duplicated": sum(run["duplicated"] for run in runs),
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
