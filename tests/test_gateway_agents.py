@@ -286,7 +286,7 @@ def test_langchain_chat_openai_agent_produces_a_complete_trajectory(
         f"{gateway.url}/t/{trajectory_id}/v1",
         question=question,
         seed=3,
-        max_tokens=64,
+        max_tokens=192,  # the forced call pads with whitespace for up to ~130 tokens
         max_turns=3,
         stream=stream,
     )
@@ -315,7 +315,7 @@ def test_openai_agents_sdk_agent_produces_a_complete_trajectory(
             f"{gateway.url}/t/{trajectory_id}/v1",
             question=question,
             seed=3,
-            max_tokens=64,
+            max_tokens=192,  # the forced call pads with whitespace for up to ~130 tokens
             max_turns=3,
             stream=stream,
         )

@@ -223,7 +223,7 @@ def demo(
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
     rounds: Annotated[int, typer.Option(help="RL updates per arm.")] = 8,
-    groups: Annotated[int, typer.Option(help="Tasks (groups) per round.")] = 8,
+    groups: Annotated[int, typer.Option(help="Tasks (groups) per round.")] = 16,
     group_size: Annotated[int, typer.Option(help="Rollouts per task.")] = 4,
     agents: Annotated[int, typer.Option(help="Agents running at once.")] = 8,
     control: Annotated[bool, typer.Option(help="Also run the shuffled-reward control.")] = True,
