@@ -32,7 +32,6 @@ from gateway.errors import from_pool_error, install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
-from gateway.transport import UpstreamTransport
 from gateway.upstreams import UpstreamPool
 
 log = logging.getLogger("trajgate.gateway")
@@ -96,8 +95,9 @@ def create_app(
             connect=settings.upstream_connect_timeout_s,
             read=settings.upstream_between_chunks_timeout_s,
         )
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(
-            timeout=timeout, transport=upstream_transport or UpstreamTransport()
+            timeout=timeout, limits=limits, transport=upstream_transport
         ) as client:
             state = GatewayState(
                 settings,

@@ -340,8 +340,20 @@ async def open_upstream(
                 raise ServiceUnavailableError(str(exc), code="no_capturing_upstream") from exc
         tried.add(replica.url)
         replica.in_flight += 1
+        # A non-streaming answer arrives whole after generation: its only limit is the total one
+        # (the client's read timeout is the silence allowed between stream chunks).
+        timeout = (
+            None
+            if stream
+            else httpx.Timeout(
+                settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
+            )
+        )
         request = state.client.build_request(
-            "POST", replica.url + UPSTREAM_PATHS[call.endpoint], json=call.upstream_body
+            "POST",
+            replica.url + UPSTREAM_PATHS[call.endpoint],
+            json=call.upstream_body,
+            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
         limit_s = (
             settings.upstream_first_byte_timeout_s if stream else settings.upstream_total_timeout_s
@@ -465,7 +477,7 @@ async def first_event(
 ) -> tuple[AsyncIterator[bytes], bytes | None]:
     """Wait for the stream's first event before answering, so a slow first byte is still a
     clean 504 (nothing has been sent) rather than an error inside a 200 stream."""
-    events = sse_data(upstream.aiter_bytes())
+    events = sse_data(upstream)
     limit_s = state.settings.upstream_first_byte_timeout_s
     try:
         with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
@@ -504,10 +516,9 @@ async def relay_stream(
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with an
     error event and records ``upstream_timeout``. Either way the step is never left open.
 
-    Time limits cost nothing per chunk: the silence between chunks is the transport's read
-    limit (``upstream_between_chunks_timeout_s``, one timer per connection, re-armed only when it
-    fires early: ``gateway.transport``), and the total limit is checked as each chunk arrives (a
-    stream that goes silent just before it ends one silence limit later).
+    Time limits cost nothing per chunk: the silence between chunks is the HTTP client's read
+    timeout (``upstream_between_chunks_timeout_s``), and the total limit is checked as each chunk
+    arrives (a stream that goes silent just before it ends one silence limit later).
     """
     settings = state.settings
     capture = StreamCapture(

@@ -29,7 +29,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import orjson
+from httpx_sse import EventSource
 
 from datapool.records import ChoiceRecord
 from gateway.capture import (
@@ -45,32 +47,14 @@ from gateway.capture import (
 )
 
 
-async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The ``data`` payload of each server-sent event in ``chunks`` (raw body bytes), in order.
+async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The ``data`` payload of each server-sent event of ``response``, in order, as UTF-8 bytes.
 
-    Follows the SSE rules that matter here: lines end in LF, CRLF or CR; ``data:`` lines of one
-    event are joined with LF (one leading space dropped); a blank line ends the event; comments and
-    other fields are ignored; an event without data is not one.
+    Parsing is httpx-sse's (the SSE rules: line endings, multi-line data, comments); a silence
+    longer than the client's read timeout raises ``httpx.ReadTimeout`` from here.
     """
-    pending = b""  # the unfinished last line (and a CR that may be half of a CRLF)
-    data: list[bytes] = []
-    async for chunk in chunks:
-        text = pending + chunk if pending else chunk
-        hold = b""
-        if b"\r" in text:
-            if text.endswith(b"\r"):
-                text, hold = text[:-1], b"\r"
-            text = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        lines = text.split(b"\n")
-        pending = lines.pop() + hold
-        for line in lines:
-            if not line:
-                if data:
-                    yield data[0] if len(data) == 1 else b"\n".join(data)
-                    data = []
-            elif line.startswith(b"data:"):
-                value = line[5:]
-                data.append(value[1:] if value.startswith(b" ") else value)
+    async for event in EventSource(response).aiter_sse():
+        yield event.data.encode()
 
 
 def _dumps(chunk: dict[str, Any]) -> bytes:

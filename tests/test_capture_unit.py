@@ -101,3 +101,34 @@ def test_strip_keeps_what_the_client_asked_for() -> None:
     assert only_logprobs["choices"][0]["token_ids"] is None
     both = strip_for_client(response, ClientAsked(return_token_ids=True, logprobs=True))
     assert both == response
+
+
+def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    import httpx
+
+    from gateway.streaming import sse_data
+
+    body = b'data: {"a":1}\r\n\r\n: comment\n\ndata: x\ndata: y\n\ndata: [DONE]\n\n'
+
+    async def read(chunk_size: int) -> list[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for i in range(0, len(body), chunk_size):
+                yield body[i : i + chunk_size]
+
+        headers = {"content-type": "text/event-stream"}
+        transport = httpx.MockTransport(
+            lambda request: httpx.Response(200, content=chunks(), headers=headers)
+        )
+        async with (
+            httpx.AsyncClient(transport=transport) as client,
+            client.stream("GET", "http://upstream.test/") as response,
+        ):
+            return [data async for data in sse_data(response)]
+
+    # CRLF, a comment, and two data lines of one event joined by a newline.
+    expected = [b'{"a":1}', b"x\ny", b"[DONE]"]
+    for size in (1, 3, 7, len(body)):
+        assert asyncio.run(read(size)) == expected
