@@ -55,8 +55,14 @@ def _eligible(consumer: str, now: datetime) -> Any:
     )
 
 
-def lease_next(sessions: sessionmaker[Session], consumer: str, lease_s: float) -> Lease | None:
-    """The next batch for ``consumer`` under a new lease of ``lease_s`` seconds, or None."""
+def lease_next(
+    sessions: sessionmaker[Session], consumer: str, lease_s: float, batch_id: str | None = None
+) -> Lease | None:
+    """The next batch for ``consumer`` under a new lease of ``lease_s`` seconds, or None.
+
+    ``batch_id`` restricts the choice to that batch (a trainer leasing the batch it just had
+    materialised from its own spec, so it never picks up another channel's batch).
+    """
     if not consumer or len(consumer) > 200:
         raise InvalidPoolRequestError(
             f"consumer must be 1-200 characters, got {consumer!r}", param="consumer"
@@ -75,7 +81,10 @@ def lease_next(sessions: sessionmaker[Session], consumer: str, lease_s: float) -
         "expired_leases": Batch.expired_leases
         + case((Batch.lease_expires_at.is_not(None), 1), else_=0),
     }
-    oldest = select(Batch.id).where(_eligible(consumer, now)).order_by(Batch.created_at, Batch.id)
+    eligible = _eligible(consumer, now)
+    if batch_id is not None:
+        eligible = and_(eligible, Batch.id == batch_id)
+    oldest = select(Batch.id).where(eligible).order_by(Batch.created_at, Batch.id)
     with sessions.begin() as session:
         if session.get_bind().dialect.name == "postgresql":
             batch_id = session.scalar(oldest.limit(1).with_for_update(skip_locked=True))
@@ -86,7 +95,7 @@ def lease_next(sessions: sessionmaker[Session], consumer: str, lease_s: float) -
             target = Batch.id == oldest.limit(1).scalar_subquery()
         row = session.execute(
             update(Batch)
-            .where(target, _eligible(consumer, now))
+            .where(target, eligible)
             .values(**values)
             .returning(Batch.id, Batch.uri, Batch.rows, Batch.tokens)
             .execution_options(synchronize_session=False)

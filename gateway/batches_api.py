@@ -383,6 +383,9 @@ class LeaseRequest(BaseModel):
     lease_s: float | None = Field(
         default=None, gt=0, description="Default TRAJGATE_LEASE_DEFAULT_S."
     )
+    batch_id: str | None = Field(
+        default=None, description="Lease this batch only (e.g. the one just materialised)."
+    )
 
 
 class LeasePublic(BaseModel):
@@ -455,7 +458,9 @@ async def lease_batch(
             f"lease_s {lease_s} exceeds TRAJGATE_LEASE_MAX_S {settings.lease_max_s}",
             param="lease_s",
         )
-    lease = await run_in_threadpool(leases.lease_next, store.sessions, body.consumer, lease_s)
+    lease = await run_in_threadpool(
+        leases.lease_next, store.sessions, body.consumer, lease_s, body.batch_id
+    )
     if lease is None:
         return Response(status_code=204)
     return LeasePublic(

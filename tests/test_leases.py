@@ -110,3 +110,18 @@ def test_nack_gives_the_batch_back_at_once(pool_settings: PoolSettings, tmp_path
     assert again is not None and again.batch_id == batch_id and again.lease_id != lease.lease_id
     with pytest.raises(leases.LeaseLostError):
         leases.nack(store.sessions, batch_id, "a", lease.lease_id)
+
+
+def test_a_consumer_can_lease_exactly_the_batch_it_asked_for(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    # Found by the demo: a control trainer leasing "its next batch" got the other arm's older one.
+    store = make_store(pool_settings)
+    older, newer = make_batches(store, tmp_path, 2)
+    lease = leases.lease_next(store.sessions, "control", 60, batch_id=newer)
+    assert lease is not None and lease.batch_id == newer
+    assert leases.lease_next(store.sessions, "control", 60, batch_id=newer) is None  # held
+    leases.ack(store.sessions, newer, "control", lease.lease_id, 1)
+    assert leases.lease_next(store.sessions, "control", 60, batch_id=newer) is None  # consumed
+    untouched = leases.lease_next(store.sessions, "control", 60)
+    assert untouched is not None and untouched.batch_id == older

@@ -92,11 +92,16 @@ class PoolClient:
             raise LeaseLostError(response.status_code, message)
         raise PoolClientError(response.status_code, message)
 
-    def lease(self, consumer: str, lease_s: float | None = None) -> LeasedBatch | None:
-        """The next batch ``consumer`` has not consumed, under a lease; None when none is ready."""
+    def lease(
+        self, consumer: str, lease_s: float | None = None, batch_id: str | None = None
+    ) -> LeasedBatch | None:
+        """The next batch ``consumer`` has not consumed (only ``batch_id`` when given), under a
+        lease; None when none is ready."""
         body: dict[str, Any] = {"consumer": consumer}
         if lease_s is not None:
             body["lease_s"] = lease_s
+        if batch_id is not None:
+            body["batch_id"] = batch_id
         response = self._check(self._http.post("/api/batches/lease", json=body))
         if response.status_code == 204:
             return None

@@ -79,7 +79,10 @@ def run_loop(
                 created = httpx.post(f"{loop.gateway_url}/api/batches", json=loop.spec, timeout=300)
                 if created.status_code not in (201, 409):  # 409: nothing ready yet
                     created.raise_for_status()
-                lease = pool.lease(loop.consumer, lease_s=loop.lease_s)
+                if created.status_code == 201:
+                    lease = pool.lease(
+                        loop.consumer, lease_s=loop.lease_s, batch_id=created.json()["id"]
+                    )
             if lease is None:
                 if (
                     loop.idle_exit_s is not None

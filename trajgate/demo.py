@@ -219,8 +219,9 @@ class DemoRun:
             spec["filters"] = {"trajectory_ids": trajectory_ids}
             spec["max_staleness_versions"] = self.config.max_staleness_versions
             spec["current_policy_version"] = version
-        _ok(self.api.post("/api/batches", json=spec))
-        lease = self.pool.lease(f"demo-{channel}", lease_s=600)
+        batch_id = _ok(self.api.post("/api/batches", json=spec)).json()["id"]
+        # This batch and no other: a consumer's "next" batch may be another channel's.
+        lease = self.pool.lease(f"demo-{channel}", lease_s=600, batch_id=batch_id)
         if lease is None:
             raise RuntimeError("the batch just created was not leasable")
         table = self.pool.rows(lease.batch_id)
