@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -27,7 +27,7 @@ from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from datapool.writer import PoolWriter
 from gateway import admin, batches_api, inspector, pool_api, proxy
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, check_admin_token
 from gateway.errors import from_pool_error, install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
@@ -135,8 +135,10 @@ def create_app(
     install_error_handlers(app)
     app.include_router(proxy.router)
     app.include_router(admin.router)
-    app.include_router(pool_api.router, prefix="/api")
-    app.include_router(batches_api.router, prefix="/api")
+    # The pool API manages data: behind the admin token whenever one is set (always beyond
+    # loopback, where the settings refuse to start without one).
+    app.include_router(pool_api.router, prefix="/api", dependencies=[Depends(_require_admin)])
+    app.include_router(batches_api.router, prefix="/api", dependencies=[Depends(_require_admin)])
     app.include_router(inspector.router)
 
     @app.get("/health")
@@ -161,6 +163,11 @@ def create_app(
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _require_admin(request: Request) -> None:
+    state: GatewayState = request.app.state.gateway
+    check_admin_token(request, state.settings.admin_token)
 
 
 async def _refresh_loop(policy: PolicyRegistry, interval_s: float) -> None:

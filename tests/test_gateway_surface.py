@@ -430,3 +430,11 @@ def test_the_real_vllm_passes_the_token_id_probe(gateway: BackgroundServer) -> N
             break
         time.sleep(0.1)
     assert replicas[0].returns_token_ids is True
+
+
+def test_the_pool_api_needs_the_admin_token_when_one_is_set(pool_settings: PoolSettings) -> None:
+    with gateway_with(pool_settings, free_port(), admin_token="s3cret") as gw:
+        assert httpx.get(f"{gw.url}/api/trajectories").status_code == 401
+        assert httpx.post(f"{gw.url}/api/batches/lease", json={"consumer": "x"}).status_code == 401
+        ok = httpx.get(f"{gw.url}/api/trajectories", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200

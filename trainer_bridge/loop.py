@@ -72,11 +72,14 @@ def run_loop(
         adapter_prefix=loop.adapter_prefix,
     )
     idle_since = time.monotonic()
-    with PoolClient(loop.gateway_url) as pool:
+    headers = {"Authorization": f"Bearer {loop.admin_token}"} if loop.admin_token else None
+    with PoolClient(loop.gateway_url, headers=headers) as pool:
         while loop.max_updates is None or len(loop.metrics) < loop.max_updates:
             lease = pool.lease(loop.consumer, lease_s=loop.lease_s)
             if lease is None and loop.spec is not None:
-                created = httpx.post(f"{loop.gateway_url}/api/batches", json=loop.spec, timeout=300)
+                created = httpx.post(
+                    f"{loop.gateway_url}/api/batches", json=loop.spec, headers=headers, timeout=300
+                )
                 if created.status_code not in (201, 409):  # 409: nothing ready yet
                     created.raise_for_status()
                 if created.status_code == 201:
