@@ -275,7 +275,11 @@ class DemoRun:
 
         trainer = self._new_trainer()
         version = first_version
-        self.sync.register(version, self.vllm.served_model_name, str(self.model_dir))
+        # Version 0 of an arm is the untrained adapter (B = 0: the base weights) rather than the
+        # base model itself: vLLM 0.32's CPU build corrupts base-model rows batched together with
+        # LoRA rows (measured: 1.2-3 nats off), while LoRA rows are right whatever they share a
+        # batch with. Serving every version as an adapter keeps all samples exact.
+        self._publish(trainer, channel, version)
         finished: queue.Queue[list[str] | BaseException] = queue.Queue()
         played: list[str] = []
 
@@ -321,7 +325,11 @@ class DemoRun:
             return self.run_arm_async(channel, first_version, shuffle)
         trainer = self._new_trainer()
         version = first_version
-        self.sync.register(version, self.vllm.served_model_name, str(self.model_dir))
+        # Version 0 of an arm is the untrained adapter (B = 0: the base weights) rather than the
+        # base model itself: vLLM 0.32's CPU build corrupts base-model rows batched together with
+        # LoRA rows (measured: 1.2-3 nats off), while LoRA rows are right whatever they share a
+        # batch with. Serving every version as an adapter keeps all samples exact.
+        self._publish(trainer, channel, version)
         curve: list[list[float]] = []
         for round_index in range(self.config.rounds + 1):
             t0 = time.monotonic()
