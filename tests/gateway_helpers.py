@@ -60,6 +60,26 @@ def gateway_with(
         server.stop()
 
 
+@contextmanager
+def emulated_gateway(
+    pool_settings: PoolSettings, *, gateway: dict[str, Any] | None = None, **emulator: Any
+) -> Iterator[BackgroundServer]:
+    """A gateway in front of a fresh vLLM-shaped emulator (``gateway.emulator``) with the given
+    pace and lengths; both stop on exit."""
+    from conftest import free_port
+
+    from gateway.emulator import EmulatorSettings, EmulatorThread
+
+    upstream = EmulatorThread(EmulatorSettings(port=free_port(), **emulator)).start()
+    try:
+        with gateway_with(
+            pool_settings, free_port(), upstream_url=upstream.url, **(gateway or {})
+        ) as server:
+            yield server
+    finally:
+        upstream.stop()
+
+
 def chat_response(
     ids: list[int] | None,
     logprobs: list[float] | None,

@@ -12,7 +12,14 @@ from typing import Any
 import httpx
 import pytest
 from conftest import free_port
-from gateway_helpers import chat_response, gateway_with, sse_body, sse_chunks, steps_of
+from gateway_helpers import (
+    chat_response,
+    emulated_gateway,
+    gateway_with,
+    sse_body,
+    sse_chunks,
+    steps_of,
+)
 from openai import OpenAI
 
 from datapool.prefix import TOOL_ARGUMENTS_CHANGED
@@ -447,24 +454,13 @@ def test_c11_client_disconnect_aborts_vllm_and_keeps_the_partial_step(
 def test_c12_slow_first_byte_gets_504_once_and_a_recorded_timeout(
     pool_settings: PoolSettings,
 ) -> None:
-    from gateway.emulator import EmulatorSettings, EmulatorThread
-
-    emulator = EmulatorThread(
-        EmulatorSettings(port=free_port(), prompt_tokens=4, response_tokens=4, ttft_ms=3000)
-    ).start()
-    try:
-        with gateway_with(
-            pool_settings,
-            free_port(),
-            upstream_url=emulator.url,
-            upstream_first_byte_timeout_s=0.5,
-            upstream_total_timeout_s=0.5,
-        ) as gw:
-            body = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
-            unary = _post(f"{gw.url}/t/c12/v1/chat/completions", body)
-            streamed = _post(f"{gw.url}/t/c12s/v1/chat/completions", {**body, "stream": True})
-    finally:
-        emulator.stop()
+    limits = {"upstream_first_byte_timeout_s": 0.5, "upstream_total_timeout_s": 0.5}
+    with emulated_gateway(
+        pool_settings, gateway=limits, prompt_tokens=4, response_tokens=4, ttft_ms=3000
+    ) as gw:
+        body = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
+        unary = _post(f"{gw.url}/t/c12/v1/chat/completions", body)
+        streamed = _post(f"{gw.url}/t/c12s/v1/chat/completions", {**body, "stream": True})
     assert unary.status_code == 504 and streamed.status_code == 504
     assert unary.json()["error"]["type"] == "upstream_timeout"
     for trajectory in ("c12", "c12s"):
@@ -476,26 +472,19 @@ def test_c12_slow_first_byte_gets_504_once_and_a_recorded_timeout(
 def test_c12_a_stall_between_chunks_ends_the_stream_with_an_error_and_keeps_the_tokens(
     pool_settings: PoolSettings,
 ) -> None:
-    from gateway.emulator import EmulatorSettings, EmulatorThread
-
-    emulator = EmulatorThread(
-        EmulatorSettings(port=free_port(), prompt_tokens=4, response_tokens=50, inter_token_ms=400)
-    ).start()
-    try:
-        with gateway_with(
-            pool_settings,
-            free_port(),
-            upstream_url=emulator.url,
-            upstream_between_chunks_timeout_s=0.2,
-        ) as gw:
-            body = {
-                "model": "emulated",
-                "messages": [{"role": "user", "content": "hi"}],
-                "stream": True,
-            }
-            response = _post(f"{gw.url}/t/c12b/v1/chat/completions", body)
-    finally:
-        emulator.stop()
+    with emulated_gateway(
+        pool_settings,
+        gateway={"upstream_between_chunks_timeout_s": 0.2},
+        prompt_tokens=4,
+        response_tokens=50,
+        inter_token_ms=400,
+    ) as gw:
+        body = {
+            "model": "emulated",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        }
+        response = _post(f"{gw.url}/t/c12b/v1/chat/completions", body)
     assert response.status_code == 200  # headers went out with the first chunk
     assert sse_chunks(response.text)[-1]["error"]["type"] == "upstream_timeout"
     (step,) = steps_of(pool_settings, "c12b")
