@@ -50,6 +50,7 @@ def run(
     max_tokens: int = 96,
     answer_max_tokens: int | None = None,
     system: str = "You answer weather questions using tools.",
+    tool_temperature: float = 1.0,
 ) -> str:
     """One episode: a forced tool call, the tool's result, the answer; returns the answer."""
     client = OpenAI(base_url=base_url, api_key="unused")
@@ -66,7 +67,7 @@ def run(
         tools=TOOLS,  # type: ignore[arg-type]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=max_tokens,
-        **sampling,
+        **{**sampling, "temperature": tool_temperature},
     )
     message = first.choices[0].message
     messages.append(message.model_dump(exclude_none=True))

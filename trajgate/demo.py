@@ -161,6 +161,9 @@ class DemoRun:
                 max_tokens=64,
                 answer_max_tokens=self.config.answer_max_tokens,
                 system=demo_task.SYSTEM_PROMPT,
+                # Greedy tool call: every rollout of a group then answers in the same context, so
+                # GRPO compares answers, not the random whitespace a sampled call pads with.
+                tool_temperature=0.0,
             )
         _ok(self.api.post(f"/api/trajectories/{trajectory_id}/complete"))
         return trajectory_id
