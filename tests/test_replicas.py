@@ -82,9 +82,9 @@ def gateway_env(postgres_url: str, tmp_path: Path, port: int, upstream: str) -> 
     )
 
 
-async def lease_everywhere(ports: list[int], attempts: int) -> list[str]:
+async def lease_everywhere(ports: list[int], attempts: int, headers: dict[str, str]) -> list[str]:
     """``attempts`` lease requests of one consumer, spread over every replica, all at once."""
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=headers) as client:
 
         async def lease(i: int) -> str | None:
             response = await client.post(
@@ -139,7 +139,10 @@ def test_three_gateways_one_killed_keep_every_step_once_in_order_and_lease_exact
 
         # the killed replica comes back; batches are leased from all three at once
         processes[0] = start_gateway(envs[0], log)
-        with httpx.Client(timeout=60) as client:
+        # The pool API is behind the admin token whenever one is set (compose sets one).
+        token = envs[0].get("TRAJGATE_ADMIN_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        with httpx.Client(timeout=60, headers=headers) as client:
             for i, trajectory_id in enumerate(trajectory_ids):
                 port = ports[i % REPLICAS]
                 response = client.post(
@@ -155,7 +158,7 @@ def test_three_gateways_one_killed_keep_every_step_once_in_order_and_lease_exact
                     json={"algorithm": "sft", "filters": {"trajectory_ids": chosen}},
                 )
                 assert response.status_code == 201, response.text
-        leased = asyncio.run(lease_everywhere(ports, attempts=BATCHES * 3))
+        leased = asyncio.run(lease_everywhere(ports, attempts=BATCHES * 3, headers=headers))
         assert sorted(leased) == sorted(set(leased)) and len(leased) == BATCHES
     finally:
         for process in processes:

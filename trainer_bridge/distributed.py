@@ -91,7 +91,8 @@ class DistributedSettings(ConfigFileSettings):
         description="Gateway whose policy registry gets each new version; default pool_url.",
     )
     admin_token: str | None = Field(
-        default=None, description="The gateways' TRAJGATE_ADMIN_TOKEN (policy registration)."
+        default=None,
+        description="The gateways' TRAJGATE_ADMIN_TOKEN (pool API and policy registration).",
     )
     first_version: int = Field(
         default=1, ge=1, description="Policy version of the first published update."
@@ -168,7 +169,8 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
     version = settings.first_version
     report = RankReport(world.rank, [])
     idle_since = time.monotonic()
-    with PoolClient(settings.pool_url) as pool:
+    headers = {"Authorization": f"Bearer {settings.admin_token}"} if settings.admin_token else None
+    with PoolClient(settings.pool_url, headers=headers) as pool:
         while settings.max_updates is None or len(report.updates) < settings.max_updates:
             lease: LeasedBatch | None = None
             if world.rank == 0:
