@@ -21,7 +21,11 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        # Keep-alive longer than clients' idle timeout (httpx: 5 s): the server must not close a
+        # connection a client is about to reuse (under load that race reset connections).
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="on", timeout_keep_alive=75
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self.app = app

@@ -15,6 +15,8 @@ import typer
 from datapool.settings import PoolSettings
 from trajgate import tinymodel, vllm_server
 
+KEEP_ALIVE_S = 75
+
 app = typer.Typer(
     help="trajgate: capture agent LLM calls token-exactly and train on them.", no_args_is_help=True
 )
@@ -126,6 +128,9 @@ def serve(
         # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
         loop="uvloop",
         http="httptools",
+        # Longer than clients' idle keep-alive (httpx: 5 s), so the server never closes a
+        # connection a client is about to reuse (that race surfaced as "connection reset").
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 
