@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from datapool import curation, lifecycle, rewards
 from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
 from datapool.store import PoolStore, StoredStep
+from gateway.attribution import TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
 
 router = APIRouter(tags=["pool"])
@@ -83,7 +84,7 @@ class TrajectoryDetail(TrajectoryPublic):
 
 
 class TrajectoryCreate(BaseModel):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+    id: str = Field(pattern=TRAJECTORY_ID_PATTERN.pattern)
     group_id: str | None = None
     channel: str = "train"
     tags: list[str] = Field(default_factory=list)

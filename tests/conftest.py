@@ -6,7 +6,6 @@ The vLLM fixture never skips: a missing environment fails the run with the comma
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from sqlalchemy.engine import make_url
 from datapool import db
 from datapool.settings import PoolSettings
 from gateway.app import create_app
+from gateway.bench import free_port
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trajgate import tinymodel, vllm_server
@@ -25,12 +25,6 @@ from trajgate import tinymodel, vllm_server
 POSTGRES_ADMIN_URL = os.environ.get(
     "TRAJGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

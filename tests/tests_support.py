@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import socket
+from gateway.bench import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port"]
