@@ -2,9 +2,11 @@
 
 Owns: the status transitions (explicit, or by idle timeout), the ``empty`` flag (closed with no
 step: case C15), the ``incomplete`` flag (open in a writer process that died: case C14), group
-completion (all ``expected_size`` members closed), and the staleness query (steps more than K
-policy versions old). Never: deletes steps; a closed trajectory keeps everything it had, and a
-late call is refused and counted (``TrajectoryClosedError``), never stored.
+completion (all ``expected_size`` members closed), marking a newly complete trajectory's
+completion hooks due (``hooks_due_at``, run by ``datapool.hooks``), and the staleness query
+(steps more than K policy versions old). Never: deletes steps; a closed trajectory keeps
+everything it had, and a late call is refused and counted (``TrajectoryClosedError``), never
+stored. Never runs the hooks itself (they may be slow; the closing transaction must not wait).
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ def _close(session: Session, trajectory: Trajectory, status: TrajectoryStatus, r
     trajectory.completed_at = utc_now()
     trajectory.completion_reason = reason
     trajectory.writer_id = None
+    if status == TrajectoryStatus.COMPLETE:
+        # In the closing transaction, so no completion (explicit or idle) can miss its hooks.
+        trajectory.hooks_due_at = trajectory.completed_at
     has_steps = session.scalar(
         select(func.count()).select_from(Step).where(Step.trajectory_id == trajectory.id)
     )

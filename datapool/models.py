@@ -88,6 +88,9 @@ class Trajectory(Base):
     # The writer process that last wrote a step here while open ("host:pid:start"), so a restart
     # can tell which open trajectories were in flight in a process that died.
     writer_id: Mapped[str | None] = mapped_column(String(200), index=True)
+    # When its completion hooks (reward functions, then curation rules) are due: set on
+    # completion, pushed into the future by a runner's claim (its lease), NULL once they ran.
+    hooks_due_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
 
 
 class TrajectoryGroup(Base):
