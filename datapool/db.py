@@ -22,13 +22,19 @@ from sqlalchemy.pool import NullPool
 import migrations
 
 
-def make_engine(database_url: str) -> Engine:
-    """Create an engine; for SQLite, make the parent directory and turn on WAL and foreign keys."""
+def make_engine(database_url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
+    """Create an engine; for SQLite, make the parent directory and turn on WAL and foreign keys.
+
+    ``sqlite_busy_timeout_ms``: how long a SQLite statement waits for another connection's lock
+    before failing with ``database is locked``.
+    """
     if database_url.startswith("sqlite"):
         path = database_url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(database_url, connect_args={"timeout": 30})
+        engine = create_engine(
+            database_url, connect_args={"timeout": sqlite_busy_timeout_ms / 1000}
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

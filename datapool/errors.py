@@ -42,4 +42,13 @@ class InvalidPoolRequestError(PoolError):
 
 
 class PoolUnavailableError(PoolError):
-    """The database refused or failed a write; nothing was half-written."""
+    """The database refused or failed a write; nothing was half-written.
+
+    ``reason`` is a ``datapool.faults.FaultReason`` (``disk_full``, ``locked``, ``unreachable``,
+    ...); ``retry_after_s`` is when the gateway expects to try the database again.
+    """
+
+    def __init__(self, message: str, *, reason: str = "other", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s

@@ -21,6 +21,8 @@ Shapes (``P`` prompt tokens, ``R`` response tokens, ``D`` delta tokens):
 
 from __future__ import annotations
 
+import contextlib
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from datapool.models import PayloadFile, Step, StepPayload
 
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float64]
+PAYLOAD_FILE_PREFIX = "payloads-"
 SQL_IN_CHUNK = 2000  # ids per IN (...) list, well under SQLite's bound-parameter limit
 
 PARQUET_SCHEMA = pa.schema(
@@ -348,22 +351,28 @@ class PayloadFiles:
             schema=PARQUET_SCHEMA,
         )
         file_id = str(uuid.uuid4())
-        uri = f"{self.root_uri}/payloads-{file_id}.parquet"
+        uri = f"{self.root_uri}/{PAYLOAD_FILE_PREFIX}{file_id}.parquet"
         fs, path = _filesystem(uri)
         fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(path) as sink:
-            pq.write_table(
-                table,
-                sink,
-                compression="zstd",
-                row_group_size=row_group_steps,
-                use_dictionary=["step_id", "trajectory_id"],
-                use_byte_stream_split=[
-                    "prompt_delta.list.element",
-                    "response_token_ids.list.element",
-                    "response_logprobs.list.element",
-                ],
-            )
+        try:
+            with fs.open_output_stream(path) as sink:
+                pq.write_table(
+                    table,
+                    sink,
+                    compression="zstd",
+                    row_group_size=row_group_steps,
+                    use_dictionary=["step_id", "trajectory_id"],
+                    use_byte_stream_split=[
+                        "prompt_delta.list.element",
+                        "response_token_ids.list.element",
+                        "response_logprobs.list.element",
+                    ],
+                )
+        except BaseException:
+            # Disk full or the store failed mid-file: no truncated file stays behind, and the
+            # payloads stay in SQL for the next round.
+            _delete_quietly(fs, path)
+            raise
         size_bytes = fs.get_file_info(path).size or 0
         step_ids = [row[0] for row in rows]
         record = PayloadFile(id=file_id, uri=uri, steps=len(rows), size_bytes=size_bytes)
@@ -385,9 +394,48 @@ class PayloadFiles:
                         f"payloads, {deleted} were still there"
                     )
         except BaseException:
-            fs.delete_file(path)
+            _delete_quietly(fs, path)
             raise
         return record
+
+    def delete_orphans(self, min_age_s: float) -> list[str]:
+        """Delete payload files under ``root_uri`` that no ``payload_files`` row registers and
+        that were last modified more than ``min_age_s`` seconds ago; returns their URIs.
+
+        Such files come from a compaction that died between writing its file and committing
+        (``compact``'s order makes them harmless: never read). The age guard keeps a file that a
+        concurrent compactor is about to register. Files not named ``payloads-*.parquet`` are
+        never touched.
+        """
+        fs, root = _filesystem(self.root_uri)
+        listing = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        candidates = {
+            info.path: info
+            for info in listing
+            if info.type == pafs.FileType.File
+            and info.base_name.startswith(PAYLOAD_FILE_PREFIX)
+            and info.base_name.endswith(".parquet")
+        }
+        if not candidates:
+            return []
+        with self.sessions() as session:
+            registered = {_filesystem(uri)[1] for uri in session.scalars(select(PayloadFile.uri))}
+        cutoff = time.time() - min_age_s
+        deleted: list[str] = []
+        for path, info in sorted(candidates.items()):
+            modified = info.mtime.timestamp() if info.mtime is not None else None
+            if path in registered or modified is None or modified > cutoff:
+                continue
+            _delete_quietly(fs, path)
+            deleted.append(f"{self.root_uri}/{info.base_name}")
+        return deleted
+
+
+def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
+    """Delete ``path`` if it exists; a failure to clean up must not hide the error being
+    raised (the file is then an orphan for ``delete_orphans``)."""
+    with contextlib.suppress(OSError):
+        fs.delete_file(path)
 
 
 def _int_array(values: list[int] | None) -> IntArray | None:

@@ -84,6 +84,34 @@ class PoolSettings(ConfigFileSettings):
             "silently; 'serve' answers anyway without a step id, logs and counts the lost call."
         ),
     )
+    write_failure_backoff_s: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "With on_write_failure='refuse': after a failed commit, new calls are answered 503 "
+            "(Retry-After) before reaching vLLM for this long, so no tokens are sampled that "
+            "could not be kept; the first call after it tests the database again. 0: never "
+            "refuse up front."
+        ),
+    )
+    sqlite_busy_timeout_ms: int = Field(
+        default=10_000,
+        ge=0,
+        description=(
+            "How long a SQLite write waits for another process's lock before it fails as "
+            "'locked' (and on_write_failure applies). Longer rides out a slow `trajgate` CLI "
+            "write; shorter answers clients sooner."
+        ),
+    )
+    orphan_payload_min_age_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description=(
+            "Upkeep deletes Parquet files under payload_uri that no database row registers "
+            "(left by a compaction that crashed between writing the file and committing) once "
+            "they are this old; younger ones may belong to a compaction still committing."
+        ),
+    )
     trajectory_idle_timeout_s: float = Field(
         default=3600.0,
         ge=0,

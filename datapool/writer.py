@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from datapool.errors import PoolError, PoolUnavailableError
+from datapool.faults import fault_reason
 from datapool.lifecycle import close_idle, mark_interrupted, release_writer
 from datapool.records import CallRecord
 from datapool.settings import PoolSettings
@@ -35,14 +36,23 @@ log = logging.getLogger("trajgate.pool.writer")
 
 @dataclass
 class WriterStats:
-    """Counters of the write path (exported as gateway metrics)."""
+    """Counters of the write path (exported as gateway metrics by ``gateway.metrics``)."""
 
     committed_calls: int = 0
     committed_batches: int = 0
     rejected_calls: int = 0  # trajectory closed (409)
-    failed_calls: int = 0  # database error: refused (503) or served unrecorded
+    failed_calls: int = 0  # commit failed: refused (503) or served unrecorded
+    # Database operations (batch commits, lookups) that met a storage fault, by
+    # ``datapool.faults.FaultReason``.
+    faults_by_reason: dict[str, int] = field(default_factory=dict)
+    refused_calls: int = 0  # answered 503: commit failed, queue full, or refused up front
     unrecorded_calls: int = 0  # served without a step because on_write_failure='serve'
     compacted_steps: int = 0
+    compaction_failures: int = 0
+    orphan_files_deleted: int = 0
+    upkeep_failures: int = 0
+    # Monotonic time of the first failed commit since the last good one; None while writable.
+    failing_since: float | None = None
     last_error: str | None = None
     batch_sizes: list[int] = field(default_factory=list)
 
@@ -70,6 +80,9 @@ class PoolWriter:
         self._upkeep_stop = threading.Event()
         self._upkeep = threading.Thread(target=self._run_upkeep, name="pool-upkeep", daemon=True)
         self._started = False
+        # With on_write_failure='refuse', calls are refused up front until this monotonic time.
+        self._refuse_until = 0.0
+        self._last_reason = "other"
 
     def start(self) -> PoolWriter:
         """Mark trajectories left open by dead writers on this host, then start the threads."""
@@ -108,7 +121,8 @@ class PoolWriter:
         except queue.Full:
             return self._on_failure(
                 PoolUnavailableError(
-                    f"the pool's write queue is full ({self.settings.write_queue_max_calls} calls)"
+                    f"the pool's write queue is full ({self.settings.write_queue_max_calls} calls)",
+                    reason="overloaded",
                 )
             )
         try:
@@ -116,11 +130,36 @@ class PoolWriter:
         except PoolUnavailableError as exc:
             return self._on_failure(exc)
 
+    def check_accepting(self) -> None:
+        """Raise ``PoolUnavailableError`` when a call should be refused before it reaches the
+        engine: 'refuse' mode, and a commit failed less than ``write_failure_backoff_s`` ago.
+
+        Sampling tokens the pool cannot keep wastes the engine and hides the fault; after the
+        backoff one call goes through and tests the database again.
+        """
+        if self.settings.on_write_failure != "refuse":
+            return
+        wait_s = self._refuse_until - time.monotonic()
+        if wait_s > 0:
+            self.stats.refused_calls += 1
+            raise PoolUnavailableError(
+                f"the pool cannot take writes ({self._last_reason}): {self.stats.last_error}; "
+                f"calls are refused for {wait_s:.1f} s more",
+                reason=self._last_reason,
+                retry_after_s=wait_s,
+            )
+
+    @property
+    def writable(self) -> bool:
+        """False from a failed commit until the next good one."""
+        return self.stats.failing_since is None
+
     def _on_failure(self, exc: PoolUnavailableError) -> list[str]:
         if self.settings.on_write_failure == "serve":
             self.stats.unrecorded_calls += 1
-            log.error("call served without being recorded: %s", exc.message)
+            log.error("call served without being recorded (%s): %s", exc.reason, exc.message)
             return []
+        self.stats.refused_calls += 1
         raise exc
 
     # ---- the writer thread -----------------------------------------------------------------
@@ -145,27 +184,74 @@ class PoolWriter:
 
     def _commit(self, batch: list[_Item]) -> None:
         try:
-            results = self.store.record_calls(
+            results: list[CallResult] = self.store.record_calls(
                 [item.pending for item in batch], writer_id=self.writer_id
             )
-        except Exception as exc:  # the database failed the whole batch: try each call alone
-            if len(batch) > 1:
+        except Exception as exc:
+            reason = fault_reason(exc)
+            if reason == "other" and len(batch) > 1:
+                # Not the storage: perhaps one call's data. Commit each alone to find it.
                 for item in batch:
                     self._commit([item])
                 return
-            self.stats.failed_calls += 1
-            self.stats.last_error = repr(exc)
-            log.error("pool write failed: %r", exc)
-            results = [PoolUnavailableError(f"the pool could not commit the call: {exc!r}")]
-        self.stats.committed_batches += 1
-        self.stats.batch_sizes.append(len(batch))
-        del self.stats.batch_sizes[:-1000]
+            # The storage failed (disk full, locked, unreachable): every call of the batch
+            # would fail the same way, and retrying each alone would hold the queue for a busy
+            # timeout per call.
+            self.stats.failed_calls += len(batch)
+            error = self.report_fault(exc, f"commit of {len(batch)} calls")
+            results = [error for _ in batch]
+        else:
+            self._record_success()
+            self.stats.committed_batches += 1
+            self.stats.batch_sizes.append(len(batch))
+            del self.stats.batch_sizes[:-1000]
         for item, result in zip(batch, results, strict=True):
             if isinstance(result, PoolError) and not isinstance(result, PoolUnavailableError):
                 self.stats.rejected_calls += 1
             elif not isinstance(result, Exception):
                 self.stats.committed_calls += 1
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
+
+    def report_fault(self, exc: BaseException, operation: str) -> PoolUnavailableError:
+        """Count and log a storage fault met by ``operation`` (a commit, or a lookup a call
+        needed), start refusing up front in 'refuse' mode, and return the error for the caller.
+
+        Used by the writer thread and by the gateway's lookups, so every fault the gateway meets
+        moves the same counters and the same backoff.
+        """
+        reason = fault_reason(exc)
+        stats = self.stats
+        stats.faults_by_reason[reason] = stats.faults_by_reason.get(reason, 0) + 1
+        stats.last_error = repr(exc)
+        self._last_reason = reason
+        if stats.failing_since is None:
+            stats.failing_since = time.monotonic()
+        refuse = self.settings.on_write_failure == "refuse"
+        action = (
+            f"refusing calls (503) for {self.settings.write_failure_backoff_s:.1f} s"
+            if refuse
+            else "serving calls without recording them"
+        )
+        log.error("pool %s failed (%s), %s: %r", operation, reason, action, exc)
+        if refuse:
+            self._refuse_until = time.monotonic() + self.settings.write_failure_backoff_s
+        return PoolUnavailableError(
+            f"the pool's database failed ({reason}) during {operation}: {exc!r}",
+            reason=reason,
+            retry_after_s=max(self.settings.write_failure_backoff_s, 1.0),
+        )
+
+    def _record_success(self) -> None:
+        stats = self.stats
+        if stats.failing_since is not None:
+            log.warning(
+                "pool writable again after %.1f s (%d calls refused, %d served unrecorded so far)",
+                time.monotonic() - stats.failing_since,
+                stats.refused_calls,
+                stats.unrecorded_calls,
+            )
+            stats.failing_since = None
+        self._refuse_until = 0.0
 
     # ---- upkeep ----------------------------------------------------------------------------
 
@@ -177,23 +263,37 @@ class PoolWriter:
             try:
                 self.upkeep()
             except Exception as exc:  # upkeep never stops the writer; it says why and retries
+                self.stats.upkeep_failures += 1
                 self.stats.last_error = repr(exc)
-                log.error("pool upkeep failed: %r", exc)
+                log.error("pool upkeep failed (%s): %r", fault_reason(exc), exc)
 
     def upkeep(self) -> None:
-        """One round: complete idle trajectories, compact payloads past the threshold."""
+        """One round: complete idle trajectories, compact payloads past the threshold, delete
+        orphaned payload files.
+
+        Raises what the database or filesystem raised; a failed compaction leaves its payloads
+        in SQL and no file behind (``PayloadFiles.compact``), and is counted.
+        """
         if self.settings.trajectory_idle_timeout_s > 0:
             for trajectory_id in close_idle(
                 self.store.sessions, self.settings.trajectory_idle_timeout_s
             ):
                 self.store.forget_lineage(trajectory_id)
         while self.store.payloads.pending_steps() >= self.settings.compaction_min_steps:
-            file = self.store.payloads.compact(
-                self.settings.compaction_max_steps, self.settings.parquet_row_group_steps
-            )
+            try:
+                file = self.store.payloads.compact(
+                    self.settings.compaction_max_steps, self.settings.parquet_row_group_steps
+                )
+            except Exception:
+                self.stats.compaction_failures += 1
+                raise
             if file is None:
                 break
             self.stats.compacted_steps += file.steps
+        deleted = self.store.payloads.delete_orphans(self.settings.orphan_payload_min_age_s)
+        if deleted:
+            self.stats.orphan_files_deleted += len(deleted)
+            log.warning("deleted %d orphaned payload files: %s", len(deleted), deleted[:5])
 
 
 def _resolve(future: asyncio.Future[list[str]], result: CallResult) -> None:

@@ -82,7 +82,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = make_engine(pool.resolved_database_url())
+        engine = make_engine(
+            pool.resolved_database_url(), sqlite_busy_timeout_ms=pool.sqlite_busy_timeout_ms
+        )
         store = PoolStore(engine, pool)
         writer = await run_in_threadpool(PoolWriter(store).start)
         upstreams = UpstreamPool(settings.upstream_urls)
@@ -106,7 +108,7 @@ def create_app(
                 upstreams,
                 policy,
                 KeyRing(store.sessions),
-                GatewayMetrics(upstreams, lambda: float(state.pending_writes)),
+                GatewayMetrics(upstreams, lambda: float(state.pending_writes), writer),
             )
             state.writer = writer
             app.state.gateway = state

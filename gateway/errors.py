@@ -22,11 +22,14 @@ PoolUnavailableError → 503.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from datapool.errors import (
@@ -36,17 +39,28 @@ from datapool.errors import (
     TrajectoryClosedError,
     UnknownTargetError,
 )
+from datapool.faults import fault_reason
+
+log = logging.getLogger("trajgate.gateway")
 
 
 class TrajgateError(Exception):
     status_code = 500
     error_type = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 class InvalidRequestError(TrajgateError):
@@ -96,7 +110,13 @@ def from_pool_error(exc: PoolError) -> TrajgateError:
     if isinstance(exc, InvalidPoolRequestError):
         return InvalidRequestError(exc.message, param=exc.param)
     if isinstance(exc, PoolUnavailableError):
-        return ServiceUnavailableError(exc.message, code="pool_unavailable")
+        # The code names the fault (pool_disk_full, pool_locked, pool_unreachable, ...) so a
+        # client or an alert can tell them apart; Retry-After says when to come back.
+        return ServiceUnavailableError(
+            exc.message,
+            code=f"pool_{exc.reason}",
+            headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
+        )
     return TrajgateError(exc.message, param=exc.param)
 
 
@@ -124,6 +144,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             envelope(exc.message, exc.error_type, param=exc.param, code=exc.code),
             status_code=exc.status_code,
+            headers=exc.headers,
         )
 
     @app.exception_handler(PoolError)
@@ -148,6 +169,25 @@ def install_error_handlers(app: FastAPI) -> None:
             ),
             status_code=400,
         )
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # A read or write of the pool API that met a storage fault: 503 with its reason, so a
+        # full disk or a lost database reads as what it is, not as a bug.
+        reason = fault_reason(exc)
+        if reason == "other":
+            return await _unexpected(request, exc)
+        operation = f"{request.method} {request.url.path}"
+        gateway = getattr(request.app.state, "gateway", None)
+        writer = getattr(gateway, "writer", None)
+        if writer is not None:  # counted and logged with the write path's faults
+            unavailable = writer.report_fault(exc, operation)
+        else:
+            log.error("pool %s failed (%s): %r", operation, reason, exc)
+            unavailable = PoolUnavailableError(
+                f"the pool's database failed ({reason}) during {operation}", reason=reason
+            )
+        return await _trajgate(request, from_pool_error(unavailable))
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

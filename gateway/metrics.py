@@ -6,10 +6,14 @@ Owns: the metric families and their names. Never: records payloads or trajectory
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from datapool.faults import FAULT_REASONS
+from datapool.writer import PoolWriter
 from gateway.upstreams import Replica, UpstreamPool
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -18,9 +22,16 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 class GatewayMetrics:
     """Counters, histograms and gauges exposed at ``/metrics``."""
 
-    def __init__(self, upstreams: UpstreamPool, write_queue_depth: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        upstreams: UpstreamPool,
+        write_queue_depth: Callable[[], float],
+        writer: PoolWriter | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if writer is not None:
+            r.register(PoolWriterCollector(writer))
         self.requests = Counter(
             "trajgate_requests",
             "Proxied calls by endpoint and HTTP status.",
@@ -92,3 +103,87 @@ class GatewayMetrics:
 
 def _reader(replica: Replica, attribute: str) -> Callable[[], float]:
     return lambda: float(getattr(replica, attribute))
+
+
+class PoolWriterCollector(Collector):
+    """The pool writer's counters, read at scrape time (the writer thread only bumps ints).
+
+    What a storage fault did is visible here: ``trajgate_pool_faults_total{reason}``
+    (failed database operations: disk_full, locked, unreachable, read_only, io_error, other),
+    ``trajgate_pool_calls_failed_total`` (calls whose commit failed),
+    ``trajgate_pool_calls_refused_total`` (answered 503), ``trajgate_pool_calls_unrecorded_total``
+    (served without a step under on_write_failure='serve'), and ``trajgate_pool_writable``.
+    """
+
+    def __init__(self, writer: PoolWriter) -> None:
+        self.writer = writer
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # collected lazily; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.writer.stats
+        faults = CounterMetricFamily(
+            "trajgate_pool_faults",
+            "Database operations of the gateway (a batch commit, a lookup a call needed, a pool "
+            "API request) that failed on a storage fault, by reason.",
+            labels=["reason"],
+        )
+        for reason in FAULT_REASONS:
+            faults.add_metric([reason], stats.faults_by_reason.get(reason, 0))
+        yield faults
+        simple = (
+            (
+                "trajgate_pool_calls_failed",
+                "Calls whose commit failed (then refused or served unrecorded).",
+                stats.failed_calls,
+            ),
+            (
+                "trajgate_pool_calls_committed",
+                "Calls committed to the pool.",
+                stats.committed_calls,
+            ),
+            (
+                "trajgate_pool_calls_rejected",
+                "Calls refused with 409 because their trajectory was closed.",
+                stats.rejected_calls,
+            ),
+            (
+                "trajgate_pool_calls_refused",
+                "Calls answered 503 because the pool could not take them "
+                "(failed commit, full write queue, or refused up front after a failure).",
+                stats.refused_calls,
+            ),
+            (
+                "trajgate_pool_calls_unrecorded",
+                "Calls served without a step because on_write_failure='serve' and the pool failed.",
+                stats.unrecorded_calls,
+            ),
+            (
+                "trajgate_pool_steps_compacted",
+                "Step payloads moved into Parquet files.",
+                stats.compacted_steps,
+            ),
+            (
+                "trajgate_pool_compaction_failures",
+                "Compactions that failed (payloads stay in SQL; no file is left behind).",
+                stats.compaction_failures,
+            ),
+            (
+                "trajgate_pool_orphan_files_deleted",
+                "Unregistered payload files deleted by upkeep.",
+                stats.orphan_files_deleted,
+            ),
+            (
+                "trajgate_pool_upkeep_failures",
+                "Upkeep rounds (idle completion, compaction, orphan deletion) that failed.",
+                stats.upkeep_failures,
+            ),
+        )
+        for name, documentation, value in simple:
+            yield CounterMetricFamily(name, documentation, value=value)
+        yield GaugeMetricFamily(
+            "trajgate_pool_writable",
+            "1 while the pool takes writes; 0 from a failed commit until the next good one.",
+            value=1.0 if self.writer.writable else 0.0,
+        )

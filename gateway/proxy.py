@@ -14,17 +14,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import anyio
 import httpx
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from datapool.calls import AttemptRecord, find_replay, find_resend
+from datapool.faults import is_storage_fault
 from datapool.models import StepOutcome
 from datapool.records import CallRecord, ChoiceRecord
 from gateway.attribution import (
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from gateway.app import GatewayState
 
 log = logging.getLogger("trajgate.proxy")
+T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 UPSTREAM_PATHS: dict[Endpoint, str] = {
@@ -219,13 +222,19 @@ class Call:
             attempts=tuple(self.attempts),
         )
 
-    def headers(self, step_ids: list[str]) -> dict[str, str]:
-        return {
+    def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:
+        """The trajgate headers of the answer. ``committed``: ``step_ids`` came back from the
+        commit (unary answers); a stream's ids are chosen before its commit."""
+        headers = {
             "x-trajgate-trajectory-id": self.trajectory_id,
             "x-trajgate-call-id": self.call_id,
             "x-trajgate-step-id": ",".join(step_ids),
             "x-trajgate-policy-version": str(self.policy_version),
         }
+        if committed:
+            # False only under on_write_failure='serve' when the pool failed the commit.
+            headers["x-trajgate-recorded"] = "true" if step_ids else "false"
+        return headers
 
 
 def failed_choice(outcome: str) -> list[ChoiceRecord]:
@@ -239,11 +248,13 @@ async def proxy_call(
     body = await read_json_object(request, state.settings.max_body_bytes)
     check_body(endpoint, body)
     attribution = attribute(state, request, url_trajectory_id)
+    assert state.writer is not None, "the lifespan starts the pool writer"
+    state.writer.check_accepting()
     idempotency_key = request.headers.get("idempotency-key")
     sessions = state.store.sessions
     if idempotency_key:
-        replay = await run_in_threadpool(
-            find_replay, sessions, attribution.trajectory_id, idempotency_key
+        replay = await pool_lookup(
+            state, find_replay, sessions, attribution.trajectory_id, idempotency_key
         )
         if replay is not None:
             state.metrics.replays.inc()
@@ -265,8 +276,13 @@ async def proxy_call(
     digest = request_hash(endpoint, body)
     resend_of = None
     if state.settings.resend_window_s > 0 and not idempotency_key:
-        resend_of = await run_in_threadpool(
-            find_resend, sessions, attribution.trajectory_id, digest, state.settings.resend_window_s
+        resend_of = await pool_lookup(
+            state,
+            find_resend,
+            sessions,
+            attribution.trajectory_id,
+            digest,
+            state.settings.resend_window_s,
         )
     call = Call(
         endpoint=endpoint,
@@ -315,9 +331,28 @@ async def proxy_call(
         return StreamingResponse(
             relay_stream(state, call, replica, upstream, events, first),
             media_type=upstream.headers.get("content-type", "text/event-stream"),
-            headers=call.headers(call.step_ids),
+            headers=call.headers(call.step_ids, committed=False),
         )
     return await finish_unary(state, call, replica, upstream)
+
+
+async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *args: Any) -> T | None:
+    """Run a read the call only benefits from (idempotent replay, re-send detection).
+
+    When the database fails it, 'serve' mode goes on without it (the call will not be recorded
+    either) and 'refuse' mode raises ``PoolUnavailableError`` (503) with the fault's reason.
+    """
+    try:
+        return await run_in_threadpool(lookup, *args)
+    except SQLAlchemyError as exc:
+        if not is_storage_fault(exc):
+            raise
+        assert state.writer is not None, "the lifespan starts the pool writer"
+        error = state.writer.report_fault(exc, f"lookup {lookup.__name__}")
+        if state.store.settings.on_write_failure == "serve":
+            return None
+        state.writer.stats.refused_calls += 1
+        raise error from exc
 
 
 async def open_upstream(
@@ -532,6 +567,7 @@ async def relay_stream(
     abort_reason: str | None = None
     ttft_ms: float | None = None
     finished = False
+    not_recorded: TrajgateError | None = None
     try:
         while True:
             message = None
@@ -596,11 +632,17 @@ async def relay_stream(
                 await commit(state, call, record)
             except TrajgateError as exc:
                 log.warning("stream of call %s not recorded: %s", call.call_id, exc.message)
-                abort_reason = abort_reason or "not_recorded"
+                not_recorded = exc
                 capture.release()
             state.metrics.requests.labels(call.endpoint, "200").inc()
             state.metrics.latency.labels(call.endpoint, "true").observe(call.elapsed_ms() / 1000)
-    if abort_reason is None:
+    if abort_reason is None and not_recorded is not None:
+        # The status line went out before the commit could fail: the stream ends in an error
+        # event (the OpenAI SDKs raise on it) instead of its last chunk and [DONE], so the
+        # client knows to retry a call the pool could not keep.
+        error = envelope(not_recorded.message, not_recorded.error_type, code=not_recorded.code)
+        yield _sse(json.dumps(error).encode())
+    elif abort_reason is None:
         for payload in capture.release():
             yield _sse(payload)
         yield b"data: [DONE]\n\n"
