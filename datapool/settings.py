@@ -132,6 +132,32 @@ class PoolSettings(ConfigFileSettings):
             "group 'trajgate.rewards' or module paths 'pkg.mod:fn'."
         ),
     )
+    completion_hooks_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "Seconds between a gateway's checks for completed trajectories whose hooks (reward "
+            "functions, then curation rules) are due. The explicit complete endpoint wakes the "
+            "check at once; this bounds the delay after an idle-timeout completion or a crash."
+        ),
+    )
+    completion_hooks_lease_s: float = Field(
+        default=300.0,
+        gt=0,
+        description=(
+            "How long a claim on a trajectory's hooks lasts. A runner that dies mid-run loses "
+            "them for this long, then another runs them again; a run longer than this may be "
+            "repeated by another gateway. Set it above your slowest reward function."
+        ),
+    )
+    completion_hooks_concurrency: int = Field(
+        default=8,
+        gt=0,
+        description=(
+            "Trajectories whose hooks one gateway runs at once (reward functions that call a "
+            "reward model are I/O-bound; each run also takes database transactions)."
+        ),
+    )
     tokenizer_dir: Path | None = Field(
         default=None,
         description=(

@@ -2,8 +2,8 @@
 every call as steps of a trajectory, plus health, metrics and admin endpoints.
 
 Owns: wiring (settings, the pool, the upstream pool, the policy registry, keys, metrics, error
-envelope) and background tasks (health checks, policy refresh). Never: proxies by itself; the
-OpenAI surface is ``gateway.proxy``.
+envelope) and background tasks (health checks, policy refresh, completion hooks). Never:
+proxies by itself; the OpenAI surface is ``gateway.proxy``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.db import make_engine
 from datapool.errors import PoolError
+from datapool.hooks import CompletionHooks
 from datapool.records import CallRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
@@ -50,6 +51,7 @@ class GatewayState:
     metrics: GatewayMetrics
     pending_writes: int = 0
     writer: PoolWriter | None = None
+    hooks: CompletionHooks | None = None
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
         """Make one call durable (its steps and its attempts, one group-commit transaction);
@@ -111,6 +113,7 @@ def create_app(
                 GatewayMetrics(upstreams, lambda: float(state.pending_writes), writer),
             )
             state.writer = writer
+            state.hooks = CompletionHooks(store)
             app.state.gateway = state
             tasks = [
                 asyncio.create_task(
@@ -121,6 +124,7 @@ def create_app(
                     )
                 ),
                 asyncio.create_task(_refresh_loop(policy, settings.policy_refresh_s)),
+                asyncio.create_task(state.hooks.run_forever()),
             ]
             try:
                 yield

@@ -15,12 +15,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, BackgroundTasks, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import Text, and_, cast, exists, func, or_, select
 from starlette.concurrency import run_in_threadpool
 
-from datapool import curation, lifecycle, rewards
+from datapool import lifecycle, rewards
 from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
 from datapool.store import PoolStore, StoredStep
 from gateway.attribution import TRAJECTORY_ID_PATTERN
@@ -360,12 +360,14 @@ async def get_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetai
 async def complete_trajectory(
     trajectory_id: str,
     store: StoreDep,
-    background: BackgroundTasks,
+    request: Request,
     body: CompleteRequest | None = None,
 ) -> TrajectoryDetail:
     """Complete an open trajectory (optionally with a final reward); later calls get 409.
 
-    The configured reward functions then run on it in the background.
+    Its completion hooks (the configured reward functions, then the curation rules) start at
+    once, in this gateway unless another one claims them first (``datapool.hooks``); the answer
+    does not wait for them.
     """
     body = body or CompleteRequest()
     await run_in_threadpool(
@@ -378,12 +380,8 @@ async def complete_trajectory(
         author=body.author,
     )
     store.forget_lineage(trajectory_id)
-    if store.settings.reward_functions:
-        background.add_task(
-            rewards.run_reward_functions, store, trajectory_id, store.settings.reward_functions
-        )
-    # Curation rules run after the reward functions (background tasks run in order).
-    background.add_task(curation.apply_on_completion, store, trajectory_id)
+    # The hooks are already due in the database (durable); this only saves the polling delay.
+    request.app.state.gateway.hooks.wake()
     return await run_in_threadpool(_detail, store, trajectory_id)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from datapool.rewards import RewardContext
 
 
@@ -11,3 +14,13 @@ def steps_times_half(context: RewardContext) -> float:
 
 def broken(context: RewardContext) -> float:
     raise RuntimeError("reward model unreachable")
+
+
+def slow_steps_times_half(context: RewardContext) -> float:
+    time.sleep(0.05)  # long enough for two racing runners to overlap on every trajectory
+    return 0.5 * len(context.steps)
+
+
+async def never_returns(context: RewardContext) -> float:
+    await asyncio.sleep(3600)  # a reward model that hangs: its runner is stopped mid-run
+    return 0.0
