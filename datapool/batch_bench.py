@@ -24,7 +24,7 @@ import numpy as np
 from datapool import db, lifecycle
 from datapool.batch_settings import BatchSettings
 from datapool.batches import BatchSpec, build_rows, materialise
-from datapool.bench import _call, synthetic_trajectory
+from datapool.bench import synthetic_call, synthetic_trajectory
 from datapool.db import make_engine
 from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
@@ -67,7 +67,9 @@ def bench_export(
                 synthetic_trajectory(rng, turns, response_tokens=150, tool_tokens=300)
             ):
                 store.record_call(
-                    trajectory_id, _call(prompt, response, logprobs, k), group_id=group_id
+                    trajectory_id,
+                    synthetic_call(trajectory_id, prompt, response, logprobs, k),
+                    group_id=group_id,
                 )
             lifecycle.close_trajectory(
                 store.sessions,

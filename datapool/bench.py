@@ -7,10 +7,16 @@ Traffic (per trajectory, T = 20 turns): a 1,000-token system prompt and a 50-tok
 turn a 150-token response and a 300-token tool result (+ 4 template tokens) appended to the next
 prompt, so turn k's prompt extends turn k-1's prompt + response. Token IDs are Zipf(1.1) draws
 over a 151,936-token vocabulary (the shape of real text, not uniform noise); logprobs are float32
-values. Messages are short placeholders: the benchmark measures the token payload path.
+values. Each call carries every row the gateway writes for it through ``PoolStore.record_calls``:
+the step (request, upstream request with ``return_token_ids``/``logprobs``, response message,
+call id, request hash), its payload, one upstream attempt with the client's answer in vLLM's
+shape (kept for Idempotency-Key replays), and the trajectory's counters. Message texts are short
+placeholders: the benchmark measures the token payload path, not the size of the agent's text.
 
 Measured: ``steps_per_s`` (steps committed per wall second through ``PoolWriter``, ``C``
-concurrent agents), ``ack_ms_p50/p99`` (time until ``record`` returned, i.e. durable),
+concurrent agents), ``cpu_ms_per_step`` (CPU of the whole process, writer thread and agents, per
+step while writing: the steadier figure when other jobs share the cores),
+``ack_ms_p50/p99`` (time until ``record`` returned, i.e. durable),
 ``amplification`` (stored payload bytes after compaction ÷ 4 bytes × tokens of each trajectory's
 final sequence ``P_T + R_T``), ``amplification_before_compaction`` (the SQL blobs), and
 ``bytes_per_token`` (stored bytes ÷ those final-sequence tokens, the distinct tokens),
@@ -25,6 +31,7 @@ durable) once per batch, to price the alternative of a write-ahead spool.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import queue
@@ -42,7 +49,7 @@ from sqlalchemy import func, select
 from datapool import db
 from datapool.db import make_engine
 from datapool.models import PayloadFile, StepPayload
-from datapool.records import CallRecord, ChoiceRecord
+from datapool.records import AttemptRecord, CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from datapool.writer import PoolWriter
@@ -72,17 +79,63 @@ def synthetic_trajectory(
     return calls
 
 
-def _call(prompt: list[int], response: list[int], logprobs: list[float], turn: int) -> CallRecord:
+def synthetic_call(
+    trajectory_id: str, prompt: list[int], response: list[int], logprobs: list[float], turn: int
+) -> CallRecord:
+    """One non-streaming chat call as the gateway records it (client asked for no token IDs)."""
+    request = {"model": "bench", "messages": [{"role": "user", "content": f"turn {turn}"}]}
+    call_id = str(uuid.uuid4())
+    message = {"role": "assistant", "content": f"answer {turn}"}
+    usage = {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + len(response),
+        "completion_tokens": len(response),
+    }
+    client_answer = {  # what the attempt row keeps: vLLM's answer with the IDs nulled
+        "id": f"chatcmpl-{call_id}",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "stop",
+                "stop_reason": None,
+                "token_ids": None,
+            }
+        ],
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+    }
     return CallRecord(
-        request={"model": "bench", "messages": [{"role": "user", "content": f"turn {turn}"}]},
-        upstream_request={"model": "bench"},
+        request=request,
+        upstream_request={**request, "return_token_ids": True, "logprobs": True},
         model="bench",
         upstream="bench://",
         policy_version=0,
         latency_ms=1.0,
         prompt_token_ids=prompt,
         prompt_tokens=len(prompt),
-        choices=[ChoiceRecord(0, response, logprobs, {"role": "assistant"}, "stop")],
+        choices=[ChoiceRecord(0, response, logprobs, message, "stop")],
+        call_id=call_id,
+        request_hash=hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest(),
+        attempts=(
+            AttemptRecord(
+                id=str(uuid.uuid4()),
+                call_id=call_id,
+                trajectory_id=trajectory_id,
+                attempt_index=0,
+                upstream="bench://",
+                status_code=200,
+                outcome="ok",
+                error=None,
+                latency_ms=1.0,
+                response_body=client_answer,
+            ),
+        ),
     )
 
 
@@ -119,11 +172,16 @@ def bench_pool(
     settings = PoolSettings(data_dir=data_dir, database_url=database_url, compaction_interval_s=0)
     rng = np.random.default_rng(seed)
     shapes = [synthetic_trajectory(rng, turns) for _ in range(trajectories)]
-    calls = [[_call(p, r, lp, k) for k, (p, r, lp) in enumerate(shape)] for shape in shapes]
+    calls = [
+        [synthetic_call(f"bench-{i}", p, r, lp, k) for k, (p, r, lp) in enumerate(shape)]
+        for i, shape in enumerate(shapes)
+    ]
     store = PoolStore(make_engine(database_url), settings)
     writer = PoolWriter(store, settings).start()
     try:
+        cpu_started_s = time.process_time()
         wall_s, acks_ms = asyncio.run(_drive(writer.record, calls, concurrency))
+        cpu_s = time.process_time() - cpu_started_s
     finally:
         writer.close()
     steps = trajectories * turns
@@ -166,6 +224,7 @@ def bench_pool(
         "steps": steps,
         "concurrency": concurrency,
         "steps_per_s": round(steps / wall_s, 1),
+        "cpu_ms_per_step": round(cpu_s * 1000 / steps, 3),
         "ack_ms_p50": round(float(np.percentile(acks_ms, 50)), 2),
         "ack_ms_p99": round(float(np.percentile(acks_ms, 99)), 2),
         "final_sequence_tokens": final_tokens,
@@ -184,8 +243,11 @@ def bench_spool(
     """The write-ahead-spool alternative: same traffic, JSON lines, one flush/fsync per batch."""
     rng = np.random.default_rng(seed)
     calls = [
-        [_call(p, r, lp, k) for k, (p, r, lp) in enumerate(synthetic_trajectory(rng, turns))]
-        for _ in range(trajectories)
+        [
+            synthetic_call(f"bench-{i}", p, r, lp, k)
+            for k, (p, r, lp) in enumerate(synthetic_trajectory(rng, turns))
+        ]
+        for i in range(trajectories)
     ]
     path = directory / f"spool-{uuid.uuid4().hex}.jsonl"
     items: queue.Queue[Any] = queue.Queue()
