@@ -154,11 +154,17 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        """Ready when at least one upstream replica passes its health check."""
+        """Ready when at least one upstream replica passes its health check.
+
+        ``pool_writable`` is false from a failed commit until the next good one. It is reported,
+        not made a condition: a balancer that stopped sending calls would never let a call
+        find the pool writable again.
+        """
         state: GatewayState = app.state.gateway
         healthy = [r.url for r in state.upstreams.replicas if r.healthy]
+        writable = state.writer is not None and state.writer.writable
         return JSONResponse(
-            {"ready": bool(healthy), "healthy_upstreams": len(healthy)},
+            {"ready": bool(healthy), "healthy_upstreams": len(healthy), "pool_writable": writable},
             status_code=200 if healthy else 503,
         )
 

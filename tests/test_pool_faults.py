@@ -203,12 +203,14 @@ def test_full_disk_refuses_calls_with_503_and_records_again_once_space_is_freed(
         assert metric(gateway, "trajgate_pool_calls_failed_total") == 1
         assert metric(gateway, "trajgate_pool_calls_refused_total") == 2
         assert metric(gateway, "trajgate_pool_writable") == 0
+        assert httpx.get(f"{gateway.url}/ready").json()["pool_writable"] is False
         assert any("disk_full" in r.getMessage() for r in caplog.records)
 
         filler.unlink()
         time.sleep(BACKOFF_S)
         assert agent.call().status_code == 200
         assert metric(gateway, "trajgate_pool_writable") == 1
+        assert httpx.get(f"{gateway.url}/ready").json()["pool_writable"] is True
     assert (len(agent.recorded), agent.refused) == (2, 2)
     assert_pool_holds_exactly(pool, agent)
 
