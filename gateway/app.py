@@ -103,6 +103,7 @@ def create_app(
         async with httpx.AsyncClient(
             timeout=timeout, limits=limits, transport=upstream_transport
         ) as client:
+            hooks = CompletionHooks(store)
             state = GatewayState(
                 settings,
                 store,
@@ -110,10 +111,10 @@ def create_app(
                 upstreams,
                 policy,
                 KeyRing(store.sessions),
-                GatewayMetrics(upstreams, lambda: float(state.pending_writes), writer),
+                GatewayMetrics(upstreams, lambda: float(state.pending_writes), writer, hooks),
             )
             state.writer = writer
-            state.hooks = CompletionHooks(store)
+            state.hooks = hooks
             app.state.gateway = state
             tasks = [
                 asyncio.create_task(
@@ -124,7 +125,7 @@ def create_app(
                     )
                 ),
                 asyncio.create_task(_refresh_loop(policy, settings.policy_refresh_s)),
-                asyncio.create_task(state.hooks.run_forever()),
+                asyncio.create_task(hooks.run_forever()),
             ]
             try:
                 yield

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from datapool.faults import FAULT_REASONS
+from datapool.hooks import CompletionHooks
 from datapool.writer import PoolWriter
 from gateway.upstreams import Replica, UpstreamPool
 
@@ -27,11 +28,14 @@ class GatewayMetrics:
         upstreams: UpstreamPool,
         write_queue_depth: Callable[[], float],
         writer: PoolWriter | None = None,
+        hooks: CompletionHooks | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         if writer is not None:
             r.register(PoolWriterCollector(writer))
+        if hooks is not None:
+            r.register(CompletionHooksCollector(hooks))
         self.requests = Counter(
             "trajgate_requests",
             "Proxied calls by endpoint and HTTP status.",
@@ -187,3 +191,39 @@ class PoolWriterCollector(Collector):
             "1 while the pool takes writes; 0 from a failed commit until the next good one.",
             value=1.0 if self.writer.writable else 0.0,
         )
+
+
+class CompletionHooksCollector(Collector):
+    """The completion-hook runner's counters (``datapool.hooks.HookStats``) at scrape time."""
+
+    def __init__(self, hooks: CompletionHooks) -> None:
+        self.hooks = hooks
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.hooks.stats
+        for name, documentation, value in (
+            (
+                "trajgate_completion_hooks_runs",
+                "Completed trajectories whose reward functions and curation rules ran to the end.",
+                stats.runs,
+            ),
+            (
+                "trajgate_completion_hooks_failures",
+                "Hook claims or runs that raised (retried once their lease passes).",
+                stats.failures,
+            ),
+            (
+                "trajgate_completion_hooks_lost_claims",
+                "Due trajectories another gateway claimed first.",
+                stats.lost_claims,
+            ),
+            (
+                "trajgate_completion_hooks_overrun_leases",
+                "Hook runs that outlasted their lease and were taken over (so repeated).",
+                stats.overrun_leases,
+            ),
+        ):
+            yield CounterMetricFamily(name, documentation, value=value)

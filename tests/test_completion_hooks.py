@@ -5,6 +5,7 @@ a runner died holding the claim, once when two runners race, and never for an ab
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from datetime import timedelta
@@ -21,11 +22,15 @@ from datapool.models import Reward, Trajectory, TrajectoryStatus, utc_now
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from gateway.app import create_app
-from gateway.emulator import EmulatorSettings, EmulatorThread
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
+from trajgate import vllm_server
 
-CHAT = {"model": "emulated", "messages": [{"role": "user", "content": "find the capybara"}]}
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "find the capybara"}],
+    "max_tokens": 5,
+}
 
 
 def with_reward_functions(pool_settings: PoolSettings, *names: str) -> PoolSettings:
@@ -48,7 +53,7 @@ def hooks_due_at(store: PoolStore, trajectory_id: str) -> Any:
 
 
 def test_trajectory_completed_by_idle_timeout_gets_its_reward_then_its_curation_mark(
-    pool_settings: PoolSettings,
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
 ) -> None:
     pool = pool_settings.model_copy(
         update={
@@ -58,8 +63,7 @@ def test_trajectory_completed_by_idle_timeout_gets_its_reward_then_its_curation_
             "completion_hooks_interval_s": 0.2,
         }
     )
-    emulator = EmulatorThread(EmulatorSettings(port=free_port(), response_tokens=5)).start()
-    settings = GatewaySettings(upstream_url=emulator.url, port=free_port())
+    settings = GatewaySettings(upstream_url=vllm.url, port=free_port())
     server = BackgroundServer(create_app(settings, pool), port=settings.port).start()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as api:
@@ -87,9 +91,11 @@ def test_trajectory_completed_by_idle_timeout_gets_its_reward_then_its_curation_
                 ]
             trajectory = api.get("/api/trajectories/idle-1").json()
             records = api.get("/api/rewards", params={"trajectory_id": "idle-1"}).json()
+            runs = re.search(
+                r"^trajgate_completion_hooks_runs_total (\S+)$", api.get("/metrics").text, re.M
+            )
     finally:
         server.stop()
-        emulator.stop()
     assert trajectory["status"] == "complete"
     assert trajectory["completion_reason"] == "idle_timeout"
     assert trajectory["rewards"] == {"steps_times_half": 0.5}  # 0.5 * 1 step
@@ -97,6 +103,7 @@ def test_trajectory_completed_by_idle_timeout_gets_its_reward_then_its_curation_
     assert [(m["rule"], m["target"], m["action"]) for m in marks] == [
         ("below-one", "trajectory", "exclude")
     ]
+    assert runs is not None and float(runs.group(1)) == 1.0
 
 
 def test_hooks_claimed_by_a_runner_that_died_run_again_once_its_lease_passes(
