@@ -36,6 +36,7 @@ from tests_support import free_port
 
 from datapool import db
 from datapool.db import make_engine
+from datapool.faults import fault_reason
 from datapool.models import Step, StepPayload
 from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
@@ -425,3 +426,54 @@ def test_upkeep_deletes_only_old_unregistered_payload_files(pool_settings: PoolS
         assert step.prompt_token_ids == synthetic_call(0, 64).prompt_token_ids
     finally:
         engine.dispose()
+
+
+# ---- naming the fault ------------------------------------------------------------------------
+
+
+def test_fault_reason_reads_sqlite_result_codes_from_real_sqlite_errors(tmp_path: Path) -> None:
+    path = tmp_path / "codes.sqlite3"
+    sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN EXCLUSIVE")
+    waiter = sqlite3.connect(path, timeout=0.05)
+    with pytest.raises(sqlite3.OperationalError) as locked:
+        waiter.execute("INSERT INTO t VALUES (1)")
+    holder.rollback()
+    read_only = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    with pytest.raises(sqlite3.OperationalError) as refused:
+        read_only.execute("INSERT INTO t VALUES (1)")
+    with pytest.raises(sqlite3.OperationalError) as cannot_open:
+        sqlite3.connect(tmp_path / "missing" / "dir" / "x.sqlite3")
+    with pytest.raises(sqlite3.IntegrityError) as bad_data:
+        sqlite3.connect(":memory:").executescript(
+            "CREATE TABLE u (x UNIQUE); INSERT INTO u VALUES (1); INSERT INTO u VALUES (1);"
+        )
+    assert [fault_reason(e.value) for e in (locked, refused, cannot_open, bad_data)] == [
+        "locked",
+        "read_only",
+        "unreachable",
+        "other",
+    ]
+
+
+def test_fault_reason_reads_postgres_sqlstates_and_os_errnos() -> None:
+    # PostgreSQL's disk-full and admin-shutdown cannot be caused safely on a shared server, so
+    # these are psycopg's own exception classes, which carry the SQLSTATE the server would send.
+    cases = {
+        psycopg.errors.DiskFull("x"): "disk_full",  # 53100
+        psycopg.errors.LockNotAvailable("x"): "locked",  # 55P03
+        psycopg.errors.DeadlockDetected("x"): "locked",  # 40P01
+        psycopg.errors.QueryCanceled("x"): "locked",  # 57014, statement_timeout
+        psycopg.errors.AdminShutdown("x"): "unreachable",  # 57P01
+        psycopg.errors.CannotConnectNow("x"): "unreachable",  # 57P03
+        psycopg.errors.ReadOnlySqlTransaction("x"): "read_only",  # 25006
+        psycopg.errors.UniqueViolation("x"): "other",  # 23505: the data, not the storage
+        psycopg.OperationalError("connection refused"): "unreachable",  # no SQLSTATE at all
+        OSError(errno.ENOSPC, "No space left on device"): "disk_full",
+        OSError(errno.EIO, "Input/output error"): "io_error",
+        ValueError("not a storage fault"): "other",
+    }
+    assert {repr(exc): fault_reason(exc) for exc in cases} == {
+        repr(exc): reason for exc, reason in cases.items()
+    }
