@@ -32,11 +32,13 @@ class _Candidate:
 
 @dataclass
 class TrajectoryTokens:
-    """Candidates (ok steps with prompt and response IDs, oldest first) and the latest step."""
+    """Candidates (ok steps with prompt and response IDs, oldest first), the latest step, and
+    the trajectory's ``call_count`` they reflect (a different count in the database means
+    someone else wrote steps since)."""
 
     candidates: list[_Candidate] = field(default_factory=list)
     latest_step_id: str | None = None
-    step_count: int = 0
+    call_count: int = 0
 
     def choose_parent(self, prompt: bytes) -> Lineage:
         """``prefix.choose_parent`` over the candidates for ``prompt`` (int32 bytes)."""

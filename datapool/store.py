@@ -14,10 +14,11 @@ import typing
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, Table, bindparam, func, insert, select, update
+from sqlalchemy import Engine, Table, bindparam, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.calls import attempt_rows
@@ -73,6 +74,12 @@ class PendingCall:
 
 
 CallResult = list[str] | Exception
+
+# The write path inserts through Core; these are the models' tables.
+_TRAJECTORIES = typing.cast(Table, Trajectory.__table__)
+_STEPS = typing.cast(Table, Step.__table__)
+_PAYLOADS = typing.cast(Table, StepPayload.__table__)
+_ATTEMPTS = typing.cast(Table, CallAttempt.__table__)
 
 
 class PoolStore:
@@ -136,43 +143,17 @@ class PoolStore:
         trajectory_ids: list[str],
         writer_id: str | None,
     ) -> list[CallResult]:
-        first_call: dict[str, CallRecord] = {}
-        for p in pending:
-            first_call.setdefault(p.trajectory_id, p.call)
+        connection = session.connection()
+        if connection.dialect.name == "sqlite":
+            # Take the write lock before reading the trajectories' state, so nothing can close
+            # one between this read and the insert (PostgreSQL locks the rows FOR UPDATE).
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
         now = utc_now()
-        insert_ignore(
-            session,
-            Trajectory,
-            [
-                {
-                    "id": trajectory_id,
-                    "group_id": first_call[trajectory_id].group_id,
-                    "channel": first_call[trajectory_id].channel or "train",
-                    "status": TrajectoryStatus.OPEN.value,
-                    "metadata_json": {},
-                    "tags": [],
-                    "flags": [],
-                    "call_count": 0,
-                    "rejected_calls": 0,
-                    "created_at": now,
-                }
-                for trajectory_id in trajectory_ids
-            ],
-        )
-        group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
-        if group_ids:
-            insert_ignore(
-                session,
-                TrajectoryGroup,
-                [{"id": g, "status": "open", "created_at": now} for g in group_ids],
-            )
-        query = select(Trajectory.id, Trajectory.status, Trajectory.call_count).where(
-            Trajectory.id.in_(trajectory_ids)
-        )
-        if session.get_bind().dialect.name == "postgresql":
-            query = query.with_for_update()
-        state = {tid: (status, count) for tid, status, count in session.execute(query)}
-        self._refresh_lineage(session, trajectory_ids)
+        state = self._trajectory_state(session, pending, trajectory_ids, now)
+        for trajectory_id in trajectory_ids:
+            status, call_count = state[trajectory_id]
+            if status == TrajectoryStatus.OPEN:
+                self._refresh_lineage(session, trajectory_id, call_count)
 
         results: list[CallResult] = []
         next_index = {tid: count for tid, (_status, count) in state.items()}
@@ -190,9 +171,10 @@ class PoolStore:
             results.append(
                 self._steps_of_call(session, p, step_index, now, step_rows, payload_rows)
             )
+        # Core executemany, not the ORM's bulk insert: the rows are plain dicts already.
         if step_rows:
-            session.execute(insert(Step), step_rows)
-            session.execute(insert(StepPayload), payload_rows)
+            connection.execute(insert(_STEPS), step_rows)
+            connection.execute(insert(_PAYLOADS), payload_rows)
         # A call's attempts commit with its steps: one transaction per batch, not one more per call.
         attempts = attempt_rows(
             (
@@ -204,17 +186,16 @@ class PoolStore:
             now,
         )
         if attempts:
-            session.execute(insert(CallAttempt), attempts)
-        table = typing.cast(Table, Trajectory.__table__)
+            connection.execute(insert(_ATTEMPTS), attempts)
         counts = [
             {"b_id": tid, "b_count": n, "b_at": now, "b_writer": writer_id}
             for tid, n in next_index.items()
             if n != state[tid][1]
         ]
-        if counts:  # one executemany, not one ORM UPDATE per trajectory
-            session.connection().execute(
-                update(table)
-                .where(table.c.id == bindparam("b_id"))
+        if counts:  # one executemany, not one UPDATE per trajectory
+            connection.execute(
+                update(_TRAJECTORIES)
+                .where(_TRAJECTORIES.c.id == bindparam("b_id"))
                 .values(
                     call_count=bindparam("b_count"),
                     last_step_at=bindparam("b_at"),
@@ -223,13 +204,68 @@ class PoolStore:
                 counts,
             )
         if rejected:
-            session.connection().execute(
-                update(table)
-                .where(table.c.id == bindparam("b_id"))
-                .values(rejected_calls=table.c.rejected_calls + bindparam("b_n")),
+            connection.execute(
+                update(_TRAJECTORIES)
+                .where(_TRAJECTORIES.c.id == bindparam("b_id"))
+                .values(rejected_calls=_TRAJECTORIES.c.rejected_calls + bindparam("b_n")),
                 [{"b_id": tid, "b_n": n} for tid, n in rejected.items()],
             )
         return results
+
+    def _trajectory_state(
+        self,
+        session: Session,
+        pending: Sequence[PendingCall],
+        trajectory_ids: list[str],
+        now: datetime,
+    ) -> dict[str, tuple[str, int]]:
+        """``{id: (status, call_count)}`` of every trajectory of the batch, creating the missing
+        ones (and their groups) first; on PostgreSQL the rows stay locked until commit."""
+        first_call: dict[str, CallRecord] = {}
+        for p in pending:
+            first_call.setdefault(p.trajectory_id, p.call)
+        group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
+        if group_ids:
+            insert_ignore(
+                session,
+                TrajectoryGroup,
+                [{"id": g, "status": "open", "created_at": now} for g in group_ids],
+            )
+        state = self._select_state(session, trajectory_ids)
+        missing = [tid for tid in trajectory_ids if tid not in state]
+        if missing:  # one IN query per batch finds them; only new trajectories are inserted
+            insert_ignore(
+                session,
+                Trajectory,
+                [
+                    {
+                        "id": trajectory_id,
+                        "group_id": first_call[trajectory_id].group_id,
+                        "channel": first_call[trajectory_id].channel or "train",
+                        "status": TrajectoryStatus.OPEN.value,
+                        "metadata_json": {},
+                        "tags": [],
+                        "flags": [],
+                        "call_count": 0,
+                        "rejected_calls": 0,
+                        "created_at": now,
+                    }
+                    for trajectory_id in missing
+                ],
+            )
+            state.update(self._select_state(session, missing))
+        return state
+
+    @staticmethod
+    def _select_state(session: Session, trajectory_ids: list[str]) -> dict[str, tuple[str, int]]:
+        table = _TRAJECTORIES
+        query = select(table.c.id, table.c.status, table.c.call_count).where(
+            table.c.id.in_(trajectory_ids)
+        )
+        connection = session.connection()
+        if connection.dialect.name == "postgresql":
+            query = query.with_for_update()
+        return {tid: (status, count) for tid, status, count in connection.execute(query)}
 
     def _steps_of_call(
         self,
@@ -320,7 +356,7 @@ class PoolStore:
                     tokens.add(step_id, lineage, prompt, response)
         if step_ids:
             tokens.latest_step_id = step_ids[0]
-        tokens.step_count += len(step_ids)
+        tokens.call_count = step_index + 1  # the count this batch commits (see _refresh_lineage)
         return step_ids
 
     def _divergence(
@@ -357,29 +393,26 @@ class PoolStore:
         )
         return kind, detail
 
-    def _refresh_lineage(self, session: Session, trajectory_ids: Sequence[str]) -> None:
-        """Make the lineage memory of ``trajectory_ids`` match the database (another process,
-        an eviction or a restart may have left it behind)."""
-        counts = dict(
-            session.execute(
-                select(Step.trajectory_id, func.count())
-                .where(Step.trajectory_id.in_(trajectory_ids))
-                .group_by(Step.trajectory_id)
-            ).all()
+    def _refresh_lineage(self, session: Session, trajectory_id: str, call_count: int) -> None:
+        """Make the lineage memory of ``trajectory_id`` match the database, whose ``call_count``
+        (read under the write lock) says whether another process, an eviction or a restart left
+        it behind: every batch that adds steps bumps it in the same transaction."""
+        cached = self._lineage.get(trajectory_id)
+        if cached is not None and cached.call_count == call_count:
+            return
+        tokens = (
+            TrajectoryTokens()  # no call yet, so no step to read
+            if call_count == 0
+            else self._rebuild_lineage(session, trajectory_id)
         )
-        for trajectory_id in trajectory_ids:
-            cached = self._lineage.get(trajectory_id)
-            expected = int(counts.get(trajectory_id, 0))
-            if cached is not None and cached.step_count == expected:
-                continue
-            self._lineage.put(trajectory_id, self._rebuild_lineage(session, trajectory_id))
+        tokens.call_count = call_count
+        self._lineage.put(trajectory_id, tokens)
 
     def _rebuild_lineage(self, session: Session, trajectory_id: str) -> TrajectoryTokens:
         rows = self._step_rows(session, trajectory_id)
         payloads = self._payloads_of(session, rows)
         tokens = TrajectoryTokens()
         for row in rows:
-            tokens.step_count += 1
             if row.choice_index == 0 or tokens.latest_step_id is None:
                 tokens.latest_step_id = row.id
             payload = payloads[row.id]

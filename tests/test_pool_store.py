@@ -77,6 +77,26 @@ def test_compaction_moves_payloads_to_parquet_and_reads_stay_exact(
     assert all(s.payload_file_id is not None for s in steps)
 
 
+def test_a_step_written_by_another_store_is_the_parent_of_the_next_one(
+    pool_settings: PoolSettings,
+) -> None:
+    """Two gateway processes (two stores) take turns on one trajectory: each sees the other's
+    steps, so every prompt extends the step just before it."""
+    a, b = make_store(pool_settings), make_store(pool_settings)
+    p1, r1 = [1, 2], [3]
+    p2, r2 = [*p1, *r1, 4], [5]  # extends s1: base 2 + 1 = 3 tokens
+    p3, r3 = [*p2, *r2, 6], [7]  # extends s2 (which store a never wrote): base 4 + 1 = 5
+    [s1] = a.record_call("t5", call(p1, r1))
+    [s2] = b.record_call("t5", call(p2, r2))
+    [s3] = a.record_call("t5", call(p3, r3))
+    steps = make_store(pool_settings).steps_of("t5")
+    assert [s.parent_step_id for s in steps] == [None, s1, s2]
+    assert [s.prompt_base_tokens for s in steps] == [0, 3, 5]
+    assert [s.step_index for s in steps] == [0, 1, 2]
+    assert [s.prompt_token_ids for s in steps] == [p1, p2, p3]
+    assert steps[2].id == s3
+
+
 def test_missing_ids_stay_missing_and_failed_calls_have_no_payload(
     pool_settings: PoolSettings,
 ) -> None:
