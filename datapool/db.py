@@ -22,19 +22,19 @@ from sqlalchemy.pool import NullPool
 import migrations
 
 
-def make_engine(database_url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> Engine:
+def make_engine(database_url: str, *, lock_timeout_ms: int | None = None) -> Engine:
     """Create an engine; for SQLite, make the parent directory and turn on WAL and foreign keys.
 
-    ``sqlite_busy_timeout_ms``: how long a SQLite statement waits for another connection's lock
-    before failing with ``database is locked``.
+    ``lock_timeout_ms``: how long a statement waits for another connection's lock before it
+    fails (SQLite: the busy timeout, ``database is locked``, 30 s when None; PostgreSQL:
+    ``lock_timeout``, SQLSTATE 55P03, the server's setting when None).
     """
     if database_url.startswith("sqlite"):
         path = database_url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(
-            database_url, connect_args={"timeout": sqlite_busy_timeout_ms / 1000}
-        )
+        busy_timeout_ms = 30_000 if lock_timeout_ms is None else lock_timeout_ms
+        engine = create_engine(database_url, connect_args={"timeout": busy_timeout_ms / 1000})
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -45,7 +45,10 @@ def make_engine(database_url: str, *, sqlite_busy_timeout_ms: int = 30_000) -> E
             cursor.close()
 
         return engine
-    return create_engine(database_url, pool_pre_ping=True)
+    connect_args: dict[str, Any] = {}
+    if lock_timeout_ms is not None and database_url.startswith("postgresql"):
+        connect_args["options"] = f"-c lock_timeout={lock_timeout_ms}"
+    return create_engine(database_url, pool_pre_ping=True, connect_args=connect_args)
 
 
 def insert_ignore(session: Session, model: Any, rows: list[dict[str, Any]]) -> int:

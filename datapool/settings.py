@@ -94,13 +94,14 @@ class PoolSettings(ConfigFileSettings):
             "refuse up front."
         ),
     )
-    sqlite_busy_timeout_ms: int = Field(
+    database_lock_timeout_ms: int = Field(
         default=10_000,
-        ge=0,
+        gt=0,
         description=(
-            "How long a SQLite write waits for another process's lock before it fails as "
-            "'locked' (and on_write_failure applies). Longer rides out a slow `trajgate` CLI "
-            "write; shorter answers clients sooner."
+            "How long the gateway's database statements wait for another connection's lock "
+            "before failing as 'locked' (and on_write_failure applies): SQLite's busy timeout, "
+            "PostgreSQL's lock_timeout. Longer rides out a slow CLI write or migration; "
+            "shorter answers clients sooner."
         ),
     )
     orphan_payload_min_age_s: float = Field(

@@ -85,7 +85,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = make_engine(
-            pool.resolved_database_url(), sqlite_busy_timeout_ms=pool.sqlite_busy_timeout_ms
+            pool.resolved_database_url(), lock_timeout_ms=pool.database_lock_timeout_ms
         )
         store = PoolStore(engine, pool)
         writer = await run_in_threadpool(PoolWriter(store).start)

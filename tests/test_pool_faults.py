@@ -1,6 +1,6 @@
 """Storage faults with real faults, not mocks: a full disk (a 16 MiB tmpfs filled to the last
-byte), a SQLite database locked by another process's connection, a PostgreSQL database that
-stops accepting connections and loses the ones it had. In each, the gateway in front of the
+byte), a SQLite database or a PostgreSQL table locked by another session past the lock
+timeout, a PostgreSQL database that stops accepting connections and loses the ones it had. In each, the gateway in front of the
 real vLLM either refuses clearly ('refuse': 503 with the fault's reason and Retry-After; a
 stream ends in an error event the OpenAI SDK raises) or keeps serving ('serve': 200 with
 ``x-trajgate-recorded: false``), says so in its log and its metrics, never corrupts the pool,
@@ -308,7 +308,7 @@ def synthetic_call(turn: int, prompt_tokens: int) -> CallRecord:
 def test_sqlite_locked_by_another_process_past_the_busy_timeout_refuses_or_serves(
     vllm: vllm_server.VLLMServer, tmp_path: Path, mode: str
 ) -> None:
-    pool = pool_on(tmp_path, mode, sqlite_busy_timeout_ms=300)
+    pool = pool_on(tmp_path, mode, database_lock_timeout_ms=300)
     with gateway_with(pool, free_port(), upstream_url=vllm.url) as gateway:
         agent = Agent(gateway)
         assert agent.call().status_code == 200
@@ -328,6 +328,36 @@ def test_sqlite_locked_by_another_process_past_the_busy_timeout_refuses_or_serve
             assert during.status_code == 200
             assert during.headers["x-trajgate-recorded"] == "false"
         assert metric(gateway, "trajgate_pool_faults_total", '{reason="locked"}') == 1
+        time.sleep(BACKOFF_S)
+        assert agent.call().headers["x-trajgate-recorded"] == "true"
+    assert len(agent.recorded) == 2
+    assert_pool_holds_exactly(pool, agent)
+
+
+@pytest.mark.parametrize("empty_database_url", ["postgresql"], indirect=True)
+@pytest.mark.parametrize("mode", ["refuse", "serve"])
+def test_postgres_table_locked_by_another_session_past_the_lock_timeout_refuses_or_serves(
+    vllm: vllm_server.VLLMServer, empty_database_url: str, tmp_path: Path, mode: str
+) -> None:
+    pool = pool_on(tmp_path, mode, database_url=empty_database_url, database_lock_timeout_ms=300)
+    admin = make_url(empty_database_url)
+    with gateway_with(pool, free_port(), upstream_url=vllm.url) as gateway:
+        agent = Agent(gateway)
+        assert agent.call().status_code == 200
+        # A maintenance session (a migration, a VACUUM FULL) holding the trajectories table.
+        with psycopg.connect(
+            host=admin.host, port=admin.port, user=admin.username, dbname=admin.database
+        ) as holder:
+            holder.execute("LOCK TABLE trajectories IN ACCESS EXCLUSIVE MODE")
+            during = agent.call()
+            holder.rollback()
+        if mode == "refuse":
+            assert during.status_code == 503
+            assert during.json()["error"]["code"] == "pool_locked"
+        else:
+            assert during.status_code == 200
+            assert during.headers["x-trajgate-recorded"] == "false"
+        assert metric(gateway, "trajgate_pool_faults_total", '{reason="locked"}') >= 1
         time.sleep(BACKOFF_S)
         assert agent.call().headers["x-trajgate-recorded"] == "true"
     assert len(agent.recorded) == 2
