@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from datapool.calls import attempt_rows
 from datapool.db import insert_ignore, make_sessionmaker
 from datapool.errors import TrajectoryClosedError
-from datapool.lineage import TOKEN_BYTES, LineageCache, TrajectoryTokens
+from datapool.lineage import TOKEN_BYTES, LineageCache, TrajectoryTokens, pack_ids
 from datapool.models import (
     CallAttempt,
     Step,
@@ -39,7 +39,6 @@ from datapool.payload import (
     PayloadFiles,
     StepRef,
     TokenPayload,
-    encode_ids,
     encode_logprobs,
     reconstruct,
 )
@@ -279,7 +278,7 @@ class PoolStore:
         call = p.call
         tokens = self._lineage.get(p.trajectory_id)
         assert tokens is not None  # _refresh_lineage loaded every trajectory of the batch
-        prompt = encode_ids(call.prompt_token_ids)
+        prompt = None if call.prompt_token_ids is None else pack_ids(call.prompt_token_ids)
         if prompt is None or call.outcome != StepOutcome.OK:
             lineage = Lineage(tokens.latest_step_id, None, None)
             kind, detail = None, None
@@ -289,17 +288,20 @@ class PoolStore:
         base_tokens = 0
         if prompt is not None and lineage.parent_step_id is not None:
             if lineage.extends_parent:
-                base_tokens = len(tokens.sequence_of(lineage.parent_step_id)) // TOKEN_BYTES
+                base_tokens = tokens.tokens_of(lineage.parent_step_id)
             elif lineage.divergence_offset:
                 base_tokens = lineage.divergence_offset
         delta = None if prompt is None else prompt[base_tokens * TOKEN_BYTES :]
         step_ids: list[str] = []
+        responses: list[bytes | None] = []
         for choice in call.choices:
             step_id = choice.step_id or str(uuid.uuid4())
             flags = list(choice.flags)
             if lineage.extends_parent is False:
                 flags.append("prefix_break")
-            response = encode_ids(choice.response_token_ids)
+            ids = choice.response_token_ids
+            response = None if ids is None else pack_ids(ids)
+            responses.append(response)
             step_rows.append(
                 {
                     "id": step_id,
@@ -350,8 +352,7 @@ class PoolStore:
             )
             step_ids.append(step_id)
         if call.outcome == StepOutcome.OK and prompt is not None:
-            for step_id, choice in zip(step_ids, call.choices, strict=True):
-                response = encode_ids(choice.response_token_ids)
+            for step_id, response in zip(step_ids, responses, strict=True):
                 if response is not None:
                     tokens.add(step_id, lineage, prompt, response)
         if step_ids:
@@ -428,8 +429,8 @@ class PoolStore:
                 tokens.add(
                     row.id,
                     lineage,
-                    encode_ids(payload.prompt_token_ids) or b"",
-                    encode_ids(payload.response_token_ids) or b"",
+                    pack_ids(payload.prompt_token_ids),
+                    pack_ids(payload.response_token_ids),
                 )
         return tokens
 
