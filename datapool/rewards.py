@@ -10,6 +10,8 @@ Reward functions are Python callables ``fn(context: RewardContext) -> float | No
 Mapping[str, float | None]`` (sync or async), registered by an entry point in the group
 ``trajgate.rewards`` or named by module path ``pkg.mod:fn``. A float is recorded under the
 function's name; a mapping records one reward per key; None records nothing (unrewarded).
+A value that is not a finite number, or a reward name outside 1-100 characters, is recorded as
+that function's failure (the other functions' rewards still land).
 """
 
 from __future__ import annotations
@@ -329,4 +331,12 @@ def _records_of(trajectory_id: str, label: str, value: Any) -> list[RewardIn]:
         return [r for key, v in value.items() for r in _records_of(trajectory_id, str(key), v)]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"reward function returned {type(value).__name__}, expected a number")
+    # Checked here, not only in add_rewards: there one bad value would fail the whole batch, so
+    # the hooks would retry every lease and no function's reward would ever land.
+    if not math.isfinite(value):
+        raise ValueError(
+            f"reward function returned {value!r} for {label!r}, expected a finite number"
+        )
+    if not 1 <= len(label) <= 100:
+        raise ValueError(f"reward name must be 1-100 characters, got {label!r}")
     return [RewardIn("trajectory", trajectory_id, label, float(value), "rule", "reward_fn")]

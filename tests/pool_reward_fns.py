@@ -24,3 +24,7 @@ def slow_steps_times_half(context: RewardContext) -> float:
 async def never_returns(context: RewardContext) -> float:
     await asyncio.sleep(3600)  # a reward model that hangs: its runner is stopped mid-run
     return 0.0
+
+
+def not_a_number(context: RewardContext) -> float:
+    return float("nan")  # a broken scorer: recorded as a failure, never stored as a value
