@@ -11,7 +11,8 @@ Mapping[str, float | None]`` (sync or async), registered by an entry point in th
 ``trajgate.rewards`` or named by module path ``pkg.mod:fn``. A float is recorded under the
 function's name; a mapping records one reward per key; None records nothing (unrewarded).
 A value that is not a finite number, or a reward name outside 1-100 characters, is recorded as
-that function's failure (the other functions' rewards still land).
+that function's failure (the other functions' rewards still land). trajgate's own reward
+functions live in ``datapool.reward_functions``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.lifecycle import EMPTY
 from datapool.models import Reward, RewardSource, Step, Trajectory, utc_now
+from datapool.settings import PoolSettings
 from datapool.store import PoolStore, StoredStep
 
 TargetKind = Literal["step", "trajectory"]
@@ -232,22 +234,36 @@ def read_reward_file(path: Path) -> list[RewardIn]:
 
 @dataclass(frozen=True)
 class RewardContext:
-    """What a reward function sees: the completed trajectory and its steps (exact payloads)."""
+    """What a reward function sees: the completed trajectory and its steps (exact payloads).
+
+    ``settings``: the pool's settings when the completion hooks run the function (reward
+    functions that call a service read its URL there); None where a context is built without
+    them (curation predicates).
+    """
 
     trajectory_id: str
     group_id: str | None
     channel: str
     metadata: dict[str, Any]
     steps: list[StoredStep]
+    settings: PoolSettings | None = None
+
+    @property
+    def final_step(self) -> StoredStep | None:
+        """The last ok step with a generated message, if any."""
+        for step in reversed(self.steps):
+            if step.outcome == "ok" and step.response_message is not None:
+                return step
+        return None
 
     @property
     def final_message(self) -> dict[str, Any] | None:
         """The last ok step's generated message (content, tool calls), if any."""
-        for step in reversed(self.steps):
-            if step.outcome == "ok" and step.response_message is not None:
-                message: dict[str, Any] = step.response_message
-                return message
-        return None
+        step = self.final_step
+        if step is None:
+            return None
+        message: dict[str, Any] = step.response_message
+        return message
 
 
 RewardFunction = Callable[[RewardContext], Any]
@@ -303,6 +319,7 @@ async def run_reward_functions(
         trajectory.channel,
         dict(trajectory.metadata_json),
         steps,
+        store.settings,
     )
     records: list[RewardIn] = []
     for name in names:

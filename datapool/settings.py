@@ -9,12 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from trajgate.config import ConfigFileSettings
 
 WriteFailureMode = Literal["refuse", "serve"]
+# The names under which reward_functions can run datapool.reward_functions.http_reward_model
+# (by entry point, by module path); it needs reward_model_url.
+HTTP_REWARD_MODEL_NAMES = frozenset(
+    {"http_reward_model", "datapool.reward_functions:http_reward_model"}
+)
 
 
 class PoolSettings(ConfigFileSettings):
@@ -133,6 +138,24 @@ class PoolSettings(ConfigFileSettings):
             "group 'trajgate.rewards' or module paths 'pkg.mod:fn'."
         ),
     )
+    reward_model_url: str | None = Field(
+        default=None,
+        description=(
+            "Where the built-in reward function http_reward_model POSTs each completed "
+            "trajectory (its final step's messages, id, metadata) and reads "
+            '{"reward": number} or {"rewards": {name: number}} back. Required when '
+            "reward_functions names http_reward_model."
+        ),
+    )
+    reward_model_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "How long http_reward_model waits for the reward model's whole answer before the "
+            "reward is recorded as failed. Keep it below completion_hooks_lease_s: a run that "
+            "outlasts its lease may be repeated by another gateway, judging the trajectory twice."
+        ),
+    )
     completion_hooks_interval_s: float = Field(
         default=5.0,
         gt=0,
@@ -166,6 +189,31 @@ class PoolSettings(ConfigFileSettings):
             "/api/steps; unset, the API returns IDs without text. Text is never encoded."
         ),
     )
+
+    @model_validator(mode="after")
+    def _check_reward_model(self) -> PoolSettings:
+        if self.reward_model_url is not None and not self.reward_model_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                "reward_model_url must start with http:// or https://, "
+                f"got {self.reward_model_url!r}"
+            )
+        if not HTTP_REWARD_MODEL_NAMES & set(self.reward_functions):
+            return self
+        if self.reward_model_url is None:
+            raise ValueError(
+                "reward_functions names http_reward_model but reward_model_url is unset: set "
+                "TRAJGATE_REWARD_MODEL_URL to the reward model's URL (http://host:port/path)"
+            )
+        if self.reward_model_timeout_s >= self.completion_hooks_lease_s:
+            raise ValueError(
+                f"reward_model_timeout_s ({self.reward_model_timeout_s:g}) must be below "
+                f"completion_hooks_lease_s ({self.completion_hooks_lease_s:g}), or a slow reward "
+                "model's trajectories are claimed again mid-run and judged twice: lower "
+                "TRAJGATE_REWARD_MODEL_TIMEOUT_S or raise TRAJGATE_COMPLETION_HOOKS_LEASE_S"
+            )
+        return self
 
     def resolved_database_url(self) -> str:
         if self.database_url:

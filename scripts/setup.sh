@@ -16,7 +16,7 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 
-# Reinstall the project only when its dependency list changed.
+# Reinstall the project only when pyproject.toml changed (dependencies, entry points).
 deps_stamp=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat .venv/.trajgate-deps 2>/dev/null || true)" != "$deps_stamp" ]; then
   echo "== installing trajgate into .venv"
