@@ -1,10 +1,10 @@
 """Storage faults with real faults, not mocks: a full disk (a 16 MiB tmpfs filled to the last
 byte), a SQLite database or a PostgreSQL table locked by another session past the lock
-timeout, a PostgreSQL database that stops accepting connections and loses the ones it had. In each, the gateway in front of the
-real vLLM either refuses clearly ('refuse': 503 with the fault's reason and Retry-After; a
-stream ends in an error event the OpenAI SDK raises) or keeps serving ('serve': 200 with
-``x-trajgate-recorded: false``), says so in its log and its metrics, never corrupts the pool,
-and records again once the fault is gone.
+timeout, a PostgreSQL database that stops accepting connections and loses the ones it had.
+In each, the gateway in front of the real vLLM either refuses clearly ('refuse': 503 with the
+fault's reason and Retry-After; a stream ends in an error event the OpenAI SDK raises) or keeps
+serving ('serve': 200 with ``x-trajgate-recorded: false``), says so in its log and its metrics,
+never corrupts the pool, and records again once the fault is gone.
 
 The invariant checked after every fault: each call answered 200 with ``x-trajgate-recorded:
 true`` has its steps in the pool exactly once with a payload that reads back, and nothing else
