@@ -24,6 +24,7 @@ from datapool.db import make_engine
 from datapool.errors import PoolError
 from datapool.hooks import CompletionHooks
 from datapool.records import CallRecord
+from datapool.rewards import resolve_reward_function
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from datapool.writer import PoolWriter
@@ -76,11 +77,16 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``).
 
+    Raises ``InvalidPoolRequestError`` when a configured reward function cannot be resolved.
+
     ``upstream_transport`` replaces the network for upstream calls (tests that need an upstream
     shape the real vLLM cannot produce pass an ``httpx.MockTransport``).
     """
     settings = gateway_settings or GatewaySettings()
     pool = pool_settings or PoolSettings()
+    for name in pool.reward_functions:
+        # A typo here would otherwise surface only as a failed reward on every trajectory.
+        resolve_reward_function(name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

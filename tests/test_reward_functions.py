@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +24,7 @@ from sqlalchemy import select
 from tests_support import free_port
 
 from datapool import lifecycle
+from datapool.errors import InvalidPoolRequestError
 from datapool.models import Reward, TrajectoryStatus
 from datapool.records import CallRecord, ChoiceRecord
 from datapool.reward_functions import normalize_answer
@@ -471,3 +476,29 @@ def test_builtin_reward_functions_named_by_entry_point_reward_a_trajectory_compl
     assert sent["metadata"] == {"answer": ["paris", "Paris, France"]}
     assert sent["messages"][:-1] == final_messages
     assert sent["messages"][-1]["content"] == "Paris"
+
+
+def test_gateway_refuses_to_start_with_a_reward_function_that_does_not_resolve(
+    tmp_path: Path,
+) -> None:
+    env = {
+        **os.environ,
+        "TRAJGATE_REWARD_FUNCTIONS": '["exact_match", "exact_mach"]',
+        "TRAJGATE_DATA_DIR": str(tmp_path / "data"),
+    }
+    trajgate = str(Path(sys.executable).with_name("trajgate"))
+    done = subprocess.run(
+        [trajgate, "serve", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2  # click's usage error, before anything listens
+    assert "exact_mach" in done.stderr
+    assert "trajgate.rewards" in done.stderr  # says where names are looked up
+    with pytest.raises(InvalidPoolRequestError, match="exact_mach"):
+        create_app(
+            GatewaySettings(),
+            PoolSettings(data_dir=tmp_path / "data", reward_functions=["exact_mach"]),
+        )

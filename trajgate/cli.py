@@ -108,6 +108,7 @@ def serve(
     import uvicorn
 
     from datapool import db
+    from datapool.errors import PoolError
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
@@ -117,9 +118,13 @@ def serve(
             overrides[key] = value
     settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
     pool = _pool_settings(database_url, data_dir)
+    try:
+        application = create_app(settings, pool)
+    except PoolError as exc:
+        raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
     db.upgrade(pool.resolved_database_url())
     uvicorn.run(
-        create_app(settings, pool),
+        application,
         host=settings.host,
         port=settings.port,
         log_level="info",
