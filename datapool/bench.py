@@ -11,7 +11,10 @@ values. Each call carries every row the gateway writes for it through ``PoolStor
 the step (request, upstream request with ``return_token_ids``/``logprobs``, response message,
 call id, request hash), its payload, one upstream attempt with the client's answer in vLLM's
 shape (kept for Idempotency-Key replays), and the trajectory's counters. Message texts are short
-placeholders: the benchmark measures the token payload path, not the size of the agent's text.
+placeholders by default, so the figures are those of the token payload path; with
+``message_chars_per_token`` > 0 every request carries the agent's whole history as text (the
+gateway stores it twice per step, as the request and as the upstream request), the cost of a
+real chat agent's messages.
 
 Measured: ``steps_per_s`` (steps committed per wall second through ``PoolWriter``, ``C``
 concurrent agents), ``cpu_ms_per_step`` (CPU of the whole process, writer thread and agents, per
@@ -55,21 +58,23 @@ from datapool.store import PoolStore
 from datapool.writer import PoolWriter
 
 VOCAB_TOKENS = 151_936
+SYSTEM_TOKENS, TASK_TOKENS, RESPONSE_TOKENS, TOOL_TOKENS = 1000, 50, 150, 300
+_FILLER = "the agent reads the tool's output and decides what to call next; "
 
 
 def synthetic_trajectory(
     rng: np.random.Generator,
     turns: int = 20,
-    system_tokens: int = 1000,
-    response_tokens: int = 150,
-    tool_tokens: int = 300,
+    system_tokens: int = SYSTEM_TOKENS,
+    response_tokens: int = RESPONSE_TOKENS,
+    tool_tokens: int = TOOL_TOKENS,
 ) -> list[tuple[list[int], list[int], list[float]]]:
     """``[(P_k, R_k, L_k)]`` for k < turns, each prompt extending the previous prompt + response."""
 
     def draw(n: int) -> list[int]:
         return [int(x) for x in (rng.zipf(1.1, n) - 1) % VOCAB_TOKENS]
 
-    prompt = draw(system_tokens) + draw(50)
+    prompt = draw(system_tokens) + draw(TASK_TOKENS)
     calls = []
     for _ in range(turns):
         response = draw(response_tokens)
@@ -79,13 +84,47 @@ def synthetic_trajectory(
     return calls
 
 
+def _text(tokens: int, chars_per_token: int) -> str:
+    n = tokens * chars_per_token
+    return (_FILLER * (n // len(_FILLER) + 1))[:n]
+
+
+def synthetic_messages(turn: int, chars_per_token: int = 0) -> list[dict[str, Any]]:
+    """The request messages of turn ``turn`` (0-based): a placeholder when ``chars_per_token`` is
+    0, else the whole history a chat agent resends on every call, as ASCII text of
+    ``chars_per_token`` characters per token (system prompt, task, then per earlier turn its
+    answer and its tool result)."""
+    if chars_per_token == 0:
+        return [{"role": "user", "content": f"turn {turn}"}]
+    answer = {"role": "assistant", "content": _text(RESPONSE_TOKENS, chars_per_token)}
+    tool = {
+        "role": "tool",
+        "tool_call_id": "call-0",
+        "content": _text(TOOL_TOKENS, chars_per_token),
+    }
+    return [
+        {"role": "system", "content": _text(SYSTEM_TOKENS, chars_per_token)},
+        {"role": "user", "content": _text(TASK_TOKENS, chars_per_token)},
+        *[message for _ in range(turn) for message in (answer, tool)],
+    ]
+
+
 def synthetic_call(
-    trajectory_id: str, prompt: list[int], response: list[int], logprobs: list[float], turn: int
+    trajectory_id: str,
+    prompt: list[int],
+    response: list[int],
+    logprobs: list[float],
+    turn: int,
+    chars_per_token: int = 0,
 ) -> CallRecord:
-    """One non-streaming chat call as the gateway records it (client asked for no token IDs)."""
-    request = {"model": "bench", "messages": [{"role": "user", "content": f"turn {turn}"}]}
+    """One non-streaming chat call as the gateway records it (client asked for no token IDs);
+    ``chars_per_token`` as in ``synthetic_messages`` (the answer's text too)."""
+    request = {"model": "bench", "messages": synthetic_messages(turn, chars_per_token)}
     call_id = str(uuid.uuid4())
-    message = {"role": "assistant", "content": f"answer {turn}"}
+    message = {
+        "role": "assistant",
+        "content": _text(len(response), chars_per_token) if chars_per_token else f"answer {turn}",
+    }
     usage = {
         "prompt_tokens": len(prompt),
         "total_tokens": len(prompt) + len(response),
@@ -166,6 +205,7 @@ def bench_pool(
     turns: int = 20,
     concurrency: int = 64,
     seed: int = 0,
+    message_chars_per_token: int = 0,
 ) -> dict[str, Any]:
     """One measurement on one database (already empty); returns the figures named above."""
     db.upgrade(database_url)
@@ -173,7 +213,10 @@ def bench_pool(
     rng = np.random.default_rng(seed)
     shapes = [synthetic_trajectory(rng, turns) for _ in range(trajectories)]
     calls = [
-        [synthetic_call(f"bench-{i}", p, r, lp, k) for k, (p, r, lp) in enumerate(shape)]
+        [
+            synthetic_call(f"bench-{i}", p, r, lp, k, message_chars_per_token)
+            for k, (p, r, lp) in enumerate(shape)
+        ]
         for i, shape in enumerate(shapes)
     ]
     store = PoolStore(make_engine(database_url), settings)
@@ -223,6 +266,7 @@ def bench_pool(
         "turns": turns,
         "steps": steps,
         "concurrency": concurrency,
+        "message_chars_per_token": message_chars_per_token,
         "steps_per_s": round(steps / wall_s, 1),
         "cpu_ms_per_step": round(cpu_s * 1000 / steps, 3),
         "ack_ms_p50": round(float(np.percentile(acks_ms, 50)), 2),
@@ -238,13 +282,19 @@ def bench_pool(
 
 
 def bench_spool(
-    directory: Path, trajectories: int, turns: int, concurrency: int, fsync: bool, seed: int = 0
+    directory: Path,
+    trajectories: int,
+    turns: int,
+    concurrency: int,
+    fsync: bool,
+    seed: int = 0,
+    message_chars_per_token: int = 0,
 ) -> dict[str, Any]:
     """The write-ahead-spool alternative: same traffic, JSON lines, one flush/fsync per batch."""
     rng = np.random.default_rng(seed)
     calls = [
         [
-            synthetic_call(f"bench-{i}", p, r, lp, k)
+            synthetic_call(f"bench-{i}", p, r, lp, k, message_chars_per_token)
             for k, (p, r, lp) in enumerate(synthetic_trajectory(rng, turns))
         ]
         for i in range(trajectories)
@@ -300,17 +350,32 @@ def run_pool_benchmark(
     turns: int = 20,
     concurrency: int = 64,
     compare_spool: bool = False,
+    message_chars_per_token: int = 0,
 ) -> dict[str, Any]:
     """Every database URL (empty, migrated here) and optionally the spool alternative."""
     report: dict[str, Any] = {"runs": []}
     with tempfile.TemporaryDirectory(prefix="trajgate-bench-pool-") as tmp:
         for i, url in enumerate(database_urls):
             report["runs"].append(
-                bench_pool(url, Path(tmp) / f"pool-{i}", trajectories, turns, concurrency)
+                bench_pool(
+                    url,
+                    Path(tmp) / f"pool-{i}",
+                    trajectories,
+                    turns,
+                    concurrency,
+                    message_chars_per_token=message_chars_per_token,
+                )
             )
         if compare_spool:
             report["spool"] = [
-                bench_spool(Path(tmp), trajectories, turns, concurrency, fsync=f)
+                bench_spool(
+                    Path(tmp),
+                    trajectories,
+                    turns,
+                    concurrency,
+                    fsync=f,
+                    message_chars_per_token=message_chars_per_token,
+                )
                 for f in (False, True)
             ]
     return report

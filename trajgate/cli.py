@@ -357,6 +357,14 @@ def bench_pool(
     compare_spool: Annotated[
         bool, typer.Option(help="Also price the write-ahead-spool alternative.")
     ] = False,
+    message_chars_per_token: Annotated[
+        int,
+        typer.Option(
+            help="Requests carry the agent's whole history as text of this many characters per "
+            "token, as a chat agent sends it; 0 = short placeholders (the token path alone).",
+            min=0,
+        ),
+    ] = 0,
     gateways: Annotated[
         int | None,
         typer.Option(
@@ -397,7 +405,9 @@ def bench_pool(
         urls = [f"sqlite:///{Path(tmp) / 'pool.sqlite3'}"]
         if postgres_url:
             urls.append(postgres_url)
-        report = run_pool_benchmark(urls, trajectories, turns, concurrency, compare_spool)
+        report = run_pool_benchmark(
+            urls, trajectories, turns, concurrency, compare_spool, message_chars_per_token
+        )
     typer.echo(json.dumps(report, indent=2 if not as_json else None))
 
 
