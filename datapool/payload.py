@@ -281,11 +281,17 @@ class PayloadFiles:
             raise PayloadMissingError(f"payload file {file_id} is not registered")
         trajectories = sorted({refs[s].trajectory_id for s in step_ids})
         fs, path = _filesystem(uri)
-        table = pq.read_table(
-            path,
-            filesystem=fs,
-            filters=[("trajectory_id", "in", trajectories)],
-        )
+        try:
+            table = pq.read_table(
+                path,
+                filesystem=fs,
+                filters=[("trajectory_id", "in", trajectories)],
+            )
+        except FileNotFoundError as exc:
+            # Lost data, not a storage outage: only the steps in this file are affected.
+            raise PayloadMissingError(
+                f"payload file {uri} (registered as {file_id}) is missing: {exc}"
+            ) from exc
         table = table.filter(pc.is_in(table["step_id"], value_set=pa.array(list(step_ids))))
         result: dict[str, StoredPayload] = {}
         columns = table.to_pydict()

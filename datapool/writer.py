@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from datapool.errors import PoolError, PoolUnavailableError
+from datapool.errors import PoolUnavailableError, TrajectoryClosedError
 from datapool.faults import fault_reason
 from datapool.lifecycle import close_idle, mark_interrupted, release_writer
 from datapool.records import CallRecord
@@ -194,23 +194,40 @@ class PoolWriter:
                 for item in batch:
                     self._commit([item])
                 return
-            # The storage failed (disk full, locked, unreachable): every call of the batch
-            # would fail the same way, and retrying each alone would hold the queue for a busy
-            # timeout per call.
             self.stats.failed_calls += len(batch)
-            error = self.report_fault(exc, f"commit of {len(batch)} calls")
-            results = [error for _ in batch]
+            if reason == "other":
+                # This one call cannot be recorded (e.g. its trajectory's payload file is gone):
+                # it fails alone, and the other calls go on without a backoff.
+                results = [self._call_failed(batch[0], exc)]
+            else:
+                # The storage failed (disk full, locked, unreachable): every call of the batch
+                # would fail the same way, and retrying each alone would hold the queue for a
+                # busy timeout per call.
+                error = self.report_fault(exc, f"commit of {len(batch)} calls")
+                results = [error for _ in batch]
         else:
             self._record_success()
             self.stats.committed_batches += 1
             self.stats.batch_sizes.append(len(batch))
             del self.stats.batch_sizes[:-1000]
         for item, result in zip(batch, results, strict=True):
-            if isinstance(result, PoolError) and not isinstance(result, PoolUnavailableError):
+            if isinstance(result, TrajectoryClosedError):
                 self.stats.rejected_calls += 1
             elif not isinstance(result, Exception):
                 self.stats.committed_calls += 1
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
+
+    def _call_failed(self, item: _Item, exc: Exception) -> PoolUnavailableError:
+        stats = self.stats
+        stats.faults_by_reason["other"] = stats.faults_by_reason.get("other", 0) + 1
+        stats.last_error = repr(exc)
+        trajectory_id = item.pending.trajectory_id
+        log.error("pool could not record a call of trajectory %s: %r", trajectory_id, exc)
+        return PoolUnavailableError(
+            f"the pool could not record this call of trajectory {trajectory_id!r} (not a "
+            f"storage fault; other calls are recorded): {exc!r}",
+            reason="other",
+        )
 
     def report_fault(self, exc: BaseException, operation: str) -> PoolUnavailableError:
         """Count and log a storage fault met by ``operation`` (a commit, or a lookup a call

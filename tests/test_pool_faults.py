@@ -13,6 +13,7 @@ is there (no step, no half-written call, of a call that was refused or served un
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -36,6 +37,7 @@ from tests_support import free_port
 
 from datapool import db
 from datapool.db import make_engine
+from datapool.errors import PoolUnavailableError
 from datapool.faults import fault_reason
 from datapool.models import Step, StepPayload
 from datapool.records import CallRecord, ChoiceRecord
@@ -507,3 +509,44 @@ def test_fault_reason_reads_postgres_sqlstates_and_os_errnos() -> None:
     assert {repr(exc): fault_reason(exc) for exc in cases} == {
         repr(exc): reason for exc, reason in cases.items()
     }
+
+
+def test_a_trajectory_whose_payload_file_is_gone_fails_alone_without_a_backoff(
+    pool_settings: PoolSettings,
+) -> None:
+    settings = pool_settings.model_copy(
+        update={"compaction_min_steps": 1, "compaction_interval_s": 0}
+    )
+    engine = make_engine(settings.resolved_database_url())
+    try:
+        first = PoolStore(engine, settings)
+        first.record_call("lost", synthetic_call(0, 64))
+        PoolWriter(first, settings).upkeep()  # its payload is now only in a Parquet file
+        [payload_file] = Path(settings.resolved_payload_uri()).iterdir()
+        payload_file.unlink()  # lost behind the pool's back
+
+        # A new process: its lineage memory must read the lost file to place the next step.
+        writer = PoolWriter(PoolStore(engine, settings), settings).start()
+
+        async def both() -> list[list[str] | BaseException]:
+            return await asyncio.gather(
+                writer.record("lost", synthetic_call(1, 64)),
+                writer.record("healthy", synthetic_call(2, 64)),
+                return_exceptions=True,
+            )
+
+        try:
+            lost, healthy = asyncio.run(both())
+            writer.check_accepting()  # no backoff: the storage itself is fine
+        finally:
+            writer.close()
+        assert isinstance(lost, PoolUnavailableError)
+        assert lost.reason == "other"
+        assert "is missing" in lost.message
+        assert isinstance(healthy, list) and len(healthy) == 1
+        assert writer.stats.faults_by_reason == {"other": 1}
+        assert writer.writable
+        [stored] = PoolStore(engine, settings).steps_of("healthy")
+        assert stored.prompt_token_ids == synthetic_call(2, 64).prompt_token_ids
+    finally:
+        engine.dispose()
