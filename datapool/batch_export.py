@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import select
 
+from datapool.messages import expand_requests
 from datapool.models import Batch, Step
 from datapool.selection import chunks
 from datapool.store import PoolStore
@@ -78,6 +79,7 @@ def export_batch(
                 for chunk in chunks(sorted(set(last_steps)))
                 for s in session.scalars(select(Step).where(Step.id.in_(chunk)))
             }
+            expand_requests(session, steps.values())  # full messages, not stored deltas
         with out.open("w") as sink:
             for i, step_id in enumerate(last_steps):
                 step = steps[step_id]

@@ -12,9 +12,9 @@ the step (request, upstream request with ``return_token_ids``/``logprobs``, resp
 call id, request hash), its payload, one upstream attempt with the client's answer in vLLM's
 shape (kept for Idempotency-Key replays), and the trajectory's counters. Message texts are short
 placeholders by default, so the figures are those of the token payload path; with
-``message_chars_per_token`` > 0 every request carries the agent's whole history as text (the
-gateway stores it twice per step, as the request and as the upstream request), the cost of a
-real chat agent's messages.
+``message_chars_per_token`` > 0 every request carries the agent's whole history as text, as a
+real chat agent resends it (the pool stores each message once, as a delta on the parent step's
+messages, and the upstream request as a merge patch: ``datapool.messages``).
 
 Measured: ``steps_per_s`` (steps committed per wall second through ``PoolWriter``, ``C``
 concurrent agents), ``cpu_ms_per_step`` (CPU of the whole process, writer thread and agents, per
@@ -23,8 +23,11 @@ step while writing: the steadier figure when other jobs share the cores),
 ``amplification`` (stored payload bytes after compaction ÷ 4 bytes × tokens of each trajectory's
 final sequence ``P_T + R_T``), ``amplification_before_compaction`` (the SQL blobs), and
 ``bytes_per_token`` (stored bytes ÷ those final-sequence tokens, the distinct tokens),
+``sql_bytes`` (the database's size once every step is committed, before compaction: SQLite's
+pages after a WAL checkpoint, PostgreSQL's ``pg_database_size``), ``request_bytes`` (the JSON
+text of the steps' stored requests, upstream requests and patches, part of ``sql_bytes``),
 ``read_tokens_per_s`` (prompt tokens reconstructed per second reading every step back) and
-``exact`` (every prompt, response and logprob equal to what was written).
+``exact`` (every prompt, response, logprob and request equal to what was written).
 
 The write-path comparison (``spool``) appends the same calls as JSON lines to a per-process file
 from one writer thread with the same batching, flushing (kill -9 durable) or fsyncing (power-loss
@@ -48,11 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select
+from sqlalchemy import Engine, Text, cast, func, select, text
 
 from datapool import db
 from datapool.db import make_engine
-from datapool.models import PayloadFile, StepPayload
+from datapool.models import PayloadFile, Step, StepPayload
 from datapool.records import AttemptRecord, CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
@@ -245,6 +248,17 @@ def bench_pool(
                 )
             )
         )
+    sql_bytes = _database_bytes(store.engine)
+    with store.sessions() as session:
+        request_bytes = session.scalar(
+            select(
+                func.sum(
+                    func.coalesce(func.length(cast(Step.request, Text)), 0)
+                    + func.coalesce(func.length(cast(Step.upstream_request, Text)), 0)
+                    + func.coalesce(func.length(cast(Step.upstream_request_patch, Text)), 0)
+                )
+            )
+        )
     while store.payloads.compact(settings.compaction_max_steps) is not None:
         pass
     with store.sessions() as session:
@@ -254,14 +268,16 @@ def bench_pool(
     read_tokens = 0
     fresh = PoolStore(make_engine(database_url), settings)
     for index, shape in enumerate(shapes):
-        for step, (prompt, response, logprobs) in zip(
-            fresh.steps_of(f"bench-{index}"), shape, strict=True
+        for step, (prompt, response, logprobs), call in zip(
+            fresh.steps_of(f"bench-{index}"), shape, calls[index], strict=True
         ):
             read_tokens += len(step.prompt_token_ids or [])
             exact &= (
                 step.prompt_token_ids == prompt
                 and step.response_token_ids == response
                 and step.response_logprobs == logprobs
+                and step.request == call.request
+                and step.upstream_request == call.upstream_request
             )
     read_s = time.perf_counter() - started
     store.engine.dispose()
@@ -279,12 +295,28 @@ def bench_pool(
         "ack_ms_p99": round(float(np.percentile(acks_ms, 99)), 2),
         "final_sequence_tokens": final_tokens,
         "stored_payload_bytes": stored_bytes,
+        "sql_bytes": sql_bytes,
+        "request_bytes": int(request_bytes or 0),
         "bytes_per_token": round(stored_bytes / final_tokens, 3),
         "amplification": round(stored_bytes / (4 * final_tokens), 3),
         "amplification_before_compaction": round(int(blob_bytes or 0) / (4 * final_tokens), 3),
         "read_tokens_per_s": round(read_tokens / read_s),
         "exact": bool(exact),
     }
+
+
+def _database_bytes(engine: Engine) -> int:
+    """The database's size: SQLite's pages once the WAL is checkpointed into the file,
+    PostgreSQL's ``pg_database_size``."""
+    with engine.connect() as connection:
+        if connection.dialect.name == "sqlite":
+            connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            pages = connection.exec_driver_sql("PRAGMA page_count").scalar_one()
+            page_size = connection.exec_driver_sql("PRAGMA page_size").scalar_one()
+            return int(pages) * int(page_size)
+        return int(
+            connection.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
+        )
 
 
 def bench_spool(

@@ -8,7 +8,9 @@ tokens would otherwise cost milliseconds per step). Never: the source of truth; 
 that another process wrote to, or that was evicted, is rebuilt from the stored payloads.
 
 Memory: a chain of extending steps shares one growing buffer, so a trajectory costs about
-4 bytes per token of its longest sequence.
+4 bytes per token of its longest sequence; each candidate also keeps its messages as JSON text
+(``datapool.messages``), a message shared with its parent being one string, so about the
+size of the trajectory's distinct messages plus a pointer per message per step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class _Candidate:
     step_id: str
     buffer: bytearray  # shared with later steps that extend this one
     length_bytes: int
+    # ``message_key`` of each of its request messages then of its response message (``H`` in
+    # ``datapool.messages``), strings shared with its parent's; None: no messages list.
+    message_keys: list[str] | None = None
+    has_response: bool = False  # whether the last message key is its response message
 
 
 @dataclass
@@ -83,6 +89,15 @@ class TrajectoryTokens:
         candidate = self._candidate(step_id)
         return bytes(candidate.buffer[: candidate.length_bytes])
 
+    def message_keys_of(self, step_id: str) -> tuple[list[str] | None, bool]:
+        """``(H, has_response)`` of step ``step_id``: its messages then its response message
+        as JSON text, and whether that response is there; ``(None, False)`` when it is not a
+        candidate or had no messages list."""
+        for candidate in reversed(self.candidates):
+            if candidate.step_id == step_id:
+                return candidate.message_keys, candidate.has_response
+        return None, False
+
     def tokens_of(self, step_id: str) -> int:
         """``len(S)`` of step ``step_id``, without copying its sequence."""
         return self._candidate(step_id).length_bytes // TOKEN_BYTES
@@ -93,18 +108,29 @@ class TrajectoryTokens:
                 return candidate
         raise KeyError(step_id)
 
-    def add(self, step_id: str, parent: Lineage, prompt: bytes, response: bytes) -> None:
-        """Remember step ``step_id`` with sequence ``prompt + response`` (int32 bytes)."""
+    def add(
+        self,
+        step_id: str,
+        parent: Lineage,
+        prompt: bytes,
+        response: bytes,
+        message_keys: list[str] | None = None,
+        has_response: bool = False,
+    ) -> None:
+        """Remember step ``step_id`` with sequence ``prompt + response`` (int32 bytes) and
+        its message keys (``datapool.messages.history_keys``)."""
         if parent.extends_parent and parent.parent_step_id is not None:
             base = self._candidate(parent.parent_step_id)
             if len(base.buffer) == base.length_bytes:  # the parent is its buffer's tip
                 base.buffer += prompt[base.length_bytes :]
                 base.buffer += response
-                self.candidates.append(_Candidate(step_id, base.buffer, len(base.buffer)))
+                self.candidates.append(
+                    _Candidate(step_id, base.buffer, len(base.buffer), message_keys, has_response)
+                )
                 return
         buffer = bytearray(prompt)
         buffer += response
-        self.candidates.append(_Candidate(step_id, buffer, len(buffer)))
+        self.candidates.append(_Candidate(step_id, buffer, len(buffer), message_keys, has_response))
 
 
 class LineageCache:

@@ -21,6 +21,7 @@ from sqlalchemy import Text, and_, cast, exists, func, select
 from sqlalchemy.orm import Session
 
 from datapool.labels import current_labels, labels_of_trajectories
+from datapool.messages import expand_requests
 from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
 from datapool.rewards import current_rewards
 from datapool.selection import TrajectoryFilter, chunks, json_contains
@@ -308,6 +309,7 @@ def trajectory_view(session: Session, trajectory_id: str) -> dict[str, Any] | No
             .order_by(Step.step_index, Step.choice_index)
         )
     )
+    expand_requests(session, steps)  # the full requests, not their stored deltas
     step_ids = [s.id for s in steps]
     step_rewards = current_rewards(session, "step", step_ids)
     labels = labels_of_trajectories(session, [trajectory_id])

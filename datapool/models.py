@@ -128,8 +128,15 @@ class Step(Base):
     upstream: Mapped[str | None] = mapped_column(String(500))
     outcome: Mapped[str] = mapped_column(String(30), default=StepOutcome.OK)
     error: Mapped[str | None] = mapped_column(Text)
+    # The client's request, its ``messages`` stored as a delta on the parent's (migration 0007):
+    # only ``messages[messages_base:]`` is here; NULL base = the whole request (older rows).
+    # Readers see the full request: ``datapool.messages.expand_requests`` (PoolStore does it).
     request: Mapped[dict[str, Any]] = mapped_column()
-    upstream_request: Mapped[dict[str, Any]] = mapped_column()
+    messages_base: Mapped[int | None] = mapped_column(Integer)
+    # What went upstream: a JSON Merge Patch against the full request, or (older rows, or what
+    # a merge patch cannot say) the whole upstream request; exactly one of the two is set.
+    upstream_request: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
+    upstream_request_patch: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     response_message: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     finish_reason: Mapped[str | None] = mapped_column(String(50))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)

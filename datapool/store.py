@@ -9,6 +9,7 @@ writes half a call: every step of a batch commits in one transaction or none doe
 
 from __future__ import annotations
 
+import json
 import threading
 import typing
 import uuid
@@ -25,6 +26,14 @@ from datapool.calls import attempt_rows
 from datapool.db import insert_ignore, make_sessionmaker
 from datapool.errors import TrajectoryClosedError
 from datapool.lineage import TOKEN_BYTES, LineageCache, TrajectoryTokens, pack_ids
+from datapool.messages import (
+    expand_requests,
+    history_keys,
+    merge_patch,
+    message_key,
+    messages_base,
+    stored_request,
+)
 from datapool.models import (
     CallAttempt,
     Step,
@@ -347,7 +356,7 @@ class PoolStore:
             kind, detail = None, None
         else:
             lineage = tokens.choose_parent(prompt)
-            kind, detail = self._divergence(session, tokens, call, lineage, step_rows)
+            kind, detail = self._divergence(tokens, call, lineage)
         base_tokens = 0
         if prompt is not None and lineage.parent_step_id is not None:
             if lineage.extends_parent:
@@ -355,6 +364,17 @@ class PoolStore:
             elif lineage.divergence_offset:
                 base_tokens = lineage.divergence_offset
         delta = None if prompt is None else prompt[base_tokens * TOKEN_BYTES :]
+        # Messages as a delta on the parent (datapool.messages): only a candidate's keys are
+        # known, so a failed or token-less parent gets none and the messages are stored whole.
+        parent_keys, _ = (
+            tokens.message_keys_of(lineage.parent_step_id)
+            if lineage.parent_step_id is not None
+            else (None, False)
+        )
+        messages = call.request.get("messages")
+        base_messages = messages_base(parent_keys, messages)
+        request = stored_request(call.request, base_messages)
+        patch = merge_patch(call.request, call.upstream_request)
         step_ids: list[str] = []
         responses: list[bytes | None] = []
         for choice in call.choices:
@@ -381,8 +401,10 @@ class PoolStore:
                     "upstream": call.upstream,
                     "outcome": call.outcome,
                     "error": call.error,
-                    "request": call.request,
-                    "upstream_request": call.upstream_request,
+                    "request": request,
+                    "messages_base": base_messages,
+                    "upstream_request": call.upstream_request if patch is None else None,
+                    "upstream_request_patch": patch,
                     "response_message": choice.response_message,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
@@ -415,39 +437,38 @@ class PoolStore:
             )
             step_ids.append(step_id)
         if call.outcome == StepOutcome.OK and prompt is not None:
-            for step_id, response in zip(step_ids, responses, strict=True):
+            for step_id, response, choice in zip(step_ids, responses, call.choices, strict=True):
                 if response is not None:
-                    tokens.add(step_id, lineage, prompt, response)
+                    keys = history_keys(
+                        parent_keys, messages, base_messages or 0, choice.response_message
+                    )
+                    answered = choice.response_message is not None
+                    tokens.add(step_id, lineage, prompt, response, keys, answered)
         if step_ids:
             tokens.latest_step_id = step_ids[0]
         tokens.call_count = step_index + 1  # the count this batch commits (see _refresh_lineage)
         return step_ids
 
+    @staticmethod
     def _divergence(
-        self,
-        session: Session,
-        tokens: TrajectoryTokens,
-        call: CallRecord,
-        lineage: Lineage,
-        batch_rows: list[dict[str, Any]],
+        tokens: TrajectoryTokens, call: CallRecord, lineage: Lineage
     ) -> tuple[str | None, dict[str, Any] | None]:
-        """For a prefix break: its kind (from the messages) and a window of both sides."""
+        """For a prefix break: its kind (from the messages) and a window of both sides.
+
+        The parent's full messages and response come from the lineage memory's message keys
+        (a parent is always a candidate there), not from its stored delta.
+        """
         if lineage.extends_parent is not False or lineage.divergence_offset is None:
             return None, None
         assert lineage.parent_step_id is not None and call.prompt_token_ids is not None
-        in_batch = [r for r in batch_rows if r["id"] == lineage.parent_step_id]
-        if in_batch:
-            parent_request, parent_response = (
-                in_batch[0]["request"],
-                in_batch[0]["response_message"],
-            )
-        else:
-            parent_request, parent_response = session.execute(
-                select(Step.request, Step.response_message).where(Step.id == lineage.parent_step_id)
-            ).one()
+        keys, has_response = tokens.message_keys_of(lineage.parent_step_id)
+        keys = keys or []
+        request_keys = keys[:-1] if has_response else keys
+        parent_messages = [json.loads(key) for key in request_keys]
+        parent_response = json.loads(keys[-1]) if has_response else None
         new_messages = call.request.get("messages")
         kind = (
-            classify_divergence(parent_request.get("messages") or [], parent_response, new_messages)
+            classify_divergence(parent_messages, parent_response, new_messages)
             if isinstance(new_messages, list)
             else RETOKENISED
         )
@@ -475,6 +496,15 @@ class PoolStore:
     def _rebuild_lineage(self, session: Session, trajectory_id: str) -> TrajectoryTokens:
         rows = self._step_rows(session, trajectory_id)
         payloads = self._payloads_of(session, rows)
+        expand_requests(session, rows)
+        keys_of: dict[int, str] = {}  # message_key by id(): messages a step shares with its parent
+
+        def key(message: Any) -> str:
+            found = keys_of.get(id(message))
+            if found is None:
+                found = keys_of[id(message)] = message_key(message)
+            return found
+
         tokens = TrajectoryTokens()
         for row in rows:
             if row.choice_index == 0 or tokens.latest_step_id is None:
@@ -489,11 +519,19 @@ class PoolStore:
                 known = {c.step_id for c in tokens.candidates}
                 if row.parent_step_id not in known:
                     lineage = Lineage(None, None, None)
+                messages = row.request.get("messages")
+                keys = None
+                if isinstance(messages, list):
+                    keys = [key(m) for m in messages]
+                    if row.response_message is not None:
+                        keys.append(key(row.response_message))
                 tokens.add(
                     row.id,
                     lineage,
                     pack_ids(payload.prompt_token_ids),
                     pack_ids(payload.response_token_ids),
+                    keys,
+                    row.response_message is not None,
                 )
         return tokens
 
@@ -528,6 +566,7 @@ class PoolStore:
         with self.sessions() as session:
             rows = self._step_rows(session, trajectory_id)
             payloads = self._payloads_of(session, rows)
+            expand_requests(session, rows)
         return [_stored(row, payloads[row.id]) for row in rows]
 
     def get_step(self, step_id: str) -> StoredStep | None:
@@ -538,6 +577,7 @@ class PoolStore:
                 return None
             chain = self._chain_rows(session, row)
             payloads = self._payloads_of(session, chain)
+            expand_requests(session, [row])
         return _stored(row, payloads[row.id])
 
     @staticmethod
