@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from gateway.app import GatewayState
 
 TRAJECTORY_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
+GROUP_ID_PATTERN = TRAJECTORY_ID_PATTERN  # group ids are path segments too
+CHANNEL_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
 
 def check_trajectory_id(trajectory_id: str) -> str:
@@ -40,6 +42,36 @@ def check_trajectory_id(trajectory_id: str) -> str:
             param="trajectory_id",
         )
     return trajectory_id
+
+
+def _refuse_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259 §6); Python's parser takes
+    them, vLLM and the pool would not."""
+    raise InvalidRequestError(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def check_group_id(group_id: str | None) -> str | None:
+    """Raise ``InvalidRequestError`` unless the group id is None or 1-200 of
+    ``[A-Za-z0-9._:-]`` starting with a letter or digit (it appears in URL paths)."""
+    if group_id is not None and not GROUP_ID_PATTERN.match(group_id):
+        raise InvalidRequestError(
+            "group id must be 1-200 characters of letters, digits, '.', '_', ':' or '-' "
+            f"starting with a letter or digit; got {group_id[:80]!r}",
+            param="group_id",
+        )
+    return group_id
+
+
+def check_channel(channel: str | None) -> str | None:
+    """Raise ``InvalidRequestError`` unless the channel is None or 1-100 of
+    ``[A-Za-z0-9._:-]`` starting with a letter or digit."""
+    if channel is not None and not CHANNEL_PATTERN.match(channel):
+        raise InvalidRequestError(
+            "channel must be 1-100 characters of letters, digits, '.', '_', ':' or '-' "
+            f"starting with a letter or digit; got {channel[:80]!r}",
+            param="channel",
+        )
+    return channel
 
 
 async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
@@ -61,7 +93,7 @@ async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, A
             )
         chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks).decode("utf-8"))
+        body = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=_refuse_constant)
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid UTF-8: {exc}") from exc
     except json.JSONDecodeError as exc:
@@ -136,4 +168,7 @@ def attribute(state: GatewayState, request: Request, url_trajectory_id: str | No
         raise PermissionDeniedError(
             f"this API key is bound to channel {grant.channel!r}, not {channel!r}"
         )
-    return Attribution(trajectory_id, request.headers.get("x-trajgate-group"), channel)
+    # Checked before vLLM samples anything: a value the pool cannot store would otherwise
+    # surface only at the commit, after the tokens were paid for.
+    group_id = check_group_id(request.headers.get("x-trajgate-group"))
+    return Attribution(trajectory_id, group_id, check_channel(channel))

@@ -41,6 +41,12 @@ def _row_counts(pool_settings: PoolSettings) -> tuple[int, int]:
             "trajectory id",
         ),
         ("/no/such/route", b"{}", 404, "Not Found"),
+        (
+            "/t/ok-1/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            400,
+            "NaN is not a JSON number",
+        ),
     ],
 )
 def test_bad_request_gets_the_error_envelope_and_writes_nothing(
@@ -57,4 +63,25 @@ def test_bad_request_gets_the_error_envelope_and_writes_nothing(
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert needle in body["error"]["message"]
+    assert _row_counts(pool_settings) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("header", "value", "needle"),
+    [
+        ("X-Trajgate-Group", "g" * 201, "group id must be 1-200 characters"),
+        ("X-Trajgate-Group", "a b/../c", "group id must be"),
+        ("X-Trajgate-Channel", "c" * 101, "channel must be 1-100 characters"),
+        ("X-Trajgate-Channel", "-leading-dash", "channel must be"),
+    ],
+)
+def test_bad_group_or_channel_header_is_refused_before_sampling_and_writes_nothing(
+    gateway: BackgroundServer, pool_settings: PoolSettings, header: str, value: str, needle: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.post(
+        f"{gateway.url}/t/ok-2/v1/chat/completions", json=body, headers={header: value}, timeout=30
+    )
+    assert response.status_code == 400
+    assert needle in response.json()["error"]["message"]
     assert _row_counts(pool_settings) == (0, 0)
