@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, Text, cast, func, select, text
+from sqlalchemy import Engine, Text, cast, func, inspect, select, text
+from sqlalchemy.engine import make_url
 
 from datapool import db
 from datapool.db import make_engine
@@ -202,6 +203,26 @@ async def _drive(
     return time.perf_counter() - started, acks_ms
 
 
+class BenchDatabaseNotEmptyError(ValueError):
+    """The benchmark was pointed at a database that already holds tables."""
+
+
+def refuse_non_empty(database_url: str) -> None:
+    """Raise ``BenchDatabaseNotEmptyError`` unless the database has no tables at all."""
+    engine = make_engine(database_url)
+    try:
+        tables = sorted(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    if tables:
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        raise BenchDatabaseNotEmptyError(
+            f"refusing to benchmark {make_url(database_url).render_as_string()}: it holds "
+            f"tables ({shown}); expected an empty database (the benchmark writes, compacts and "
+            "deletes payloads, which would destroy a live pool's token data)"
+        )
+
+
 def bench_pool(
     database_url: str,
     data_dir: Path,
@@ -211,7 +232,13 @@ def bench_pool(
     seed: int = 0,
     message_chars_per_token: int = 0,
 ) -> dict[str, Any]:
-    """One measurement on one database (already empty); returns the figures named above."""
+    """One measurement on one database, which must be empty; returns the figures named above.
+
+    Raises ``BenchDatabaseNotEmptyError`` when the database already holds tables: the benchmark
+    compacts every pending payload into files under its own temporary directory, which would
+    take a live pool's payloads with it.
+    """
+    refuse_non_empty(database_url)
     db.upgrade(database_url)
     settings = PoolSettings(data_dir=data_dir, database_url=database_url, compaction_interval_s=0)
     rng = np.random.default_rng(seed)

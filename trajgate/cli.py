@@ -382,7 +382,7 @@ def bench_pool(
     With --gateways N: committed steps/s through N gateway processes versus one."""
     import tempfile
 
-    from datapool.bench import run_pool_benchmark
+    from datapool.bench import BenchDatabaseNotEmptyError, run_pool_benchmark
 
     if gateways is not None:
         from trajgate.fleet import bench_gateways, ensure_postgres_database
@@ -405,9 +405,12 @@ def bench_pool(
         urls = [f"sqlite:///{Path(tmp) / 'pool.sqlite3'}"]
         if postgres_url:
             urls.append(postgres_url)
-        report = run_pool_benchmark(
-            urls, trajectories, turns, concurrency, compare_spool, message_chars_per_token
-        )
+        try:
+            report = run_pool_benchmark(
+                urls, trajectories, turns, concurrency, compare_spool, message_chars_per_token
+            )
+        except BenchDatabaseNotEmptyError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--postgres-url") from exc
     typer.echo(json.dumps(report, indent=2 if not as_json else None))
 
 
