@@ -4,8 +4,10 @@ PoolError                          (500)
  ├── TrajectoryClosedError         409: a call arrived after its trajectory closed
  ├── UnknownTargetError            404: a reward or action names no stored step/trajectory
  ├── InvalidPoolRequestError       400: a value the pool cannot accept (says expected vs got)
- └── PoolUnavailableError          503: the database cannot take writes now (disk full,
-                                        locked past its timeout, unreachable)
+ ├── PoolUnavailableError          503: the database cannot take writes now (disk full,
+ │                                      locked past its timeout, unreachable)
+ └── payload.PayloadMissingError   500 (code payload_missing): a step's stored payload or
+                                        its Parquet file is gone (lost data, named)
 """
 
 from __future__ import annotations

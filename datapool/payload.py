@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from datapool.errors import PoolError
 from datapool.models import PayloadFile, Step, StepPayload
 
 IntArray = npt.NDArray[np.int32]
@@ -119,7 +120,7 @@ class TokenPayload:
     response_logprobs: list[float] | None
 
 
-class PayloadMissingError(LookupError):
+class PayloadMissingError(PoolError, LookupError):
     """A step's payload, or the parent payload its prompt delta needs, is not stored."""
 
 

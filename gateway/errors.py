@@ -40,6 +40,7 @@ from datapool.errors import (
     UnknownTargetError,
 )
 from datapool.faults import fault_reason
+from datapool.payload import PayloadMissingError
 
 log = logging.getLogger("trajgate.gateway")
 
@@ -117,6 +118,8 @@ def from_pool_error(exc: PoolError) -> TrajgateError:
             code=f"pool_{exc.reason}",
             headers={"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
         )
+    if isinstance(exc, PayloadMissingError):  # lost data: say which, never a bare 500
+        return TrajgateError(exc.message, code="payload_missing")
     return TrajgateError(exc.message, param=exc.param)
 
 

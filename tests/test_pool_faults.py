@@ -550,3 +550,24 @@ def test_a_trajectory_whose_payload_file_is_gone_fails_alone_without_a_backoff(
         assert stored.prompt_token_ids == synthetic_call(2, 64).prompt_token_ids
     finally:
         engine.dispose()
+
+
+def test_reading_a_step_whose_payload_file_is_gone_names_the_file_in_the_envelope(
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
+) -> None:
+    settings = pool_settings.model_copy(update={"compaction_min_steps": 1})
+    engine = make_engine(settings.resolved_database_url())
+    try:
+        store = PoolStore(engine, settings)
+        [step_id] = store.record_call("lost-read", synthetic_call(0, 64))
+        PoolWriter(store, settings).upkeep()
+        [payload_file] = Path(settings.resolved_payload_uri()).iterdir()
+        payload_file.unlink()
+    finally:
+        engine.dispose()
+    with gateway_with(settings, free_port(), upstream_url=vllm.url) as gateway:
+        response = httpx.get(f"{gateway.url}/api/steps/{step_id}")
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["code"] == "payload_missing"
+    assert payload_file.name in error["message"]
