@@ -120,6 +120,11 @@ class TokenPayload:
     response_logprobs: list[float] | None
 
 
+class CompactionRaceError(RuntimeError):
+    """Another process compacted some of the same payloads first; this round's file is deleted
+    and nothing changed (normal with several gateways on one database)."""
+
+
 class PayloadMissingError(PoolError, LookupError):
     """A step's payload, or the parent payload its prompt delta needs, is not stored."""
 
@@ -396,7 +401,7 @@ class PayloadFiles:
                     )
                     deleted += int(result.rowcount)
                 if deleted != len(step_ids):
-                    raise RuntimeError(
+                    raise CompactionRaceError(
                         f"compaction raced another compactor: expected to move {len(step_ids)} "
                         f"payloads, {deleted} were still there"
                     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datapool.errors import PoolUnavailableError, TrajectoryClosedError
 from datapool.faults import fault_reason
 from datapool.lifecycle import close_idle, mark_interrupted, release_writer
+from datapool.payload import CompactionRaceError
 from datapool.records import CallRecord
 from datapool.settings import PoolSettings
 from datapool.store import CallResult, PendingCall, PoolStore
@@ -301,6 +302,9 @@ class PoolWriter:
                 file = self.store.payloads.compact(
                     self.settings.compaction_max_steps, self.settings.parquet_row_group_steps
                 )
+            except CompactionRaceError as exc:  # another gateway took them: not a failure
+                log.info("compaction skipped this round: %s", exc)
+                break
             except Exception:
                 self.stats.compaction_failures += 1
                 raise

@@ -35,11 +35,11 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from tests_support import free_port
 
-from datapool import db
+from datapool import db, payload
 from datapool.db import make_engine
 from datapool.errors import PoolUnavailableError
 from datapool.faults import fault_reason
-from datapool.models import Step, StepPayload
+from datapool.models import PayloadFile, Step, StepPayload
 from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
@@ -571,3 +571,35 @@ def test_reading_a_step_whose_payload_file_is_gone_names_the_file_in_the_envelop
     error = response.json()["error"]
     assert error["code"] == "payload_missing"
     assert payload_file.name in error["message"]
+
+
+def test_a_compaction_that_loses_the_race_to_another_gateway_is_not_a_failure(
+    pool_settings: PoolSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = pool_settings.model_copy(update={"compaction_min_steps": 1})
+    engine_a = make_engine(settings.resolved_database_url())
+    engine_b = make_engine(settings.resolved_database_url())
+    try:
+        store_a, store_b = PoolStore(engine_a, settings), PoolStore(engine_b, settings)
+        store_a.record_call("raced", synthetic_call(0, 64))
+        write_table = payload.pq.write_table
+
+        def write_then_let_b_compact_first(*args: Any, **kwargs: Any) -> None:
+            write_table(*args, **kwargs)  # A's file is written, not yet registered...
+            monkeypatch.setattr(payload.pq, "write_table", write_table)
+            store_b.payloads.compact(100)  # ...when gateway B compacts the same payloads
+
+        monkeypatch.setattr(payload.pq, "write_table", write_then_let_b_compact_first)
+        writer_a = PoolWriter(store_a, settings)
+        writer_a.upkeep()  # does not raise
+
+        assert writer_a.stats.compaction_failures == 0
+        assert writer_a.stats.compacted_steps == 0
+        [kept] = list(Path(settings.resolved_payload_uri()).iterdir())  # B's; A deleted its own
+        with store_a.sessions() as session:
+            assert session.scalars(select(PayloadFile.uri)).all() == [str(kept)]
+        [step] = store_a.steps_of("raced")
+        assert step.prompt_token_ids == synthetic_call(0, 64).prompt_token_ids
+    finally:
+        engine_a.dispose()
+        engine_b.dispose()
