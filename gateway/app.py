@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.db import make_engine
 from datapool.errors import PoolError
+from datapool.faults import fault_reason, is_storage_fault
 from datapool.hooks import CompletionHooks
 from datapool.records import CallRecord
 from datapool.rewards import resolve_reward_function
@@ -194,5 +195,12 @@ async def _refresh_loop(policy: PolicyRegistry, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         try:
             await run_in_threadpool(policy.refresh)
-        except Exception:  # a transient database error must not end the loop
-            log.exception("policy refresh failed; keeping version %s", policy.active.version)
+        except Exception as exc:  # a transient database error must not end the loop
+            if is_storage_fault(exc):  # expected during an outage: one line, no traceback
+                log.warning(
+                    "policy refresh failed (%s); keeping version %s",
+                    fault_reason(exc),
+                    policy.active.version,
+                )
+            else:
+                log.exception("policy refresh failed; keeping version %s", policy.active.version)
