@@ -216,7 +216,12 @@ class PoolSettings(ConfigFileSettings):
         return self
 
     def resolved_database_url(self) -> str:
+        """The SQLAlchemy URL; ``postgres://`` and driverless ``postgresql://`` (as Heroku-style
+        and libpq URLs are written) mean PostgreSQL through psycopg 3, the driver installed."""
         if self.database_url:
+            for prefix in ("postgres://", "postgresql://"):
+                if self.database_url.startswith(prefix):
+                    return "postgresql+psycopg://" + self.database_url.removeprefix(prefix)
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'pool.sqlite3').resolve()}"
 

@@ -94,5 +94,41 @@ def test_rewards_import_appends_from_jsonl_and_rejects_unknown_targets(
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"target": "step", "target_id": "nope", "name": "x", "value": 1}))
     failed = CliRunner().invoke(app, ["rewards", "import", str(bad), *_cli_pool(pool_settings)])
-    assert failed.exit_code != 0
-    assert "nope" in str(failed.exception)
+    assert failed.exit_code == 1
+    assert "nothing imported" in failed.stderr and "nope" in failed.stderr
+    assert failed.exception is not None and not failed.stderr.startswith("Traceback")
+
+
+def test_export_refuses_an_unknown_status_and_a_data_dir_without_a_pool(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    out = tmp_path / "x.parquet"
+    bogus = CliRunner().invoke(
+        app,
+        [
+            "export",
+            "trajectories",
+            "--out",
+            str(out),
+            "--status",
+            "bogus",
+            *_cli_pool(pool_settings),
+        ],
+    )
+    assert bogus.exit_code == 2
+    assert "bogus" in bogus.stderr and "complete" in bogus.stderr
+    typo = tmp_path / "no-such-pool"
+    missing = CliRunner().invoke(
+        app, ["export", "trajectories", "--out", str(out), "--data-dir", str(typo)]
+    )
+    assert missing.exit_code == 2
+    assert "no pool at" in missing.stderr
+    assert not typo.exists()  # nothing was created at the mistyped path
+    assert not out.exists()
+
+
+def test_a_postgres_url_without_a_driver_means_psycopg() -> None:
+    for written in ("postgres://u@h:5432/db", "postgresql://u@h:5432/db"):
+        assert PoolSettings(database_url=written).resolved_database_url() == (
+            "postgresql+psycopg://u@h:5432/db"
+        )

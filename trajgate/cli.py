@@ -57,6 +57,22 @@ def _pool_settings(database_url: str | None, data_dir: Path | None) -> PoolSetti
     return PoolSettings(**overrides)  # type: ignore[arg-type]
 
 
+def _existing_pool(database_url: str | None, data_dir: Path | None) -> PoolSettings:
+    """Settings of a pool that must already exist (commands that read or add to one): a
+    mistyped --data-dir would otherwise create an empty SQLite file and fail in SQL."""
+    pool = _pool_settings(database_url, data_dir)
+    url = pool.resolved_database_url()
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.exists():
+            raise typer.BadParameter(
+                f"no pool at {path}: expected the data directory of a pool that "
+                "`trajgate serve` or `trajgate db upgrade` created",
+                param_hint="--data-dir / --database-url",
+            )
+    return pool
+
+
 @db_app.command("upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head",
@@ -430,13 +446,20 @@ def export_trajectories(
     from datapool.db import make_engine
     from datapool.export import export_trajectories as run_export
     from datapool.export import select_trajectories
+    from datapool.models import TrajectoryStatus
     from datapool.store import PoolStore
 
     if format not in ("parquet", "jsonl"):
         raise typer.BadParameter(
             f"expected 'parquet' or 'jsonl', got {format!r}", param_hint="--format"
         )
-    pool = _pool_settings(database_url, data_dir)
+    statuses = {s.value for s in TrajectoryStatus}
+    unknown = sorted(set(status or ()) - statuses)
+    if unknown:
+        raise typer.BadParameter(
+            f"expected statuses among {sorted(statuses)}, got {unknown}", param_hint="--status"
+        )
+    pool = _existing_pool(database_url, data_dir)
     store = PoolStore(make_engine(pool.resolved_database_url()), pool)
     ids = select_trajectories(store, status=status, channel=channel, group_id=group)
     with Progress(transient=True) as bar:
@@ -459,11 +482,17 @@ def rewards_import(
 ) -> None:
     """Append rewards computed elsewhere (all or none; unknown targets fail the import)."""
     from datapool.db import make_engine, make_sessionmaker
+    from datapool.errors import PoolError
     from datapool.rewards import add_rewards, read_reward_file
 
-    pool = _pool_settings(database_url, data_dir)
+    pool = _existing_pool(database_url, data_dir)
     sessions = make_sessionmaker(make_engine(pool.resolved_database_url()))
-    ids = add_rewards(sessions, read_reward_file(path))
+    try:
+        ids = add_rewards(sessions, read_reward_file(path))
+    except (PoolError, ValueError, OSError) as exc:  # the file's fault: say what, import nothing
+        message = exc.message if isinstance(exc, PoolError) else str(exc)
+        typer.echo(f"error: nothing imported from {path}: {message}", err=True)
+        raise typer.Exit(1) from exc
     typer.echo(json.dumps({"imported": len(ids)}))
 
 
@@ -477,7 +506,7 @@ def _pool_store(database_url: str | None, data_dir: Path | None) -> tuple[PoolSe
     from datapool.db import make_engine
     from datapool.store import PoolStore
 
-    pool = _pool_settings(database_url, data_dir)
+    pool = _existing_pool(database_url, data_dir)
     return pool, PoolStore(make_engine(pool.resolved_database_url()), pool)
 
 
