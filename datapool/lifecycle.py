@@ -23,12 +23,14 @@ from datapool.db import insert_ignore
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import (
     Reward,
+    RewardSource,
     Step,
     Trajectory,
     TrajectoryGroup,
     TrajectoryStatus,
     utc_now,
 )
+from datapool.rewards import RewardIn, check_reward
 
 EMPTY = "empty"
 INCOMPLETE = "incomplete"
@@ -80,6 +82,8 @@ def create_trajectory(
             )
         trajectory = session.get(Trajectory, trajectory_id)
         assert trajectory is not None
+        if group_id is not None:
+            update_group(session, group_id)  # a new open member reopens a complete group
     return trajectory
 
 
@@ -103,9 +107,11 @@ def close_trajectory(
 ) -> Trajectory:
     """Move an open trajectory to ``status`` (complete, abandoned or failed).
 
-    ``final_reward`` (complete only) is appended as reward ``reward_name`` (source 'agent').
+    ``final_reward`` (complete only) is appended as reward ``reward_name`` (source 'agent'),
+    checked like every reward (``rewards.check_reward``: a finite number, a 1-100 character
+    name) before anything is written, so an invalid one leaves the trajectory open.
     Idempotent for the same status; raises ``InvalidPoolRequestError`` for another closed status
-    and ``UnknownTargetError`` for an unknown id.
+    or an invalid reward, and ``UnknownTargetError`` for an unknown id.
     """
     if status.value not in CLOSED_STATUSES:
         raise InvalidPoolRequestError(
@@ -113,6 +119,16 @@ def close_trajectory(
         )
     if final_reward is not None and status != TrajectoryStatus.COMPLETE:
         raise InvalidPoolRequestError("only 'complete' takes a final reward", param="reward")
+    final = None
+    if final_reward is not None:
+        final = RewardIn(
+            "trajectory", trajectory_id, reward_name, final_reward, RewardSource.AGENT.value, author
+        )
+        try:
+            check_reward(final, "final reward: ")
+        except InvalidPoolRequestError as exc:  # the API's field names: reward, reward_name
+            param = {"value": "reward", "name": "reward_name"}.get(exc.param or "", exc.param)
+            raise InvalidPoolRequestError(str(exc), param=param) from exc
     with sessions.begin() as session:
         query = select(Trajectory).where(Trajectory.id == trajectory_id)
         if session.get_bind().dialect.name == "postgresql":
@@ -128,15 +144,15 @@ def close_trajectory(
                 f"only an open trajectory can become {status.value}"
             )
         _close(session, trajectory, status, reason)
-        if final_reward is not None:
+        if final is not None:
             session.add(
                 Reward(
                     target_kind="trajectory",
                     target_id=trajectory_id,
                     trajectory_id=trajectory_id,
-                    name=reward_name,
-                    value=float(final_reward),
-                    source="agent",
+                    name=final.name,
+                    value=float(final_reward),  # type: ignore[arg-type]
+                    source=final.source,
                     author=author,
                     created_at=utc_now(),
                 )
@@ -163,22 +179,34 @@ def _close(session: Session, trajectory: Trajectory, status: TrajectoryStatus, r
 
 
 def update_group(session: Session, group_id: str) -> None:
-    """Complete the group once it has ``expected_size`` closed members and none open."""
-    group = session.get(TrajectoryGroup, group_id)
-    if group is None or group.status != "open" or group.expected_size is None:
+    """Recompute the group's status: ``complete`` while it has ``expected_size`` closed members
+    and none open, else ``open`` (a complete group reopens, ``completed_at`` cleared, when a
+    member joins or its expected size changes). Called when a member closes or joins (the
+    writer reopens groups itself, ``PoolStore``) and on ``set_group``."""
+    # Locked on PostgreSQL, so a member joining concurrently (the writer locks the group row
+    # too) is either counted here or reopens the group after this commits.
+    locking = session.get_bind().dialect.name == "postgresql"
+    group = session.get(TrajectoryGroup, group_id, with_for_update=locking)
+    if group is None:
         return
-    counts = dict(
-        (status, n)
-        for status, n in session.execute(
-            select(Trajectory.status, func.count())
-            .where(Trajectory.group_id == group_id)
-            .group_by(Trajectory.status)
+    complete = False
+    if group.expected_size is not None:
+        counts = dict(
+            (status, n)
+            for status, n in session.execute(
+                select(Trajectory.status, func.count())
+                .where(Trajectory.group_id == group_id)
+                .group_by(Trajectory.status)
+            )
         )
-    )
-    closed = sum(counts.get(status, 0) for status in CLOSED_STATUSES)
-    if closed >= group.expected_size and not counts.get(TrajectoryStatus.OPEN.value):
+        closed = sum(counts.get(status, 0) for status in CLOSED_STATUSES)
+        complete = closed >= group.expected_size and not counts.get(TrajectoryStatus.OPEN.value)
+    if complete and group.status != "complete":
         group.status = "complete"
         group.completed_at = utc_now()
+    elif not complete and group.status == "complete":
+        group.status = "open"
+        group.completed_at = None
 
 
 def set_group(

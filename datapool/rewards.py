@@ -33,7 +33,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
-from datapool.lifecycle import EMPTY
 from datapool.models import Reward, RewardSource, Step, Trajectory, utc_now
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore, StoredStep
@@ -56,7 +55,10 @@ class RewardIn:
     error: str | None = None
 
 
-def _check(reward: RewardIn, where: str) -> None:
+def check_reward(reward: RewardIn, where: str = "") -> None:
+    """Raise ``InvalidPoolRequestError`` for a bad kind, source, name (1-100 characters), author
+    (over 200 characters) or value (not a finite number, unless an error is recorded instead);
+    ``where`` prefixes the message (e.g. the position in a batch)."""
     if reward.target_kind not in TARGET_KINDS:
         raise InvalidPoolRequestError(
             f"{where}target must be one of {TARGET_KINDS}, got {reward.target_kind!r}",
@@ -71,6 +73,11 @@ def _check(reward: RewardIn, where: str) -> None:
     if not reward.name or len(reward.name) > 100:
         raise InvalidPoolRequestError(
             f"{where}name must be 1-100 characters, got {reward.name!r}", param="name"
+        )
+    if reward.author is not None and len(reward.author) > 200:
+        raise InvalidPoolRequestError(
+            f"{where}author must be at most 200 characters, got {len(reward.author)}",
+            param="author",
         )
     if reward.error is None and (reward.value is None or not math.isfinite(reward.value)):
         raise InvalidPoolRequestError(
@@ -87,7 +94,7 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
     ``InvalidPoolRequestError`` for a bad kind, source, name or value (with its position).
     """
     for i, reward in enumerate(rewards):
-        _check(reward, f"reward {i}: " if len(rewards) > 1 else "")
+        check_reward(reward, f"reward {i}: " if len(rewards) > 1 else "")
     with sessions.begin() as session:
         step_ids = sorted({r.target_id for r in rewards if r.target_kind == "step"})
         trajectory_ids = sorted({r.target_id for r in rewards if r.target_kind == "trajectory"})
@@ -117,9 +124,8 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
             raise UnknownTargetError(
                 f"{len(unknown)} reward target(s) not in the pool: {shown}", param="target_id"
             )
-        for trajectory in known.values():
-            if trajectory.call_count == 0 and EMPTY not in trajectory.flags:
-                trajectory.flags = [*trajectory.flags, EMPTY]  # C15: rewarded, no step
+        # No ``empty`` flag here: it marks a *closed* trajectory without a step, set when it
+        # closes (``datapool.lifecycle``); a reward given before the first step must not stick.
         now = utc_now()
         records = [
             Reward(

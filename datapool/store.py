@@ -110,6 +110,7 @@ _TRAJECTORIES = typing.cast(Table, Trajectory.__table__)
 _STEPS = typing.cast(Table, Step.__table__)
 _PAYLOADS = typing.cast(Table, StepPayload.__table__)
 _ATTEMPTS = typing.cast(Table, CallAttempt.__table__)
+_GROUPS = typing.cast(Table, TrajectoryGroup.__table__)
 
 
 class PoolStore:
@@ -325,6 +326,17 @@ class PoolStore:
                 ],
             )
             state.update(self._select_state(session, missing))
+            joined = sorted({g for t in missing if (g := first_call[t].group_id)})
+            if joined:
+                # A new open member: its group is not complete (the rule of
+                # ``lifecycle.update_group``). Updated unconditionally, so the group rows stay
+                # locked until commit and a member closing meanwhile (which locks its group)
+                # counts this one.
+                session.connection().execute(
+                    update(_GROUPS)
+                    .where(_GROUPS.c.id.in_(joined))
+                    .values(status="open", completed_at=None)
+                )
         return state
 
     @staticmethod

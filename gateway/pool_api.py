@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Path as PathParam
 from pydantic import BaseModel, Field
 from sqlalchemy import Text, and_, cast, exists, func, or_, select
 from starlette.concurrency import run_in_threadpool
@@ -23,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from datapool import lifecycle, rewards
 from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
 from datapool.store import PoolStore, StoredStep
-from gateway.attribution import TRAJECTORY_ID_PATTERN
+from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
 
 router = APIRouter(tags=["pool"])
@@ -84,19 +85,23 @@ class TrajectoryDetail(TrajectoryPublic):
 
 
 class TrajectoryCreate(BaseModel):
+    # The rules of the X-Trajgate-Group/-Channel headers, so both ways into the pool agree.
     id: str = Field(pattern=TRAJECTORY_ID_PATTERN.pattern)
-    group_id: str | None = None
-    channel: str = "train"
+    group_id: str | None = Field(default=None, pattern=GROUP_ID_PATTERN.pattern)
+    channel: str = Field(default="train", pattern=CHANNEL_PATTERN.pattern)
     tags: list[str] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class CompleteRequest(BaseModel):
+    # Checked by ``rewards.check_reward`` like POST /api/rewards (one validation path): 400 and
+    # the trajectory stays open when the reward is NaN/infinite or the name has a bad length.
     reward: float | None = Field(
-        default=None, description="Optional final reward, appended as source 'agent'."
+        default=None,
+        description="Optional final reward (a finite number), appended as source 'agent'.",
     )
-    reward_name: str = "final"
-    author: str | None = None
+    reward_name: str = Field(default="final", description="1-100 characters.")
+    author: str | None = Field(default=None, description="At most 200 characters.")
 
 
 class StepPublic(StepSummary):
@@ -431,7 +436,11 @@ def _group(store: PoolStore, group_id: str) -> GroupPublic:
 
 
 @router.put("/groups/{group_id}", response_model=GroupPublic)
-async def put_group(group_id: str, body: GroupUpdate, store: StoreDep) -> GroupPublic:
+async def put_group(
+    group_id: Annotated[str, PathParam(pattern=GROUP_ID_PATTERN.pattern)],
+    body: GroupUpdate,
+    store: StoreDep,
+) -> GroupPublic:
     """Create a group or set its expected size; it completes when that many members closed."""
     await run_in_threadpool(lifecycle.set_group, store.sessions, group_id, body.expected_size)
     return await run_in_threadpool(_group, store, group_id)

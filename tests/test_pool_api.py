@@ -116,8 +116,11 @@ def test_group_of_four_with_two_unrewarded_reports_null_not_zero(api: httpx.Clie
     assert all("final" not in t["rewards"] for t in unrewarded["data"])
 
 
-def test_rewarded_trajectory_without_steps_is_flagged_empty(api: httpx.Client) -> None:
-    """C15: the agent's call bypassed capture; the trajectory only has a reward."""
+def test_rewarded_trajectory_without_steps_is_flagged_empty_once_closed(
+    api: httpx.Client,
+) -> None:
+    """C15: the agent's call bypassed capture; the trajectory only has a reward. While open it
+    may still get its steps, so the flag comes when it closes."""
     api.post("/api/trajectories", json={"id": "c15"})
     api.post(
         "/api/rewards",
@@ -125,9 +128,49 @@ def test_rewarded_trajectory_without_steps_is_flagged_empty(api: httpx.Client) -
             "rewards": [{"target": "trajectory", "target_id": "c15", "name": "final", "value": 1}]
         },
     )
-    assert api.get("/api/trajectories/c15").json()["flags"] == ["empty"]
+    assert api.get("/api/trajectories/c15").json()["flags"] == []
+    assert api.post("/api/trajectories/c15/complete").json()["flags"] == ["empty"]
     listed = api.get("/api/trajectories", params={"flag": "empty"}).json()["data"]
     assert [t["id"] for t in listed] == ["c15"]
+
+
+def test_reward_before_the_first_step_leaves_the_trajectory_trainable(api: httpx.Client) -> None:
+    api.post("/api/trajectories", json={"id": "emp-1"})
+    reward = {"target": "trajectory", "target_id": "emp-1", "name": "final", "value": 1}
+    assert api.post("/api/rewards", json={"rewards": [reward]}).status_code == 201
+    assert chat(api, "emp-1").status_code == 200
+    completed = api.post("/api/trajectories/emp-1/complete")
+    assert completed.json()["flags"] == [] and len(completed.json()["steps"]) == 1
+    assert api.get("/api/trajectories", params={"flag": "empty"}).json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ('{"reward": NaN}', "reward"),  # what json.dumps(float("nan")) sends
+        ('{"reward": Infinity}', "reward"),
+        ('{"reward": -Infinity}', "reward"),
+        ('{"reward": 1.0, "reward_name": ""}', "reward_name"),
+        ('{"reward": 1.0, "reward_name": "' + "n" * 101 + '"}', "reward_name"),
+        ('{"reward": 1.0, "author": "' + "a" * 201 + '"}', "author"),
+    ],
+)
+def test_complete_with_an_invalid_final_reward_is_400_and_leaves_the_trajectory_open(
+    api: httpx.Client, body: str, param: str
+) -> None:
+    assert chat(api, "bad-final").status_code == 200
+    refused = api.post(
+        "/api/trajectories/bad-final/complete",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
+    assert assert_envelope(refused, 400)["param"] == param
+    detail = api.get("/api/trajectories/bad-final").json()
+    assert detail["status"] == "open" and detail["rewards"] == {}
+    assert api.get("/api/rewards", params={"trajectory_id": "bad-final"}).json() == []
+    assert chat(api, "bad-final").status_code == 200  # still open: calls are recorded
+    completed = api.post("/api/trajectories/bad-final/complete", json={"reward": 0.5})
+    assert completed.status_code == 200 and completed.json()["rewards"]["final"] == 0.5
 
 
 def test_filters_and_cursor_pages_cover_every_trajectory_once(api: httpx.Client) -> None:
@@ -212,3 +255,59 @@ def test_concurrent_creation_of_a_groups_members_creates_each_once(
     with pytest.raises(Exception, match="exists already"):
         create(0)
     engine.dispose()
+
+
+def test_group_reopens_when_a_member_joins_after_it_completed(api: httpx.Client) -> None:
+    assert api.put("/api/groups/gl", json={"expected_size": 1}).status_code == 200
+    in_group = {"x-trajgate-group": "gl"}
+    assert api.post("/t/gl-1/v1/chat/completions", json=CHAT, headers=in_group).status_code == 200
+    api.post("/api/trajectories/gl-1/complete")
+    assert api.get("/api/groups/gl").json()["status"] == "complete"  # 1 closed of 1, none open
+    assert api.post("/t/gl-2/v1/chat/completions", json=CHAT, headers=in_group).status_code == 200
+    group = api.get("/api/groups/gl").json()
+    assert group["members"] == {"complete": 1, "open": 1}
+    assert group["status"] == "open" and group["completed_at"] is None
+    api.post("/api/trajectories/gl-2/complete")
+    group = api.get("/api/groups/gl").json()
+    assert group["status"] == "complete" and group["completed_at"] is not None
+
+
+def test_group_status_follows_its_expected_size_and_registered_members(
+    api: httpx.Client,
+) -> None:
+    api.put("/api/groups/gs", json={"expected_size": 1})
+    api.post("/api/trajectories", json={"id": "gs-1", "group_id": "gs"})
+    api.post("/api/trajectories/gs-1/complete")
+    assert api.get("/api/groups/gs").json()["status"] == "complete"
+    reopened = api.put("/api/groups/gs", json={"expected_size": 2}).json()  # 1 closed of 2
+    assert reopened["status"] == "open" and reopened["completed_at"] is None
+    api.post("/api/trajectories", json={"id": "gs-2", "group_id": "gs"})
+    api.post("/api/trajectories/gs-2/complete")
+    assert api.get("/api/groups/gs").json()["status"] == "complete"  # 2 closed of 2
+    api.post("/api/trajectories", json={"id": "gs-3", "group_id": "gs"})  # registered, open
+    assert api.get("/api/groups/gs").json()["status"] == "open"
+    assert api.put("/api/groups/gs", json={"expected_size": 1}).json()["status"] == "open"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"group_id": "g" * 201}, "group_id"),  # the column holds 200 characters
+        ({"group_id": "two words"}, "group_id"),
+        ({"group_id": ""}, "group_id"),
+        ({"channel": "c" * 101}, "channel"),  # the column holds 100 characters
+        ({"channel": "-train"}, "channel"),
+    ],
+)
+def test_registering_a_trajectory_with_a_bad_group_or_channel_is_400_and_creates_nothing(
+    api: httpx.Client, fields: dict[str, str], param: str
+) -> None:
+    refused = api.post("/api/trajectories", json={"id": "bad-attr", **fields})
+    assert assert_envelope(refused, 400)["param"] == param
+    assert_envelope(api.get("/api/trajectories/bad-attr"), 404)
+
+
+def test_putting_a_group_with_an_overlong_id_is_400(api: httpx.Client) -> None:
+    refused = api.put(f"/api/groups/{'g' * 201}", json={"expected_size": 2})
+    assert assert_envelope(refused, 400)["param"] == "group_id"
+    assert_envelope(api.get(f"/api/groups/{'g' * 200}"), 404)
