@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
@@ -227,18 +228,28 @@ def set_group(
     return group
 
 
-def close_idle(sessions: sessionmaker[Session], idle_s: float) -> list[str]:
-    """Complete open trajectories whose last step (or creation) is older than ``idle_s``."""
+def close_idle(
+    sessions: sessionmaker[Session], idle_s: float, *, in_flight: Collection[str] = ()
+) -> list[str]:
+    """Complete open trajectories whose last step (or creation) is older than ``idle_s``,
+    except those in ``in_flight`` (a call has started and not committed yet: its step would be
+    refused with 409 however long the engine took). Returns the ids completed.
+
+    Only the caller's own calls can be passed: with several gateways, another gateway's call in
+    flight is not seen, so ``idle_s`` must stay far above the longest call.
+    """
     cutoff = utc_now() - timedelta(seconds=idle_s)
     with sessions.begin() as session:
-        idle = list(
-            session.scalars(
+        idle = [
+            trajectory
+            for trajectory in session.scalars(
                 select(Trajectory).where(
                     Trajectory.status == TrajectoryStatus.OPEN.value,
                     func.coalesce(Trajectory.last_step_at, Trajectory.created_at) < cutoff,
                 )
             )
-        )
+            if trajectory.id not in in_flight
+        ]
         for trajectory in idle:
             _close(session, trajectory, TrajectoryStatus.COMPLETE, "idle_timeout")
         return [t.id for t in idle]

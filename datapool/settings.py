@@ -121,7 +121,11 @@ class PoolSettings(ConfigFileSettings):
     trajectory_idle_timeout_s: float = Field(
         default=3600.0,
         ge=0,
-        description="An open trajectory without a new step for this long is completed; 0: never.",
+        description=(
+            "An open trajectory without a new step for this long is completed, unless a call "
+            "of this gateway is in flight for it; other gateways' calls are not seen, so with "
+            "several gateways keep it far above the longest call. 0: never."
+        ),
     )
     lineage_cache_trajectories: int = Field(
         default=4096,

@@ -22,6 +22,7 @@ import queue
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from datapool.errors import PoolUnavailableError, TrajectoryClosedError
@@ -84,6 +85,11 @@ class PoolWriter:
         # With on_write_failure='refuse', calls are refused up front until this monotonic time.
         self._refuse_until = 0.0
         self._last_reason = "other"
+        # Calls of this process between their start and the end of their commit, per
+        # trajectory: the idle timeout skips these (a call may outlast it; its step lands only
+        # at commit). Other gateways' calls are not visible here.
+        self._calls_in_flight: Counter[str] = Counter()
+        self._calls_lock = threading.Lock()
 
     def start(self) -> PoolWriter:
         """Mark trajectories left open by dead writers on this host, then start the threads."""
@@ -130,6 +136,23 @@ class PoolWriter:
             return await future
         except PoolUnavailableError as exc:
             return self._on_failure(exc)
+
+    def call_started(self, trajectory_id: str) -> None:
+        """Count a call of ``trajectory_id`` in flight (the gateway, before going upstream)."""
+        with self._calls_lock:
+            self._calls_in_flight[trajectory_id] += 1
+
+    def call_ended(self, trajectory_id: str) -> None:
+        """Once per ``call_started``, after the call's commit ended (committed or not)."""
+        with self._calls_lock:
+            self._calls_in_flight[trajectory_id] -= 1
+            if self._calls_in_flight[trajectory_id] <= 0:
+                del self._calls_in_flight[trajectory_id]
+
+    def trajectories_in_flight(self) -> frozenset[str]:
+        """Trajectories with a call of this process between its start and its commit."""
+        with self._calls_lock:
+            return frozenset(self._calls_in_flight)
 
     def check_accepting(self) -> None:
         """Raise ``PoolUnavailableError`` when a call should be refused before it reaches the
@@ -294,7 +317,9 @@ class PoolWriter:
         """
         if self.settings.trajectory_idle_timeout_s > 0:
             for trajectory_id in close_idle(
-                self.store.sessions, self.settings.trajectory_idle_timeout_s
+                self.store.sessions,
+                self.settings.trajectory_idle_timeout_s,
+                in_flight=self.trajectories_in_flight(),
             ):
                 self.store.forget_lineage(trajectory_id)
         while self.store.payloads.pending_steps() >= self.settings.compaction_min_steps:

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -244,12 +245,40 @@ def failed_choice(outcome: str) -> list[ChoiceRecord]:
 async def proxy_call(
     state: GatewayState, request: Request, endpoint: Endpoint, url_trajectory_id: str | None
 ) -> Response:
-    """Forward one call upstream, commit its steps, and answer as vLLM answered."""
+    """Forward one call upstream, commit its steps, and answer as vLLM answered.
+
+    The call counts as in flight for its trajectory (``PoolWriter.call_started``) until its
+    commit ended, so the idle timeout never closes a trajectory under a call of this gateway.
+    """
     body = await read_json_object(request, state.settings.max_body_bytes)
     check_body(endpoint, body)
     attribution = attribute(state, request, url_trajectory_id)
-    assert state.writer is not None, "the lifespan starts the pool writer"
-    state.writer.check_accepting()
+    writer = state.writer
+    assert writer is not None, "the lifespan starts the pool writer"
+    writer.check_accepting()
+    writer.call_started(attribution.trajectory_id)
+    try:
+        response = await forward_call(state, request, endpoint, body, attribution)
+    except BaseException:
+        writer.call_ended(attribution.trajectory_id)
+        raise
+    if isinstance(response, StreamingResponse):
+        # A stream commits at its end, inside its generator: the call ends when the generator
+        # is gone (finished, or never started because the client left first).
+        weakref.finalize(response.body_iterator, writer.call_ended, attribution.trajectory_id)
+    else:
+        writer.call_ended(attribution.trajectory_id)
+    return response
+
+
+async def forward_call(
+    state: GatewayState,
+    request: Request,
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    attribution: Attribution,
+) -> Response:
+    """``proxy_call`` once the call is attributed and counted in flight."""
     idempotency_key = request.headers.get("idempotency-key")
     sessions = state.store.sessions
     if idempotency_key:
