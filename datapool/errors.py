@@ -25,9 +25,9 @@ class PoolError(Exception):
 class TrajectoryClosedError(PoolError):
     """A step for a trajectory that is complete, abandoned or failed (counted, never stored)."""
 
-    def __init__(self, trajectory_id: str, status: str) -> None:
+    def __init__(self, trajectory_id: str, status: str, *, refused: str = "no more steps") -> None:
         super().__init__(
-            f"trajectory {trajectory_id!r} is {status}; it accepts no more steps "
+            f"trajectory {trajectory_id!r} is {status}; it accepts {refused} "
             "(expected status 'open')",
             param="trajectory_id",
         )

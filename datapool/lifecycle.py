@@ -21,7 +21,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import insert_ignore
-from datapool.errors import InvalidPoolRequestError, UnknownTargetError
+from datapool.errors import InvalidPoolRequestError, TrajectoryClosedError, UnknownTargetError
 from datapool.models import (
     Reward,
     RewardSource,
@@ -111,8 +111,10 @@ def close_trajectory(
     ``final_reward`` (complete only) is appended as reward ``reward_name`` (source 'agent'),
     checked like every reward (``rewards.check_reward``: a finite number, a 1-100 character
     name) before anything is written, so an invalid one leaves the trajectory open.
-    Idempotent for the same status; raises ``InvalidPoolRequestError`` for another closed status
-    or an invalid reward, and ``UnknownTargetError`` for an unknown id.
+    Idempotent for the same status without a reward; raises ``TrajectoryClosedError`` (409) for
+    a closed trajectory otherwise (another status, or a final reward after the fact: post it
+    to /api/rewards), ``InvalidPoolRequestError`` for an invalid reward, and
+    ``UnknownTargetError`` for an unknown id.
     """
     if status.value not in CLOSED_STATUSES:
         raise InvalidPoolRequestError(
@@ -140,10 +142,9 @@ def close_trajectory(
         if trajectory.status != TrajectoryStatus.OPEN:
             if trajectory.status == status.value and final_reward is None:
                 return trajectory
-            raise InvalidPoolRequestError(
-                f"trajectory {trajectory_id!r} is {trajectory.status} already; "
-                f"only an open trajectory can become {status.value}"
-            )
+            # 409 like a late call: the trajectory's state, not the request, is what conflicts.
+            what = "a final reward" if final_reward is not None else f"becoming {status.value}"
+            raise TrajectoryClosedError(trajectory_id, trajectory.status, refused=what)
         _close(session, trajectory, status, reason)
         if final is not None:
             session.add(

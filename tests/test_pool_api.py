@@ -311,3 +311,19 @@ def test_putting_a_group_with_an_overlong_id_is_400(api: httpx.Client) -> None:
     refused = api.put(f"/api/groups/{'g' * 201}", json={"expected_size": 2})
     assert assert_envelope(refused, 400)["param"] == "group_id"
     assert_envelope(api.get(f"/api/groups/{'g' * 200}"), 404)
+
+
+def test_closing_a_closed_trajectory_again_is_idempotent_or_409(api: httpx.Client) -> None:
+    assert chat(api, "twice").status_code == 200
+    assert api.post("/api/trajectories/twice/complete", json={"reward": 1.0}).status_code == 200
+    again = api.post("/api/trajectories/twice/complete")
+    assert again.status_code == 200 and again.json()["rewards"]["final"] == 1.0  # same state
+    late_reward = assert_envelope(
+        api.post("/api/trajectories/twice/complete", json={"reward": 0.0}), 409
+    )
+    assert late_reward["code"] == "trajectory_closed"
+    assert "a final reward" in late_reward["message"]
+    other_status = assert_envelope(api.post("/api/trajectories/twice/abandon"), 409)
+    assert "becoming abandoned" in other_status["message"]
+    detail = api.get("/api/trajectories/twice").json()
+    assert (detail["status"], detail["rewards"]["final"]) == ("complete", 1.0)
