@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
 
@@ -67,7 +67,14 @@ class HookStats:
     failures: int = 0  # runs or claims that raised; retried once their lease passes
     lost_claims: int = 0  # due trajectories another runner claimed first
     overrun_leases: int = 0  # runs that outlasted their lease and found it taken over (repeated)
+    # Reward function runs by (configured name, "ok" | "failed"); failed ones are recorded as
+    # failed rewards, so without this counter nothing alerts on a broken reward model.
+    reward_function_runs: dict[tuple[str, str], int] = field(default_factory=dict)
     last_error: str | None = None
+
+    def count_reward_function(self, name: str, succeeded: bool) -> None:
+        key = (name, "ok" if succeeded else "failed")
+        self.reward_function_runs[key] = self.reward_function_runs.get(key, 0) + 1
 
 
 def due_trajectories(
@@ -179,7 +186,10 @@ class CompletionHooks:
         try:
             if self.settings.reward_functions:
                 await rewards.run_reward_functions(
-                    self.store, trajectory_id, self.settings.reward_functions
+                    self.store,
+                    trajectory_id,
+                    self.settings.reward_functions,
+                    on_outcome=self.stats.count_reward_function,
                 )
             # After the reward functions: rules such as reward_threshold read their rewards.
             await asyncio.to_thread(curation.apply_on_completion, self.store, trajectory_id)

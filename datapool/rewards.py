@@ -307,11 +307,15 @@ def _reward_name(name: str) -> str:
 
 
 async def run_reward_functions(
-    store: PoolStore, trajectory_id: str, names: Sequence[str]
+    store: PoolStore,
+    trajectory_id: str,
+    names: Sequence[str],
+    on_outcome: Callable[[str, bool], None] | None = None,
 ) -> list[int]:
     """Run each named function on the trajectory and append what it returned, or its error.
 
-    Runs sync functions in a worker thread. Returns the appended record ids.
+    Runs sync functions in a worker thread. Returns the appended record ids. ``on_outcome``
+    is told ``(name, succeeded)`` per function (the hooks' per-function counters).
     """
     if not names:
         return []
@@ -342,6 +346,11 @@ async def run_reward_functions(
             records.append(
                 RewardIn("trajectory", trajectory_id, label, None, "rule", "reward_fn", repr(exc))
             )
+            if on_outcome is not None:
+                on_outcome(name, False)
+        else:
+            if on_outcome is not None:
+                on_outcome(name, True)
     if not records:
         return []
     return await asyncio.to_thread(add_rewards, store.sessions, records)

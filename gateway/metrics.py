@@ -227,3 +227,12 @@ class CompletionHooksCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(name, documentation, value=value)
+        reward_functions = CounterMetricFamily(
+            "trajgate_reward_function_runs",
+            "Reward function runs on completed trajectories, by configured function and outcome "
+            "(ok, or failed: recorded as a failed reward, never as a value).",
+            labels=["function", "outcome"],
+        )
+        for (function, outcome), count in sorted(stats.reward_function_runs.items()):
+            reward_functions.add_metric([function, outcome], count)
+        yield reward_functions

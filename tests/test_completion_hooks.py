@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from batch_helpers import agent_turns, make_store, write_trajectory
+from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import select, update
 from tests_support import free_port
 
@@ -22,6 +23,7 @@ from datapool.models import Reward, Trajectory, TrajectoryStatus, utc_now
 from datapool.settings import PoolSettings
 from datapool.store import PoolStore
 from gateway.app import create_app
+from gateway.metrics import CompletionHooksCollector
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trajgate import vllm_server
@@ -182,3 +184,32 @@ def test_abandoned_trajectory_gets_no_hooks(pool_settings: PoolSettings) -> None
     assert hooks_due_at(store, "gave-up") is None
     assert asyncio.run(CompletionHooks(store).run_due()) == 0
     assert reward_records(store, "gave-up") == []
+
+
+def test_failed_reward_functions_are_counted_per_function_for_alerting(
+    pool_settings: PoolSettings,
+) -> None:
+    store = make_store(
+        with_reward_functions(
+            pool_settings, "pool_reward_fns:steps_times_half", "pool_reward_fns:broken"
+        )
+    )
+    write_trajectory(store, "counted-1", agent_turns(1, 1))
+    write_trajectory(store, "counted-2", agent_turns(2, 1))
+    runner = CompletionHooks(store)
+    assert asyncio.run(runner.run_due()) == 2
+    assert runner.stats.reward_function_runs == {
+        ("pool_reward_fns:steps_times_half", "ok"): 2,
+        ("pool_reward_fns:broken", "failed"): 2,
+    }
+    text = generate_latest(_registry_with(runner)).decode()
+    assert (
+        'trajgate_reward_function_runs_total{function="pool_reward_fns:broken",outcome="failed"}'
+        " 2.0" in text
+    )
+
+
+def _registry_with(runner: CompletionHooks) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(CompletionHooksCollector(runner))
+    return registry
