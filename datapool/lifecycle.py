@@ -17,7 +17,7 @@ from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import insert_ignore
@@ -316,15 +316,32 @@ def release_writer(sessions: sessionmaker[Session], writer_id: str) -> None:
 
 
 def stale_steps(
-    session: Session, current_version: int, max_versions_behind: int
+    session: Session,
+    current_version: int,
+    max_versions_behind: int,
+    *,
+    limit: int | None = None,
+    after: tuple[int, str] | None = None,
 ) -> list[tuple[str, int | None]]:
     """``(step_id, policy_version)`` of steps more than ``max_versions_behind`` versions older
-    than ``current_version`` (e.g. current 7, K 2: versions <= 4)."""
-    return [
-        (step_id, version)
-        for step_id, version in session.execute(
-            select(Step.id, Step.policy_version)
-            .where(Step.policy_version < current_version - max_versions_behind)
-            .order_by(Step.policy_version, Step.id)
+    than ``current_version`` (e.g. current 7, K 2: versions <= 4), oldest version first.
+
+    Pages by keyset: at most ``limit`` rows after ``after`` = ``(policy_version, step_id)`` of
+    the previous page's last row.
+    """
+    query = (
+        select(Step.id, Step.policy_version)
+        .where(Step.policy_version < current_version - max_versions_behind)
+        .order_by(Step.policy_version, Step.id)
+    )
+    if after is not None:
+        version, step_id = after
+        query = query.where(
+            or_(
+                Step.policy_version > version,
+                and_(Step.policy_version == version, Step.id > step_id),
+            )
         )
-    ]
+    if limit is not None:
+        query = query.limit(limit)
+    return [(step_id, version) for step_id, version in session.execute(query)]

@@ -460,12 +460,30 @@ async def stale_steps(
     store: StoreDep,
     current_version: Annotated[int, Query(ge=0)],
     max_versions_behind: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    after_version: Annotated[
+        int | None, Query(description="Page after this row: its policy_version...")
+    ] = None,
+    after_step_id: Annotated[str | None, Query(description="...and its step_id.")] = None,
 ) -> list[StaleStep]:
-    """Steps produced more than ``max_versions_behind`` policy versions before the current."""
+    """Steps produced more than ``max_versions_behind`` policy versions before the current,
+    oldest version first, at most ``limit``; the next page starts after the last row
+    (``after_version``, ``after_step_id``)."""
+    if (after_version is None) != (after_step_id is None):
+        raise InvalidRequestError(
+            "after_version and after_step_id page together: give both (the last row's "
+            "policy_version and step_id) or neither",
+            param="after_step_id",
+        )
+    after = None
+    if after_version is not None and after_step_id is not None:
+        after = (after_version, after_step_id)
 
     def run() -> list[StaleStep]:
         with store.sessions() as session:
-            rows = lifecycle.stale_steps(session, current_version, max_versions_behind)
+            rows = lifecycle.stale_steps(
+                session, current_version, max_versions_behind, limit=limit, after=after
+            )
         return [StaleStep(step_id=s, policy_version=v) for s, v in rows]
 
     return await run_in_threadpool(run)

@@ -327,3 +327,50 @@ def test_closing_a_closed_trajectory_again_is_idempotent_or_409(api: httpx.Clien
     assert "becoming abandoned" in other_status["message"]
     detail = api.get("/api/trajectories/twice").json()
     assert (detail["status"], detail["rewards"]["final"]) == ("complete", 1.0)
+
+
+def test_stale_steps_are_those_more_than_k_versions_old_in_keyset_pages(
+    api: httpx.Client, pool_settings: PoolSettings
+) -> None:
+    from dataclasses import replace
+
+    from datapool.db import make_engine
+    from datapool.records import CallRecord, ChoiceRecord
+    from datapool.store import PoolStore
+
+    call = CallRecord(
+        request={"model": "m", "messages": [{"role": "user", "content": "q"}]},
+        upstream_request={"model": "m"},
+        model="m",
+        upstream="test://",
+        policy_version=0,
+        latency_ms=1.0,
+        prompt_token_ids=[1, 2],
+        prompt_tokens=2,
+        choices=[ChoiceRecord(0, [3], [-0.1], {"role": "assistant", "content": "a"}, "stop")],
+    )
+    engine = make_engine(pool_settings.resolved_database_url())
+    try:
+        store = PoolStore(engine, pool_settings)
+        made = {
+            version: store.record_call(f"stale-{i}", replace(call, policy_version=version))[0]
+            for i, version in enumerate([0, 1, 2, 3])
+        }
+        made_v0b = store.record_call("stale-4", call)[0]
+    finally:
+        engine.dispose()
+    # current 3, K 1: stale means version < 3 - 1 = 2, i.e. v0 (two steps) and v1 (one).
+    expected = [*sorted([(0, made[0]), (0, made_v0b)]), (1, made[1])]
+    pages: list[list[dict[str, Any]]] = []
+    params: dict[str, Any] = {"current_version": 3, "max_versions_behind": 1, "limit": 2}
+    while True:
+        page = api.get("/api/steps/stale", params=params).json()
+        pages.append(page)
+        if len(page) < 2:
+            break
+        last = page[-1]
+        params |= {"after_version": last["policy_version"], "after_step_id": last["step_id"]}
+    assert [len(p) for p in pages] == [2, 1]
+    assert [(r["policy_version"], r["step_id"]) for p in pages for r in p] == expected
+    half = api.get("/api/steps/stale", params={"current_version": 3, "after_version": 0})
+    assert assert_envelope(half, 400)["param"] == "after_step_id"
