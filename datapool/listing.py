@@ -17,14 +17,14 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-from sqlalchemy import Text, and_, cast, exists, func, select
+from sqlalchemy import and_, exists, func, select
 from sqlalchemy.orm import Session
 
 from datapool.labels import current_labels, labels_of_trajectories
 from datapool.messages import expand_requests
 from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
 from datapool.rewards import current_rewards
-from datapool.selection import TrajectoryFilter, chunks, json_contains
+from datapool.selection import TrajectoryFilter, chunks, json_contains, request_text_contains
 
 SortKey = Literal[
     "created_at", "last_step_at", "completed_at", "call_count", "status", "channel", "id", "reward"
@@ -47,7 +47,9 @@ class ListQuery(BaseModel):
     policy_version: int | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None
-    q: str | None = Field(default=None, description="Text search in request messages (scans).")
+    q: str | None = Field(
+        default=None, description="Text in a step's request JSON, any case (scans)."
+    )
     sort: SortKey = "created_at"
     order: Literal["asc", "desc"] = "desc"
     offset: int = Field(default=0, ge=0)
@@ -134,12 +136,7 @@ def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
     if where.created_before is not None:
         query = query.where(Trajectory.created_at < where.created_before)
     if where.q:
-        query = query.where(
-            exists().where(
-                Step.trajectory_id == Trajectory.id,
-                cast(Step.request, Text).ilike(f"%{where.q}%"),
-            )
-        )
+        query = query.where(request_text_contains(where.q))
     return query, reward
 
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Dialect,
     Float,
     ForeignKey,
     Index,
@@ -28,6 +29,7 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -35,6 +37,33 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A ``timestamptz`` column that is an aware UTC ``datetime`` in Python on every backend.
+
+    SQLite has no time zone type: SQLAlchemy stores a datetime's wall-clock fields as text
+    (``2026-11-30 15:18:58.523962``) and drops its offset, so ``16:20+01:00`` would be stored
+    and compared as ``16:20``. Binding converts every value to UTC first (a naive value is taken
+    as UTC), which keeps the stored text exactly as before for the UTC values the pool writes;
+    results come back aware in UTC (SQLite's naive text read as UTC, PostgreSQL's values in the
+    session's time zone converted), so filters, comparisons and JSON agree on both backends.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return _as_utc(value)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return _as_utc(value)
+
+
+def _as_utc(value: datetime | None) -> datetime | None:
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 # none_as_null: a Python None is SQL NULL ("missing"), never the JSON literal null.
@@ -72,15 +101,15 @@ class Trajectory(Base):
     channel: Mapped[str] = mapped_column(String(100), default="train", index=True)
     status: Mapped[str] = mapped_column(String(20), default=TrajectoryStatus.OPEN, index=True)
     metadata_json: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # Counter of logical calls, bumped atomically (UPDATE ... RETURNING) to number steps.
     call_count: Mapped[int] = mapped_column(Integer, default=0)
     tags: Mapped[list[Any]] = mapped_column(default=list)
     # Facts about the whole episode: "empty" (closed without steps, C15), "incomplete" (in flight
     # when its gateway died, C14).
     flags: Mapped[list[Any]] = mapped_column(default=list)
-    last_step_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_step_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # Why it left "open": "explicit", "idle_timeout", "abandoned", "failed".
     completion_reason: Mapped[str | None] = mapped_column(String(50))
     # Calls that arrived after the trajectory closed and were refused (409), never stored.
@@ -90,7 +119,7 @@ class Trajectory(Base):
     writer_id: Mapped[str | None] = mapped_column(String(200), index=True)
     # When its completion hooks (reward functions, then curation rules) are due: set on
     # completion, pushed into the future by a runner's claim (its lease), NULL once they ran.
-    hooks_due_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+    hooks_due_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
 
 
 class TrajectoryGroup(Base):
@@ -101,8 +130,8 @@ class TrajectoryGroup(Base):
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
     expected_size: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(20), default="open")
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Step(Base):
@@ -156,7 +185,7 @@ class Step(Base):
     prompt_base_tokens: Mapped[int | None] = mapped_column(Integer)
     # None while the payload is in ``step_payloads``; the Parquet file after compaction.
     payload_file_id: Mapped[str | None] = mapped_column(String(36), index=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class StepPayload(Base):
@@ -175,7 +204,7 @@ class StepPayload(Base):
     prompt_delta: Mapped[bytes | None] = mapped_column(LargeBinary)
     response_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     response_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class PayloadFile(Base):
@@ -187,7 +216,7 @@ class PayloadFile(Base):
     uri: Mapped[str] = mapped_column(Text)
     steps: Mapped[int] = mapped_column(Integer)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class RewardSource(enum.StrEnum):
@@ -217,7 +246,7 @@ class Reward(Base):
     source: Mapped[str] = mapped_column(String(20))
     author: Mapped[str | None] = mapped_column(String(200))
     error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class CallAttempt(Base):
@@ -241,7 +270,7 @@ class CallAttempt(Base):
     # What the client received for a successful non-streaming attempt: replayed, byte-equal in
     # content, when the same Idempotency-Key comes again.
     response_body: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class PolicyVersion(Base):
@@ -253,8 +282,8 @@ class PolicyVersion(Base):
     model_name: Mapped[str] = mapped_column(String(200))
     weights_location: Mapped[str | None] = mapped_column(Text)
     active: Mapped[bool] = mapped_column(default=False, index=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
+    activated_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class ApiKey(Base):
@@ -267,8 +296,8 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(200), unique=True)
     trajectory_id: Mapped[str | None] = mapped_column(String(200))
     channel: Mapped[str | None] = mapped_column(String(100))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 # ---- curation and batches (issue 5; see datapool.labels, datapool.curation, datapool.batches) ----
@@ -295,7 +324,7 @@ class Label(Base):
     decision: Mapped[str | None] = mapped_column(String(10))  # include / exclude
     note: Mapped[str | None] = mapped_column(Text)
     author: Mapped[str | None] = mapped_column(String(200))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class CurationRule(Base):
@@ -310,8 +339,8 @@ class CurationRule(Base):
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
     enabled: Mapped[bool] = mapped_column(default=True)
     author: Mapped[str | None] = mapped_column(String(200))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
-    applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
+    applied_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class CurationMark(Base):
@@ -332,7 +361,7 @@ class CurationMark(Base):
     trajectory_id: Mapped[str | None] = mapped_column(String(200), index=True)
     action: Mapped[str] = mapped_column(String(20))
     reason: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class Batch(Base):
@@ -351,10 +380,10 @@ class Batch(Base):
     error: Mapped[str | None] = mapped_column(Text)
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_id: Mapped[str | None] = mapped_column(String(36))
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     leases: Mapped[int] = mapped_column(Integer, default=0)
     expired_leases: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class BatchConsumption(Base):
@@ -368,7 +397,7 @@ class BatchConsumption(Base):
     consumer: Mapped[str] = mapped_column(String(200), primary_key=True)
     lease_id: Mapped[str] = mapped_column(String(36))
     policy_version_trained: Mapped[int | None] = mapped_column(Integer)
-    acked_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    acked_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 class BatchRow(Base):
@@ -398,7 +427,7 @@ class TrainingMetric(Base):
     policy_version: Mapped[int | None] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column()
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
 # Sort keys of the inspector's trajectory list, the time axis of its step charts, and the

@@ -46,9 +46,36 @@ class TrajectoryFilter(BaseModel):
     limit: int | None = Field(default=None, ge=1, description="Oldest first, at most this many.")
 
 
+_LIKE_ESCAPE = "\\"
+
+
+def _like_substring(text: str) -> str:
+    """A LIKE pattern matching ``text`` literally anywhere (its ``%``, ``_``, ``\\`` escaped).
+
+    Use with ``escape=_LIKE_ESCAPE``; unescaped, ``q=%`` or ``q=_`` would match every row.
+    """
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
 def json_contains(column: Any, value: str) -> Any:
     """``value`` is an element of a JSON list column (text on SQLite, json on PostgreSQL)."""
-    return cast(column, Text).like(f"%{json.dumps(value)}%")
+    return cast(column, Text).like(_like_substring(json.dumps(value)), escape=_LIKE_ESCAPE)
+
+
+def request_text_contains(text: str) -> Any:
+    """Some step of the trajectory has ``text`` in its stored request JSON (any case; scans).
+
+    The JSON text holds message contents and roles, tool definitions and sampling parameters,
+    each message once (steps store a delta on their parent). ``text`` is matched as the JSON
+    writes it (quotes, backslashes and non-ASCII characters escaped), so it finds what a
+    message says rather than its escaped spelling.
+    """
+    as_json = json.dumps(text)[1:-1]  # the string's JSON spelling, without the quotes
+    return exists().where(
+        Step.trajectory_id == Trajectory.id,
+        cast(Step.request, Text).ilike(_like_substring(as_json), escape=_LIKE_ESCAPE),
+    )
 
 
 def chunks(items: Sequence[str], size: int = SQL_IN_CHUNK) -> Iterable[Sequence[str]]:

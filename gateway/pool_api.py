@@ -18,11 +18,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from pydantic import BaseModel, Field
-from sqlalchemy import Text, and_, cast, exists, func, or_, select
+from sqlalchemy import and_, exists, func, or_, select
 from starlette.concurrency import run_in_threadpool
 
 from datapool import lifecycle, rewards
 from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
+from datapool.selection import json_contains, request_text_contains
 from datapool.store import PoolStore, StoredStep
 from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -222,11 +223,6 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidRequestError(f"cursor {cursor[:40]!r} is not one this API returned") from exc
 
 
-def _json_contains(column: Any, value: str) -> Any:
-    # JSON lists are stored as text on SQLite and json on PostgreSQL; both render '"value"'.
-    return cast(column, Text).like(f"%{json.dumps(value)}%")
-
-
 @lru_cache(maxsize=4)
 def _tokenizer(path: str) -> Any:
     from tokenizers import Tokenizer
@@ -252,7 +248,9 @@ async def list_trajectories(
     policy_version: Annotated[int | None, Query(description="Has a step of this version.")] = None,
     created_after: datetime | None = None,
     created_before: datetime | None = None,
-    q: Annotated[str | None, Query(description="Text search in request messages.")] = None,
+    q: Annotated[
+        str | None, Query(description="Text in a step's request JSON, any case (scans).")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: str | None = None,
 ) -> TrajectoryPage:
@@ -267,9 +265,9 @@ async def list_trajectories(
         if group_id is not None:
             query = query.where(Trajectory.group_id == group_id)
         for t in tag or []:
-            query = query.where(_json_contains(Trajectory.tags, t))
+            query = query.where(json_contains(Trajectory.tags, t))
         for f in flag or []:
-            query = query.where(_json_contains(Trajectory.flags, f))
+            query = query.where(json_contains(Trajectory.flags, f))
         if reward_min is not None or reward_max is not None or rewarded is not None:
             current = rewards.current_rewards_query("trajectory", reward_name)
             if rewarded is False:
@@ -291,12 +289,7 @@ async def list_trajectories(
         if created_before is not None:
             query = query.where(Trajectory.created_at < created_before)
         if q:
-            query = query.where(
-                exists().where(
-                    Step.trajectory_id == Trajectory.id,
-                    cast(Step.request, Text).ilike(f"%{q}%"),
-                )
-            )
+            query = query.where(request_text_contains(q))
         if cursor:
             at, last_id = _decode_cursor(cursor)
             query = query.where(
@@ -606,10 +599,10 @@ async def summary(request: Request, store: StoreDep) -> Summary:
             )
             rejected = session.scalar(select(func.coalesce(func.sum(Trajectory.rejected_calls), 0)))
             empty = session.scalar(
-                select(func.count()).where(_json_contains(Trajectory.flags, lifecycle.EMPTY))
+                select(func.count()).where(json_contains(Trajectory.flags, lifecycle.EMPTY))
             )
             incomplete = session.scalar(
-                select(func.count()).where(_json_contains(Trajectory.flags, lifecycle.INCOMPLETE))
+                select(func.count()).where(json_contains(Trajectory.flags, lifecycle.INCOMPLETE))
             )
         writer = getattr(request.app.state.gateway, "writer", None)
         stats = None
