@@ -15,13 +15,15 @@ from gateway_helpers import gateway_with
 from datapool.settings import PoolSettings
 from trajgate.vllm_server import VLLMServer
 
-IDLE_TIMEOUT_S = 1.0
-# 400 tokens take 2-25 s on the CPU build (about 5-60 ms a token, by machine load): always
-# longer than the idle timeout, which the test checks before trusting its outcome.
+IDLE_TIMEOUT_S = 0.5
+LONG_TOKENS = 800
+# 800 tokens take 2.8-50 s on the CPU build (about 3.5-60 ms a token, by machine load; 400 once
+# took only 1.4 s on a quiet machine): always longer than twice the idle timeout, which the test
+# checks before trusting its outcome.
 LONG_CALL = {
     "model": "tiny",
     "messages": [{"role": "user", "content": "tell a long story"}],
-    "max_tokens": 400,
+    "max_tokens": LONG_TOKENS,
     "ignore_eos": True,
 }
 
@@ -31,7 +33,7 @@ def test_call_outlasting_the_idle_timeout_is_recorded_then_the_trajectory_idles_
     vllm: VLLMServer, pool_settings: PoolSettings, stream: bool
 ) -> None:
     pool = pool_settings.model_copy(
-        update={"trajectory_idle_timeout_s": IDLE_TIMEOUT_S, "compaction_interval_s": 0.2}
+        update={"trajectory_idle_timeout_s": IDLE_TIMEOUT_S, "compaction_interval_s": 0.1}
     )
     url = "/t/long-1/v1/chat/completions"
     with (
@@ -52,7 +54,7 @@ def test_call_outlasting_the_idle_timeout_is_recorded_then_the_trajectory_idles_
         assert elapsed_s > 2 * IDLE_TIMEOUT_S, f"the call took {elapsed_s:.1f} s: not long enough"
         assert status == 200, text
         detail = client.get("/api/trajectories/long-1").json()
-        assert [s["completion_tokens"] for s in detail["steps"]] == [1, 400]
+        assert [s["completion_tokens"] for s in detail["steps"]] == [1, LONG_TOKENS]
         deadline = time.monotonic() + 10 * IDLE_TIMEOUT_S
         while detail["status"] == "open" and time.monotonic() < deadline:
             time.sleep(0.2)
