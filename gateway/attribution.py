@@ -35,13 +35,17 @@ CHANNEL_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
 def check_trajectory_id(trajectory_id: str) -> str:
     """Raise ``InvalidRequestError`` unless the id is 1-200 of ``[A-Za-z0-9._:-]``."""
-    if not TRAJECTORY_ID_PATTERN.match(trajectory_id):
+    return _check_name(trajectory_id, TRAJECTORY_ID_PATTERN, "trajectory id", 200, "trajectory_id")
+
+
+def _check_name(value: str, pattern: re.Pattern[str], what: str, most: int, param: str) -> str:
+    if not pattern.match(value):
         raise InvalidRequestError(
-            "trajectory id must be 1-200 characters of letters, digits, '.', '_', ':' or '-' "
-            f"starting with a letter or digit; got {trajectory_id[:80]!r}",
-            param="trajectory_id",
+            f"{what} must be 1-{most} characters of letters, digits, '.', '_', ':' or '-' "
+            f"starting with a letter or digit; got {value[:80]!r}",
+            param=param,
         )
-    return trajectory_id
+    return value
 
 
 def _refuse_constant(name: str) -> Any:
@@ -53,25 +57,17 @@ def _refuse_constant(name: str) -> Any:
 def check_group_id(group_id: str | None) -> str | None:
     """Raise ``InvalidRequestError`` unless the group id is None or 1-200 of
     ``[A-Za-z0-9._:-]`` starting with a letter or digit (it appears in URL paths)."""
-    if group_id is not None and not GROUP_ID_PATTERN.match(group_id):
-        raise InvalidRequestError(
-            "group id must be 1-200 characters of letters, digits, '.', '_', ':' or '-' "
-            f"starting with a letter or digit; got {group_id[:80]!r}",
-            param="group_id",
-        )
-    return group_id
+    if group_id is None:
+        return None
+    return _check_name(group_id, GROUP_ID_PATTERN, "group id", 200, "group_id")
 
 
 def check_channel(channel: str | None) -> str | None:
     """Raise ``InvalidRequestError`` unless the channel is None or 1-100 of
     ``[A-Za-z0-9._:-]`` starting with a letter or digit."""
-    if channel is not None and not CHANNEL_PATTERN.match(channel):
-        raise InvalidRequestError(
-            "channel must be 1-100 characters of letters, digits, '.', '_', ':' or '-' "
-            f"starting with a letter or digit; got {channel[:80]!r}",
-            param="channel",
-        )
-    return channel
+    if channel is None:
+        return None
+    return _check_name(channel, CHANNEL_PATTERN, "channel", 100, "channel")
 
 
 async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:

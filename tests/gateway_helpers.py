@@ -17,6 +17,23 @@ from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 
+# The tool the tests force the model to call. "strict": without it, this vLLM leaves a named
+# tool_choice unconstrained and the random tiny model writes "<tool_call>{...digits" as content
+# until max_tokens: no tool call at all.
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
 
 def steps_of(pool_settings: PoolSettings, trajectory_id: str) -> list[Step]:
     engine = make_engine(pool_settings.resolved_database_url())

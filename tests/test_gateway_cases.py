@@ -13,6 +13,7 @@ import httpx
 import pytest
 from conftest import free_port
 from gateway_helpers import (
+    WEATHER_TOOL,
     chat_response,
     emulated_gateway,
     gateway_with,
@@ -27,19 +28,6 @@ from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
 from trajgate.vllm_server import VLLMServer
 
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 NAMED_TOOL_CHOICE = {"type": "function", "function": {"name": "get_weather"}}
 
 

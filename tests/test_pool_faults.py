@@ -23,6 +23,8 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -182,15 +184,32 @@ def pool_on(
 # ---- disk full --------------------------------------------------------------------------------
 
 
-def test_full_disk_refuses_calls_with_503_and_records_again_once_space_is_freed(
-    vllm: vllm_server.VLLMServer, small_disk: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    pool = pool_on(small_disk, "refuse")
+@dataclass
+class FullDisk:
+    pool: PoolSettings
+    gateway: BackgroundServer
+    agent: Agent
+    filler: Path  # delete it to free the disk
+
+
+@contextmanager
+def gateway_on_a_disk_filled_after_one_call(
+    vllm: vllm_server.VLLMServer, small_disk: Path, mode: str
+) -> Iterator[FullDisk]:
+    """A gateway whose pool lives on ``small_disk``: one call recorded, then the disk full."""
+    pool = pool_on(small_disk, mode)
     with gateway_with(pool, free_port(), upstream_url=vllm.url) as gateway:
         agent = Agent(gateway)
         assert agent.call().status_code == 200
         checkpoint_wal(pool.resolved_database_url())
-        filler = fill(small_disk)
+        yield FullDisk(pool, gateway, agent, fill(small_disk))
+
+
+def test_full_disk_refuses_calls_with_503_and_records_again_once_space_is_freed(
+    vllm: vllm_server.VLLMServer, small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with gateway_on_a_disk_filled_after_one_call(vllm, small_disk, "refuse") as full:
+        pool, gateway, agent = full.pool, full.gateway, full.agent
         caplog.set_level(logging.ERROR, logger="trajgate.pool.writer")
 
         refused = agent.call()  # sampled by vLLM, then its commit fails
@@ -209,7 +228,7 @@ def test_full_disk_refuses_calls_with_503_and_records_again_once_space_is_freed(
         assert httpx.get(f"{gateway.url}/ready").json()["pool_writable"] is False
         assert any("disk_full" in r.getMessage() for r in caplog.records)
 
-        filler.unlink()
+        full.filler.unlink()
         time.sleep(BACKOFF_S)
         assert agent.call().status_code == 200
         assert metric(gateway, "trajgate_pool_writable") == 1
@@ -221,12 +240,8 @@ def test_full_disk_refuses_calls_with_503_and_records_again_once_space_is_freed(
 def test_full_disk_ends_a_stream_in_an_error_the_openai_sdk_raises(
     vllm: vllm_server.VLLMServer, small_disk: Path
 ) -> None:
-    pool = pool_on(small_disk, "refuse")
-    with gateway_with(pool, free_port(), upstream_url=vllm.url) as gateway:
-        agent = Agent(gateway)
-        assert agent.call().status_code == 200
-        checkpoint_wal(pool.resolved_database_url())
-        fill(small_disk)
+    with gateway_on_a_disk_filled_after_one_call(vllm, small_disk, "refuse") as full:
+        pool, agent = full.pool, full.agent
         with openai.OpenAI(base_url=agent.base_url, api_key="unused", max_retries=0) as client:
             stream = client.chat.completions.create(**CHAT, stream=True)
             with pytest.raises(openai.APIError, match="disk_full"):
@@ -238,12 +253,8 @@ def test_full_disk_ends_a_stream_in_an_error_the_openai_sdk_raises(
 def test_full_disk_in_serve_mode_answers_unrecorded_and_counts_them(
     vllm: vllm_server.VLLMServer, small_disk: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pool = pool_on(small_disk, "serve")
-    with gateway_with(pool, free_port(), upstream_url=vllm.url) as gateway:
-        agent = Agent(gateway)
-        assert agent.call().status_code == 200
-        checkpoint_wal(pool.resolved_database_url())
-        filler = fill(small_disk)
+    with gateway_on_a_disk_filled_after_one_call(vllm, small_disk, "serve") as full:
+        pool, gateway, agent = full.pool, full.gateway, full.agent
         caplog.set_level(logging.ERROR, logger="trajgate.pool.writer")
         for _ in range(2):
             served = agent.call()
@@ -253,7 +264,7 @@ def test_full_disk_in_serve_mode_answers_unrecorded_and_counts_them(
         assert metric(gateway, "trajgate_pool_faults_total", '{reason="disk_full"}') == 2
         assert metric(gateway, "trajgate_pool_calls_refused_total") == 0
         assert any("served without being recorded" in r.getMessage() for r in caplog.records)
-        filler.unlink()
+        full.filler.unlink()
         assert agent.call().status_code == 200
     assert (len(agent.recorded), agent.unrecorded, agent.refused) == (2, 2, 0)
     assert_pool_holds_exactly(pool, agent)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from batch_helpers import make_store
 from fastapi import FastAPI, Request, Response
+from gateway_helpers import WEATHER_TOOL
 from pydantic import ValidationError
 from sqlalchemy import select
 from tests_support import free_port
@@ -36,21 +37,6 @@ from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trajgate.vllm_server import VLLMServer
 
-# "strict": without it, this vLLM leaves a named tool_choice unconstrained and the random tiny
-# model writes "<tool_call>{...digits" as content until max_tokens: no tool call at all.
-WEATHER_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 LOOKUP_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
