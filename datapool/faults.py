@@ -23,20 +23,13 @@ from __future__ import annotations
 
 import errno
 import sqlite3
-from typing import Literal
+from typing import Literal, get_args
 
 import psycopg
 from sqlalchemy import exc as sa_exc
 
 FaultReason = Literal["disk_full", "locked", "unreachable", "read_only", "io_error", "other"]
-FAULT_REASONS: tuple[FaultReason, ...] = (
-    "disk_full",
-    "locked",
-    "unreachable",
-    "read_only",
-    "io_error",
-    "other",
-)
+FAULT_REASONS: tuple[FaultReason, ...] = get_args(FaultReason)
 
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _SQLSTATE_REASONS: dict[str, FaultReason] = {

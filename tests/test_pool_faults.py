@@ -138,6 +138,16 @@ class Agent:
         return response
 
 
+def assert_refused_or_served(response: httpx.Response, mode: str, reason: str) -> None:
+    """'refuse': 503 naming the fault; 'serve': 200 that says it was not recorded."""
+    if mode == "refuse":
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == f"pool_{reason}"
+    else:
+        assert response.status_code == 200
+        assert response.headers["x-trajgate-recorded"] == "false"
+
+
 def assert_pool_holds_exactly(pool: PoolSettings, agent: Agent) -> None:
     """The delivered-and-recorded steps, once each, with payloads that read back; nothing else."""
     engine = make_engine(pool.resolved_database_url())
@@ -334,12 +344,7 @@ def test_sqlite_locked_by_another_process_past_the_busy_timeout_refuses_or_serve
         finally:
             holder.rollback()
             holder.close()
-        if mode == "refuse":
-            assert during.status_code == 503
-            assert during.json()["error"]["code"] == "pool_locked"
-        else:
-            assert during.status_code == 200
-            assert during.headers["x-trajgate-recorded"] == "false"
+        assert_refused_or_served(during, mode, "locked")
         assert metric(gateway, "trajgate_pool_faults_total", '{reason="locked"}') == 1
         time.sleep(BACKOFF_S)
         assert agent.call().headers["x-trajgate-recorded"] == "true"
@@ -364,12 +369,7 @@ def test_postgres_table_locked_by_another_session_past_the_lock_timeout_refuses_
             holder.execute("LOCK TABLE trajectories IN ACCESS EXCLUSIVE MODE")
             during = agent.call()
             holder.rollback()
-        if mode == "refuse":
-            assert during.status_code == 503
-            assert during.json()["error"]["code"] == "pool_locked"
-        else:
-            assert during.status_code == 200
-            assert during.headers["x-trajgate-recorded"] == "false"
+        assert_refused_or_served(during, mode, "locked")
         assert metric(gateway, "trajgate_pool_faults_total", '{reason="locked"}') >= 1
         time.sleep(BACKOFF_S)
         assert agent.call().headers["x-trajgate-recorded"] == "true"
@@ -419,12 +419,7 @@ def test_postgres_that_drops_its_connections_is_refused_or_served_then_reconnect
             pool_api = httpx.get(f"{gateway.url}/api/trajectories/{agent.trajectory_id}")
         finally:
             reconnect(empty_database_url)
-        if mode == "refuse":
-            assert during.status_code == 503
-            assert during.json()["error"]["code"] == "pool_unreachable"
-        else:
-            assert during.status_code == 200
-            assert during.headers["x-trajgate-recorded"] == "false"
+        assert_refused_or_served(during, mode, "unreachable")
         # The pool API says what happened too, in the one envelope.
         assert pool_api.status_code == 503
         assert pool_api.json()["error"]["code"] == "pool_unreachable"
