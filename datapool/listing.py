@@ -17,14 +17,14 @@ from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, exists, func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from datapool.labels import current_labels, labels_of_trajectories
 from datapool.messages import expand_requests
 from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
 from datapool.rewards import current_rewards
-from datapool.selection import TrajectoryFilter, chunks, json_contains, request_text_contains
+from datapool.selection import TrajectoryFilter, chunks, trajectory_conditions
 
 SortKey = Literal[
     "created_at", "last_step_at", "completed_at", "call_count", "status", "channel", "id", "reward"
@@ -100,17 +100,19 @@ def current_reward(name: str) -> Any:
 
 def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
     """``(select(columns) with every filter, current-reward expression or None)``."""
-    query = select(*columns)
-    if where.status:
-        query = query.where(Trajectory.status.in_(where.status))
-    if where.channel is not None:
-        query = query.where(Trajectory.channel == where.channel)
-    if where.group_id is not None:
-        query = query.where(Trajectory.group_id == where.group_id)
-    for tag in where.tag:
-        query = query.where(json_contains(Trajectory.tags, tag))
-    for flag in where.flag:
-        query = query.where(json_contains(Trajectory.flags, flag))
+    query = select(*columns).where(
+        *trajectory_conditions(
+            status=where.status,
+            channel=where.channel,
+            group_ids=None if where.group_id is None else [where.group_id],
+            tags=where.tag,
+            flags=where.flag,
+            policy_version=where.policy_version,
+            created_after=where.created_after,
+            created_before=where.created_before,
+            q=where.q,
+        )
+    )
     reward = None
     if (
         where.reward_min is not None
@@ -125,18 +127,6 @@ def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
             query = query.where(reward >= where.reward_min)
         if where.reward_max is not None:
             query = query.where(reward <= where.reward_max)
-    if where.policy_version is not None:
-        query = query.where(
-            exists().where(
-                Step.trajectory_id == Trajectory.id, Step.policy_version == where.policy_version
-            )
-        )
-    if where.created_after is not None:
-        query = query.where(Trajectory.created_at >= where.created_after)
-    if where.created_before is not None:
-        query = query.where(Trajectory.created_at < where.created_before)
-    if where.q:
-        query = query.where(request_text_contains(where.q))
     return query, reward
 
 

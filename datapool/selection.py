@@ -83,21 +83,64 @@ def chunks(items: Sequence[str], size: int = SQL_IN_CHUNK) -> Iterable[Sequence[
         yield items[start : start + size]
 
 
+def trajectory_conditions(
+    *,
+    status: Sequence[str] | None = None,
+    channel: str | None = None,
+    group_ids: Sequence[str] | None = None,
+    tags: Sequence[str] = (),
+    flags: Sequence[str] = (),
+    policy_version: int | None = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    q: str | None = None,
+) -> list[Any]:
+    """The WHERE conditions on ``Trajectory`` shared by the pool API list, the inspector list
+    and batch selection (AND them; rewards are joined differently by each, so not here)."""
+    conditions: list[Any] = []
+    if status:
+        conditions.append(Trajectory.status.in_(status))
+    if channel is not None:
+        conditions.append(Trajectory.channel == channel)
+    if group_ids is not None:
+        conditions.append(Trajectory.group_id.in_(group_ids))
+    conditions += [json_contains(Trajectory.tags, tag) for tag in tags]
+    conditions += [json_contains(Trajectory.flags, flag) for flag in flags]
+    if policy_version is not None:
+        conditions.append(
+            exists().where(
+                Step.trajectory_id == Trajectory.id, Step.policy_version == policy_version
+            )
+        )
+    if created_after is not None:
+        conditions.append(Trajectory.created_at >= created_after)
+    if created_before is not None:
+        conditions.append(Trajectory.created_at < created_before)
+    if q:
+        conditions.append(request_text_contains(q))
+    return conditions
+
+
 def select_trajectory_ids(session: Session, where: TrajectoryFilter) -> list[str]:
     """Ids of the trajectories matching ``where``, oldest first."""
-    query = select(Trajectory.id).order_by(Trajectory.created_at, Trajectory.id)
-    if where.channel is not None:
-        query = query.where(Trajectory.channel == where.channel)
-    if where.status:
-        query = query.where(Trajectory.status.in_(where.status))
-    if where.group_ids is not None:
-        query = query.where(Trajectory.group_id.in_(where.group_ids))
+    query = (
+        select(Trajectory.id)
+        .where(
+            *trajectory_conditions(
+                status=where.status,
+                channel=where.channel,
+                group_ids=where.group_ids,
+                tags=where.tags,
+                flags=where.flags,
+                policy_version=where.policy_version,
+                created_after=where.created_after,
+                created_before=where.created_before,
+            )
+        )
+        .order_by(Trajectory.created_at, Trajectory.id)
+    )
     if where.trajectory_ids is not None:
         query = query.where(Trajectory.id.in_(where.trajectory_ids))
-    for tag in where.tags:
-        query = query.where(json_contains(Trajectory.tags, tag))
-    for flag in where.flags:
-        query = query.where(json_contains(Trajectory.flags, flag))
     if where.reward_min is not None or where.reward_max is not None or where.rewarded is not None:
         current = current_rewards_query("trajectory", where.reward_name)
         if where.rewarded is False:
@@ -108,16 +151,6 @@ def select_trajectory_ids(session: Session, where: TrajectoryFilter) -> list[str
                 query = query.where(current.c.value >= where.reward_min)
             if where.reward_max is not None:
                 query = query.where(current.c.value <= where.reward_max)
-    if where.policy_version is not None:
-        query = query.where(
-            exists().where(
-                Step.trajectory_id == Trajectory.id, Step.policy_version == where.policy_version
-            )
-        )
-    if where.created_after is not None:
-        query = query.where(Trajectory.created_at >= where.created_after)
-    if where.created_before is not None:
-        query = query.where(Trajectory.created_at < where.created_before)
     if where.limit is not None and where.quality is None:
         query = query.limit(where.limit)
     ids = list(session.scalars(query))

@@ -18,12 +18,12 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, exists, func, or_, select
+from sqlalchemy import and_, func, or_, select
 from starlette.concurrency import run_in_threadpool
 
 from datapool import lifecycle, rewards
 from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
-from datapool.selection import json_contains, request_text_contains
+from datapool.selection import json_contains, trajectory_conditions
 from datapool.store import PoolStore, StoredStep
 from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
@@ -257,17 +257,19 @@ async def list_trajectories(
     """Trajectories, newest first, filtered; cursor pagination (stable under inserts)."""
 
     def run() -> TrajectoryPage:
-        query = select(Trajectory)
-        if status:
-            query = query.where(Trajectory.status.in_([s.value for s in status]))
-        if channel is not None:
-            query = query.where(Trajectory.channel == channel)
-        if group_id is not None:
-            query = query.where(Trajectory.group_id == group_id)
-        for t in tag or []:
-            query = query.where(json_contains(Trajectory.tags, t))
-        for f in flag or []:
-            query = query.where(json_contains(Trajectory.flags, f))
+        query = select(Trajectory).where(
+            *trajectory_conditions(
+                status=[s.value for s in status] if status else None,
+                channel=channel,
+                group_ids=None if group_id is None else [group_id],
+                tags=tag or (),
+                flags=flag or (),
+                policy_version=policy_version,
+                created_after=created_after,
+                created_before=created_before,
+                q=q,
+            )
+        )
         if reward_min is not None or reward_max is not None or rewarded is not None:
             current = rewards.current_rewards_query("trajectory", reward_name)
             if rewarded is False:
@@ -278,18 +280,6 @@ async def list_trajectories(
                     query = query.where(current.c.value >= reward_min)
                 if reward_max is not None:
                     query = query.where(current.c.value <= reward_max)
-        if policy_version is not None:
-            query = query.where(
-                exists().where(
-                    Step.trajectory_id == Trajectory.id, Step.policy_version == policy_version
-                )
-            )
-        if created_after is not None:
-            query = query.where(Trajectory.created_at >= created_after)
-        if created_before is not None:
-            query = query.where(Trajectory.created_at < created_before)
-        if q:
-            query = query.where(request_text_contains(q))
         if cursor:
             at, last_id = _decode_cursor(cursor)
             query = query.where(
