@@ -46,7 +46,8 @@ class InvalidPoolRequestError(PoolError):
 class PoolUnavailableError(PoolError):
     """The database refused or failed a write; nothing was half-written.
 
-    ``reason`` is a ``datapool.faults.FaultReason`` (``disk_full``, ``locked``, ``unreachable``,
+    ``reason`` is a ``datapool.steps.faults.FaultReason`` (``disk_full``, ``locked``,
+    ``unreachable``,
     ...); ``retry_after_s`` is when the gateway expects to try the database again.
     """
 

@@ -7,7 +7,7 @@ database on SQLite and PostgreSQL).
 Token payloads (prompt IDs, response IDs, behaviour logprobs) are not on the step row: a new
 step's payload is a row of ``step_payloads`` (binary int32/float blobs, committed with the step)
 until compaction moves it into a Parquet file listed in ``payload_files`` (see
-``datapool.payload`` and docs/datapool.md). They are exactly the engine's numbers, never
+``datapool.steps.payloads`` and docs/datapool.md). They are exactly the engine's numbers, never
 re-encoded text.
 """
 
@@ -159,7 +159,7 @@ class Step(Base):
     error: Mapped[str | None] = mapped_column(Text)
     # The client's request, its ``messages`` stored as a delta on the parent's (migration 0007):
     # only ``messages[messages_base:]`` is here; NULL base = the whole request (older rows).
-    # Readers see the full request: ``datapool.messages.expand_requests`` (PoolStore does it).
+    # Readers see the full request: ``datapool.steps.messages.expand_requests`` (PoolStore does it).
     request: Mapped[dict[str, Any]] = mapped_column()
     messages_base: Mapped[int | None] = mapped_column(Integer)
     # What went upstream: a JSON Merge Patch against the full request, or (older rows, or what
@@ -300,7 +300,8 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
-# ---- curation and batches (issue 5; see datapool.labels, datapool.curation, datapool.batches) ----
+# ---- curation and batches (issue 5; see datapool.curation.labels, datapool.curation.rules,
+# datapool.batches.build) ----
 
 
 class Label(Base):

@@ -15,10 +15,10 @@ from pydantic_settings import SettingsConfigDict
 from trajgate.config import ConfigFileSettings
 
 WriteFailureMode = Literal["refuse", "serve"]
-# The names under which reward_functions can run datapool.reward_functions.http_reward_model
+# The names under which reward_functions can run datapool.rewards.functions.http_reward_model
 # (by entry point, by module path); it needs reward_model_url.
 HTTP_REWARD_MODEL_NAMES = frozenset(
-    {"http_reward_model", "datapool.reward_functions:http_reward_model"}
+    {"http_reward_model", "datapool.rewards.functions:http_reward_model"}
 )
 
 

@@ -22,16 +22,20 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.db import make_engine
 from datapool.errors import PoolError
-from datapool.faults import fault_reason, is_storage_fault
-from datapool.hooks import CompletionHooks
-from datapool.records import CallRecord
-from datapool.rewards import resolve_reward_function
+from datapool.lifecycle.hooks import CompletionHooks
+from datapool.rewards.values import resolve_reward_function
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
-from datapool.writer import PoolWriter
-from gateway import admin, batches_api, inspector, pool_api, proxy
+from datapool.steps.faults import fault_reason, is_storage_fault
+from datapool.steps.records import CallRecord
+from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
+from gateway import proxy
+from gateway.api import admin
+from gateway.api import batches as batches_api
+from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
 from gateway.errors import from_pool_error, install_error_handlers
+from gateway.inspector import page as inspector
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import orjson
 
-from datapool.records import ChoiceRecord
+from datapool.steps.records import ChoiceRecord
 
 Endpoint = Literal["chat.completions", "completions"]
 

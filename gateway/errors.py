@@ -39,8 +39,8 @@ from datapool.errors import (
     TrajectoryClosedError,
     UnknownTargetError,
 )
-from datapool.faults import fault_reason
-from datapool.payload import PayloadMissingError
+from datapool.steps.faults import fault_reason
+from datapool.steps.payloads import PayloadMissingError
 
 log = logging.getLogger("trajgate.gateway")
 

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from datapool.faults import FAULT_REASONS
-from datapool.hooks import CompletionHooks
-from datapool.writer import PoolWriter
+from datapool.lifecycle.hooks import CompletionHooks
+from datapool.steps.faults import FAULT_REASONS
+from datapool.steps.writer import PoolWriter
 from gateway.upstreams import Replica, UpstreamPool
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -194,7 +194,8 @@ class PoolWriterCollector(Collector):
 
 
 class CompletionHooksCollector(Collector):
-    """The completion-hook runner's counters (``datapool.hooks.HookStats``) at scrape time."""
+    """The completion-hook runner's counters (``datapool.lifecycle.hooks.HookStats``) at scrape
+    time."""
 
     def __init__(self, hooks: CompletionHooks) -> None:
         self.hooks = hooks

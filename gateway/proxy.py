@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
-from datapool.calls import AttemptRecord, find_replay, find_resend
-from datapool.faults import is_storage_fault
 from datapool.models import StepOutcome
-from datapool.records import CallRecord, ChoiceRecord
+from datapool.steps.calls import AttemptRecord, find_replay, find_resend
+from datapool.steps.faults import is_storage_fault
+from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.attribution import (
     Attribution,
     attribute,

@@ -33,7 +33,7 @@ import httpx
 import orjson
 from httpx_sse import EventSource
 
-from datapool.records import ChoiceRecord
+from datapool.steps.records import ChoiceRecord
 from gateway.capture import (
     ABORTED,
     ClientAsked,

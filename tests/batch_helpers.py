@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from datapool import lifecycle
 from datapool.db import make_engine
+from datapool.lifecycle import transitions as lifecycle
 from datapool.models import TrajectoryStatus
-from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
 
 
 def make_store(pool_settings: PoolSettings) -> PoolStore:

@@ -17,10 +17,10 @@ from sqlalchemy.engine import make_url
 from datapool import db
 from datapool.settings import PoolSettings
 from gateway.app import create_app
-from gateway.bench import free_port
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trajgate import tinymodel, vllm_server
+from trajgate.bench.gateway import free_port
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "TRAJGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

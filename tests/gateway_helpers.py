@@ -12,7 +12,7 @@ import httpx
 from datapool.db import make_engine
 from datapool.models import Step
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
@@ -81,11 +81,12 @@ def gateway_with(
 def emulated_gateway(
     pool_settings: PoolSettings, *, gateway: dict[str, Any] | None = None, **emulator: Any
 ) -> Iterator[BackgroundServer]:
-    """A gateway in front of a fresh vLLM-shaped emulator (``gateway.emulator``) with the given
+    """A gateway in front of a fresh vLLM-shaped emulator (``trajgate.bench.emulator``) with the
+    given
     pace and lengths; both stop on exit."""
     from conftest import free_port
 
-    from gateway.emulator import EmulatorSettings, EmulatorThread
+    from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 
     upstream = EmulatorThread(EmulatorSettings(port=free_port(), **emulator)).start()
     try:

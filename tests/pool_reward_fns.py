@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from datapool.rewards import RewardContext
+from datapool.rewards.values import RewardContext
 
 
 def steps_times_half(context: RewardContext) -> float:

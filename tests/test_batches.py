@@ -12,12 +12,20 @@ import pyarrow as pa
 import pytest
 from batch_helpers import agent_turns, call, logprobs_of, make_store, write_trajectory
 
-from datapool import curation, labels, lifecycle, readiness
-from datapool.batch_settings import BatchSettings
-from datapool.batches import BatchSpec, NothingToBatchError, build_rows, materialise, read_rows
+from datapool.batches.build import (
+    BatchSpec,
+    NothingToBatchError,
+    build_rows,
+    materialise,
+    read_rows,
+)
+from datapool.batches.settings import BatchSettings
+from datapool.curation import labels, readiness
+from datapool.curation import rules as curation
+from datapool.lifecycle import transitions as lifecycle
 from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 
 EPS = 1e-6
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from conftest import free_port
 
-from gateway.bench import BenchSettings, percentile, run_benchmark
-from gateway.emulator import EmulatorSettings, EmulatorThread
+from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
+from trajgate.bench.gateway import BenchSettings, percentile, run_benchmark
 from trajgate.vllm_server import VLLMServer
 
 MESSAGES = [{"role": "user", "content": "Count to three."}]

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from datapool.db import make_engine
 from datapool.models import Step
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 from gateway.server import BackgroundServer
 from trajgate.vllm_server import VLLMServer
 

@@ -17,11 +17,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sqlalchemy import select, update
 from tests_support import free_port
 
-from datapool import hooks, lifecycle
-from datapool.hooks import CompletionHooks
+from datapool.lifecycle import hooks
+from datapool.lifecycle import transitions as lifecycle
+from datapool.lifecycle.hooks import CompletionHooks
 from datapool.models import Reward, Trajectory, TrajectoryStatus, utc_now
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 from gateway.app import create_app
 from gateway.metrics import CompletionHooksCollector
 from gateway.server import BackgroundServer

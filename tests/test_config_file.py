@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from datapool.batch_settings import BatchSettings
+from datapool.batches.settings import BatchSettings
 from datapool.settings import PoolSettings
-from gateway.emulator import EmulatorSettings
 from gateway.settings import GatewaySettings
 from trainer_bridge.distributed import DistributedSettings
 from trainer_bridge.trainer import TrainerSettings
+from trajgate.bench.emulator import EmulatorSettings
 from trajgate.config import ConfigFileError
 
 CONFIG = """

@@ -18,7 +18,7 @@ from conftest import free_port
 
 from datapool.db import make_engine
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 from trajgate.vllm_server import VLLMServer
 
 

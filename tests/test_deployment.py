@@ -19,12 +19,12 @@ from compose_spec import PyCompose
 from deployment_helpers import COMPOSE_FILE, ENV_EXAMPLE, ROOT, compose, compose_service_env
 from pydantic_settings import BaseSettings
 
-from datapool.batch_settings import BatchSettings
+from datapool.batches.settings import BatchSettings
 from datapool.settings import PoolSettings
 from gateway.settings import GatewaySettings
 from trainer_bridge.distributed import DistributedSettings
 from trainer_bridge.trainer import TrainerSettings
-from trajgate.fleet import TRAJGATE
+from trajgate.bench.fleet import TRAJGATE
 
 SETTINGS: list[type[BaseSettings]] = [
     GatewaySettings,
@@ -98,7 +98,7 @@ def test_every_trajgate_variable_in_compose_is_a_setting_the_code_reads() -> Non
 
 def test_compose_commands_are_the_ones_the_tests_run(tmp_path: Path) -> None:
     services = compose()["services"]
-    # tests/test_replicas.py: trajgate.fleet.start_gateway runs `trajgate serve` with this env
+    # tests/test_replicas.py: trajgate.bench.fleet.start_gateway runs `trajgate serve` with this env
     assert services["gateway"]["command"] == ["trajgate", "serve"]
     # tests/test_distributed.py: torchrun ... -m trainer_bridge.distributed with this env
     assert services["trainer"]["command"][0] == "torchrun"

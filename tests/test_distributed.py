@@ -18,8 +18,8 @@ from deployment_helpers import compose_service_env
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from datapool.batch_settings import BatchSettings
-from datapool.batches import BatchSpec, get_batch, materialise, read_rows
+from datapool.batches.build import BatchSpec, get_batch, materialise, read_rows
+from datapool.batches.settings import BatchSettings
 from datapool.db import upgrade
 from datapool.settings import PoolSettings
 from gateway.app import create_app

@@ -10,13 +10,13 @@ import typer.main
 from fastapi.routing import APIRoute
 from pydantic_settings import BaseSettings
 
-from datapool.batch_settings import BatchSettings
+from datapool.batches.settings import BatchSettings
 from datapool.settings import PoolSettings
 from gateway.app import create_app
-from gateway.emulator import EmulatorSettings
 from gateway.settings import GatewaySettings
 from trainer_bridge.distributed import DistributedSettings
 from trainer_bridge.trainer import TrainerSettings
+from trajgate.bench.emulator import EmulatorSettings
 from trajgate.cli import app as cli_app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from datapool.db import make_engine
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore, StoredStep
+from datapool.steps.store import PoolStore, StoredStep
 from gateway.server import BackgroundServer
 from trajgate.vllm_server import VLLMServer
 

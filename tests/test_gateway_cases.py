@@ -23,8 +23,8 @@ from gateway_helpers import (
 )
 from openai import OpenAI
 
-from datapool.prefix import TOOL_ARGUMENTS_CHANGED
 from datapool.settings import PoolSettings
+from datapool.steps.prefix import TOOL_ARGUMENTS_CHANGED
 from gateway.server import BackgroundServer
 from trajgate.vllm_server import VLLMServer
 
@@ -369,7 +369,7 @@ def test_c09_assistant_prefill_is_prompt_and_only_the_continuation_is_response(
 
 
 def test_c10_each_event_is_flushed_as_it_arrives(pool_settings: PoolSettings) -> None:
-    from gateway.emulator import EmulatorSettings, EmulatorThread
+    from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 
     emulator = EmulatorThread(
         EmulatorSettings(

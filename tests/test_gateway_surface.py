@@ -18,10 +18,10 @@ from openai import AsyncOpenAI, OpenAI
 
 from datapool.db import make_engine
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
-from gateway.emulator import EmulatorSettings, EmulatorThread
+from datapool.steps.store import PoolStore
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
+from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 from trajgate.vllm_server import VLLMServer
 
 CHAT: dict[str, Any] = {
@@ -321,7 +321,7 @@ def test_replicas_are_sticky_per_trajectory_and_a_killed_one_is_routed_around(
     # The victim is its own process so that kill -9 drops its connections, as a dead vLLM does.
     victim_port = free_port()
     victim = subprocess.Popen(
-        [sys.executable, "-m", "gateway.emulator"],
+        [sys.executable, "-m", "trajgate.bench.emulator"],
         env={
             **os.environ,
             "TRAJGATE_EMULATOR_PORT": str(victim_port),

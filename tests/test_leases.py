@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from batch_helpers import agent_turns, make_store, write_trajectory
 
-from datapool import leases
-from datapool.batch_settings import BatchSettings
-from datapool.batches import BatchSpec, materialise
+from datapool.batches import leases
+from datapool.batches.build import BatchSpec, materialise
+from datapool.batches.settings import BatchSettings
 from datapool.models import Batch
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 
 
 def make_batches(store: PoolStore, tmp_path: Path, n: int) -> list[str]:

@@ -16,12 +16,12 @@ from batch_helpers import agent_turns, make_store, write_trajectory
 from conftest import free_port
 from moto.server import ThreadedMotoServer
 
-from datapool.batch_settings import BatchSettings
-from datapool.batches import BatchSpec, get_batch, materialise, read_rows
+from datapool.batches.build import BatchSpec, get_batch, materialise, read_rows
+from datapool.batches.settings import BatchSettings
 from datapool.models import PayloadFile
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
-from datapool.writer import PoolWriter
+from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
 
 BUCKET = "trajgate-test"
 

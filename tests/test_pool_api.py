@@ -14,9 +14,9 @@ from tests_support import free_port
 
 from datapool.settings import PoolSettings
 from gateway.app import create_app
-from gateway.emulator import EmulatorSettings, EmulatorThread
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
+from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 
 CHAT = {"model": "emulated", "messages": [{"role": "user", "content": "find the capybara"}]}
 
@@ -239,9 +239,9 @@ def test_concurrent_creation_of_a_groups_members_creates_each_once(
     # Found by the demo: members of one group created at once raced on the group row (500).
     from concurrent.futures import ThreadPoolExecutor
 
-    from datapool import lifecycle
     from datapool.db import make_engine
-    from datapool.store import PoolStore
+    from datapool.lifecycle import transitions as lifecycle
+    from datapool.steps.store import PoolStore
 
     engine = make_engine(pool_settings.resolved_database_url())
     store = PoolStore(engine, pool_settings)
@@ -335,8 +335,8 @@ def test_stale_steps_are_those_more_than_k_versions_old_in_keyset_pages(
     from dataclasses import replace
 
     from datapool.db import make_engine
-    from datapool.records import CallRecord, ChoiceRecord
-    from datapool.store import PoolStore
+    from datapool.steps.records import CallRecord, ChoiceRecord
+    from datapool.steps.store import PoolStore
 
     call = CallRecord(
         request={"model": "m", "messages": [{"role": "user", "content": "q"}]},

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from datapool.bench import BenchDatabaseNotEmptyError, bench_pool
 from datapool.db import make_engine
 from datapool.models import Step
-from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
+from trajgate.bench.pool import BenchDatabaseNotEmptyError, bench_pool
 
 TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
 

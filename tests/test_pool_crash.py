@@ -22,7 +22,7 @@ from tests_support import free_port
 from datapool.db import make_engine
 from datapool.models import Step, Trajectory
 from datapool.settings import PoolSettings
-from gateway.emulator import EmulatorSettings, EmulatorThread
+from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 
 AGENTS = 200
 CALLS_PER_AGENT = 3

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from datapool.db import make_engine
-from datapool.lifecycle import close_trajectory, create_trajectory
+from datapool.lifecycle.transitions import close_trajectory, create_trajectory
 from datapool.models import TrajectoryStatus
-from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
 from trajgate.cli import app
 
 

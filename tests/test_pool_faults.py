@@ -37,15 +37,16 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from tests_support import free_port
 
-from datapool import db, payload
+from datapool import db
 from datapool.db import make_engine
 from datapool.errors import PoolUnavailableError
-from datapool.faults import fault_reason
 from datapool.models import PayloadFile, Step, StepPayload
-from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
-from datapool.writer import PoolWriter
+from datapool.steps import payloads as payload
+from datapool.steps.faults import fault_reason
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
 from gateway.server import BackgroundServer
 from trajgate import vllm_server
 

@@ -15,11 +15,11 @@ from batch_helpers import call, make_store
 from fastapi.testclient import TestClient
 from sqlalchemy import text, update
 
-from datapool import lifecycle
+from datapool.curation.selection import TrajectoryFilter, select_trajectory_ids
+from datapool.lifecycle import transitions as lifecycle
 from datapool.models import Trajectory
-from datapool.selection import TrajectoryFilter, select_trajectory_ids
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.store import PoolStore
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import random
 
 from datapool.db import make_engine
-from datapool.lineage import TrajectoryTokens
-from datapool.payload import decode_logprobs, encode_ids, encode_logprobs
-from datapool.prefix import Candidate, Lineage, choose_parent
-from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.lineage import TrajectoryTokens
+from datapool.steps.payloads import decode_logprobs, encode_ids, encode_logprobs
+from datapool.steps.prefix import Candidate, Lineage, choose_parent
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
 
 
 def call(prompt: list[int] | None, response: list[int] | None, **kw: object) -> CallRecord:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datapool.prefix import Candidate, Lineage, choose_parent, first_divergence
+from datapool.steps.prefix import Candidate, Lineage, choose_parent, first_divergence
 
 
 def test_prompt_that_starts_with_the_sequence_extends_it() -> None:

@@ -23,7 +23,7 @@ import pytest
 from conftest import _create_postgres_database, _drop_postgres_database, free_port
 from deployment_helpers import compose_service_env
 
-from trajgate.fleet import (
+from trajgate.bench.fleet import (
     Balancer,
     DriveResult,
     audit,

@@ -12,11 +12,11 @@ from sqlalchemy import select, text
 
 from datapool import db
 from datapool.db import make_engine
-from datapool.messages import apply_merge_patch, expand_requests, merge_patch
 from datapool.models import Step
-from datapool.records import CallRecord, ChoiceRecord
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.messages import apply_merge_patch, expand_requests, merge_patch
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
 from gateway.server import BackgroundServer
 
 

@@ -1,4 +1,4 @@
-"""The built-in reward functions (``datapool.reward_functions``) on SQLite and PostgreSQL:
+"""The built-in reward functions (``datapool.rewards.functions``) on SQLite and PostgreSQL:
 exact match of the final answer, the tool-call format share, a reward model over HTTP (a real
 local server: the reward model is an edge trajgate does not own), each failure recorded with its
 error and a null value, and all three named by entry point through a real gateway and vLLM."""
@@ -24,14 +24,14 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from tests_support import free_port
 
-from datapool import lifecycle
 from datapool.errors import InvalidPoolRequestError
+from datapool.lifecycle import transitions as lifecycle
 from datapool.models import Reward, TrajectoryStatus
-from datapool.records import CallRecord, ChoiceRecord
-from datapool.reward_functions import normalize_answer
-from datapool.rewards import current_rewards, run_reward_functions
+from datapool.rewards.functions import normalize_answer
+from datapool.rewards.values import current_rewards, run_reward_functions
 from datapool.settings import PoolSettings
-from datapool.store import PoolStore
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
@@ -377,7 +377,7 @@ def test_http_reward_model_without_a_url_or_within_the_lease_is_refused_at_start
         PoolSettings(reward_functions=["http_reward_model"])
     with pytest.raises(ValidationError, match=r"reward_model_timeout_s \(300\) must be below"):
         PoolSettings(
-            reward_functions=["datapool.reward_functions:http_reward_model"],
+            reward_functions=["datapool.rewards.functions:http_reward_model"],
             reward_model_url="http://judge:8000/score",
             reward_model_timeout_s=300,
         )

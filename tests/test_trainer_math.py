@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainer_bridge.advantages import (
+from datapool.batches.advantages import (
     discounted_returns,
     group_stats,
     grpo_advantages,

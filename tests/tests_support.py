@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from gateway.bench import free_port
+from trajgate.bench.gateway import free_port
 
 __all__ = ["free_port"]

@@ -318,7 +318,7 @@ def bench_gateway(
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
-    from gateway.bench import BenchSettings, run_benchmark
+    from trajgate.bench.gateway import BenchSettings, run_benchmark
 
     values = [value.lower() for value in stream or ["false", "true"]]
     if not set(values) <= {"false", "true"}:
@@ -398,10 +398,10 @@ def bench_pool(
     With --gateways N: committed steps/s through N gateway processes versus one."""
     import tempfile
 
-    from datapool.bench import BenchDatabaseNotEmptyError, run_pool_benchmark
+    from trajgate.bench.pool import BenchDatabaseNotEmptyError, run_pool_benchmark
 
     if gateways is not None:
-        from trajgate.fleet import bench_gateways, ensure_postgres_database
+        from trajgate.bench.fleet import bench_gateways, ensure_postgres_database
 
         with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
             if backend == "postgresql":
@@ -444,10 +444,10 @@ def export_trajectories(
     from rich.progress import Progress
 
     from datapool.db import make_engine
-    from datapool.export import export_trajectories as run_export
-    from datapool.export import select_trajectories
     from datapool.models import TrajectoryStatus
-    from datapool.store import PoolStore
+    from datapool.queries.export import export_trajectories as run_export
+    from datapool.queries.export import select_trajectories
+    from datapool.steps.store import PoolStore
 
     if format not in ("parquet", "jsonl"):
         raise typer.BadParameter(
@@ -483,7 +483,7 @@ def rewards_import(
     """Append rewards computed elsewhere (all or none; unknown targets fail the import)."""
     from datapool.db import make_engine, make_sessionmaker
     from datapool.errors import PoolError
-    from datapool.rewards import add_rewards, read_reward_file
+    from datapool.rewards.values import add_rewards, read_reward_file
 
     pool = _existing_pool(database_url, data_dir)
     sessions = make_sessionmaker(make_engine(pool.resolved_database_url()))
@@ -504,7 +504,7 @@ app.add_typer(batches_app, name="batches")
 
 def _pool_store(database_url: str | None, data_dir: Path | None) -> tuple[PoolSettings, Any]:
     from datapool.db import make_engine
-    from datapool.store import PoolStore
+    from datapool.steps.store import PoolStore
 
     pool = _existing_pool(database_url, data_dir)
     return pool, PoolStore(make_engine(pool.resolved_database_url()), pool)
@@ -527,7 +527,7 @@ def batches_create(
     """Materialise a batch spec into an immutable batch; prints its id and counts."""
     from pydantic import ValidationError
 
-    from datapool.batches import BatchSpec, NothingToBatchError, materialise
+    from datapool.batches.build import BatchSpec, NothingToBatchError, materialise
 
     fields: dict[str, Any] = json.loads(spec.read_text()) if spec is not None else {}
     for key, value in (
@@ -559,7 +559,7 @@ def batches_list(
     data_dir: DataDirOpt = None,
 ) -> None:
     """List batches (one JSON object per line)."""
-    from datapool.batches import list_batches
+    from datapool.batches.build import list_batches
 
     _pool, store = _pool_store(database_url, data_dir)
     for batch in list_batches(store, status, limit):
@@ -588,8 +588,8 @@ def batches_export(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Export a batch for verl / OpenRLHF / TRL (Parquet) or SFT trainers (JSONL messages)."""
-    from datapool.batch_export import EXPORT_FORMATS, export_batch
-    from datapool.batches import get_batch, read_rows
+    from datapool.batches.build import get_batch, read_rows
+    from datapool.batches.exports import EXPORT_FORMATS, export_batch
 
     if format not in EXPORT_FORMATS:
         raise typer.BadParameter(
@@ -610,7 +610,7 @@ def bench_export(
     repeats: Annotated[int, typer.Option(help="Timed repeats per layout (best is kept).")] = 3,
 ) -> None:
     """Pool → trainer-ready Arrow rows: rows_per_s, tokens_per_s and merge_ratio."""
-    from datapool.batch_bench import bench_export as run
+    from trajgate.bench.export import bench_export as run
 
     report = run(trajectories, turns, group_size, repeats)
     typer.echo(json.dumps(report, indent=None if as_json else 2))
@@ -629,7 +629,7 @@ def bench_inspector(
 ) -> None:
     """Fill a SQLite pool in bulk and time the inspector's JSON endpoints: list_p50_ms,
     list_p99_ms, trajectory_view_p50_ms, step_tokens_p50_ms (and fill_s)."""
-    from datapool.inspector_bench import run_inspector_benchmark
+    from trajgate.bench.inspector import run_inspector_benchmark
 
     report = run_inspector_benchmark(
         trajectories,

@@ -33,11 +33,11 @@ import pyarrow as pa
 import torch
 
 from datapool import db
+from datapool.batches.advantages import grpo_advantages
 from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
-from trainer_bridge.advantages import grpo_advantages
 from trainer_bridge.client import PoolClient, train_batch
 from trainer_bridge.sync import WeightSync
 from trainer_bridge.trainer import PolicyTrainer, TrainerSettings, UpdateMetrics

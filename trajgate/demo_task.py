@@ -15,7 +15,7 @@ It is a shaped format reward, not correctness.
 
 from __future__ import annotations
 
-from datapool.rewards import RewardContext
+from datapool.rewards.values import RewardContext
 
 CITIES = ("Paris", "London", "Tokyo", "Berlin", "Rome", "Madrid", "Oslo", "Lima")
 SYSTEM_PROMPT = "Answer with the temperature as a number."

@@ -2,7 +2,8 @@
 
 Set when a trajectory becomes complete (explicitly or by the idle timeout), moved forward by the
 runner that claims it (a lease), NULL once its reward functions and curation rules ran (see
-``datapool.hooks``). Trajectories completed before this revision stay NULL: their hooks are not
+``datapool.lifecycle.hooks``). Trajectories completed before this revision stay NULL: their hooks
+are not
 re-run on upgrade (reward functions may be costly or already replaced by imported rewards);
 docs/datapool.md shows the one UPDATE that queues them.
 

@@ -4,7 +4,7 @@ New columns ``steps.messages_base`` (the first b messages are the parent's messa
 ``request.messages`` holds the rest) and ``steps.upstream_request_patch`` (RFC 7396 merge patch
 against the full client request); ``steps.upstream_request`` becomes nullable (NULL when the
 patch is set). Rows written before this revision are not rewritten: NULL ``messages_base`` and a
-whole ``upstream_request`` read as they always did (``datapool.messages``).
+whole ``upstream_request`` read as they always did (``datapool.steps.messages``).
 
 Downgrade restores every row to the old form (whole request, whole upstream request), one
 trajectory at a time, then drops the columns: nothing is lost, but it rewrites every row
@@ -34,7 +34,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from datapool.messages import StoredRequest, full_request, reconstruct_messages
+    from datapool.steps.messages import StoredRequest, full_request, reconstruct_messages
 
     steps = sa.table(
         "steps",

@@ -1,0 +1,105 @@
+"""Exports of a materialised batch for trainers other than trajgate's own.
+
+Owns: ``parquet`` (the batch's rows plus the prompt/response split columns that verl, OpenRLHF
+and TRL users load; mapping in docs/batches.md) and ``messages`` (JSONL chat messages of each
+row's last step, for SFT trainers such as TRL's ``SFTTrainer``). Never: re-tokenizes; the split
+columns are slices of the stored IDs, and ``messages`` are the requests and replies as captured.
+
+Split columns (per row, ``p`` = ``prompt_tokens``, the tokens before the first sampled token):
+``prompt_ids = input_ids[:p]``, ``response_ids = input_ids[p:]``, ``response_mask =
+loss_mask[p:]`` (0 on environment tokens inside a merged row), ``response_logprobs =
+behaviour_logprobs[p:]``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from sqlalchemy import select
+
+from datapool.curation.selection import chunks
+from datapool.models import Batch, Step
+from datapool.steps.messages import expand_requests
+from datapool.steps.store import PoolStore
+
+ExportFormat = Literal["parquet", "messages"]
+EXPORT_FORMATS: tuple[str, ...] = ("parquet", "messages")
+
+
+def _split(column: pa.ListArray, head: np.ndarray) -> tuple[pa.ListArray, pa.ListArray]:
+    """``(column[:head], column[head:])`` per row, vectorised over the flat values."""
+    lengths = np.diff(column.offsets.to_numpy())  # [B]
+    starts = column.offsets.to_numpy()[:-1]  # [B]
+    flat = column.values.to_numpy(zero_copy_only=False)  # [N]
+    positions = np.arange(len(flat)) - np.repeat(starts - column.offsets.to_numpy()[0], lengths)
+    in_head = positions < np.repeat(head, lengths)  # [N]
+    head_offsets = np.concatenate([[0], np.cumsum(head)]).astype(np.int32)
+    tail_offsets = np.concatenate([[0], np.cumsum(lengths - head)]).astype(np.int32)
+    return (
+        pa.ListArray.from_arrays(pa.array(head_offsets), pa.array(flat[in_head])),
+        pa.ListArray.from_arrays(pa.array(tail_offsets), pa.array(flat[~in_head])),
+    )
+
+
+def with_split_columns(table: pa.Table) -> pa.Table:
+    """``table`` plus ``prompt_ids``, ``response_ids``, ``response_mask``, ``response_logprobs``."""
+    table = table.combine_chunks()
+    head = table["prompt_tokens"].to_numpy()
+    prompt_ids, response_ids = _split(table["input_ids"].chunk(0), head)
+    _m, response_mask = _split(table["loss_mask"].chunk(0), head)
+    _l, response_logprobs = _split(table["behaviour_logprobs"].chunk(0), head)
+    for name, column in (
+        ("prompt_ids", prompt_ids),
+        ("response_ids", response_ids),
+        ("response_mask", response_mask),
+        ("response_logprobs", response_logprobs),
+    ):
+        table = table.append_column(name, column)
+    return table
+
+
+def export_batch(
+    store: PoolStore, batch: Batch, table: pa.Table, out: Path, fmt: ExportFormat
+) -> int:
+    """Write ``batch``'s rows ``table`` to ``out`` as ``fmt``; returns the rows written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        pq.write_table(with_split_columns(table), out, compression="zstd")
+        return int(table.num_rows)
+    if fmt == "messages":
+        last_steps = [ids[-1] for ids in table["step_ids"].to_pylist()]
+        with store.sessions() as session:
+            steps = {
+                s.id: s
+                for chunk in chunks(sorted(set(last_steps)))
+                for s in session.scalars(select(Step).where(Step.id.in_(chunk)))
+            }
+            expand_requests(session, steps.values())  # full messages, not stored deltas
+        with out.open("w") as sink:
+            for i, step_id in enumerate(last_steps):
+                step = steps[step_id]
+                messages = list(step.request.get("messages") or [])
+                if step.response_message is not None:
+                    messages.append(step.response_message)
+                record = {
+                    "messages": messages,
+                    "tools": step.request.get("tools"),
+                    "batch_id": batch.id,
+                    "trajectory_id": table["trajectory_id"][i].as_py(),
+                    "step_ids": table["step_ids"][i].as_py(),
+                    "reward": _finite(table["reward"][i].as_py()),
+                    "advantage": _finite(table["advantage"][i].as_py()),
+                }
+                sink.write(json.dumps(record) + "\n")
+        return len(last_steps)
+    raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no NaN: an unrewarded/unscored value is null (never 0)."""
+    return None if value is None or value != value else value

@@ -1,0 +1,185 @@
+"""Training rows from stored steps, assembled with numpy into Arrow columns.
+
+Owns: reading the exact token payloads of many steps as arrays (no Python lists), cutting a
+trajectory's trainable steps into *segments*, and assembling segments into the token columns of
+a batch. Never: tokenizes, or crosses a prefix break: a segment only grows by a step whose
+parent is the segment's last step and whose prompt starts with that step's prompt + response
+(checked token by token, not only by the stored ``extends_parent``).
+
+Shape legend: ``P`` prompt tokens, ``R`` response tokens, ``T`` tokens of a row, ``N`` tokens of
+all rows. A segment of steps ``s_1..s_m`` becomes one row:
+
+    input_ids  = P_1 + R_1 + E_2 + R_2 + ... + E_m + R_m      (E_k = P_k[len(P_{k-1} + R_{k-1}):])
+    loss_mask  = 0..0  1..1  0..0  1..1 ...                   (1 exactly on sampled tokens)
+    behaviour_logprobs = 0 where the mask is 0, the engine's logprob of each sampled token else
+
+which equals ``P_m + R_m``. In the ``per_step`` layout every segment is one step
+(``P + R``, mask ``0^P 1^R``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+from sqlalchemy.orm import Session
+
+from datapool.models import Step
+from datapool.steps.payloads import StepRef, _prompt
+from datapool.steps.store import PoolStore
+
+IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """One step's exact arrays: prompt ``[P]``, response ``[R]``, logprobs ``[R]`` (float32)."""
+
+    row: Step
+    prompt: IntArray
+    response: IntArray
+    logprobs: FloatArray
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+
+def load_tokens(
+    store: PoolStore, session: Session, steps: Sequence[Step]
+) -> dict[str, StepTokens | None]:
+    """Exact arrays of ``steps`` (whole trajectories, in step order); None for a step whose
+    prompt, response or logprobs the engine did not report, or whose lengths disagree."""
+    refs = [
+        StepRef(s.id, s.trajectory_id, s.parent_step_id, s.prompt_base_tokens, s.payload_file_id)
+        for s in steps
+    ]
+    stored = store.payloads.load(session, refs)
+    prompts: dict[str, IntArray | None] = {}
+    result: dict[str, StepTokens | None] = {}
+    for step in steps:  # parents come first: a parent has a lower step_index
+        entry = stored.get(step.id)
+        if entry is None:
+            result[step.id] = None
+            continue
+        prompts[step.id] = _prompt(entry, prompts, stored)
+        prompt, response, logprobs = (
+            prompts[step.id],
+            entry.response_token_ids,
+            entry.response_logprobs,
+        )
+        if prompt is None or response is None or logprobs is None or len(response) != len(logprobs):
+            result[step.id] = None
+            continue
+        result[step.id] = StepTokens(step, prompt, response, logprobs.astype(np.float32))
+    return result
+
+
+def _extends(tail: StepTokens, step: StepTokens) -> bool:
+    n = tail.tokens
+    return (
+        step.row.parent_step_id == tail.row.id
+        and bool(step.row.extends_parent)
+        and len(step.prompt) >= n
+        and np.array_equal(step.prompt[: len(tail.prompt)], tail.prompt)
+        and np.array_equal(step.prompt[len(tail.prompt) : n], tail.response)
+    )
+
+
+def segments(
+    steps: Sequence[StepTokens], layout: str, max_tokens_per_row: int | None
+) -> tuple[list[list[StepTokens]], int]:
+    """Cut a trajectory's trainable ``steps`` (in order) into rows; returns ``(segments,
+    steps dropped because a single step exceeds max_tokens_per_row)``.
+
+    ``merged`` grows a segment only across token-exact extensions (a prefix break, a fork, a
+    dropped step in between or the row cap start a new one); ``per_step`` is one step each.
+    """
+    if layout not in ("per_step", "merged"):
+        raise ValueError(f"layout must be 'per_step' or 'merged', got {layout!r}")
+    result: list[list[StepTokens]] = []
+    dropped = 0
+    for step in steps:
+        if max_tokens_per_row is not None and step.tokens > max_tokens_per_row:
+            dropped += 1
+            continue
+        tail = result[-1][-1] if result else None
+        # A merged row is its last step's P + R, so the cap checked above holds for it too.
+        if layout == "merged" and tail is not None and _extends(tail, step):
+            result[-1].append(step)
+            continue
+        result.append([step])
+    return result, dropped
+
+
+def segment_tokens(segment: Sequence[StepTokens]) -> int:
+    """Tokens of the row a segment becomes (its last step's ``P + R``)."""
+    return segment[-1].tokens
+
+
+@dataclass(frozen=True)
+class TokenColumns:
+    """The token columns of ``B`` rows as Arrow list arrays, plus per-row counts ``[B]``."""
+
+    input_ids: pa.Array
+    loss_mask: pa.Array
+    behaviour_logprobs: pa.Array
+    position_ids: pa.Array
+    step_ids: pa.Array
+    num_tokens: npt.NDArray[np.int32]
+    num_loss_tokens: npt.NDArray[np.int32]
+    prompt_tokens: npt.NDArray[np.int32]
+
+
+def assemble(rows: Sequence[Sequence[StepTokens]]) -> TokenColumns:
+    """Token columns of ``rows`` (segments); one concatenation per column, no per-token Python."""
+    id_pieces: list[IntArray] = []
+    piece_lengths: list[int] = []
+    logprob_pieces: list[FloatArray] = []
+    row_lengths = np.zeros(len(rows), dtype=np.int64)  # [B]
+    loss_lengths = np.zeros(len(rows), dtype=np.int32)  # [B]
+    first_prompt = np.zeros(len(rows), dtype=np.int32)  # [B]
+    step_ids: list[str] = []
+    steps_per_row = np.zeros(len(rows), dtype=np.int32)  # [B]
+    for i, segment in enumerate(rows):
+        covered = 0
+        for step in segment:
+            environment = step.prompt[covered:]  # [E]: the tokens the next prompt adds
+            id_pieces += (environment, step.response)
+            piece_lengths += (len(environment), len(step.response))
+            logprob_pieces.append(step.logprobs)
+            covered = step.tokens
+            loss_lengths[i] += len(step.response)
+            step_ids.append(step.row.id)
+        row_lengths[i] = covered
+        first_prompt[i] = len(segment[0].prompt)
+        steps_per_row[i] = len(segment)
+    total = int(row_lengths.sum())
+    values = np.concatenate(id_pieces) if id_pieces else np.zeros(0, np.int32)  # [N]
+    pattern = np.tile(np.array([0, 1], dtype=np.int8), len(piece_lengths) // 2)
+    mask = np.repeat(pattern, piece_lengths)  # [N]
+    logprobs = np.zeros(total, dtype=np.float32)  # [N]
+    if logprob_pieces:
+        logprobs[mask.astype(bool)] = np.concatenate(logprob_pieces)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)  # [B + 1]
+    np.cumsum(row_lengths, out=offsets[1:])
+    positions = (np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], row_lengths)).astype(
+        np.int32
+    )  # [N]
+    arrow_offsets = pa.array(offsets.astype(np.int32))
+    step_offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(steps_per_row, out=step_offsets[1:])
+    return TokenColumns(
+        input_ids=pa.ListArray.from_arrays(arrow_offsets, pa.array(values.astype(np.int32))),
+        loss_mask=pa.ListArray.from_arrays(arrow_offsets, pa.array(mask)),
+        behaviour_logprobs=pa.ListArray.from_arrays(arrow_offsets, pa.array(logprobs)),
+        position_ids=pa.ListArray.from_arrays(arrow_offsets, pa.array(positions)),
+        step_ids=pa.ListArray.from_arrays(pa.array(step_offsets), pa.array(step_ids, pa.string())),
+        num_tokens=row_lengths.astype(np.int32),
+        num_loss_tokens=loss_lengths,
+        prompt_tokens=first_prompt,
+    )

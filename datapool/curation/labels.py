@@ -1,0 +1,267 @@
+"""Labels: append-only human judgements on steps, trajectories and groups, and their current view.
+
+Owns: appending label records (never updating one), bulk-applying one label to everything a
+filter matches, and the current view per target. Never: changes a step or trajectory; a label is
+data about data, read by curation (``datapool.curation.rules``) and batch specs.
+
+The current view of a target folds its records oldest first: ``tags`` are added and
+``remove_tags`` removed; ``quality`` (good / bad / unsure), ``decision`` (include / exclude) and
+``note`` are the latest non-null value of each. A ``decision`` of ``exclude`` keeps the target out
+of every batch; ``include`` overrides a curation rule's exclusion of the same target (never an
+integrity flag: a step without exact IDs is never trained on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.curation.selection import TrajectoryFilter, chunks, select_trajectory_ids
+from datapool.errors import InvalidPoolRequestError, UnknownTargetError
+from datapool.models import Label, Step, Trajectory, TrajectoryGroup, utc_now
+
+LabelTarget = Literal["step", "trajectory", "group"]
+LABEL_TARGETS: tuple[str, ...] = ("step", "trajectory", "group")
+QUALITIES: tuple[str, ...] = ("good", "bad", "unsure")
+DECISIONS: tuple[str, ...] = ("include", "exclude")
+
+
+@dataclass(frozen=True)
+class LabelIn:
+    """One label to append; at least one of tags, remove_tags, quality, decision, note."""
+
+    target_kind: str
+    target_id: str
+    tags: list[str] = field(default_factory=list)
+    remove_tags: list[str] = field(default_factory=list)
+    quality: str | None = None
+    decision: str | None = None
+    note: str | None = None
+    author: str | None = None
+
+
+@dataclass
+class CurrentLabel:
+    """The folded view of a target's label records."""
+
+    tags: list[str] = field(default_factory=list)
+    quality: str | None = None
+    decision: str | None = None
+    note: str | None = None
+    decided_by: str | None = None  # author of the record that set ``decision``
+    decision_label_id: int | None = None
+    updated_at: datetime | None = None
+    records: int = 0
+
+
+def _check(label: LabelIn) -> None:
+    if label.target_kind not in LABEL_TARGETS:
+        raise InvalidPoolRequestError(
+            f"target must be one of {LABEL_TARGETS}, got {label.target_kind!r}", param="target"
+        )
+    if label.quality is not None and label.quality not in QUALITIES:
+        raise InvalidPoolRequestError(
+            f"quality must be one of {QUALITIES}, got {label.quality!r}", param="quality"
+        )
+    if label.decision is not None and label.decision not in DECISIONS:
+        raise InvalidPoolRequestError(
+            f"decision must be one of {DECISIONS}, got {label.decision!r}", param="decision"
+        )
+    if not (label.tags or label.remove_tags or label.quality or label.decision or label.note):
+        raise InvalidPoolRequestError(
+            "a label needs at least one of tags, remove_tags, quality, decision, note"
+        )
+
+
+def _trajectory_of(session: Session, labels: Sequence[LabelIn]) -> dict[tuple[str, str], str]:
+    """``{(kind, id): trajectory_id}`` for step and trajectory targets; raises for unknown ids."""
+    found: dict[tuple[str, str], str] = {}
+    unknown: list[str] = []
+    for kind in LABEL_TARGETS:
+        ids = sorted({label.target_id for label in labels if label.target_kind == kind})
+        known: set[str] = set()
+        for chunk in chunks(ids):
+            if kind == "step":
+                rows = session.execute(
+                    select(Step.id, Step.trajectory_id).where(Step.id.in_(chunk))
+                )
+                for step_id, trajectory_id in rows:
+                    found[("step", step_id)] = trajectory_id
+                    known.add(step_id)
+            elif kind == "trajectory":
+                for trajectory_id in session.scalars(
+                    select(Trajectory.id).where(Trajectory.id.in_(chunk))
+                ):
+                    found[("trajectory", trajectory_id)] = trajectory_id
+                    known.add(trajectory_id)
+            else:
+                known |= set(
+                    session.scalars(select(TrajectoryGroup.id).where(TrajectoryGroup.id.in_(chunk)))
+                )
+                known |= set(
+                    session.scalars(
+                        select(Trajectory.group_id).where(Trajectory.group_id.in_(chunk))
+                    )
+                )
+        unknown += [f"{kind} {i}" for i in ids if i not in known]
+    if unknown:
+        shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+        raise UnknownTargetError(
+            f"{len(unknown)} label target(s) not in the pool: {shown}", param="target_id"
+        )
+    return found
+
+
+def add_labels(sessions: sessionmaker[Session], labels: Sequence[LabelIn]) -> list[int]:
+    """Append ``labels`` in one transaction (all or none); returns their record ids.
+
+    Raises ``UnknownTargetError`` naming unknown targets and ``InvalidPoolRequestError`` for a
+    bad kind, quality, decision or an empty label.
+    """
+    for label in labels:
+        _check(label)
+    with sessions.begin() as session:
+        trajectory_of = _trajectory_of(session, labels)
+        now = utc_now()
+        records = [
+            Label(
+                target_kind=label.target_kind,
+                target_id=label.target_id,
+                trajectory_id=trajectory_of.get((label.target_kind, label.target_id)),
+                tags=list(label.tags),
+                remove_tags=list(label.remove_tags),
+                quality=label.quality,
+                decision=label.decision,
+                note=label.note,
+                author=label.author,
+                created_at=now,
+            )
+            for label in labels
+        ]
+        session.add_all(records)
+        session.flush()
+        return [record.id for record in records]
+
+
+def bulk_label(
+    sessions: sessionmaker[Session], where: TrajectoryFilter, template: LabelIn
+) -> list[int]:
+    """Append ``template`` (its ``target_id`` ignored) to everything ``where`` matches.
+
+    ``template.target_kind`` picks what gets the label: the matching trajectories, every step of
+    them, or their distinct groups. Returns the appended record ids.
+    """
+    _check(LabelIn(template.target_kind, "-", *_fields(template)))
+    with sessions() as session:
+        trajectory_ids = select_trajectory_ids(session, where)
+        if template.target_kind == "trajectory":
+            targets = trajectory_ids
+        elif template.target_kind == "step":
+            targets = [
+                step_id
+                for chunk in chunks(trajectory_ids)
+                for step_id in session.scalars(
+                    select(Step.id)
+                    .where(Step.trajectory_id.in_(chunk))
+                    .order_by(Step.trajectory_id, Step.step_index, Step.choice_index)
+                )
+            ]
+        elif template.target_kind == "group":
+            targets = sorted(
+                {
+                    group_id
+                    for chunk in chunks(trajectory_ids)
+                    for group_id in session.scalars(
+                        select(Trajectory.group_id).where(Trajectory.id.in_(chunk))
+                    )
+                    if group_id is not None
+                }
+            )
+        else:
+            raise InvalidPoolRequestError(
+                f"target must be one of {LABEL_TARGETS}, got {template.target_kind!r}"
+            )
+    if not targets:
+        return []
+    return add_labels(
+        sessions, [LabelIn(template.target_kind, t, *_fields(template)) for t in targets]
+    )
+
+
+def _fields(
+    label: LabelIn,
+) -> tuple[list[str], list[str], str | None, str | None, str | None, str | None]:
+    return (
+        label.tags,
+        label.remove_tags,
+        label.quality,
+        label.decision,
+        label.note,
+        label.author,
+    )
+
+
+def current_labels(
+    session: Session, target_kind: str, target_ids: Sequence[str]
+) -> dict[str, CurrentLabel]:
+    """``{target_id: CurrentLabel}`` for targets with at least one record."""
+    result: dict[str, CurrentLabel] = {}
+    for chunk in chunks(list(target_ids)):
+        records = session.scalars(
+            select(Label)
+            .where(Label.target_kind == target_kind, Label.target_id.in_(chunk))
+            .order_by(Label.id)
+        )
+        for record in records:
+            _fold(result.setdefault(record.target_id, CurrentLabel()), record)
+    return result
+
+
+def labels_of_trajectories(
+    session: Session, trajectory_ids: Sequence[str]
+) -> dict[tuple[str, str], CurrentLabel]:
+    """``{(kind, target_id): CurrentLabel}`` of the steps and trajectories of ``trajectory_ids``."""
+    result: dict[tuple[str, str], CurrentLabel] = {}
+    for chunk in chunks(list(trajectory_ids)):
+        for record in session.scalars(
+            select(Label).where(Label.trajectory_id.in_(chunk)).order_by(Label.id)
+        ):
+            _fold(result.setdefault((record.target_kind, record.target_id), CurrentLabel()), record)
+    return result
+
+
+def _fold(view: CurrentLabel, record: Label) -> None:
+    tags = [t for t in view.tags if t not in set(record.remove_tags or [])]
+    view.tags = tags + [t for t in record.tags or [] if t not in tags]
+    view.quality = record.quality or view.quality
+    view.note = record.note or view.note
+    if record.decision is not None:
+        view.decision = record.decision
+        view.decided_by = record.author
+        view.decision_label_id = record.id
+    view.updated_at = record.created_at
+    view.records += 1
+
+
+def label_history(
+    session: Session,
+    *,
+    target_kind: str | None = None,
+    target_id: str | None = None,
+    trajectory_id: str | None = None,
+    limit: int = 1000,
+) -> list[Label]:
+    """Label records, oldest first, of one target or of one trajectory's steps and itself."""
+    query = select(Label).order_by(Label.id).limit(limit)
+    if target_kind is not None:
+        query = query.where(Label.target_kind == target_kind)
+    if target_id is not None:
+        query = query.where(Label.target_id == target_id)
+    if trajectory_id is not None:
+        query = query.where(Label.trajectory_id == trajectory_id)
+    return list(session.scalars(query))

@@ -1,0 +1,165 @@
+"""Aggregates for the inspector's charts, and the trainer's metrics (append-only).
+
+Owns: reward by policy version over time, steps and tokens per time bucket, length histograms,
+flag rates per policy version, and ``training_metrics`` rows. Never: samples or estimates; every
+number is an exact SQL aggregate over the window asked for (``since``), so a chart of a large
+pool costs one scan of the window's steps.
+
+A trajectory's policy version here is the newest version among its steps (the weights that
+finished it); its reward is the current value of ``reward_name`` (unrewarded ones are left out
+of means, never counted as 0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Float, Integer, Text, cast, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.models import Step, TrainingMetric, Trajectory
+from datapool.rewards.values import current_rewards_query
+
+HISTOGRAM_BINS = 30
+
+
+def _bucket(column: Any, bucket_s: int, dialect: str) -> Any:
+    """Seconds since the epoch, floored to ``bucket_s``, as an SQL expression."""
+    if dialect == "sqlite":
+        seconds = cast(func.strftime("%s", column), Integer)
+    else:
+        seconds = cast(func.extract("epoch", column), Integer)
+    return cast(seconds / bucket_s, Integer) * bucket_s
+
+
+def charts(
+    session: Session, *, since: datetime | None, bucket_s: int, reward_name: str
+) -> dict[str, Any]:
+    """Every chart's series; see the module docstring for what each number means."""
+    dialect = session.get_bind().dialect.name
+    return {
+        "bucket_s": bucket_s,
+        "reward_by_version": _reward_by_version(session, since, bucket_s, reward_name, dialect),
+        "steps_over_time": _steps_over_time(session, since, bucket_s, dialect),
+        "prompt_tokens_histogram": _histogram(session, Step.prompt_tokens, since),
+        "completion_tokens_histogram": _histogram(session, Step.completion_tokens, since),
+        "flag_rates": _flag_rates(session, since),
+    }
+
+
+def _reward_by_version(
+    session: Session, since: datetime | None, bucket_s: int, reward_name: str, dialect: str
+) -> list[dict[str, Any]]:
+    """``[{policy_version, t, mean, n}]`` over trajectories completed in each bucket."""
+    versions = select(
+        Step.trajectory_id.label("trajectory_id"),
+        func.max(Step.policy_version).label("version"),
+    ).group_by(Step.trajectory_id)
+    if since is not None:
+        versions = versions.where(Step.created_at >= since)
+    by_trajectory = versions.subquery()
+    reward = current_rewards_query("trajectory", reward_name)
+    at = func.coalesce(Trajectory.completed_at, Trajectory.created_at)
+    t = _bucket(at, bucket_s, dialect).label("t")
+    query = (
+        select(by_trajectory.c.version, t, func.avg(reward.c.value), func.count())
+        .select_from(Trajectory)
+        .join(by_trajectory, by_trajectory.c.trajectory_id == Trajectory.id)
+        .join(reward, reward.c.target_id == Trajectory.id)
+        .group_by(by_trajectory.c.version, t)
+        .order_by(t)
+    )
+    return [
+        {"policy_version": v, "t": int(b), "mean": float(mean), "n": int(n)}
+        for v, b, mean, n in session.execute(query)
+    ]
+
+
+def _steps_over_time(
+    session: Session, since: datetime | None, bucket_s: int, dialect: str
+) -> list[dict[str, Any]]:
+    t = _bucket(Step.created_at, bucket_s, dialect).label("t")
+    query = select(
+        t,
+        func.count(),
+        func.coalesce(func.sum(Step.prompt_tokens), 0),
+        func.coalesce(func.sum(Step.completion_tokens), 0),
+    ).group_by(t)
+    if since is not None:
+        query = query.where(Step.created_at >= since)
+    return [
+        {"t": int(b), "steps": int(n), "prompt_tokens": int(p), "completion_tokens": int(c)}
+        for b, n, p, c in session.execute(query.order_by(t))
+    ]
+
+
+def _histogram(session: Session, column: Any, since: datetime | None) -> dict[str, Any]:
+    """``HISTOGRAM_BINS`` equal-width bins from 0 to the maximum: ``{width, counts}``."""
+    where = [column.is_not(None)]
+    if since is not None:
+        where.append(Step.created_at >= since)
+    top = session.scalar(select(func.max(column)).where(*where)) or 0
+    width = max(1, -(-int(top + 1) // HISTOGRAM_BINS))  # ceil((top + 1) / bins)
+    b = cast(cast(column, Float) / width, Integer).label("b")
+    counts = [0] * HISTOGRAM_BINS
+    for index, n in session.execute(select(b, func.count()).where(*where).group_by(b)):
+        counts[min(int(index), HISTOGRAM_BINS - 1)] += int(n)
+    return {"width": width, "counts": counts}
+
+
+def _flag_rates(session: Session, since: datetime | None) -> dict[str, Any]:
+    """Per policy version: steps, and the share of them carrying each flag."""
+    # Grouped by the JSON text: PostgreSQL's json type has no equality operator.
+    flags_text = cast(Step.flags, Text)
+    query = select(Step.policy_version, flags_text, func.count()).group_by(
+        Step.policy_version, flags_text
+    )
+    if since is not None:
+        query = query.where(Step.created_at >= since)
+    totals: dict[int | None, int] = defaultdict(int)
+    flagged: dict[int | None, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for version, flags, n in session.execute(query):
+        totals[version] += int(n)
+        for flag in json.loads(flags) if flags else []:
+            flagged[version][str(flag)] += int(n)
+    names = sorted({f for counts in flagged.values() for f in counts})
+    versions = sorted(totals, key=lambda v: (v is None, v or 0))
+    return {
+        "flags": names,
+        "versions": [
+            {
+                "policy_version": v,
+                "steps": totals[v],
+                "rates": {f: flagged[v].get(f, 0) / totals[v] for f in names},
+            }
+            for v in versions
+        ],
+    }
+
+
+# ---- training metrics ----------------------------------------------------------------------
+
+
+def add_training_metrics(
+    sessions: sessionmaker[Session], rows: Sequence[dict[str, Any]]
+) -> list[int]:
+    """Append rows ``{run, policy_version, step, metrics}`` in one transaction; their ids."""
+    with sessions.begin() as session:
+        records = [TrainingMetric(**row) for row in rows]
+        session.add_all(records)
+        session.flush()
+        return [r.id for r in records]
+
+
+def training_metrics(
+    session: Session, run: str | None, after_id: int, limit: int
+) -> list[TrainingMetric]:
+    """Rows oldest first (by id), after ``after_id`` so a chart can poll for new ones."""
+    query = select(TrainingMetric).where(TrainingMetric.id > after_id)
+    if run is not None:
+        query = query.where(TrainingMetric.run == run)
+    return list(session.scalars(query.order_by(TrainingMetric.id).limit(limit)))

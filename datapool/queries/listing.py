@@ -1,0 +1,356 @@
+"""Sorted, filtered, paged trajectory lists and one trajectory with everything about its steps.
+
+Owns: ``ListQuery`` (the pool API's trajectory filters plus text search, a sort key and an
+offset page), the SQL behind the inspector's list and its trajectory view, and turning a list
+query into a ``TrajectoryFilter`` for bulk labels and batch specs. Never: writes; never reads
+token payloads (the token view reads one step's payload through ``PoolStore.get_step``).
+
+Cost: a page is one indexed ``ORDER BY ... LIMIT`` plus grouped lookups for the page's ids
+(step counts, rewards, labels, curation marks), so it stays flat as the pool grows; filters on
+JSON tags/flags and text search scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from sqlalchemy import and_, func, select
+from sqlalchemy.orm import Session
+
+from datapool.curation.labels import current_labels, labels_of_trajectories
+from datapool.curation.selection import TrajectoryFilter, chunks, trajectory_conditions
+from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
+from datapool.rewards.values import current_rewards
+from datapool.steps.messages import expand_requests
+
+SortKey = Literal[
+    "created_at", "last_step_at", "completed_at", "call_count", "status", "channel", "id", "reward"
+]
+SORT_KEYS: tuple[str, ...] = SortKey.__args__  # type: ignore[attr-defined]
+
+
+class ListQuery(BaseModel):
+    """The filters of ``GET /api/trajectories`` plus sort and offset paging (every filter ANDs)."""
+
+    status: list[str] | None = None
+    channel: str | None = None
+    group_id: str | None = None
+    tag: list[str] = Field(default_factory=list, description="Every tag must be present.")
+    flag: list[str] = Field(default_factory=list, description="Every flag must be present.")
+    reward_name: str = "final"
+    reward_min: float | None = None
+    reward_max: float | None = None
+    rewarded: bool | None = None
+    policy_version: int | None = None
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    q: str | None = Field(
+        default=None, description="Text in a step's request JSON, any case (scans)."
+    )
+    sort: SortKey = "created_at"
+    order: Literal["asc", "desc"] = "desc"
+    offset: int = Field(default=0, ge=0)
+    limit: int = Field(default=50, ge=1, le=500)
+
+    def to_filter(self, trajectory_ids: list[str] | None = None) -> TrajectoryFilter:
+        """The same selection as a curation/batch ``TrajectoryFilter`` (``q`` needs ids)."""
+        if self.q and trajectory_ids is None:
+            raise ValueError("text search has no TrajectoryFilter field: resolve ids first")
+        return TrajectoryFilter(
+            channel=self.channel,
+            status=self.status,
+            group_ids=[self.group_id] if self.group_id is not None else None,
+            trajectory_ids=trajectory_ids,
+            tags=self.tag,
+            flags=self.flag,
+            reward_name=self.reward_name,
+            reward_min=self.reward_min,
+            reward_max=self.reward_max,
+            rewarded=self.rewarded,
+            policy_version=self.policy_version,
+            created_after=self.created_after,
+            created_before=self.created_before,
+        )
+
+
+def current_reward(name: str) -> Any:
+    """The trajectory's current value of reward ``name`` as a correlated scalar subquery.
+
+    Same rule as ``datapool.rewards.values.current_rewards`` (the latest record without an error);
+    an
+    index seek per trajectory on ``ix_rewards_kind_name_target``, where joining the grouped
+    ``current_rewards_query`` made SQLite rebuild the group per row (minutes on 100k).
+    """
+    return (
+        select(Reward.value)
+        .where(
+            Reward.target_kind == "trajectory",
+            Reward.name == name,
+            Reward.target_id == Trajectory.id,
+            Reward.error.is_(None),
+        )
+        .order_by(Reward.id.desc())
+        .limit(1)
+        .correlate(Trajectory)
+        .scalar_subquery()
+    )
+
+
+def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
+    """``(select(columns) with every filter, current-reward expression or None)``."""
+    query = select(*columns).where(
+        *trajectory_conditions(
+            status=where.status,
+            channel=where.channel,
+            group_ids=None if where.group_id is None else [where.group_id],
+            tags=where.tag,
+            flags=where.flag,
+            policy_version=where.policy_version,
+            created_after=where.created_after,
+            created_before=where.created_before,
+            q=where.q,
+        )
+    )
+    reward = None
+    if (
+        where.reward_min is not None
+        or where.reward_max is not None
+        or where.rewarded is not None
+        or where.sort == "reward"
+    ):
+        reward = current_reward(where.reward_name)
+        if where.rewarded is not None:
+            query = query.where(reward.is_not(None) if where.rewarded else reward.is_(None))
+        if where.reward_min is not None:
+            query = query.where(reward >= where.reward_min)
+        if where.reward_max is not None:
+            query = query.where(reward <= where.reward_max)
+    return query, reward
+
+
+def list_page(session: Session, where: ListQuery) -> list[dict[str, Any]]:
+    """One page of trajectories in the requested order, each with its counts, rewards, labels."""
+    query, reward = _filtered(where, [Trajectory])
+    if where.sort == "reward":
+        assert reward is not None
+        key: Any = reward
+        # Unrewarded trajectories sort last in both directions (missing is not zero).
+        query = query.order_by(reward.is_(None))
+    else:
+        key = getattr(Trajectory, where.sort)
+    ordered = key.desc() if where.order == "desc" else key.asc()
+    tie = Trajectory.id.desc() if where.order == "desc" else Trajectory.id.asc()
+    query = query.order_by(ordered, tie).offset(where.offset).limit(where.limit)
+    page: list[Trajectory] = list(session.scalars(query))
+    return describe(session, page)
+
+
+def count(session: Session, where: ListQuery) -> int:
+    query, _ = _filtered(where, [func.count(Trajectory.id)])
+    return int(session.scalar(query) or 0)
+
+
+def matching_ids(session: Session, where: ListQuery, limit: int) -> list[str]:
+    """Ids matching the filters, oldest first, at most ``limit``."""
+    query, _ = _filtered(where, [Trajectory.id])
+    query = query.order_by(Trajectory.created_at, Trajectory.id).limit(limit)
+    return list(session.scalars(query))
+
+
+def _step_counts(session: Session, ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """``{trajectory_id: (steps, tokens)}``; tokens = prompt + completion tokens of every step."""
+    result: dict[str, tuple[int, int]] = {}
+    for chunk in chunks(list(ids)):
+        rows = session.execute(
+            select(
+                Step.trajectory_id,
+                func.count(Step.id),
+                func.coalesce(func.sum(Step.prompt_tokens), 0)
+                + func.coalesce(func.sum(Step.completion_tokens), 0),
+            )
+            .where(Step.trajectory_id.in_(chunk))
+            .group_by(Step.trajectory_id)
+        )
+        for trajectory_id, steps, tokens in rows:
+            result[trajectory_id] = (int(steps), int(tokens or 0))
+    return result
+
+
+def marks_of(session: Session, trajectory_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Curation marks (rule name, action, reason) on these trajectories and their steps."""
+    found: list[dict[str, Any]] = []
+    for chunk in chunks(list(trajectory_ids)):
+        rows = session.execute(
+            select(CurationMark, CurationRule.name)
+            .join(CurationRule, CurationRule.id == CurationMark.rule_id)
+            .where(CurationMark.trajectory_id.in_(chunk))
+            .order_by(CurationMark.id)
+        )
+        found += [_mark(mark, name) for mark, name in rows]
+    return found
+
+
+def _mark(mark: CurationMark, rule_name: str) -> dict[str, Any]:
+    return {
+        "rule_id": mark.rule_id,
+        "rule": rule_name,
+        "target": mark.target_kind,
+        "target_id": mark.target_id,
+        "trajectory_id": mark.trajectory_id,
+        "action": mark.action,
+        "reason": mark.reason,
+        "created_at": mark.created_at,
+    }
+
+
+def list_marks(session: Session, rule_id: int | None, limit: int) -> list[dict[str, Any]]:
+    """The newest curation marks (what rules excluded or flagged, and why)."""
+    query = (
+        select(CurationMark, CurationRule.name)
+        .join(CurationRule, CurationRule.id == CurationMark.rule_id)
+        .order_by(CurationMark.id.desc())
+        .limit(limit)
+    )
+    if rule_id is not None:
+        query = query.where(CurationMark.rule_id == rule_id)
+    return [_mark(mark, name) for mark, name in session.execute(query)]
+
+
+def describe(session: Session, page: Sequence[Trajectory]) -> list[dict[str, Any]]:
+    """List rows: the trajectory's columns plus steps, tokens, rewards, label and exclusion."""
+    ids = [t.id for t in page]
+    counts = _step_counts(session, ids)
+    rewards = current_rewards(session, "trajectory", ids)
+    labels = current_labels(session, "trajectory", ids)
+    excluded = {
+        m["trajectory_id"]
+        for m in marks_of(session, ids)
+        if m["target"] == "trajectory" and m["action"] == "exclude"
+    }
+    rows = []
+    for t in page:
+        label = labels.get(t.id)
+        steps, tokens = counts.get(t.id, (0, 0))
+        rows.append(
+            {
+                "id": t.id,
+                "group_id": t.group_id,
+                "channel": t.channel,
+                "status": t.status,
+                "tags": sorted(set(t.tags or []) | set(label.tags if label else [])),
+                "flags": list(t.flags or []),
+                "created_at": t.created_at,
+                "completed_at": t.completed_at,
+                "last_step_at": t.last_step_at,
+                "call_count": t.call_count,
+                "steps": steps,
+                "tokens": tokens,
+                "rewards": rewards.get(t.id, {}),
+                "quality": label.quality if label else None,
+                "decision": label.decision if label else None,
+                "note": label.note if label else None,
+                "rule_excluded": t.id in excluded,
+            }
+        )
+    return rows
+
+
+STEP_COLUMNS = (
+    "id",
+    "step_index",
+    "choice_index",
+    "parent_step_id",
+    "extends_parent",
+    "divergence_offset",
+    "divergence_kind",
+    "divergence_detail",
+    "outcome",
+    "error",
+    "finish_reason",
+    "flags",
+    "policy_version",
+    "model",
+    "upstream",
+    "prompt_tokens",
+    "completion_tokens",
+    "latency_ms",
+    "ttft_ms",
+    "request",
+    "response_message",
+    "created_at",
+)
+
+
+def trajectory_view(session: Session, trajectory_id: str) -> dict[str, Any] | None:
+    """A trajectory, its steps in order (no token payloads), their rewards, labels and marks."""
+    trajectory = session.get(Trajectory, trajectory_id)
+    if trajectory is None:
+        return None
+    (row,) = describe(session, [trajectory])
+    steps = list(
+        session.scalars(
+            select(Step)
+            .where(Step.trajectory_id == trajectory_id)
+            .order_by(Step.step_index, Step.choice_index)
+        )
+    )
+    expand_requests(session, steps)  # the full requests, not their stored deltas
+    step_ids = [s.id for s in steps]
+    step_rewards = current_rewards(session, "step", step_ids)
+    labels = labels_of_trajectories(session, [trajectory_id])
+    marks = marks_of(session, [trajectory_id])
+    row["metadata"] = dict(trajectory.metadata_json or {})
+    row["completion_reason"] = trajectory.completion_reason
+    row["rejected_calls"] = trajectory.rejected_calls
+    row["label_tags"] = _label(labels.get(("trajectory", trajectory_id)))
+    row["marks"] = [m for m in marks if m["target"] == "trajectory"]
+    row["steps"] = [
+        {
+            **{k: getattr(s, k) for k in STEP_COLUMNS},
+            "rewards": step_rewards.get(s.id, {}),
+            "label": _label(labels.get(("step", s.id))),
+            "marks": [m for m in marks if m["target"] == "step" and m["target_id"] == s.id],
+        }
+        for s in steps
+    ]
+    return row
+
+
+def _label(view: Any) -> dict[str, Any] | None:
+    if view is None:
+        return None
+    return {k: getattr(view, k) for k in ("tags", "quality", "decision", "note")}
+
+
+def group_members(session: Session, group_id: str) -> list[Trajectory]:
+    return list(
+        session.scalars(
+            select(Trajectory)
+            .where(Trajectory.group_id == group_id)
+            .order_by(Trajectory.created_at, Trajectory.id)
+        )
+    )
+
+
+def last_answers(session: Session, trajectory_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The response message of each trajectory's last step (choice 0)."""
+    latest = (
+        select(Step.trajectory_id, func.max(Step.step_index).label("last"))
+        .where(Step.trajectory_id.in_(list(trajectory_ids)))
+        .group_by(Step.trajectory_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(Step.trajectory_id, Step.response_message).join(
+            latest,
+            and_(
+                Step.trajectory_id == latest.c.trajectory_id,
+                Step.step_index == latest.c.last,
+                Step.choice_index == 0,
+            ),
+        )
+    )
+    return {trajectory_id: message or {} for trajectory_id, message in rows}

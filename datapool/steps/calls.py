@@ -1,0 +1,87 @@
+"""Logical calls: upstream attempts, Idempotency-Key replays, and re-send detection (case C13).
+
+Owns: the ``call_attempts`` table and the queries that link a repeated request to the call it
+repeats. Never: creates steps (``datapool.steps.store`` does); a failed attempt is never a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from datapool.models import CallAttempt, Step, StepOutcome, utc_now
+from datapool.steps.records import AttemptRecord
+
+__all__ = ["AttemptRecord", "attempt_rows", "find_replay", "find_resend", "record_attempts"]
+
+
+def attempt_rows(attempts: Iterable[AttemptRecord], created_at: datetime) -> list[dict[str, Any]]:
+    """``call_attempts`` rows for a Core ``insert`` (the writer's batch uses them too)."""
+    return [
+        {
+            "id": a.id,
+            "call_id": a.call_id,
+            "trajectory_id": a.trajectory_id,
+            "attempt_index": a.attempt_index,
+            "upstream": a.upstream,
+            "status_code": a.status_code,
+            "outcome": a.outcome,
+            "error": a.error,
+            "latency_ms": a.latency_ms,
+            "idempotency_key": a.idempotency_key,
+            "response_body": a.response_body,
+            "created_at": created_at,
+        }
+        for a in attempts
+    ]
+
+
+def record_attempts(sessions: sessionmaker[Session], attempts: list[AttemptRecord]) -> None:
+    """Commit the attempts of one call in one transaction (calls through ``PoolWriter`` carry
+    them in ``CallRecord.attempts`` instead, committed with their steps)."""
+    if not attempts:
+        return
+    with sessions.begin() as session:
+        session.execute(insert(CallAttempt), attempt_rows(attempts, utc_now()))
+
+
+def find_replay(
+    sessions: sessionmaker[Session], trajectory_id: str, idempotency_key: str
+) -> tuple[str, dict[str, Any]] | None:
+    """``(call_id, response_body)`` of the successful call with this key, if any."""
+    with sessions() as session:
+        row = session.execute(
+            select(CallAttempt.call_id, CallAttempt.response_body)
+            .where(
+                CallAttempt.trajectory_id == trajectory_id,
+                CallAttempt.idempotency_key == idempotency_key,
+                CallAttempt.outcome == StepOutcome.OK,
+                CallAttempt.response_body.is_not(None),
+            )
+            .order_by(CallAttempt.created_at.desc())
+            .limit(1)
+        ).first()
+    return None if row is None else (row[0], row[1])
+
+
+def find_resend(
+    sessions: sessionmaker[Session], trajectory_id: str, request_hash: str, window_s: float
+) -> str | None:
+    """The call id of a step of this trajectory with the same request hash in the last
+    ``window_s`` seconds: the new request is a re-send of that call."""
+    since: datetime = utc_now() - timedelta(seconds=window_s)
+    with sessions() as session:
+        return session.scalar(
+            select(Step.call_id)
+            .where(
+                Step.trajectory_id == trajectory_id,
+                Step.request_hash == request_hash,
+                Step.created_at >= since,
+            )
+            .order_by(Step.step_index.desc())
+            .limit(1)
+        )

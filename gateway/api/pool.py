@@ -1,0 +1,617 @@
+"""The pool's HTTP API under ``/api``: trajectories, steps, rewards, groups, summaries.
+
+Owns: request/response schemas (OpenAPI), filters and cursor pagination over trajectories, and
+mapping pool errors to the one envelope (``gateway.errors.from_pool_error``). Never: encodes
+text into token IDs; ``/api/steps/{id}`` returns the stored IDs and, only when a tokenizer is
+configured (``TRAJGATE_TOKENIZER_DIR``), their decoded text.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi import Path as PathParam
+from pydantic import BaseModel, Field
+from sqlalchemy import and_, func, or_, select
+from starlette.concurrency import run_in_threadpool
+
+from datapool.curation.selection import json_contains, trajectory_conditions
+from datapool.lifecycle import transitions as lifecycle
+from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
+from datapool.rewards import values as rewards
+from datapool.steps.store import PoolStore, StoredStep
+from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
+from gateway.errors import InvalidRequestError, NotFoundError
+
+router = APIRouter(tags=["pool"])
+
+
+def _store(request: Request) -> PoolStore:
+    store: PoolStore = request.app.state.gateway.store
+    return store
+
+
+StoreDep = Annotated[PoolStore, Depends(_store)]
+
+
+# ---- schemas -------------------------------------------------------------------------------
+
+
+class TrajectoryPublic(BaseModel):
+    id: str
+    group_id: str | None
+    channel: str
+    status: str
+    tags: list[str]
+    flags: list[str]
+    metadata: dict[str, Any]
+    created_at: datetime
+    completed_at: datetime | None
+    last_step_at: datetime | None
+    completion_reason: str | None
+    call_count: int = Field(description="Logical calls recorded (steps have one per choice).")
+    rejected_calls: int = Field(description="Calls refused with 409 after the trajectory closed.")
+    rewards: dict[str, float] = Field(
+        description="Current value per reward name; a name absent here is unrewarded (not 0)."
+    )
+
+
+class TrajectoryPage(BaseModel):
+    data: list[TrajectoryPublic]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null: end.")
+
+
+class StepSummary(BaseModel):
+    id: str
+    step_index: int
+    choice_index: int
+    parent_step_id: str | None
+    extends_parent: bool | None
+    outcome: str
+    finish_reason: str | None
+    flags: list[str]
+    policy_version: int | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    created_at: datetime
+
+
+class TrajectoryDetail(TrajectoryPublic):
+    steps: list[StepSummary]
+
+
+class TrajectoryCreate(BaseModel):
+    # The rules of the X-Trajgate-Group/-Channel headers, so both ways into the pool agree.
+    id: str = Field(pattern=TRAJECTORY_ID_PATTERN.pattern)
+    group_id: str | None = Field(default=None, pattern=GROUP_ID_PATTERN.pattern)
+    channel: str = Field(default="train", pattern=CHANNEL_PATTERN.pattern)
+    tags: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class CompleteRequest(BaseModel):
+    # Checked by ``rewards.check_reward`` like POST /api/rewards (one validation path): 400 and
+    # the trajectory stays open when the reward is NaN/infinite or the name has a bad length.
+    reward: float | None = Field(
+        default=None,
+        description="Optional final reward (a finite number), appended as source 'agent'.",
+    )
+    reward_name: str = Field(default="final", description="1-100 characters.")
+    author: str | None = Field(default=None, description="At most 200 characters.")
+
+
+class StepPublic(StepSummary):
+    trajectory_id: str
+    divergence_offset: int | None
+    divergence_kind: str | None
+    model: str | None
+    request: dict[str, Any]
+    response_message: dict[str, Any] | None
+    latency_ms: float
+    ttft_ms: float | None
+    error: str | None
+    prompt_token_ids: list[int] | None
+    response_token_ids: list[int] | None
+    response_logprobs: list[float] | None
+    prompt_text: str | None = Field(description="Decoded IDs; null without a tokenizer.")
+    response_text: str | None = Field(description="Decoded IDs; null without a tokenizer.")
+    rewards: dict[str, float]
+
+
+class RewardCreate(BaseModel):
+    target: Literal["step", "trajectory"]
+    target_id: str
+    name: str = Field(min_length=1, max_length=100)
+    value: float
+    source: Literal["rule", "model", "human", "agent"] = "human"
+    author: str | None = None
+
+
+class RewardBatch(BaseModel):
+    rewards: list[RewardCreate] = Field(min_length=1, max_length=100_000)
+
+
+class RewardPublic(BaseModel):
+    id: int
+    target: str
+    target_id: str
+    trajectory_id: str
+    name: str
+    value: float | None
+    source: str
+    author: str | None
+    error: str | None
+    created_at: datetime
+
+
+class RewardIds(BaseModel):
+    ids: list[int]
+
+
+class GroupUpdate(BaseModel):
+    expected_size: int | None = Field(default=None, ge=1)
+
+
+class GroupPublic(BaseModel):
+    id: str
+    expected_size: int | None
+    status: str
+    members: dict[str, int] = Field(description="Member trajectories per status.")
+    completed_at: datetime | None
+
+
+class StaleStep(BaseModel):
+    step_id: str
+    policy_version: int | None
+
+
+class Summary(BaseModel):
+    trajectories_by_status: dict[str, int]
+    trajectories_by_channel: dict[str, int]
+    steps: int
+    steps_by_outcome: dict[str, int]
+    rewarded_trajectories: int
+    unrewarded_trajectories: int
+    rejected_calls: int
+    empty_trajectories: int
+    incomplete_trajectories: int
+    payloads_pending_compaction: int
+    writer: dict[str, Any] | None
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _public(t: Trajectory, current: dict[str, float]) -> TrajectoryPublic:
+    return TrajectoryPublic(
+        id=t.id,
+        group_id=t.group_id,
+        channel=t.channel,
+        status=t.status,
+        tags=list(t.tags or []),
+        flags=list(t.flags or []),
+        metadata=dict(t.metadata_json or {}),
+        created_at=t.created_at,
+        completed_at=t.completed_at,
+        last_step_at=t.last_step_at,
+        completion_reason=t.completion_reason,
+        call_count=t.call_count,
+        rejected_calls=t.rejected_calls,
+        rewards=current,
+    )
+
+
+def _summary(s: Step | StoredStep) -> dict[str, Any]:
+    return {k: getattr(s, k) for k in StepSummary.model_fields}
+
+
+def _encode_cursor(created_at: datetime, trajectory_id: str) -> str:
+    raw = json.dumps([created_at.isoformat(), trajectory_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created, trajectory_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return datetime.fromisoformat(created), str(trajectory_id)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"cursor {cursor[:40]!r} is not one this API returned") from exc
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+
+
+# ---- trajectories --------------------------------------------------------------------------
+
+
+@router.get("/trajectories", response_model=TrajectoryPage)
+async def list_trajectories(
+    store: StoreDep,
+    status: Annotated[list[TrajectoryStatus] | None, Query()] = None,
+    channel: str | None = None,
+    group_id: str | None = None,
+    tag: Annotated[list[str] | None, Query(description="Every tag must be present.")] = None,
+    flag: Annotated[list[str] | None, Query(description="Every flag must be present.")] = None,
+    reward_name: str = "final",
+    reward_min: float | None = None,
+    reward_max: float | None = None,
+    rewarded: Annotated[bool | None, Query(description="Has reward_name (true) or not.")] = None,
+    policy_version: Annotated[int | None, Query(description="Has a step of this version.")] = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    q: Annotated[
+        str | None, Query(description="Text in a step's request JSON, any case (scans).")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: str | None = None,
+) -> TrajectoryPage:
+    """Trajectories, newest first, filtered; cursor pagination (stable under inserts)."""
+
+    def run() -> TrajectoryPage:
+        query = select(Trajectory).where(
+            *trajectory_conditions(
+                status=[s.value for s in status] if status else None,
+                channel=channel,
+                group_ids=None if group_id is None else [group_id],
+                tags=tag or (),
+                flags=flag or (),
+                policy_version=policy_version,
+                created_after=created_after,
+                created_before=created_before,
+                q=q,
+            )
+        )
+        if reward_min is not None or reward_max is not None or rewarded is not None:
+            current = rewards.current_rewards_query("trajectory", reward_name)
+            if rewarded is False:
+                query = query.where(~Trajectory.id.in_(select(current.c.target_id)))
+            else:
+                query = query.join(current, current.c.target_id == Trajectory.id)
+                if reward_min is not None:
+                    query = query.where(current.c.value >= reward_min)
+                if reward_max is not None:
+                    query = query.where(current.c.value <= reward_max)
+        if cursor:
+            at, last_id = _decode_cursor(cursor)
+            query = query.where(
+                or_(
+                    Trajectory.created_at < at,
+                    and_(Trajectory.created_at == at, Trajectory.id < last_id),
+                )
+            )
+        query = query.order_by(Trajectory.created_at.desc(), Trajectory.id.desc()).limit(limit + 1)
+        with store.sessions() as session:
+            rows = list(session.scalars(query))
+            page = rows[:limit]
+            current_values = rewards.current_rewards(session, "trajectory", [t.id for t in page])
+        next_cursor = (
+            _encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
+        )
+        return TrajectoryPage(
+            data=[_public(t, current_values.get(t.id, {})) for t in page],
+            next_cursor=next_cursor,
+        )
+
+    return await run_in_threadpool(run)
+
+
+@router.post("/trajectories", response_model=TrajectoryPublic, status_code=201)
+async def create_trajectory(body: TrajectoryCreate, store: StoreDep) -> TrajectoryPublic:
+    """Register a trajectory before its first call (group, channel, tags, metadata)."""
+    trajectory = await run_in_threadpool(
+        lifecycle.create_trajectory,
+        store.sessions,
+        body.id,
+        group_id=body.group_id,
+        channel=body.channel,
+        tags=body.tags,
+        metadata=body.metadata,
+    )
+    return _public(trajectory, {})
+
+
+def _detail(store: PoolStore, trajectory_id: str) -> TrajectoryDetail:
+    with store.sessions() as session:
+        trajectory = session.get(Trajectory, trajectory_id)
+        if trajectory is None:
+            raise NotFoundError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
+        steps = list(
+            session.scalars(
+                select(Step)
+                .where(Step.trajectory_id == trajectory_id)
+                .order_by(Step.step_index, Step.choice_index)
+            )
+        )
+        current = rewards.current_rewards(session, "trajectory", [trajectory_id])
+    public = _public(trajectory, current.get(trajectory_id, {}))
+    return TrajectoryDetail(
+        **public.model_dump(), steps=[StepSummary(**_summary(s)) for s in steps]
+    )
+
+
+@router.get("/trajectories/{trajectory_id}", response_model=TrajectoryDetail)
+async def get_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetail:
+    """One trajectory with its steps (without token IDs; see /api/steps/{id})."""
+    return await run_in_threadpool(_detail, store, trajectory_id)
+
+
+@router.post("/trajectories/{trajectory_id}/complete", response_model=TrajectoryDetail)
+async def complete_trajectory(
+    trajectory_id: str,
+    store: StoreDep,
+    request: Request,
+    body: CompleteRequest | None = None,
+) -> TrajectoryDetail:
+    """Complete an open trajectory (optionally with a final reward); later calls get 409.
+
+    Its completion hooks (the configured reward functions, then the curation rules) start at
+    once, in this gateway unless another one claims them first (``datapool.lifecycle.hooks``); the
+    answer
+    does not wait for them.
+    """
+    body = body or CompleteRequest()
+    await run_in_threadpool(
+        lifecycle.close_trajectory,
+        store.sessions,
+        trajectory_id,
+        TrajectoryStatus.COMPLETE,
+        final_reward=body.reward,
+        reward_name=body.reward_name,
+        author=body.author,
+    )
+    store.forget_lineage(trajectory_id)
+    # The hooks are already due in the database (durable); this only saves the polling delay.
+    request.app.state.gateway.hooks.wake()
+    return await run_in_threadpool(_detail, store, trajectory_id)
+
+
+async def _close(store: PoolStore, trajectory_id: str, status: TrajectoryStatus) -> Any:
+    await run_in_threadpool(lifecycle.close_trajectory, store.sessions, trajectory_id, status)
+    store.forget_lineage(trajectory_id)
+    return await run_in_threadpool(_detail, store, trajectory_id)
+
+
+@router.post("/trajectories/{trajectory_id}/abandon", response_model=TrajectoryDetail)
+async def abandon_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetail:
+    """Mark an open trajectory abandoned (the agent gave up); later calls get 409."""
+    detail: TrajectoryDetail = await _close(store, trajectory_id, TrajectoryStatus.ABANDONED)
+    return detail
+
+
+@router.post("/trajectories/{trajectory_id}/fail", response_model=TrajectoryDetail)
+async def fail_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetail:
+    """Mark an open trajectory failed (the environment broke); later calls get 409."""
+    detail: TrajectoryDetail = await _close(store, trajectory_id, TrajectoryStatus.FAILED)
+    return detail
+
+
+# ---- groups --------------------------------------------------------------------------------
+
+
+def _group(store: PoolStore, group_id: str) -> GroupPublic:
+    with store.sessions() as session:
+        group = session.get(TrajectoryGroup, group_id)
+        if group is None:
+            raise NotFoundError(f"no group {group_id!r}", param="group_id")
+        members = {
+            status: n
+            for status, n in session.execute(
+                select(Trajectory.status, func.count())
+                .where(Trajectory.group_id == group_id)
+                .group_by(Trajectory.status)
+            )
+        }
+    return GroupPublic(
+        id=group.id,
+        expected_size=group.expected_size,
+        status=group.status,
+        members=members,
+        completed_at=group.completed_at,
+    )
+
+
+@router.put("/groups/{group_id}", response_model=GroupPublic)
+async def put_group(
+    group_id: Annotated[str, PathParam(pattern=GROUP_ID_PATTERN.pattern)],
+    body: GroupUpdate,
+    store: StoreDep,
+) -> GroupPublic:
+    """Create a group or set its expected size; it completes when that many members closed."""
+    await run_in_threadpool(lifecycle.set_group, store.sessions, group_id, body.expected_size)
+    return await run_in_threadpool(_group, store, group_id)
+
+
+@router.get("/groups/{group_id}", response_model=GroupPublic)
+async def get_group(group_id: str, store: StoreDep) -> GroupPublic:
+    """A group's expected size, status and members per status."""
+    return await run_in_threadpool(_group, store, group_id)
+
+
+# ---- steps ---------------------------------------------------------------------------------
+
+
+@router.get("/steps/stale", response_model=list[StaleStep])
+async def stale_steps(
+    store: StoreDep,
+    current_version: Annotated[int, Query(ge=0)],
+    max_versions_behind: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    after_version: Annotated[
+        int | None, Query(description="Page after this row: its policy_version...")
+    ] = None,
+    after_step_id: Annotated[str | None, Query(description="...and its step_id.")] = None,
+) -> list[StaleStep]:
+    """Steps produced more than ``max_versions_behind`` policy versions before the current,
+    oldest version first, at most ``limit``; the next page starts after the last row
+    (``after_version``, ``after_step_id``)."""
+    if (after_version is None) != (after_step_id is None):
+        raise InvalidRequestError(
+            "after_version and after_step_id page together: give both (the last row's "
+            "policy_version and step_id) or neither",
+            param="after_step_id",
+        )
+    after = None
+    if after_version is not None and after_step_id is not None:
+        after = (after_version, after_step_id)
+
+    def run() -> list[StaleStep]:
+        with store.sessions() as session:
+            rows = lifecycle.stale_steps(
+                session, current_version, max_versions_behind, limit=limit, after=after
+            )
+        return [StaleStep(step_id=s, policy_version=v) for s, v in rows]
+
+    return await run_in_threadpool(run)
+
+
+@router.get("/steps/{step_id}", response_model=StepPublic)
+async def get_step(step_id: str, store: StoreDep) -> StepPublic:
+    """One step with its exact token IDs and logprobs (and decoded text with a tokenizer)."""
+
+    def run() -> StepPublic:
+        step = store.get_step(step_id)
+        if step is None:
+            raise NotFoundError(f"no step {step_id!r}", param="step_id")
+        with store.sessions() as session:
+            current = rewards.current_rewards(session, "step", [step_id]).get(step_id, {})
+        prompt_text = response_text = None
+        if store.settings.tokenizer_dir is not None:
+            tokenizer = _tokenizer(str(store.settings.tokenizer_dir))
+            if step.prompt_token_ids is not None:
+                prompt_text = tokenizer.decode(step.prompt_token_ids, skip_special_tokens=False)
+            if step.response_token_ids is not None:
+                response_text = tokenizer.decode(step.response_token_ids, skip_special_tokens=False)
+        computed = ("rewards", "prompt_text", "response_text")
+        fields = {k: getattr(step, k) for k in StepPublic.model_fields if k not in computed}
+        fields.update(prompt_text=prompt_text, response_text=response_text, rewards=current)
+        return StepPublic(**fields)
+
+    return await run_in_threadpool(run)
+
+
+# ---- rewards -------------------------------------------------------------------------------
+
+
+@router.post("/rewards", response_model=RewardIds, status_code=201)
+async def post_rewards(body: RewardBatch, store: StoreDep) -> RewardIds:
+    """Append rewards (one or many, all or none) to steps or trajectories, at any time.
+
+    Unknown targets are 404 and nothing is written.
+    """
+    ids = await run_in_threadpool(
+        rewards.add_rewards,
+        store.sessions,
+        [
+            rewards.RewardIn(r.target, r.target_id, r.name, r.value, r.source, r.author)
+            for r in body.rewards
+        ],
+    )
+    return RewardIds(ids=ids)
+
+
+@router.get("/rewards", response_model=list[RewardPublic])
+async def list_rewards(
+    store: StoreDep,
+    trajectory_id: str | None = None,
+    target_id: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> list[RewardPublic]:
+    """Reward records (history, failed reward functions included), oldest first."""
+    if trajectory_id is None and target_id is None:
+        raise InvalidRequestError("give trajectory_id or target_id", param="trajectory_id")
+
+    def run() -> list[RewardPublic]:
+        query = select(Reward).order_by(Reward.id).limit(limit)
+        if trajectory_id is not None:
+            query = query.where(Reward.trajectory_id == trajectory_id)
+        if target_id is not None:
+            query = query.where(Reward.target_id == target_id)
+        with store.sessions() as session:
+            return [
+                RewardPublic(
+                    id=r.id,
+                    target=r.target_kind,
+                    target_id=r.target_id,
+                    trajectory_id=r.trajectory_id,
+                    name=r.name,
+                    value=r.value,
+                    source=r.source,
+                    author=r.author,
+                    error=r.error,
+                    created_at=r.created_at,
+                )
+                for r in session.scalars(query)
+            ]
+
+    return await run_in_threadpool(run)
+
+
+# ---- summary -------------------------------------------------------------------------------
+
+
+@router.get("/summary", response_model=Summary)
+async def summary(request: Request, store: StoreDep) -> Summary:
+    """Counts for dashboards: trajectories by status/channel, steps, rewards, integrity."""
+
+    def run() -> Summary:
+        with store.sessions() as session:
+            by_status = dict(
+                (k, v)
+                for k, v in session.execute(
+                    select(Trajectory.status, func.count()).group_by(Trajectory.status)
+                )
+            )
+            by_channel = dict(
+                (k, v)
+                for k, v in session.execute(
+                    select(Trajectory.channel, func.count()).group_by(Trajectory.channel)
+                )
+            )
+            by_outcome = dict(
+                (k, v)
+                for k, v in session.execute(
+                    select(Step.outcome, func.count()).group_by(Step.outcome)
+                )
+            )
+            total = sum(by_status.values())
+            rewarded = session.scalar(
+                select(func.count(func.distinct(Reward.trajectory_id))).where(
+                    Reward.error.is_(None)
+                )
+            )
+            rejected = session.scalar(select(func.coalesce(func.sum(Trajectory.rejected_calls), 0)))
+            empty = session.scalar(
+                select(func.count()).where(json_contains(Trajectory.flags, lifecycle.EMPTY))
+            )
+            incomplete = session.scalar(
+                select(func.count()).where(json_contains(Trajectory.flags, lifecycle.INCOMPLETE))
+            )
+        writer = getattr(request.app.state.gateway, "writer", None)
+        stats = None
+        if writer is not None:
+            stats = {k: v for k, v in vars(writer.stats).items() if k != "batch_sizes"}
+        return Summary(
+            trajectories_by_status=by_status,
+            trajectories_by_channel=by_channel,
+            steps=sum(by_outcome.values()),
+            steps_by_outcome=by_outcome,
+            rewarded_trajectories=int(rewarded or 0),
+            unrewarded_trajectories=total - int(rewarded or 0),
+            rejected_calls=int(rejected or 0),
+            empty_trajectories=int(empty or 0),
+            incomplete_trajectories=int(incomplete or 0),
+            payloads_pending_compaction=store.payloads.pending_steps(),
+            writer=stats,
+        )
+
+    return await run_in_threadpool(run)

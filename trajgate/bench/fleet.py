@@ -1,0 +1,415 @@
+"""Several stateless gateway processes on one pool: launch them, balance calls over them, drive
+agents through the balancer, and audit what the pool holds afterwards.
+
+Owns: ``start_gateway`` (``trajgate serve`` as a child process, configured only through
+``TRAJGATE_*`` environment variables, the way docker-compose.yml runs it), ``Balancer`` (a
+round-robin TCP load balancer, one backend per connection, skipping backends that refuse to
+connect: what nginx's ``stream`` module does with ``proxy_next_upstream``), ``drive`` (agents
+whose every call opens a new connection, so consecutive calls of one trajectory land on different
+replicas) and ``audit`` (lost, duplicated, gapped and mis-parented steps). Used by
+tests/test_replicas.py and ``trajgate bench pool --gateways N``.
+
+Never: used by the gateway itself; it is the harness that proves the gateway stateless.
+
+The emulator answers every call with the same prompt IDs ``P`` and response IDs ``R``, so step
+k+1's prompt never extends ``P + R`` of step k: every step after the first is a prefix break
+whose parent must be the latest earlier ``ok`` step of the trajectory, in database order. A
+replica that chose parents or step indices from its own memory would get this wrong as soon as
+another replica wrote the previous step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+
+from datapool.db import make_engine
+from datapool.models import Step
+
+TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
+
+
+def start_gateway(
+    env: Mapping[str, str],
+    log: Path,
+    *,
+    command: tuple[str, ...] = ("serve",),
+    ready_timeout_s: float = 60.0,
+) -> subprocess.Popen[bytes]:
+    """``trajgate <command>`` with ``env`` on top of this process's environment; returns once
+    ``GET /health`` answers on ``TRAJGATE_PORT``.
+
+    Raises:
+        RuntimeError: the process exited or did not answer within ``ready_timeout_s``.
+    """
+    port = env["TRAJGATE_PORT"]
+    process = subprocess.Popen(
+        [TRAJGATE, *command],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+    )
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        if process.poll() is not None:
+            raise RuntimeError(f"gateway on port {port} exited: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"gateway on port {port} did not answer /health in {ready_timeout_s} s")
+
+
+def start_emulator(env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``python -m trajgate.bench.emulator`` with ``TRAJGATE_EMULATOR_*`` ``env``; waits for
+    /health."""
+    port = env["TRAJGATE_EMULATOR_PORT"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trajgate.bench.emulator"],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        if process.poll() is not None:
+            raise RuntimeError(f"emulator exited: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"emulator on port {port} did not answer /health")
+
+
+class Balancer:
+    """Round-robin TCP load balancer on ``host:port`` in a daemon thread.
+
+    Each accepted connection goes to the next backend; a backend that refuses the connection is
+    skipped (no byte of the request has been sent yet, so this is always safe). A connection
+    whose backend dies mid-request is closed, as a real L4 balancer would: the client sees the
+    error and decides whether to retry.
+    """
+
+    def __init__(self, backends: list[tuple[str, int]], host: str = "127.0.0.1", port: int = 0):
+        self.backends = backends
+        self.host = host
+        self.port = port
+        self.connections: dict[tuple[str, int], int] = defaultdict(int)
+        self._turn = itertools.cycle(range(len(backends)))
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="balancer", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> Balancer:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("balancer did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with server:
+            await self._stop.wait()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        for _ in self.backends:
+            backend = self.backends[next(self._turn)]
+            try:
+                upstream = await asyncio.open_connection(*backend)
+            except OSError:
+                continue
+            self.connections[backend] += 1
+            break
+        if upstream is None:
+            client_w.close()
+            return
+        up_r, up_w = upstream
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while chunk := await reader.read(65536):
+                    writer.write(chunk)
+                    await writer.drain()
+            except OSError:
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w))
+
+
+@dataclass
+class DriveResult:
+    """What the agents saw: ``delivered`` step id → trajectory id of every answered call."""
+
+    delivered: dict[str, str] = field(default_factory=dict)
+    delivered_twice: int = 0  # a step id answered to two different calls: a duplicate
+    failed_attempts: int = 0  # connection reset by a killed replica, 5xx: the agent retried
+    gave_up: int = 0  # calls never answered after every retry
+    wall_s: float = 0.0
+
+
+async def drive(
+    url: str,
+    trajectory_ids: list[str],
+    turns: int,
+    concurrency: int,
+    *,
+    max_tokens: int | None = None,
+    retries: int = 20,
+) -> DriveResult:
+    """Run ``turns`` calls per trajectory, in order, ``concurrency`` trajectories at a time.
+
+    Keep-alive is off: every call opens a connection, so a round-robin balancer sends each call
+    of a trajectory to another replica. A failed call (connection error, 5xx) is retried after
+    a short pause, as an agent runtime would.
+    """
+    result = DriveResult()
+    pending = list(reversed(trajectory_ids))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+
+    async def agent(client: httpx.AsyncClient) -> None:
+        while pending:
+            trajectory_id = pending.pop()
+            for turn in range(turns):
+                body: dict[str, Any] = {
+                    "model": "emulated",
+                    "messages": [{"role": "user", "content": f"{trajectory_id} turn {turn}"}],
+                }
+                if max_tokens is not None:
+                    body["max_tokens"] = max_tokens
+                for _attempt in range(retries):
+                    try:
+                        response = await client.post(
+                            f"/t/{trajectory_id}/v1/chat/completions", json=body
+                        )
+                    except httpx.HTTPError:
+                        response = None
+                    if response is not None and response.status_code == 200:
+                        for step_id in response.headers["x-trajgate-step-id"].split(","):
+                            if step_id in result.delivered:
+                                result.delivered_twice += 1
+                            result.delivered[step_id] = trajectory_id
+                        break
+                    result.failed_attempts += 1
+                    await asyncio.sleep(0.05)
+                else:
+                    result.gave_up += 1
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        await asyncio.gather(*(agent(client) for _ in range(concurrency)))
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+@dataclass(frozen=True)
+class Audit:
+    """What the pool holds for the driven trajectories, against what the agents were told."""
+
+    steps: int
+    lost: int  # delivered step ids not in the pool
+    duplicated: int  # rows sharing (trajectory, step_index, choice) + ids delivered twice
+    undelivered: int  # committed steps whose answer never reached an agent (killed replica)
+    index_gaps: int  # trajectories whose step indices are not exactly 0..n-1
+    wrong_parents: int  # steps whose parent is not the latest earlier ok step
+    # trajectories written by more than one replica (each replica is configured with its own
+    # spelling of the upstream URL, recorded on every step it writes)
+    spread_trajectories: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def audit(database_url: str, trajectory_ids: list[str], result: DriveResult) -> Audit:
+    """Check the pool against ``result`` (see ``Audit``); reads the database only."""
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(
+                    Step.id,
+                    Step.trajectory_id,
+                    Step.step_index,
+                    Step.choice_index,
+                    Step.parent_step_id,
+                    Step.outcome,
+                    Step.upstream,
+                ).where(Step.trajectory_id.in_(trajectory_ids))
+            ).all()
+    finally:
+        engine.dispose()
+    stored = {row[0] for row in rows}
+    by_trajectory: dict[str, list[Any]] = defaultdict(list)
+    for row in rows:
+        by_trajectory[row[1]].append(row)
+    keys = [(row[1], row[2], row[3]) for row in rows]
+    gaps = 0
+    wrong_parents = 0
+    for steps in by_trajectory.values():
+        steps.sort(key=lambda row: (row[2], row[3]))
+        if sorted({row[2] for row in steps}) != list(range(len({row[2] for row in steps}))):
+            gaps += 1
+        latest_ok: str | None = None
+        for row in steps:
+            if row[4] != latest_ok:
+                wrong_parents += 1
+            if row[5] == "ok":
+                latest_ok = row[0]
+    return Audit(
+        steps=len(rows),
+        lost=len(set(result.delivered) - stored),
+        duplicated=len(keys) - len(set(keys)) + result.delivered_twice,
+        undelivered=len(stored - set(result.delivered)),
+        index_gaps=gaps,
+        wrong_parents=wrong_parents,
+        spread_trajectories=sum(
+            1 for steps in by_trajectory.values() if len({row[6] for row in steps}) > 1
+        ),
+    )
+
+
+def ensure_postgres_database(url: str) -> None:
+    """Create the database of ``url`` on its server when it does not exist yet."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    with psycopg.connect(
+        host=parsed.host,
+        port=parsed.port,
+        user=parsed.username,
+        password=parsed.password,
+        dbname="postgres",
+        autocommit=True,
+    ) as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,)
+        ).fetchone()
+        if exists is None:
+            conn.execute(f'CREATE DATABASE "{parsed.database}"')
+
+
+def bench_gateways(
+    database_url: str,
+    gateway_counts: list[int],
+    trajectories: int,
+    turns: int,
+    concurrency: int,
+    work_dir: Path,
+) -> dict[str, Any]:
+    """Committed steps/s of agents through ``n`` ``trajgate serve`` processes on one pool behind
+    the round-robin balancer, for each ``n``, and the audit of each run (lost and duplicated
+    steps must be 0). Every run uses its own trajectory ids, so one database serves them all.
+
+    Upstream: the emulator in its own process (200-token prompts, 50-token answers, no delay),
+    so the figure is the gateways' and the database's, not an engine's.
+    """
+    import uuid
+
+    from datapool import db
+
+    db.upgrade(database_url)
+    emulator_port = _free_port()
+    emulator = start_emulator(
+        {
+            "TRAJGATE_EMULATOR_HOST": "0.0.0.0",  # reached as 127.0.0.<replica>: see audit
+            "TRAJGATE_EMULATOR_PORT": str(emulator_port),
+            "TRAJGATE_EMULATOR_PROMPT_TOKENS": "200",
+            "TRAJGATE_EMULATOR_RESPONSE_TOKENS": "50",
+        },
+        work_dir / "emulator.log",
+    )
+    runs: list[dict[str, Any]] = []
+    try:
+        for count in gateway_counts:
+            ports = [_free_port() for _ in range(count)]
+            processes: list[subprocess.Popen[bytes]] = []
+            balancer: Balancer | None = None
+            try:
+                for i, port in enumerate(ports):
+                    env = {
+                        "TRAJGATE_DATABASE_URL": database_url,
+                        "TRAJGATE_DATA_DIR": str(work_dir / "data"),
+                        "TRAJGATE_PORT": str(port),
+                        "TRAJGATE_UPSTREAM_URL": f"http://127.0.0.{i + 1}:{emulator_port}",
+                    }
+                    processes.append(start_gateway(env, work_dir / "gateways.log"))
+                balancer = Balancer([("127.0.0.1", port) for port in ports]).start()
+                prefix = f"bench-{count}g-{uuid.uuid4().hex[:8]}"
+                ids = [f"{prefix}-{i}" for i in range(trajectories)]
+                result = asyncio.run(drive(balancer.url, ids, turns, concurrency))
+                report = audit(database_url, ids, result)
+                runs.append(
+                    {
+                        "gateways": count,
+                        "steps": len(result.delivered),
+                        "steps_per_s": round(len(result.delivered) / result.wall_s, 1),
+                        "failed_attempts": result.failed_attempts,
+                        **report.as_dict(),
+                    }
+                )
+            finally:
+                if balancer is not None:
+                    balancer.stop()
+                for process in processes:
+                    process.terminate()
+                for process in processes:
+                    process.wait(timeout=60)
+    finally:
+        emulator.kill()
+        emulator.wait()
+    backend = make_engine(database_url).dialect.name
+    base = runs[0]["steps_per_s"]
+    return {
+        "backend": backend,
+        "trajectories": trajectories,
+        "turns": turns,
+        "concurrency": concurrency,
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+        "speedup": {str(run["gateways"]): round(run["steps_per_s"] / base, 2) for run in runs},
+        "lost": sum(run["lost"] for run in runs),
+        "duplicated": sum(run["duplicated"] for run in runs),
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

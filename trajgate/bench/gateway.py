@@ -1,0 +1,625 @@
+"""``trajgate bench gateway``: what the gateway adds to a call's latency and takes from throughput.
+
+Owns: starting the emulated upstream (``trajgate.bench.emulator``) and the gateway (``trajgate
+serve`` in
+its own process by default, so it never shares the load generator's GIL), driving the same load
+directly at the emulator, through the gateway and through any other proxy given, and the one
+JSON report. Never: asserts goals; it measures and reports, ``goals_met`` says how it went.
+
+Per configuration (``stream`` × ``concurrency``) and per target, ``requests`` calls are sent by
+``concurrency`` workers, each with its own keep-alive connection, after a warm-up of
+``max(warmup_requests, concurrency)`` calls on the same connections. Latency is wall time from
+sending the request to the last byte of the answer (ms); throughput is answered calls ÷ wall
+time of the run (req/s).
+
+- ``added_p50_ms = gateway_p50_ms - direct_p50_ms`` (same for p99): a difference of percentiles,
+  not a percentile of differences; it can be slightly negative when the gateway adds nothing.
+- ``throughput_ratio = gateway req/s ÷ direct req/s``.
+- ``steps_expected`` = calls the gateway answered with 200 (one choice each);
+  ``steps_persisted`` = rows in ``steps`` for the run's trajectories, counted after the run.
+- Worker ``w`` sends its ``k``-th call to trajectory ``bench-<run>-<w>-<k // S>`` with
+  ``S = steps_per_trajectory``, so the pool sees multi-step trajectories of realistic length.
+- CPU milliseconds per call of the gateway and emulator processes (from ``/proc``) and of the
+  load generator (this process) show which process the run's time went to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select
+
+from datapool import db
+from datapool.models import Step
+
+GatewayMode = Literal["process", "thread"]
+GATEWAY_MODES: tuple[GatewayMode, ...] = ("process", "thread")
+Loadgen = Literal["raw", "httpx"]
+LOADGENS: tuple[Loadgen, ...] = ("raw", "httpx")
+
+# Goals of issue 3 on the 2-core reference machine.
+GOAL_ADDED_P50_MS = 1.0
+GOAL_ADDED_P99_MS = 5.0
+GOAL_THROUGHPUT_RATIO = 0.7
+
+
+class BenchSettings(BaseModel):
+    """One benchmark: the load, the emulated engine's speed, and what to measure."""
+
+    requests: int = Field(default=100, ge=1, description="Measured calls per run and target.")
+    warmup_requests: int = Field(default=10, ge=0, description="Unmeasured calls first.")
+    concurrencies: tuple[int, ...] = Field(default=(1, 64), description="Workers per run.")
+    streams: tuple[bool, ...] = Field(default=(False, True), description="stream values to run.")
+    prompt_tokens: int = Field(default=1000, ge=1, description="Prompt length (tokens).")
+    response_tokens: int = Field(default=200, ge=1, description="Response length (tokens).")
+    # 20 ms to first token and 5 ms between tokens (200 tokens/s per stream) is a fast GPU engine
+    # at batch 64; the 2 cores cannot emulate faster streams at concurrency 64 (the emulator and
+    # load generator would need more than a core; docs/benchmarks.md). 0 and 0 measure pure cost.
+    ttft_ms: float = Field(default=20.0, ge=0, description="Emulated time to first token (ms).")
+    inter_token_ms: float = Field(default=5.0, ge=0, description="Emulated token gap (ms).")
+    steps_per_trajectory: int = Field(default=8, ge=1, description="Calls per trajectory.")
+    loadgen: Loadgen = Field(
+        default="raw",
+        description="'raw': a minimal asyncio HTTP/1.1 client (cheap); 'httpx': httpx clients.",
+    )
+    gateway_mode: GatewayMode = Field(
+        default="process",
+        description="'process': `trajgate serve` in a child process (no GIL shared with the "
+        "load generator); 'thread': the gateway app in a thread of this process.",
+    )
+    proxy_urls: tuple[str, ...] = Field(
+        default=(),
+        description="Other proxies to measure the same way: base URLs ending in /v1, already "
+        "pointed at the emulator (see --emulator-port).",
+    )
+    emulator_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
+    gateway_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
+    data_dir: Path | None = Field(
+        default=None, description="Where the gateway's pool lives; default a temporary dir."
+    )
+
+
+@dataclass
+class Sample:
+    """What one run against one target measured."""
+
+    latencies_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+    first_error: str | None = None
+    loadgen_cpu_s: float = 0.0
+
+    @property
+    def ok(self) -> int:
+        return len(self.latencies_ms)
+
+    @property
+    def rps(self) -> float:
+        return self.ok / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank ``q``-th percentile (``q`` in [0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
+    return ordered[int(rank) - 1]
+
+
+def chat_body(settings: BenchSettings, stream: bool) -> dict[str, Any]:
+    """A chat request of about ``prompt_tokens`` words, asking for ``response_tokens``."""
+    words = " ".join(f"w{i % 997}" for i in range(settings.prompt_tokens))
+    body: dict[str, Any] = {
+        "model": "emulated",
+        "messages": [
+            {"role": "system", "content": "You are a benchmark."},
+            {"role": "user", "content": words},
+        ],
+        "max_tokens": settings.response_tokens,
+        "temperature": 1.0,
+        "stream": stream,
+    }
+    return body
+
+
+class RawConnection(asyncio.Protocol):
+    """The load generator's HTTP/1.1 client: one keep-alive connection, one call at a time.
+
+    Why not httpx: on 2 cores, httpx spent 0.6 ms of CPU per non-streaming call and 14 to 20 ms
+    per 200-chunk stream (70 to 100 us per SSE chunk), so at concurrency 64 the load generator
+    used most of a core and was the bottleneck of the direct runs (see docs/benchmarks.md). This
+    client only frames the answer (``content-length`` or chunked) and keeps its bytes.
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        # Parse state of the answer being read, so each byte is looked at once.
+        self.status = 0  # 0 until the head has arrived
+        self.length: int | None = None  # content-length; None when chunked
+        self.position = 0  # where the next chunk-size line starts (chunked)
+        self.parts: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"connection closed mid-answer: {exc!r}"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.waiter is not None and not self.waiter.done():
+            answer = self._answer()
+            if answer is not None:
+                self._reset()
+                self.waiter.set_result(answer)
+
+    def _answer(self) -> tuple[int, bytes] | None:
+        """``(status, body)`` once the whole answer is buffered; None while it is not."""
+        if not self.status:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return None
+            head = bytes(self.buffer[:head_end]).lower()
+            del self.buffer[: head_end + 4]
+            self.status = int(head[9:12])
+            if b"transfer-encoding: chunked" not in head:
+                marker = head.find(b"content-length:")
+                end = head.find(b"\r\n", marker)
+                self.length = (
+                    int(head[marker + 15 : end if end > 0 else None]) if marker >= 0 else 0
+                )
+        if self.length is not None:
+            if len(self.buffer) < self.length:
+                return None
+            body = bytes(self.buffer[: self.length])
+            del self.buffer[: self.length]
+            return self.status, body
+        while True:
+            line_end = self.buffer.find(b"\r\n", self.position)
+            if line_end < 0:
+                return None
+            size = int(self.buffer[self.position : line_end].split(b";", 1)[0], 16)
+            if len(self.buffer) < line_end + 2 + size + 2:
+                return None
+            if size == 0:
+                del self.buffer[: line_end + 4]
+                return self.status, b"".join(self.parts)
+            self.parts.append(bytes(self.buffer[line_end + 2 : line_end + 2 + size]))
+            self.position = line_end + 2 + size + 2
+
+    async def call(self, request: bytes) -> tuple[int, bytes]:
+        """Send one request (bytes of head and body) and wait for the whole answer."""
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        return await self.waiter
+
+
+class Caller:
+    """One worker's way to a target (``base_url`` without ``/v1``): a raw or an httpx client."""
+
+    def __init__(self, base_url: str, loadgen: Loadgen) -> None:
+        url = httpx.URL(base_url)
+        self.base_url, self.loadgen = base_url.rstrip("/"), loadgen
+        self.host, self.port = url.host, url.port or 80
+        self.raw: RawConnection | None = None
+        self.client: httpx.AsyncClient | None = None
+        if loadgen == "httpx":
+            # One single-connection client per worker: one shared pool of 64 connections cost
+            # 8.2 ms of CPU per call at concurrency 64 (httpcore's pool scans its waiters).
+            limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+            timeout = httpx.Timeout(600.0, connect=30.0)
+            self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        elif loadgen != "raw":
+            raise ValueError(f"loadgen must be one of {LOADGENS}, got {loadgen!r}")
+
+    async def call(self, path: str, body: bytes, stream: bool) -> str | None:
+        """POST ``body`` to ``path``; None when it answered 200 (and, streaming, ended with
+        ``data: [DONE]``), else the error as text."""
+        if self.client is not None:
+            response = await self.client.post(
+                self.base_url + path, content=body, headers={"content-type": "application/json"}
+            )
+            status, content = response.status_code, response.content
+        else:
+            if self.raw is None or self.raw.transport is None or self.raw.transport.is_closing():
+                loop = asyncio.get_running_loop()
+                _transport, self.raw = await loop.create_connection(
+                    RawConnection, self.host, self.port
+                )
+            head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            status, content = await self.raw.call(head.encode() + body)
+        if status != 200:
+            return f"HTTP {status}: {content[:300].decode(errors='replace')}"
+        if stream and not content.rstrip().endswith(b"data: [DONE]"):
+            return f"stream ended without data: [DONE]: {content[-80:]!r}"
+        return None
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        if self.raw is not None and self.raw.transport is not None:
+            self.raw.transport.close()
+
+
+@asynccontextmanager
+async def callers(base_url: str, loadgen: Loadgen, concurrency: int) -> AsyncIterator[list[Caller]]:
+    """``concurrency`` callers, each with its own keep-alive connection to ``base_url``."""
+    workers = [Caller(base_url, loadgen) for _ in range(concurrency)]
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            await worker.close()
+
+
+async def drive(
+    workers: list[Caller],
+    path_of: Callable[[int, int], str],
+    body: bytes,
+    *,
+    stream: bool,
+    requests: int,
+) -> Sample:
+    """Send ``requests`` calls from the workers; worker ``w``'s ``k``-th call goes to
+    ``path_of(w, k)``. A call counts when ``Caller.call`` says it succeeded; otherwise it is an
+    error, the first one kept as text."""
+    sample = Sample()
+    next_call = 0
+
+    async def work(caller: Caller, worker_index: int) -> None:
+        nonlocal next_call
+        k = 0
+        while next_call < requests:
+            next_call += 1
+            path = path_of(worker_index, k)
+            k += 1
+            started = time.perf_counter()
+            try:
+                error = await caller.call(path, body, stream)
+            except (OSError, httpx.HTTPError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            if error is None:
+                sample.latencies_ms.append((time.perf_counter() - started) * 1000.0)
+            else:
+                sample.errors += 1
+                sample.first_error = sample.first_error or error
+
+    cpu_started, wall_started = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(work(caller, w) for w, caller in enumerate(workers)))
+    sample.wall_s = time.perf_counter() - wall_started
+    sample.loadgen_cpu_s = time.process_time() - cpu_started
+    return sample
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux ``/proc``); None if unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # Fields 14 and 15 (utime, stime) of proc(5), counted after the ")" that ends field 2.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Poll ``url`` until it answers 200; raise ``RuntimeError`` on exit or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {process.returncode} before healthy")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} not healthy within {timeout_s} s")
+
+
+@dataclass
+class Targets:
+    """The running emulator and gateway: URLs, process ids (None in-process) and the pool."""
+
+    emulator_url: str
+    emulator_pid: int | None
+    gateway_url: str
+    gateway_pid: int | None
+    database_url: str
+
+
+@contextmanager
+def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]:
+    """Start the emulator (child process) and the gateway (per ``gateway_mode``); stop both."""
+    emulator_port = settings.emulator_port or free_port()
+    gateway_port = settings.gateway_port or free_port()
+    emulator_env = {
+        **os.environ,
+        "TRAJGATE_EMULATOR_PORT": str(emulator_port),
+        "TRAJGATE_EMULATOR_PROMPT_TOKENS": str(settings.prompt_tokens),
+        "TRAJGATE_EMULATOR_RESPONSE_TOKENS": str(settings.response_tokens),
+        "TRAJGATE_EMULATOR_TTFT_MS": str(settings.ttft_ms),
+        "TRAJGATE_EMULATOR_INTER_TOKEN_MS": str(settings.inter_token_ms),
+    }
+    emulator_url = f"http://127.0.0.1:{emulator_port}"
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    data_dir = settings.data_dir or log_dir / "pool"
+    database_url = f"sqlite:///{(data_dir / 'pool.sqlite3').resolve()}"
+    db.upgrade(database_url)
+    children: list[subprocess.Popen[bytes]] = []
+    thread_server: Any = None
+    try:
+        with open(log_dir / "emulator.log", "wb") as log:
+            emulator = subprocess.Popen(
+                [sys.executable, "-m", "trajgate.bench.emulator"],
+                env=emulator_env,
+                stdout=log,
+                stderr=log,
+            )
+        children.append(emulator)
+        wait_healthy(f"{emulator_url}/health", emulator, 30.0)
+        gateway_pid: int | None = None
+        if settings.gateway_mode == "process":
+            command = [sys.executable, "-m", "trajgate.cli", "serve", "--upstream", emulator_url]
+            command += ["--port", str(gateway_port), "--database-url", database_url]
+            with open(log_dir / "gateway.log", "wb") as log:
+                gateway = subprocess.Popen(command, stdout=log, stderr=log)
+            children.append(gateway)
+            gateway_pid = gateway.pid
+            wait_healthy(f"{gateway_url}/health", gateway, 60.0)
+        elif settings.gateway_mode == "thread":
+            from datapool.settings import PoolSettings
+            from gateway.app import create_app
+            from gateway.server import BackgroundServer
+            from gateway.settings import GatewaySettings
+
+            app = create_app(
+                GatewaySettings(upstream_url=emulator_url, port=gateway_port),
+                PoolSettings(data_dir=data_dir, database_url=database_url),
+            )
+            thread_server = BackgroundServer(app, port=gateway_port).start()
+        else:
+            raise ValueError(
+                f"gateway_mode must be one of {GATEWAY_MODES}, got {settings.gateway_mode!r}"
+            )
+        yield Targets(emulator_url, emulator.pid, gateway_url, gateway_pid, database_url)
+    finally:
+        if thread_server is not None:
+            thread_server.stop()
+        for child in reversed(children):
+            child.terminate()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def count_steps(database_url: str, trajectory_prefix: str) -> int:
+    """Rows in ``steps`` whose trajectory id starts with ``trajectory_prefix``."""
+    engine = db.make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            query = select(func.count()).select_from(Step)
+            query = query.where(Step.trajectory_id.startswith(trajectory_prefix, autoescape=True))
+            return int(conn.execute(query).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _cpu_ms_per_call(before: float | None, after: float | None, calls: int) -> float | None:
+    if before is None or after is None or calls == 0:
+        return None
+    return round((after - before) * 1000.0 / calls, 3)
+
+
+async def _measure(
+    targets: Targets,
+    base_url: str,
+    path_of: Callable[[int, int], str],
+    body: bytes,
+    stream: bool,
+    concurrency: int,
+    settings: BenchSettings,
+    gateway: bool,
+) -> tuple[Sample, dict[str, float | None]]:
+    """Warm up, then one measured run on the same connections; also each process's CPU ms
+    per call during the measured run."""
+    pids = {"emulator": targets.emulator_pid, "gateway": targets.gateway_pid if gateway else None}
+    async with callers(base_url, settings.loadgen, concurrency) as workers:
+        if settings.warmup_requests:
+            await drive(
+                workers,
+                lambda w, k: path_of(-1 - w, k),  # negative workers: warm-up trajectories
+                body,
+                stream=stream,
+                requests=max(settings.warmup_requests, concurrency),
+            )
+        before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+        sample = await drive(workers, path_of, body, stream=stream, requests=settings.requests)
+    calls = sample.ok + sample.errors
+    cpu = {
+        f"{name}_cpu_ms_per_call": _cpu_ms_per_call(before[name], process_cpu_s(pid), calls)
+        for name, pid in pids.items()
+    }
+    cpu["loadgen_cpu_ms_per_call"] = _cpu_ms_per_call(0.0, sample.loadgen_cpu_s, calls)
+    return sample, cpu
+
+
+def _stats(prefix: str, sample: Sample) -> dict[str, Any]:
+    ok = bool(sample.latencies_ms)
+    return {
+        f"{prefix}_p50_ms": _ms(percentile(sample.latencies_ms, 50)) if ok else None,
+        f"{prefix}_p99_ms": _ms(percentile(sample.latencies_ms, 99)) if ok else None,
+        f"{prefix}_rps": round(sample.rps, 2),
+    }
+
+
+def _compare(direct: Sample, other: Sample, prefix: str) -> dict[str, Any]:
+    """Latency and throughput of ``other`` against the direct run."""
+    result = _stats(prefix, other)
+    both = bool(direct.latencies_ms and other.latencies_ms)
+    p50, p99 = (
+        (
+            percentile(other.latencies_ms, 50) - percentile(direct.latencies_ms, 50),
+            percentile(other.latencies_ms, 99) - percentile(direct.latencies_ms, 99),
+        )
+        if both
+        else (None, None)
+    )
+    result["added_p50_ms"] = _ms(p50)
+    result["added_p99_ms"] = _ms(p99)
+    result["throughput_ratio"] = round(other.rps / direct.rps, 3) if direct.rps > 0 else None
+    result["errors"] = other.errors
+    if other.first_error is not None:
+        result["error"] = other.first_error
+    return result
+
+
+def run_benchmark(
+    settings: BenchSettings, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Run every configuration against every target and return the report (a JSON object);
+    ``progress`` is called after each configuration with a short description."""
+    log_dir = Path(tempfile.mkdtemp(prefix="trajgate-bench-"))
+    session = uuid.uuid4().hex[:8]
+    runs: list[dict[str, Any]] = []
+    try:
+        with running_targets(settings, log_dir) as targets:
+            for stream in settings.streams:
+                body = chat_body(settings, stream)
+                raw = httpx.Request("POST", "/", json=body).content
+                for concurrency in settings.concurrencies:
+                    runs.append(_run_one(settings, targets, raw, stream, concurrency, session))
+                    if progress is not None:
+                        progress(f"stream={stream} concurrency={concurrency} done")
+    finally:
+        if settings.data_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return {
+        "benchmark": "gateway",
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "gateway_mode": settings.gateway_mode,
+        "loadgen": settings.loadgen,
+        "emulator": {
+            "prompt_tokens": settings.prompt_tokens,
+            "response_tokens": settings.response_tokens,
+            "ttft_ms": settings.ttft_ms,
+            "inter_token_ms": settings.inter_token_ms,
+        },
+        "requests_per_run": settings.requests,
+        "warmup_requests": settings.warmup_requests,
+        "steps_per_trajectory": settings.steps_per_trajectory,
+        "goals": {
+            "added_p50_ms_at_c1": GOAL_ADDED_P50_MS,
+            "added_p99_ms_at_c1": GOAL_ADDED_P99_MS,
+            "throughput_ratio_at_c64": GOAL_THROUGHPUT_RATIO,
+        },
+        "goals_met": goals_met(runs),
+        "runs": runs,
+    }
+
+
+def _run_one(
+    settings: BenchSettings,
+    targets: Targets,
+    body: bytes,
+    stream: bool,
+    concurrency: int,
+    session: str,
+) -> dict[str, Any]:
+    run_id = f"bench-{session}-{'s' if stream else 'p'}{concurrency}"
+    spt = settings.steps_per_trajectory
+
+    def gateway_path(w: int, k: int) -> str:
+        phase = "m" if w >= 0 else "w"  # measured or warm-up; only "m" steps are counted
+        return f"/t/{run_id}-{phase}{abs(w)}-{k // spt}/v1/chat/completions"
+
+    def measure(base_url: str, path_of: Callable[[int, int], str], gateway: bool) -> Any:
+        return asyncio.run(
+            _measure(targets, base_url, path_of, body, stream, concurrency, settings, gateway)
+        )
+
+    direct, direct_cpu = measure(targets.emulator_url, _fixed_path("/v1"), False)
+    via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, True)
+    run: dict[str, Any] = {
+        "stream": stream,
+        "concurrency": concurrency,
+        "requests": settings.requests,
+        **_stats("direct", direct),
+        "direct_errors": direct.errors,
+        **_compare(direct, via_gateway, "gateway"),
+        "steps_persisted": count_steps(targets.database_url, f"{run_id}-m"),
+        "steps_expected": via_gateway.ok,
+        "cpu_ms_per_call": {"direct": direct_cpu, "gateway": gateway_cpu},
+    }
+    if direct.first_error is not None:
+        run["direct_error"] = direct.first_error
+    proxies = []
+    for proxy_url in settings.proxy_urls:
+        url = httpx.URL(proxy_url)
+        base_url = str(url.copy_with(path="/", query=None)).rstrip("/")
+        sample, _cpu = measure(base_url, _fixed_path(url.path), False)
+        proxies.append({"url": proxy_url, **_compare(direct, sample, "proxy")})
+    if proxies:
+        run["proxies"] = proxies
+    return run
+
+
+def _fixed_path(prefix: str) -> Callable[[int, int], str]:
+    path = f"{prefix.rstrip('/')}/chat/completions"
+    return lambda _worker, _k: path
+
+
+def goals_met(runs: list[dict[str, Any]]) -> dict[str, bool | None]:
+    """Whether each goal of issue 3 holds in ``runs``; None when no run measured it."""
+
+    def all_of(values: list[bool]) -> bool | None:
+        return all(values) if values else None
+
+    c1 = [r for r in runs if r["concurrency"] == 1 and r["added_p50_ms"] is not None]
+    c64 = [r for r in runs if r["concurrency"] == 64 and r["throughput_ratio"] is not None]
+    return {
+        "added_p50_ms_at_c1": all_of([r["added_p50_ms"] <= GOAL_ADDED_P50_MS for r in c1]),
+        "added_p99_ms_at_c1": all_of([r["added_p99_ms"] <= GOAL_ADDED_P99_MS for r in c1]),
+        "throughput_ratio_at_c64": all_of(
+            [r["throughput_ratio"] >= GOAL_THROUGHPUT_RATIO for r in c64]
+        ),
+        "every_step_persisted": all_of(
+            [r["steps_persisted"] == r["steps_expected"] for r in runs if r["steps_expected"]]
+        ),
+    }
