@@ -13,7 +13,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import httpx
 from fastapi import Depends, FastAPI, Request, Response
@@ -21,12 +20,10 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from datapool.db import make_engine
-from datapool.errors import PoolError
 from datapool.lifecycle.hooks import CompletionHooks
 from datapool.rewards.values import resolve_reward_function
 from datapool.settings import PoolSettings
 from datapool.steps.faults import fault_reason, is_storage_fault
-from datapool.steps.records import CallRecord
 from datapool.steps.store import PoolStore
 from datapool.steps.writer import PoolWriter
 from gateway import proxy
@@ -34,44 +31,15 @@ from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
-from gateway.errors import from_pool_error, install_error_handlers
+from gateway.errors import install_error_handlers
 from gateway.inspector import page as inspector
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
 from gateway.upstreams import UpstreamPool
 
 log = logging.getLogger("trajgate.gateway")
-
-
-@dataclass
-class GatewayState:
-    """Everything a request handler needs, built once per app in its lifespan."""
-
-    settings: GatewaySettings
-    store: PoolStore
-    client: httpx.AsyncClient
-    upstreams: UpstreamPool
-    policy: PolicyRegistry
-    keys: KeyRing
-    metrics: GatewayMetrics
-    pending_writes: int = 0
-    writer: PoolWriter | None = None
-    hooks: CompletionHooks | None = None
-
-    async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
-        """Make one call durable (its steps and its attempts, one group-commit transaction);
-        returns the step ids."""
-        self.pending_writes += 1
-        try:
-            assert self.writer is not None, "the lifespan starts the pool writer"
-            try:
-                step_ids = await self.writer.record(trajectory_id, call)
-            except PoolError as exc:
-                raise from_pool_error(exc) from exc
-        finally:
-            self.pending_writes -= 1
-        return step_ids
 
 
 def create_app(

@@ -12,7 +12,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 
@@ -24,9 +24,7 @@ from gateway.errors import (
     PayloadTooLargeError,
     PermissionDeniedError,
 )
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.state import GatewayState
 
 TRAJECTORY_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 GROUP_ID_PATTERN = TRAJECTORY_ID_PATTERN  # group ids are path segments too

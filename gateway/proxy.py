@@ -17,11 +17,11 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import httpx
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
@@ -53,11 +53,9 @@ from gateway.errors import (
     UpstreamTimeoutError,
     envelope,
 )
+from gateway.state import GatewayState, StateDep
 from gateway.streaming import StreamCapture, sse_data
 from gateway.upstreams import NoHealthyUpstreamError, Replica
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
 
 log = logging.getLogger("trajgate.proxy")
 T = TypeVar("T")
@@ -69,12 +67,6 @@ UPSTREAM_PATHS: dict[Endpoint, str] = {
 }
 
 
-def _state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
-
-
-StateDep = Annotated["GatewayState", Depends(_state)]
 router = APIRouter()
 
 

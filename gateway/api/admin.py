@@ -7,16 +7,14 @@ Never: serves agents; OpenAI routes live in ``gateway.proxy``.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import check_admin_token
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.state import GatewayState
 
 
 def _admin_state(request: Request) -> GatewayState:
@@ -25,7 +23,7 @@ def _admin_state(request: Request) -> GatewayState:
     return state
 
 
-AdminDep = Annotated["GatewayState", Depends(_admin_state)]
+AdminDep = Annotated[GatewayState, Depends(_admin_state)]
 router = APIRouter(prefix="/admin", tags=["admin"])
 
 

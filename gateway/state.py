@@ -1,0 +1,66 @@
+"""What every request handler of one gateway app shares, and the dependency that hands it over.
+
+Owns: ``GatewayState`` (settings, the pool and its writer, the upstream pool, the policy
+registry, keys, metrics, completion hooks) and ``StateDep``, the dependency alias routes declare
+to receive it. Never: builds the state (the app's lifespan does, in ``gateway.app``) or serves a
+route; modules that need the state import it from here, never from ``gateway.app``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import httpx
+from fastapi import Depends, Request
+
+from datapool.errors import PoolError
+from datapool.lifecycle.hooks import CompletionHooks
+from datapool.steps.records import CallRecord
+from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
+from gateway.auth import KeyRing
+from gateway.errors import from_pool_error
+from gateway.metrics import GatewayMetrics
+from gateway.policy import PolicyRegistry
+from gateway.settings import GatewaySettings
+from gateway.upstreams import UpstreamPool
+
+
+@dataclass
+class GatewayState:
+    """Everything a request handler needs, built once per app in its lifespan."""
+
+    settings: GatewaySettings
+    store: PoolStore
+    client: httpx.AsyncClient
+    upstreams: UpstreamPool
+    policy: PolicyRegistry
+    keys: KeyRing
+    metrics: GatewayMetrics
+    pending_writes: int = 0
+    writer: PoolWriter | None = None
+    hooks: CompletionHooks | None = None
+
+    async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
+        """Make one call durable (its steps and its attempts, one group-commit transaction);
+        returns the step ids."""
+        self.pending_writes += 1
+        try:
+            assert self.writer is not None, "the lifespan starts the pool writer"
+            try:
+                step_ids = await self.writer.record(trajectory_id, call)
+            except PoolError as exc:
+                raise from_pool_error(exc) from exc
+        finally:
+            self.pending_writes -= 1
+        return step_ids
+
+
+def gateway_state(request: Request) -> GatewayState:
+    """The state of the app serving ``request`` (set by the lifespan as ``app.state.gateway``)."""
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+StateDep = Annotated[GatewayState, Depends(gateway_state)]
