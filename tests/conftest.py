@@ -13,6 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
+from tests_support import free_port
 
 from datapool import db
 from datapool.settings import PoolSettings
@@ -20,7 +21,6 @@ from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trajgate import tinymodel, vllm_server
-from trajgate.bench.gateway import free_port
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "TRAJGATE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -84,7 +84,7 @@ def emulated_gateway(
     """A gateway in front of a fresh vLLM-shaped emulator (``trajgate.bench.emulator``) with the
     given
     pace and lengths; both stop on exit."""
-    from conftest import free_port
+    from tests_support import free_port
 
     from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 

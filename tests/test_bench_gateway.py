@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
+from tests_support import free_port
 
 from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 from trajgate.bench.gateway import BenchSettings, percentile, run_benchmark

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import free_port
+from tests_support import free_port
 
 from datapool.db import make_engine
 from datapool.settings import PoolSettings

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import torch
 from batch_helpers import agent_turns, make_store, write_trajectory
-from conftest import free_port
 from deployment_helpers import compose_service_env
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
+from tests_support import free_port
 
 from datapool.batches.build import BatchSpec, get_batch, materialise, read_rows
 from datapool.batches.settings import BatchSettings
@@ -28,7 +28,8 @@ from gateway.settings import GatewaySettings
 from trainer_bridge.client import train_batch
 from trainer_bridge.collate import Row
 from trainer_bridge.distributed import shard_rows
-from trainer_bridge.trainer import PolicyTrainer, TrainerSettings
+from trainer_bridge.settings import TrainerSettings
+from trainer_bridge.trainer import PolicyTrainer
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # float32 sums in another order (two shards, other padding widths, other thread counts): far

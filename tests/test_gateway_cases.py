@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
 from gateway_helpers import (
     WEATHER_TOOL,
     chat_response,
@@ -22,6 +21,7 @@ from gateway_helpers import (
     steps_of,
 )
 from openai import OpenAI
+from tests_support import free_port
 
 from datapool.settings import PoolSettings
 from datapool.steps.prefix import TOOL_ARGUMENTS_CHANGED

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port
 from gateway_helpers import gateway_with, sse_chunks, steps_of
 from openai import AsyncOpenAI, OpenAI
+from tests_support import free_port
 
 from datapool.db import make_engine
 from datapool.settings import PoolSettings

@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port
 from gateway_helpers import gateway_with
+from tests_support import free_port
 
 from datapool.settings import PoolSettings
 from trajgate.vllm_server import VLLMServer

@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 from batch_helpers import agent_turns, make_store, write_trajectory
-from conftest import free_port
 from moto.server import ThreadedMotoServer
+from tests_support import free_port
 
 from datapool.batches.build import BatchSpec, get_batch, materialise, read_rows
 from datapool.batches.settings import BatchSettings

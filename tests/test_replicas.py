@@ -20,8 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import _create_postgres_database, _drop_postgres_database, free_port
+from conftest import _create_postgres_database, _drop_postgres_database
 from deployment_helpers import compose_service_env
+from tests_support import free_port
 
 from trajgate.bench.fleet import (
     Balancer,

@@ -1,7 +1,20 @@
-"""Small helpers shared by the pool tests."""
+"""Helpers every kind of test uses, kept here so that no test borrows a benchmark's internals.
+
+Owns: ``free_port`` (a TCP port on 127.0.0.1 that nothing listens on). Never: starts servers or
+touches a pool; fixtures live in ``conftest.py``, gateway helpers in ``gateway_helpers.py``.
+"""
 
 from __future__ import annotations
 
-from trajgate.bench.gateway import free_port
+import socket
 
-__all__ = ["free_port"]
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that the OS just handed out, so nothing listens on it yet.
+
+    The socket is closed before returning, so another process could take the port before the
+    caller binds it; the OS hands ports out in turn, which makes that rare enough for tests.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
