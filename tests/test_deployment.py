@@ -22,8 +22,7 @@ from pydantic_settings import BaseSettings
 from datapool.batches.settings import BatchSettings
 from datapool.settings import PoolSettings
 from gateway.settings import GatewaySettings
-from trainer_bridge.distributed import DistributedSettings
-from trainer_bridge.trainer import TrainerSettings
+from trainer_bridge.settings import DistributedSettings, TrainerSettings
 from trajgate.bench.fleet import TRAJGATE
 
 SETTINGS: list[type[BaseSettings]] = [

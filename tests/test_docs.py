@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +11,9 @@ import typer.main
 from fastapi.routing import APIRoute
 from pydantic_settings import BaseSettings
 
-from datapool.batches.settings import BatchSettings
-from datapool.settings import PoolSettings
 from gateway.app import create_app
-from gateway.settings import GatewaySettings
-from trainer_bridge.distributed import DistributedSettings
-from trainer_bridge.trainer import TrainerSettings
-from trajgate.bench.emulator import EmulatorSettings
 from trajgate.cli import app as cli_app
+from trajgate.config import settings_classes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = "\n".join(
@@ -30,17 +26,7 @@ def _env_names(settings: type[BaseSettings]) -> list[str]:
     return [f"{prefix}{name}".upper() for name in settings.model_fields]
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        GatewaySettings,
-        PoolSettings,
-        EmulatorSettings,
-        BatchSettings,
-        TrainerSettings,
-        DistributedSettings,
-    ],
-)
+@pytest.mark.parametrize("settings", settings_classes(), ids=lambda cls: cls.__name__)
 def test_every_setting_is_documented(settings: type[BaseSettings]) -> None:
     missing = [name for name in _env_names(settings) if name not in DOCS]
     assert missing == []
@@ -77,3 +63,45 @@ def test_every_cli_command_and_flag_is_documented() -> None:
             if flags and not any(flag in DOCS for flag in flags):
                 missing.append(f"{name} {flags[0]}")
     assert missing == []
+
+
+# Capture cases (docs/capture-cases.md): each "### Cnn — title" section defines one case and names
+# the tests that pin it as `tests/<file>.py::<test function>`.
+CASES_DOC = ROOT / "docs" / "capture-cases.md"
+CASE_CODE = re.compile(r"\bC(\d{2})\b")
+PINNING_TEST = re.compile(r"`(tests/\w+\.py)::(\w+)`")
+
+
+def _case_sections() -> dict[str, str]:
+    """``{case code: text of its section}`` from the headings of docs/capture-cases.md."""
+    parts = re.split(r"^### (C\d{2})\b.*$", CASES_DOC.read_text(), flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_every_capture_case_cited_in_the_source_tests_or_docs_is_defined() -> None:
+    defined = _case_sections()
+    assert sorted(defined) == [f"C{n:02d}" for n in range(1, 19)]
+    packages = ("gateway", "datapool", "trainer_bridge", "trajgate", "tests")
+    citing = [path for package in packages for path in (ROOT / package).rglob("*.py")]
+    citing += [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    undefined = sorted(
+        f"C{number} in {path.relative_to(ROOT)}"
+        for path in citing
+        for number in set(CASE_CODE.findall(path.read_text()))
+        if f"C{number}" not in defined
+    )
+    assert undefined == []
+
+
+def test_every_capture_case_is_pinned_by_tests_that_exist() -> None:
+    problems: list[str] = []
+    for case, section in _case_sections().items():
+        pins = PINNING_TEST.findall(section)
+        if not pins:
+            problems.append(f"{case}: names no test")
+        for path, name in pins:
+            test_file = ROOT / path
+            source = test_file.read_text() if test_file.exists() else ""
+            if not re.search(rf"^def {name}\(", source, flags=re.MULTILINE):
+                problems.append(f"{case}: {path}::{name} does not exist")
+    assert problems == []

@@ -16,8 +16,9 @@ from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
 from trainer_bridge.collate import Row, collate, row_from_step
 from trainer_bridge.logprobs import token_logprobs
+from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.sync import WeightSync
-from trainer_bridge.trainer import PolicyTrainer, TrainBatch, TrainerSettings
+from trainer_bridge.trainer import PolicyTrainer, TrainBatch
 from trajgate.vllm_server import VLLMServer
 
 PAD_ID = 0

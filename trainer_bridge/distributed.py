@@ -4,8 +4,9 @@ Run it (CPU, gloo; on GPUs the same command picks NCCL and one GPU per rank)::
 
     torchrun --nproc-per-node 2 -m trainer_bridge.distributed
 
-configured by ``TRAJGATE_TRAINER_*`` variables (``TrainerSettings`` and ``DistributedSettings``,
-docs/deployment.md) or a ``TRAJGATE_CONFIG`` file.
+configured by ``TRAJGATE_TRAINER_*`` variables (``trainer_bridge.settings``: ``TrainerSettings``
+and ``DistributedSettings``, docs/deployment.md) or a ``TRAJGATE_CONFIG`` file; ``--check-config``
+prints the settings and exits.
 
 Owns: the lease protocol across ranks and the gradient reduction. Rank 0 alone talks to the
 pool's lease API: it leases the next batch and broadcasts the lease to every rank; each rank
@@ -34,69 +35,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
 import torch.distributed as dist
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from trainer_bridge.client import LeasedBatch, PoolClient, rows_from_table
 from trainer_bridge.collate import Row, collate
+from trainer_bridge.settings import DistributedSettings, TrainerSettings
 from trainer_bridge.sync import WeightSync
-from trainer_bridge.trainer import PolicyTrainer, TrainerSettings, UpdateMetrics
-from trajgate.config import ConfigFileSettings
-
-
-class DistributedSettings(ConfigFileSettings):
-    """Where the pool is and how the ranks run (``TRAJGATE_TRAINER_*`` variables)."""
-
-    model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
-    config_section = "trainer"
-
-    pool_url: str = Field(
-        default="http://127.0.0.1:8000",
-        description="Base URL of a gateway (or the load balancer) whose /api the ranks use.",
-    )
-    consumer: str = Field(
-        default="trainer", description="Consumer id of the leases: one per training run."
-    )
-    lease_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="Lease length: longer than one update, short enough to recover a crash.",
-    )
-    max_updates: int | None = Field(
-        default=None, ge=1, description="Stop after this many updates; unset: run until idle."
-    )
-    idle_wait_s: float = Field(
-        default=5.0, gt=0, description="Seconds to wait before asking again when no batch waits."
-    )
-    idle_exit_s: float | None = Field(
-        default=None, gt=0, description="Stop after this long without a batch; unset: never."
-    )
-    pad_token_id: int = Field(default=0, ge=0, description="Token id used for right padding.")
-    weights_dir: Path = Field(
-        default=Path(".trajgate/weights"),
-        description="Where rank 0 saves each update's weights (a directory vLLM can read).",
-    )
-    vllm_urls: str = Field(
-        default="",
-        description="vLLM base URLs (comma-separated) to load each update into; empty: none.",
-    )
-    gateway_url: str | None = Field(
-        default=None,
-        description="Gateway whose policy registry gets each new version; default pool_url.",
-    )
-    admin_token: str | None = Field(
-        default=None,
-        description="The gateways' TRAJGATE_ADMIN_TOKEN (pool API and policy registration).",
-    )
-    first_version: int = Field(
-        default=1, ge=1, description="Policy version of the first published update."
-    )
+from trainer_bridge.trainer import PolicyTrainer, UpdateMetrics
 
 
 class GlooWorld:
@@ -225,11 +174,27 @@ def _update_on_share(
     return metrics
 
 
-def main() -> None:
-    """``torchrun -m trainer_bridge.distributed``: one process per rank."""
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun -m trainer_bridge.distributed [--check-config]``: one process per rank.
+
+    ``--check-config`` loads the settings (the ``TRAJGATE_CONFIG`` file's keys all checked),
+    prints them as one JSON object, secrets hidden, and exits before joining the process group.
+    """
+    import argparse
     import json
 
+    from trajgate.config import describe
+
+    parser = argparse.ArgumentParser(prog="torchrun -m trainer_bridge.distributed")
+    parser.add_argument(
+        "--check-config", action="store_true", help="Print the settings and exit (no training)."
+    )
+    arguments = parser.parse_args(argv)
     trainer_settings = TrainerSettings()  # type: ignore[call-arg]  # model_dir from env/config
+    settings = DistributedSettings()
+    if arguments.check_config:
+        print(json.dumps(describe(trainer_settings, settings)), flush=True)
+        return
     if trainer_settings.device == "cuda" or (
         trainer_settings.device == "auto" and torch.cuda.is_available()
     ):
@@ -242,7 +207,7 @@ def main() -> None:
         backend = "gloo"
     dist.init_process_group(backend)
     try:
-        report = run(DistributedSettings(), trainer_settings)
+        report = run(settings, trainer_settings)
         print(json.dumps({"rank": report.rank, "updates": report.updates}), flush=True)
     finally:
         dist.destroy_process_group()

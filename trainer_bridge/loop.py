@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 
 from trainer_bridge.client import PoolClient, train_batch
+from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.sync import WeightSync
-from trainer_bridge.trainer import PolicyTrainer, TrainerSettings
+from trainer_bridge.trainer import PolicyTrainer
 
 
 @dataclass

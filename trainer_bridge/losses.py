@@ -29,12 +29,11 @@ Variants, each with its source:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-Aggregation = Literal["token_mean", "seq_mean", "seq_sum_token_mean"]
+from trainer_bridge.settings import Aggregation
 
 
 @dataclass(frozen=True)

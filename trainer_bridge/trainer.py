@@ -15,56 +15,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 from torch import Tensor
 
 from trainer_bridge.logprobs import token_logprobs
-from trainer_bridge.losses import Aggregation, LossConfig, policy_loss
-from trajgate.config import ConfigFileSettings
-
-
-class TrainerSettings(ConfigFileSettings):
-    """How the policy is trained (``TRAJGATE_TRAINER_*`` variables)."""
-
-    model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
-    config_section = "trainer"
-
-    model_dir: Path = Field(
-        description="Hugging Face model directory of the policy's base weights."
-    )
-    lora_rank: int = Field(
-        default=8,
-        ge=0,
-        description="LoRA rank; 0 trains every weight (full fine-tuning, pushed with a reload).",
-    )
-    lora_alpha: int = Field(default=16, gt=0, description="LoRA scaling numerator.")
-    lora_target_modules: list[str] = Field(
-        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        description="Modules that get LoRA adapters (vLLM supports these for Qwen2).",
-    )
-    learning_rate: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    micro_batch_rows: int = Field(
-        default=8, ge=1, description="Rows per forward/backward; gradients accumulate over them."
-    )
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
-    clip_low: float = Field(default=0.2, ge=0, description="PPO clip below 1.")
-    clip_high: float = Field(default=0.28, ge=0, description="PPO clip above 1 (clip-higher).")
-    tis_cap: float | None = Field(default=2.0, description="Truncated importance weight cap.")
-    aggregation: Aggregation = Field(default="token_mean", description="Loss aggregation.")
-    kl_coef: float = Field(default=0.0, ge=0, description="k3 KL weight (0 = no reference model).")
-    seed: int = Field(default=0, description="Seed of LoRA initialisation.")
-    device: str = Field(default="auto", description="'auto' (CUDA if present), 'cpu' or 'cuda'.")
-
-    def loss_config(self) -> LossConfig:
-        return LossConfig(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            tis_cap=self.tis_cap,
-            aggregation=self.aggregation,
-            kl_coef=self.kl_coef,
-        )
+from trainer_bridge.losses import LossConfig, policy_loss
+from trainer_bridge.settings import TrainerSettings
 
 
 @dataclass(frozen=True)
@@ -167,7 +122,13 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=settings.learning_rate, weight_decay=settings.weight_decay
         )
-        self.loss_config = settings.loss_config()
+        self.loss_config = LossConfig(
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            tis_cap=settings.tis_cap,
+            aggregation=settings.aggregation,
+            kl_coef=settings.kl_coef,
+        )
 
     def _autocast(self) -> Any:
         enabled = self.device.type == "cuda"

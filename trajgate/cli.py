@@ -2,10 +2,14 @@
 
 Owns: turning flags into settings objects and calling the packages. Never: holds logic of its
 own beyond wiring; every subcommand is a thin call into gateway/, datapool/ or trajgate/.
+Never imports torch, transformers or peft at module level: a core install (no extras) runs
+``trajgate serve`` and the pool commands; ``train``, ``demo`` and ``model create`` import them
+inside the command and name the extra to install when they are missing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,6 +18,7 @@ import typer
 
 from datapool.settings import PoolSettings
 from trajgate import tinymodel, vllm_server
+from trajgate.config import ConfigFileError, describe, load_config_file
 
 KEEP_ALIVE_S = 75
 
@@ -34,6 +39,38 @@ export_app = typer.Typer(help="Export pool data for use without trajgate.", no_a
 rewards_app = typer.Typer(help="Rewards in the pool.", no_args_is_help=True)
 app.add_typer(export_app, name="export")
 app.add_typer(rewards_app, name="rewards")
+
+CheckConfigOpt = Annotated[
+    bool,
+    typer.Option(
+        "--check-config",
+        help="Load the settings (TRAJGATE_CONFIG, environment, flags), print them as JSON with "
+        "secrets hidden, and exit without starting anything.",
+    ),
+]
+
+
+@app.callback()
+def check_config_file() -> None:
+    """Refuse to run any command on a TRAJGATE_CONFIG file with unknown keys."""
+    try:
+        load_config_file()
+    except ConfigFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _require_extra(extra: str, *modules: str) -> None:
+    """Exit with the install command when modules of the ``extra`` are not installed."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        typer.echo(
+            f"error: this command needs {', '.join(missing)}, from the [{extra}] extra: "
+            f"pip install 'trajgate[{extra}]'",
+            err=True,
+        )
+        raise typer.Exit(1)
+
 
 DatabaseUrlOpt = Annotated[
     str | None,
@@ -119,13 +156,10 @@ def serve(
             "and each proxied call is already logged once with its trajectory and step).",
         ),
     ] = False,
+    check_config: CheckConfigOpt = False,
 ) -> None:
     """Run the gateway: migrate the pool, then proxy and capture until interrupted."""
-    import uvicorn
-
-    from datapool import db
-    from datapool.errors import PoolError
-    from gateway.app import create_app
+    from datapool.batches.settings import BatchSettings
     from gateway.settings import GatewaySettings
 
     overrides: dict[str, object] = {}
@@ -134,6 +168,15 @@ def serve(
             overrides[key] = value
     settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
     pool = _pool_settings(database_url, data_dir)
+    if check_config:
+        typer.echo(json.dumps(describe(settings, pool, BatchSettings()), indent=2))
+        return
+    import uvicorn
+
+    from datapool import db
+    from datapool.errors import PoolError
+    from gateway.app import create_app
+
     try:
         application = create_app(settings, pool)
     except PoolError as exc:
@@ -161,6 +204,7 @@ def model_create(
     force: Annotated[bool, typer.Option(help="Regenerate even if present.")] = False,
 ) -> None:
     """Generate the tiny Qwen2 model and tokenizer (deterministic, no download)."""
+    _require_extra("train", "torch", "transformers", "tokenizers")
     path = tinymodel.generate(out or vllm_server.default_model_dir(), force=force)
     typer.echo(f"tiny model at {path} (sha256 {tinymodel.fingerprint(path)[:16]})")
 
@@ -204,7 +248,13 @@ def vllm_stop(port: Annotated[int, typer.Option(help="Port.")] = 8100) -> None:
 
 @app.command()
 def train(
-    model_dir: Annotated[Path, typer.Option(help="Base model directory (Hugging Face format).")],
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Base model directory (Hugging Face format); default TRAJGATE_TRAINER_MODEL_DIR "
+            "or [trainer] model_dir in TRAJGATE_CONFIG."
+        ),
+    ] = None,
     gateway_url: Annotated[str, typer.Option(help="Gateway base URL.")] = "http://127.0.0.1:8000",
     vllm_url: Annotated[
         list[str] | None, typer.Option(help="vLLM base URL; repeat for replicas.")
@@ -217,17 +267,42 @@ def train(
     idle_exit_s: Annotated[
         float | None, typer.Option(help="Stop after this long without a batch.")
     ] = None,
-    lora_rank: Annotated[int, typer.Option(help="LoRA rank; 0 = full fine-tuning.")] = 8,
-    learning_rate: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-4,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    lora_rank: Annotated[
+        int | None, typer.Option(help="LoRA rank; 0 = full fine-tuning. Default 8.")
+    ] = None,
+    learning_rate: Annotated[
+        float | None, typer.Option(help="AdamW learning rate. Default 1e-4.")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda. Default auto.")] = None,
     admin_token: Annotated[
         str | None, typer.Option(help="Gateway admin token.", envvar="TRAJGATE_ADMIN_TOKEN")
     ] = None,
+    check_config: CheckConfigOpt = False,
 ) -> None:
     """Lease batches from the pool, train (LoRA or full), ack, and publish each update to vLLM
-    and the gateway as the next policy version. The same command on a CPU or a GPU host."""
+    and the gateway as the next policy version. The same command on a CPU or a GPU host.
+    Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's [trainer]."""
+    from pydantic import ValidationError
+
+    from trainer_bridge.settings import TrainerSettings
+
+    given: dict[str, Any] = {
+        "model_dir": model_dir,
+        "lora_rank": lora_rank,
+        "learning_rate": learning_rate,
+        "device": device,
+    }
+    try:
+        settings = TrainerSettings(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        raise typer.BadParameter(
+            str(exc), param_hint="--model-dir / TRAJGATE_TRAINER_* / [trainer] in TRAJGATE_CONFIG"
+        ) from exc
+    if check_config:
+        typer.echo(json.dumps(describe(settings), indent=2))
+        return
+    _require_extra("train", "torch", "transformers", "peft")
     from trainer_bridge.loop import LoopSettings, run_loop
-    from trainer_bridge.trainer import TrainerSettings
 
     loop = LoopSettings(
         gateway_url=gateway_url.rstrip("/"),
@@ -237,9 +312,6 @@ def train(
         max_updates=max_updates,
         idle_exit_s=idle_exit_s,
         admin_token=admin_token,
-    )
-    settings = TrainerSettings(
-        model_dir=model_dir, lora_rank=lora_rank, learning_rate=learning_rate, device=device
     )
     run_loop(loop, settings, say=typer.echo)
 
@@ -268,6 +340,7 @@ def demo(
     """Run the whole loop on the embedded defaults: vLLM with the tiny model, the gateway on
     SQLite, concurrent unmodified agents, rewards, curation, GRPO batches, LoRA updates
     hot-loaded into vLLM as new policy versions; print the reward by policy version."""
+    _require_extra("demo", "torch", "transformers", "peft", "openai", "langchain_openai")
     from trajgate.demo import DemoConfig, run_demo
 
     config = DemoConfig(

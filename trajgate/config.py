@@ -17,21 +17,40 @@ keys; ``TRAJGATE_TRAINER_*`` settings live under ``[trainer]`` and ``TRAJGATE_EM
 
 Precedence, highest first: values passed in code (CLI flags), environment variables, the file,
 defaults. A key no settings class knows is an error (a typo would otherwise be silently
-ignored), raised by ``load_config_file``.
+ignored), raised by ``load_config_file``. The known keys are the fields of the classes named in
+``SETTINGS_CLASSES``, one explicit list (tests/test_config_file.py checks that it names every
+``ConfigFileSettings`` subclass), so every process checks the same keys whatever it imported.
+
+A leaf: this module imports no trajgate package at module level; it imports the listed settings
+modules by name only when a file's keys are checked. Those modules import neither torch nor
+the gateway's app, so a host with the core install alone checks the ``[trainer]`` keys too.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 CONFIG_ENV = "TRAJGATE_CONFIG"
-SECTIONS = ("trainer", "emulator")
+
+# Every settings class that reads the file, as "module:Class"; a new one goes here.
+SETTINGS_CLASSES = (
+    "gateway.settings:GatewaySettings",
+    "datapool.settings:PoolSettings",
+    "datapool.batches.settings:BatchSettings",
+    "trainer_bridge.settings:TrainerSettings",
+    "trainer_bridge.settings:DistributedSettings",
+    "trajgate.bench.emulator:EmulatorSettings",
+)
+# Fields whose values ``describe`` never prints.
+SECRET_SUFFIXES = ("token", "password", "secret", "api_key")
 
 
 class ConfigFileError(ValueError):
@@ -52,12 +71,14 @@ def load_config_file() -> dict[str, Any]:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigFileError(f"{CONFIG_ENV}={path_text}: {exc}") from exc
-    unknown = [f"{key}" for key in data if key not in SECTIONS and key not in _known(None)]
-    for section in SECTIONS:
+    classes = settings_classes()
+    sections = sorted({c.config_section for c in classes if c.config_section is not None})
+    unknown = [key for key in data if key not in sections and key not in _known(classes, None)]
+    for section in sections:
         table = data.get(section, {})
         if not isinstance(table, dict):
             raise ConfigFileError(f"{CONFIG_ENV}={path_text}: [{section}] must be a table")
-        unknown += [f"{section}.{key}" for key in table if key not in _known(section)]
+        unknown += [f"{section}.{key}" for key in table if key not in _known(classes, section)]
     if unknown:
         raise ConfigFileError(
             f"{CONFIG_ENV}={path_text}: unknown keys {sorted(unknown)}; the keys are the "
@@ -67,27 +88,51 @@ def load_config_file() -> dict[str, Any]:
     return data
 
 
-def _known(section: str | None) -> set[str]:
-    """Field names of every settings class that reads ``section`` (None: top level)."""
-    _import_all_settings()
-    names: set[str] = set()
-    for cls in _subclasses(ConfigFileSettings):
-        if cls.config_section == section:
-            names.update(cls.model_fields)
-    return names
+def settings_classes() -> list[type[ConfigFileSettings]]:
+    """The classes named in ``SETTINGS_CLASSES``, imported (in that order).
+
+    Raises:
+        TypeError: a name does not resolve to a ``ConfigFileSettings`` subclass.
+    """
+    classes = []
+    for name in SETTINGS_CLASSES:
+        module_name, _, class_name = name.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if not (isinstance(cls, type) and issubclass(cls, ConfigFileSettings)):
+            raise TypeError(f"SETTINGS_CLASSES: expected a ConfigFileSettings subclass, got {name}")
+        classes.append(cls)
+    return classes
 
 
-def _subclasses(cls: type[ConfigFileSettings]) -> list[type[ConfigFileSettings]]:
-    found = []
-    for sub in cls.__subclasses__():
-        found += [sub, *_subclasses(sub)]
-    return found
+def _known(classes: list[type[ConfigFileSettings]], section: str | None) -> set[str]:
+    """Field names of the classes that read ``section`` (None: top level)."""
+    return {name for cls in classes if cls.config_section == section for name in cls.model_fields}
 
 
-def _import_all_settings() -> None:
-    """Every settings class registers as a subclass on import; unknown-key checks need all."""
-    import trainer_bridge.distributed
-    import trainer_bridge.trainer  # noqa: F401
+def describe(*settings: BaseSettings) -> dict[str, dict[str, Any]]:
+    """The effective values of ``settings`` as JSON-ready ``{class name: {field: value}}``,
+    secrets hidden: fields named ``*token``/``*password``/``*secret``/``*api_key`` and the
+    password of any URL become ``"***"``. What ``--check-config`` prints."""
+    described: dict[str, dict[str, Any]] = {}
+    for one in settings:
+        values = one.model_dump(mode="json")
+        for name, value in values.items():
+            if value is not None and name.endswith(SECRET_SUFFIXES):
+                values[name] = "***"
+            elif isinstance(value, str):
+                values[name] = _hide_url_password(value)
+        described[type(one).__name__] = values
+    return described
+
+
+def _hide_url_password(text: str) -> str:
+    if "://" not in text or "@" not in text:
+        return text
+    try:
+        password = urlsplit(text).password
+    except ValueError:  # not a URL after all
+        return text
+    return text.replace(f":{password}@", ":***@", 1) if password else text
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

@@ -39,8 +39,9 @@ from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trainer_bridge.client import PoolClient, train_batch
+from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.sync import WeightSync
-from trainer_bridge.trainer import PolicyTrainer, TrainerSettings, UpdateMetrics
+from trainer_bridge.trainer import PolicyTrainer, UpdateMetrics
 from trajgate import demo_task, tinymodel, vllm_server
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"

@@ -1,0 +1,104 @@
+"""The trainer's settings: ``TrainerSettings`` (the RL update) and ``DistributedSettings`` (the
+ranks under ``torchrun``), both ``TRAJGATE_TRAINER_*`` variables or ``[trainer]`` in the
+``TRAJGATE_CONFIG`` file (docs/deployment.md, Settings).
+
+Owns: the names, defaults, bounds and help of every trainer setting. Never: imports torch,
+transformers or peft, so a host without the ``[train]`` extra (a gateway) can check a config
+file's ``[trainer]`` keys (``trajgate.config.SETTINGS_CLASSES`` names both classes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from trajgate.config import ConfigFileSettings
+
+# How per-token losses are averaged; each variant's normaliser and source: trainer_bridge/losses.py
+Aggregation = Literal["token_mean", "seq_mean", "seq_sum_token_mean"]
+
+
+class TrainerSettings(ConfigFileSettings):
+    """How the policy is trained (``TRAJGATE_TRAINER_*`` variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
+    config_section = "trainer"
+
+    model_dir: Path = Field(
+        description="Hugging Face model directory of the policy's base weights."
+    )
+    lora_rank: int = Field(
+        default=8,
+        ge=0,
+        description="LoRA rank; 0 trains every weight (full fine-tuning, pushed with a reload).",
+    )
+    lora_alpha: int = Field(default=16, gt=0, description="LoRA scaling numerator.")
+    lora_target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules that get LoRA adapters (vLLM supports these for Qwen2).",
+    )
+    learning_rate: float = Field(default=1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    micro_batch_rows: int = Field(
+        default=8, ge=1, description="Rows per forward/backward; gradients accumulate over them."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    clip_low: float = Field(default=0.2, ge=0, description="PPO clip below 1.")
+    clip_high: float = Field(default=0.28, ge=0, description="PPO clip above 1 (clip-higher).")
+    tis_cap: float | None = Field(default=2.0, description="Truncated importance weight cap.")
+    aggregation: Aggregation = Field(default="token_mean", description="Loss aggregation.")
+    kl_coef: float = Field(default=0.0, ge=0, description="k3 KL weight (0 = no reference model).")
+    seed: int = Field(default=0, description="Seed of LoRA initialisation.")
+    device: str = Field(default="auto", description="'auto' (CUDA if present), 'cpu' or 'cuda'.")
+
+
+class DistributedSettings(ConfigFileSettings):
+    """Where the pool is and how the ranks run (``TRAJGATE_TRAINER_*`` variables)."""
+
+    model_config = SettingsConfigDict(env_prefix="TRAJGATE_TRAINER_", extra="ignore")
+    config_section = "trainer"
+
+    pool_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="Base URL of a gateway (or the load balancer) whose /api the ranks use.",
+    )
+    consumer: str = Field(
+        default="trainer", description="Consumer id of the leases: one per training run."
+    )
+    lease_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Lease length: longer than one update, short enough to recover a crash.",
+    )
+    max_updates: int | None = Field(
+        default=None, ge=1, description="Stop after this many updates; unset: run until idle."
+    )
+    idle_wait_s: float = Field(
+        default=5.0, gt=0, description="Seconds to wait before asking again when no batch waits."
+    )
+    idle_exit_s: float | None = Field(
+        default=None, gt=0, description="Stop after this long without a batch; unset: never."
+    )
+    pad_token_id: int = Field(default=0, ge=0, description="Token id used for right padding.")
+    weights_dir: Path = Field(
+        default=Path(".trajgate/weights"),
+        description="Where rank 0 saves each update's weights (a directory vLLM can read).",
+    )
+    vllm_urls: str = Field(
+        default="",
+        description="vLLM base URLs (comma-separated) to load each update into; empty: none.",
+    )
+    gateway_url: str | None = Field(
+        default=None,
+        description="Gateway whose policy registry gets each new version; default pool_url.",
+    )
+    admin_token: str | None = Field(
+        default=None,
+        description="The gateways' TRAJGATE_ADMIN_TOKEN (pool API and policy registration).",
+    )
+    first_version: int = Field(
+        default=1, ge=1, description="Policy version of the first published update."
+    )
