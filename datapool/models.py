@@ -9,6 +9,8 @@ step's payload is a row of ``step_payloads`` (binary int32/float blobs, committe
 until compaction moves it into a Parquet file listed in ``payload_files`` (see
 ``datapool.steps.payloads`` and docs/datapool.md). They are exactly the engine's numbers, never
 re-encoded text.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

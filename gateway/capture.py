@@ -12,6 +12,8 @@ Field facts (vLLM 0.32, checked against the real server):
   response has ``choices[i].prompt_token_ids`` and ``choices[i].token_ids`` instead.
 - So "stripping" restores ``null``, which is what vLLM returns to a client that did not ask.
 - ``token_ids`` holds every sampled token, the end token and a matched stop string included.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Owns: least-outstanding-requests balancing with stickiness by trajectory (so a t
 growing prompt keeps hitting the replica whose prefix cache holds it), health checks that take a
 dead replica out and bring it back, and per-replica in-flight counts. Never: retries by itself;
 the proxy decides when a retry is safe (only before any byte reached the client).
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

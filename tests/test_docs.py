@@ -93,6 +93,17 @@ def test_every_capture_case_cited_in_the_source_tests_or_docs_is_defined() -> No
     assert undefined == []
 
 
+def test_every_library_module_that_cites_a_capture_case_points_to_its_definitions() -> None:
+    packages = ("gateway", "datapool", "trainer_bridge", "trajgate")
+    modules = [path for package in packages for path in (ROOT / package).rglob("*.py")]
+    pointerless = sorted(
+        str(path.relative_to(ROOT))
+        for path in modules
+        if CASE_CODE.search(text := path.read_text()) and "docs/capture-cases.md" not in text
+    )
+    assert pointerless == []
+
+
 def test_every_capture_case_is_pinned_by_tests_that_exist() -> None:
     problems: list[str] = []
     for case, section in _case_sections().items():

@@ -1,4 +1,4 @@
-"""Capture cases C01-C13 and C18 (../shared/cases/capture-cases.md) against the real vLLM, and
+"""Capture cases C01-C13 and C18 (defined in docs/capture-cases.md) against the real vLLM, and
 with a mock upstream only where vLLM cannot produce the shape (named in each test)."""
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Notable choices:
   (as Qwen3's does), so multi-turn prompts show the "history rewritten" prefix break (case C02).
 - Random weights produce nonsense text; that is enough for plumbing and for showing RL moving the
   policy.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Estimators:
   ``A_i = (r_i - mean(r_batch)) / (std(r_batch) + eps)`` over the whole batch. (The paper also
   puts a token-level KL penalty into the reward; here KL lives in the loss, see ``losses``.)
 - Discounted returns for multi-turn credit: ``G_k = sum_{j >= k} gamma^(j-k) r_j``.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ step-level kinds accept it):
 
 A rule's action is ``exclude`` (readiness keeps the target out, unless a human ``include`` label
 on the same target overrides it) or ``flag`` (the mark is only shown in readiness ``notes``).
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ query
 (steps more than K policy versions old). Never: deletes steps; a closed trajectory keeps
 everything it had, and a late call is refused and counted (``TrajectoryClosedError``), never
 stored. Never runs the hooks itself (they may be slow; the closing transaction must not wait).
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

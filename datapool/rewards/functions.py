@@ -25,6 +25,8 @@ set, ``value`` null), which never reads as 0.0. The exceptions::
 The final step (``exact_match``, ``http_reward_model``) is ``RewardContext.final_step``: the last
 step with outcome ``ok`` and a generated message. When that call sampled several choices
 (``n > 1``) there is no one final answer, and both raise rather than pick a choice.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ function's name; a mapping records one reward per key; None records nothing (unr
 A value that is not a finite number, or a reward name outside 1-100 characters, is recorded as
 that function's failure (the other functions' rewards still land). trajgate's own reward
 functions live in ``datapool.rewards.functions``.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

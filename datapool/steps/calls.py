@@ -2,6 +2,8 @@
 
 Owns: the ``call_attempts`` table and the queries that link a repeated request to the call it
 repeats. Never: creates steps (``datapool.steps.store`` does); a failed attempt is never a step.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

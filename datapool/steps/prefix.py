@@ -7,6 +7,8 @@ With ``P`` the new prompt IDs and ``S_k = P_k + R_k`` an earlier step's prompt a
 step k *extends* into the new one when ``P[:len(S_k)] == S_k``. The parent is the earlier step
 with the longest such ``S_k`` (so retries and forks form a tree); when none extends, the parent is
 the latest step and the first offset where ``P`` and its ``S`` differ is the divergence offset.
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations
