@@ -1,0 +1,41 @@
+"""The gateway: an OpenAI-compatible proxy in front of vLLM that records every call an agent
+makes as steps of a trajectory, plus the pool's HTTP API, the admin API and the web inspector.
+
+Modules:
+
+- ``app``: ``create_app`` wires settings, state, routers and background tasks into one FastAPI
+  app; ``/health``, ``/ready``, ``/metrics``.
+- ``state``: ``GatewayState`` (what every handler of one app shares) and ``gateway_state``, the
+  dependency that hands it over.
+- ``settings``: ``GatewaySettings`` (``TRAJGATE_*`` variables and CLI flags).
+- ``proxy``: the model-serving routes of every dialect (``add_dialect_routes``), forwarding a
+  call upstream with retries and relaying its answer or stream while capturing it
+  (``forward_call``, ``relay_stream``), and ``/v1/models``.
+- ``dialects/``: one module per API dialect behind ``gateway.dialects.base.Dialect`` (what to add
+  upstream, where the IDs and logprobs are, what to strip for the client); ``DIALECTS``.
+- ``capture``: the dialect-independent checks of a captured call (``integrity_flags``,
+  ``quality_flags``, ``check_against_usage``), exact JSON (``loads``, ``dumps``) and the re-send
+  hash (``request_hash``).
+- ``streaming``: reading an upstream SSE stream (``sse_data``).
+- ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
+  before any upstream call.
+- ``upstreams``: the vLLM replicas: choosing one per call, health checks, the token-ID probe
+  (``UpstreamPool``, ``Replica``, ``InFlight``, ``probe_token_ids``).
+- ``policy``: ``PolicyRegistry``, which policy version the alias serves and which one produced a
+  step.
+- ``auth``: agents' API keys (``KeyRing``) and the admin token (``check_admin_token``).
+- ``errors``: the exception tree and the one OpenAI-style error envelope, streamed or not
+  (``TrajgateError`` and subclasses, ``install_error_handlers``, ``sse_error_event``).
+- ``metrics``: ``GatewayMetrics``, Prometheus metrics on the app's own registry.
+- ``server``: ``BackgroundServer``, the app in a thread of this process (demo and tests).
+- ``api/``: the ``/api`` routes for the pool, curation and batches, and ``/admin``.
+- ``inspector/``: the web inspector's page, static files and JSON endpoints.
+
+Never: tokenizes or decodes to build the data (token IDs and logprobs are exactly vLLM's, and a
+call whose IDs are missing is flagged, never repaired); never writes SQL (storage is
+``datapool``'s); never imports ``trainer_bridge``.
+
+Imports: ``datapool`` and the ``trajgate.config`` leaf; never the ``trajgate`` CLI, demo or
+benchmarks (layers: ``trajgate`` CLI → ``gateway`` / ``trainer_bridge`` → ``datapool``, checked
+by ``lint-imports`` against ``.importlinter``). This file imports nothing.
+"""

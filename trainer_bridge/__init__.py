@@ -1,0 +1,30 @@
+"""The trainer's side: lease batches from the pool over HTTP, turn their rows into tensors, run RL
+updates of a Hugging Face causal LM, and publish the new weights into vLLM and the gateway.
+
+Shape legend: ``B`` batch rows, ``T`` tokens per row.
+
+- ``client``: ``PoolClient`` leases a batch, reads its rows, acks or nacks (``train_batch`` does
+  one lease → update → ack; ``LeaseLostError``).
+- ``collate``: batch rows to padded tensors ``[B, T]`` (``Row``, ``row_from_step``, ``collate``).
+- ``logprobs``: per-token log-probabilities and entropies of a model over given sequences
+  (``token_logprobs``).
+- ``losses``: policy-gradient losses over sampled tokens (``LossConfig``, ``policy_loss``,
+  ``aggregate``).
+- ``trainer``: ``PolicyTrainer``, one RL update with LoRA (peft) or full weights, and saving
+  weights vLLM can load (``TrainBatch``, ``UpdateMetrics``).
+- ``sync``: ``WeightSync`` loads new weights into vLLM and registers them with the gateway as the
+  next policy version.
+- ``loop``: the trainer against running services: lease → train → ack → publish (``run_loop``).
+- ``distributed``: the entry point under ``torchrun`` (``python -m trainer_bridge.distributed``):
+  data-parallel updates, each rank on its share of one batch (``shard_rows``, ``run``, ``main``).
+- ``settings``: ``TrainerSettings`` and ``DistributedSettings`` (no torch import, so config
+  checks run without it).
+
+Never: reads or writes the pool's database (only the pool's HTTP API), computes advantages (they
+come in the rows), or re-tokenizes: the rows carry the engine's exact token IDs.
+
+Imports: torch, transformers and peft, and the ``trajgate.config`` leaf; never ``gateway`` or the
+``trajgate`` CLI (layers: ``trajgate`` CLI → ``gateway`` / ``trainer_bridge`` → ``datapool``,
+checked by ``lint-imports``). The layers would let it import ``datapool``; it does not need to.
+This file imports nothing, so ``trainer_bridge.settings`` loads without torch.
+"""
