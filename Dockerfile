@@ -13,7 +13,8 @@ COPY datapool ./datapool
 COPY trainer_bridge ./trainer_bridge
 COPY trajgate ./trajgate
 COPY migrations ./migrations
-RUN pip install --no-cache-dir . peft
+# [train]: the trainer service runs this image too (torch, transformers, peft).
+RUN pip install --no-cache-dir '.[train]'
 
 RUN useradd --create-home --uid 1000 trajgate && mkdir -p /data /weights /home/trajgate/.cache/huggingface \
     && chown -R trajgate /data /weights /home/trajgate/.cache

