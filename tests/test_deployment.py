@@ -18,12 +18,12 @@ import yaml
 from compose_spec import PyCompose
 from deployment_helpers import COMPOSE_FILE, ENV_EXAMPLE, ROOT, compose, compose_service_env
 from pydantic_settings import BaseSettings
+from tests_support import TRAJGATE
 
 from datapool.batches.settings import BatchSettings
 from datapool.settings import PoolSettings
 from gateway.settings import GatewaySettings
 from trainer_bridge.settings import DistributedSettings, TrainerSettings
-from trajgate.bench.fleet import TRAJGATE
 
 SETTINGS: list[type[BaseSettings]] = [
     GatewaySettings,

@@ -4,11 +4,11 @@ benchmark refuses a database that already holds a pool (it would take the pool's
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+from tests_support import TRAJGATE
 
 from datapool.db import make_engine
 from datapool.models import Step
@@ -16,8 +16,6 @@ from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
 from trajgate.bench.pool import BenchDatabaseNotEmptyError, bench_pool
-
-TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
 
 
 def test_tiny_pool_bench_reads_every_prompt_back_exactly(

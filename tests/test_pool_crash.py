@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy import func, select
-from tests_support import free_port
+from tests_support import TRAJGATE, free_port
 
 from datapool.db import make_engine
 from datapool.models import Step, Trajectory
@@ -26,7 +25,6 @@ from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 
 AGENTS = 200
 CALLS_PER_AGENT = 3
-TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
 
 
 @pytest.fixture

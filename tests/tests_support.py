@@ -1,12 +1,18 @@
 """Helpers every kind of test uses, kept here so that no test borrows a benchmark's internals.
 
-Owns: ``free_port`` (a TCP port on 127.0.0.1 that nothing listens on). Never: starts servers or
-touches a pool; fixtures live in ``conftest.py``, gateway helpers in ``gateway_helpers.py``.
+Owns: ``free_port`` (a TCP port on 127.0.0.1 that nothing listens on) and ``TRAJGATE`` (this
+environment's ``trajgate`` command). Never: starts servers or touches a pool; fixtures live in
+``conftest.py``, gateway helpers in ``gateway_helpers.py``.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
+
+# The `trajgate` command installed next to this interpreter, for tests that run it as a process.
+TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
 
 
 def free_port() -> int:
