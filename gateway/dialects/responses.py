@@ -1,0 +1,188 @@
+"""The OpenAI Responses API dialect: ``POST /v1/responses``, translated to chat completions.
+
+Owns: the dialect object the proxy runs (``Responses``): the client's Responses body becomes a
+chat body for vLLM's ``/v1/chat/completions`` (``gateway.dialects.responses_request``) with the
+capture fields added, the chat answer is captured like any chat answer
+(``gateway.dialects.choices``) and rendered back as a ``response`` object
+(``gateway.dialects.responses_render``), a chat stream as Responses events as they come
+(``gateway.dialects.responses_stream``). Never: tokenizes or re-encodes text; the stored ids and
+logprobs are the ones vLLM sent for the chat call.
+
+Why translate instead of calling vLLM's own ``/v1/responses`` (vLLM 0.32):
+
+- ``/v1/chat/completions`` gives exactly what the pool needs, also while streaming: the prompt
+  ids (``prompt_token_ids``), the sampled ids per chunk (``token_ids``) and their behaviour
+  logprobs, checked against the usage chunk. It is the path every other dialect's capture
+  already trusts.
+- vLLM's ``/v1/responses`` ignores ``return_token_ids``; its ids come only unstreamed, through
+  ``enable_response_messages``; and its stream is reported to miss done events that Codex
+  waits for. A translated stream is written here, so every event a client relies on is sent.
+- Cost: the prompt is the chat template's rendering of the translated messages, so the
+  translation must be faithful (module docstring of ``responses_request``: how each item maps),
+  and Responses features with no chat equivalent (hosted tools, encrypted reasoning) are
+  refused or left out, never emulated.
+
+``previous_response_id`` resolves from the pool: the proxy looks the id up (``EarlierLookup``,
+async on its side) and passes the result to ``prepare_with``; an unknown id is a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.capture import loads
+from gateway.dialects.base import (
+    Captured,
+    ClientAsked,
+    Dialect,
+    DialectStream,
+    Prepared,
+)
+from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.choices import ChoicesCapture
+from gateway.dialects.responses_render import render_response
+from gateway.dialects.responses_request import (
+    EarlierResponse,
+    Translation,
+    previous_response_id,
+    translate_request,
+)
+from gateway.dialects.responses_stream import ResponsesEvents, frame
+from gateway.errors import TrajgateError
+
+# Where the chat answers keep their fields: the capture reads the upstream chat answer.
+_CHAT = ChatCompletions()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponsesPrepared(Prepared):
+    """A prepared Responses call: the translation, and the response's id and creation time
+    (Unix seconds), fixed before the upstream call so a stream and the stored step agree."""
+
+    translation: Translation
+    response_id: str
+    created_at: int
+
+    def chat_prepared(self) -> Prepared:
+        """The same call as a chat call: the capture's quality flags read the chat body (tools,
+        tool_choice, response_format, chat_template_kwargs)."""
+        return Prepared(self.upstream_body, self.upstream_body, self.asked)
+
+
+def new_response_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+class Responses(Dialect):
+    name = "responses"
+    client_paths = ("/responses",)
+    upstream_path = "/v1/chat/completions"
+
+    def check_body(self, body: dict[str, Any]) -> None:
+        """The whole translation's checks, with any ``previous_response_id`` taken as known
+        (it is looked up later)."""
+        placeholder = EarlierResponse({}, {}, {}) if previous_response_id(body) else None
+        translate_request(body, placeholder)
+
+    def prepare(self, body: dict[str, Any]) -> ResponsesPrepared:
+        return self.prepare_with(body, None)
+
+    def prepare_with(
+        self, body: dict[str, Any], earlier: EarlierResponse | None
+    ) -> ResponsesPrepared:
+        """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
+        streaming, the usage chunk. ``earlier`` is what the pool holds for the body's
+        ``previous_response_id``; raises ``InvalidRequestError`` when it has one and
+        ``earlier`` is None."""
+        translation = translate_request(body, earlier)
+        upstream = dict(translation.chat_body)
+        upstream["return_token_ids"] = True
+        upstream["logprobs"] = True
+        if upstream.get("stream") is True:
+            upstream["stream_options"] = {"include_usage": True}
+        return ResponsesPrepared(
+            body,
+            upstream,
+            ClientAsked(return_token_ids=False, logprobs=translation.logprobs_asked),
+            translation=translation,
+            response_id=new_response_id(),
+            created_at=int(time.time()),
+        )
+
+    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
+        return _CHAT.read_answer(_responses(prepared).chat_prepared(), answer)
+
+    def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
+        call = _responses(prepared)
+        return render_response(
+            answer,
+            call.client_body,
+            call.upstream_body,
+            response_id=call.response_id,
+            created_at=call.created_at,
+            logprobs_asked=call.translation.logprobs_asked,
+        )
+
+    def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> ResponsesStream:
+        return ResponsesStream(_responses(prepared))
+
+
+def _responses(prepared: Prepared) -> ResponsesPrepared:
+    if not isinstance(prepared, ResponsesPrepared):
+        raise TypeError(f"expected ResponsesPrepared, got {type(prepared).__name__}")
+    return prepared
+
+
+class ResponsesStream(DialectStream):
+    """One streamed Responses call: captures the upstream chat chunks (ids, logprobs, message)
+    and sends each one's Responses events at once."""
+
+    def __init__(self, prepared: ResponsesPrepared) -> None:
+        self.capture = ChoicesCapture(_CHAT, prepared.upstream_body, 1)
+        self.events = ResponsesEvents(
+            prepared.client_body,
+            prepared.upstream_body,
+            response_id=prepared.response_id,
+            created_at=prepared.created_at,
+            logprobs_asked=prepared.translation.logprobs_asked,
+        )
+        self.error: dict[str, Any] | None = None
+
+    def opening(self) -> list[bytes]:
+        return [frame(event) for event in self.events.opening()]
+
+    def feed(self, data: bytes) -> list[bytes]:
+        chunk = loads(data)
+        if not isinstance(chunk, dict) or self.error is not None:
+            return []
+        if "error" in chunk and "choices" not in chunk:
+            # An error inside vLLM's stream ends the response here (response.failed).
+            error = chunk["error"]
+            self.error = error if isinstance(error, dict) else {"message": str(error)}
+            code = self.error.get("code") or self.error.get("type") or "upstream_error"
+            message = str(self.error.get("message") or self.error)
+            return [frame(self.events.failed(str(code), message))]
+        self.capture.add(chunk)
+        self.first_token_seen = self.capture.first_token_seen
+        return [frame(event) for event in self.events.feed(chunk)]
+
+    def closing(self) -> list[bytes]:
+        if self.error is not None:
+            return []  # response.failed was the last event
+        return [frame(event) for event in self.events.closing()]
+
+    def error_event(self, error: TrajgateError) -> bytes:
+        return frame(self.events.failed(error.code or error.error_type, error.message))
+
+    def captured(self, abort_reason: str | None) -> Captured:
+        capture = self.capture
+        return Captured(
+            capture.prompt_ids,
+            capture.choices(abort_reason),
+            capture.prompt_tokens,
+            capture.model,
+            error=self.error,
+        )

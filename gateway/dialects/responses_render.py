@@ -1,0 +1,236 @@
+"""A chat completion from vLLM, rendered as a Responses API ``response`` object.
+
+Owns: the ``response`` object the client reads (unary, and in ``response.created`` /
+``response.completed`` when streaming): its output items (a ``reasoning`` item, a ``message``
+item with one ``output_text`` part, one ``function_call`` item per tool call), its status, usage,
+and the request fields a Response echoes. The shape is the one the official ``openai`` SDK's
+``openai.types.responses.Response`` model parses (a test checks it). Never: changes the text, the
+tool call arguments or the logprobs vLLM sent; counts tokens (usage is vLLM's).
+
+Ids: the response's id is the caller's (``resp_...``); its items take the same suffix
+(``rs_<suffix>``, ``msg_<suffix>``, ``fc_<suffix>_<n>``), so a streamed and a rendered answer
+name the same items.
+
+Logprobs of ``output_text`` (when the client asked ``include: ["message.output_text.logprobs"]``)
+are vLLM's per-token entries of the text's tokens. Unary answers hold one list for every sampled
+token, so text logprobs are given only when the answer is text alone; a stream gives each text
+delta its own chunk's entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.dialects.responses_request import ECHO_ONLY
+
+# finish_reason → (response status, incomplete_details.reason)
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def item_ids(response_id: str) -> tuple[str, str, str]:
+    """The reasoning, message and function call id prefixes of one response's items."""
+    suffix = response_id.removeprefix("resp_")
+    return f"rs_{suffix}", f"msg_{suffix}", f"fc_{suffix}"
+
+
+def status_of(finish_reason: str | None) -> tuple[str, str | None]:
+    """The response status and incomplete reason for a chat ``finish_reason``: ``length`` is
+    ``incomplete``/``max_output_tokens``, ``content_filter`` ``incomplete``/``content_filter``,
+    None (the stream ended without one) ``incomplete``; any other ``completed``."""
+    if finish_reason is None:
+        return "incomplete", None
+    reason = _INCOMPLETE.get(finish_reason)
+    return ("incomplete", reason) if reason else ("completed", None)
+
+
+def echo_fields(body: dict[str, Any], chat_body: dict[str, Any]) -> dict[str, Any]:
+    """The request fields a Response repeats: the client's, except sampling, which is what was
+    sent upstream (so a gateway default the client omitted shows)."""
+    echo: dict[str, Any] = {
+        "instructions": body.get("instructions"),
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": chat_body.get("temperature"),
+        "top_p": chat_body.get("top_p"),
+        "max_output_tokens": chat_body.get("max_tokens"),
+        "top_logprobs": body.get("top_logprobs"),
+        "previous_response_id": body.get("previous_response_id"),
+        "reasoning": body.get("reasoning"),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "store": body.get("store", True),
+        "metadata": body.get("metadata") or {},
+        "truncation": body.get("truncation", "disabled"),
+    }
+    for name in ECHO_ONLY:
+        if name in body and name not in echo and name not in ("client_metadata", "stream_options"):
+            echo[name] = body[name]
+    return echo
+
+
+def response_object(
+    *,
+    response_id: str,
+    created_at: int,
+    model: str,
+    echo: dict[str, Any],
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    incomplete_reason: str | None = None,
+) -> dict[str, Any]:
+    """One ``response`` object (``created_at`` in Unix seconds)."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": None if status != "incomplete" else {"reason": incomplete_reason},
+        "model": model,
+        "output": output,
+        "usage": usage,
+        **echo,
+    }
+
+
+def usage_object(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Responses usage from chat usage: input/output/total tokens, cached prompt tokens and
+    reasoning tokens as vLLM reported them (0 when it did not)."""
+    if not usage:
+        return None
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    completion_details = usage.get("completion_tokens_details") or {}
+    return {
+        "input_tokens": usage.get("prompt_tokens") or 0,
+        "input_tokens_details": {
+            "cached_tokens": prompt_details.get("cached_tokens") or 0,
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": usage.get("completion_tokens") or 0,
+        "output_tokens_details": {
+            "reasoning_tokens": completion_details.get("reasoning_tokens") or 0
+        },
+        "total_tokens": usage.get("total_tokens") or 0,
+    }
+
+
+def text_logprobs(logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Responses logprob entries ``[T]`` from a chat ``logprobs`` object (``content`` entries:
+    token, logprob, bytes, top_logprobs), values unchanged."""
+    entries = (logprobs or {}).get("content") or []
+    return [
+        {
+            "token": entry["token"],
+            "logprob": entry["logprob"],
+            "bytes": entry.get("bytes") or [],
+            "top_logprobs": [
+                {"token": top["token"], "logprob": top["logprob"], "bytes": top.get("bytes") or []}
+                for top in entry.get("top_logprobs") or []
+            ],
+        }
+        for entry in entries
+    ]
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def output_text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return part
+
+
+def message_item(item_id: str, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": parts,
+    }
+
+
+def function_call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    """A ``function_call`` item from a chat tool call (``id``, ``function.name/arguments``)."""
+    function = call.get("function") or {}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call.get("id") or item_id,
+        "name": function.get("name") or "",
+        "arguments": function.get("arguments") or "",
+        "status": status,
+    }
+
+
+def output_items(
+    message: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None,
+    *,
+    response_id: str,
+    logprobs_asked: bool,
+) -> list[dict[str, Any]]:
+    """The output items of one chat message (``content``, ``reasoning`` or
+    ``reasoning_content``, ``tool_calls``): reasoning, then the message, then the calls. A
+    message item is given when there is text, or when there is nothing else."""
+    status = "incomplete" if status_of(finish_reason)[0] == "incomplete" else "completed"
+    reasoning_id, message_id, call_prefix = item_ids(response_id)
+    items: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning:
+        items.append(reasoning_item(reasoning_id, reasoning, status))
+    content = message.get("content") or ""
+    calls = message.get("tool_calls") or []
+    if content or not calls:
+        text_only = not reasoning and not calls
+        entries = text_logprobs(logprobs) if logprobs_asked and text_only else None
+        if logprobs_asked and entries is None:
+            entries = []
+        items.append(message_item(message_id, [output_text_part(content, entries)], status))
+    for index, call in enumerate(calls):
+        items.append(function_call_item(f"{call_prefix}_{index}", call, status))
+    return items
+
+
+def render_response(
+    answer: dict[str, Any],
+    body: dict[str, Any],
+    chat_body: dict[str, Any],
+    *,
+    response_id: str,
+    created_at: int,
+    logprobs_asked: bool,
+) -> dict[str, Any]:
+    """The ``response`` object for a unary chat ``answer`` (vLLM's JSON; its first choice: the
+    Responses API has no ``n``). ``body`` is the client's Responses body, ``chat_body`` the chat
+    body sent upstream."""
+    choice = (answer.get("choices") or [{}])[0]
+    finish_reason = choice.get("finish_reason")
+    status, reason = status_of(finish_reason)
+    return response_object(
+        response_id=response_id,
+        created_at=created_at,
+        model=str(answer.get("model") or body.get("model")),
+        echo=echo_fields(body, chat_body),
+        status=status,
+        output=output_items(
+            choice.get("message") or {},
+            finish_reason,
+            choice.get("logprobs"),
+            response_id=response_id,
+            logprobs_asked=logprobs_asked,
+        ),
+        usage=usage_object(answer.get("usage")),
+        incomplete_reason=reason,
+    )

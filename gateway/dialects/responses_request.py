@@ -1,0 +1,442 @@
+"""A Responses API request, translated into the chat completions body sent to vLLM.
+
+Owns: checking a ``POST /v1/responses`` body item by item, and writing the equivalent chat body
+(``messages``, ``tools``, ``tool_choice``, sampling, ``response_format``), resolving
+``previous_response_id`` from what the pool holds of the earlier call (``EarlierResponse``).
+Never: tokenizes, reads the pool itself, or sends anything; the capture fields
+(``return_token_ids``, logprobs, the usage chunk) are added by ``gateway.dialects.responses``.
+
+How the items become chat messages (in order, one pass):
+
+==========================  ===============================================================
+``instructions``            a leading ``system`` message (not carried over from an earlier
+                            response, as in OpenAI's API)
+message, role ``user``      ``user``; parts ``input_text``/``output_text`` become ``text``
+                            parts, ``input_image`` an ``image_url`` part
+role ``system``/``developer``  ``system`` (chat templates know no ``developer`` role)
+role ``assistant``          ``assistant``; joins a preceding assistant message that holds only
+                            reasoning
+``reasoning``               the ``reasoning`` of the next assistant message (vLLM hands it to
+                            the chat template as ``reasoning``/``reasoning_content``); the
+                            text is the item's ``reasoning_text`` content, else its summary
+``function_call``           a ``tool_calls`` entry of the assistant message just before it (the
+                            model's text and calls of one turn were one chat message), else
+                            of a new assistant message; consecutive calls share one message
+``function_call_output``    a ``tool`` message with ``tool_call_id``
+==========================  ===============================================================
+
+Tools that are not function tools (Codex also offers ``custom``, ``web_search``,
+``local_shell``) cannot be called through chat completions: they are left out of the upstream
+body and named in ``Translation.omitted_tools``; the echo keeps them. Anything else this module
+cannot translate (an unknown item or part type, a wrong type) is a 400 naming the field, as in
+``input[2].type``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import InvalidRequestError
+
+ROLES = ("user", "system", "developer", "assistant")
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+# Accepted and echoed, never sent upstream: they change nothing the engine does.
+ECHO_ONLY = (
+    "store",
+    "metadata",
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "client_metadata",
+    "service_tier",
+    "truncation",
+    "max_tool_calls",
+    "stream_options",
+)
+KNOWN_FIELDS = frozenset(
+    (
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "top_logprobs",
+        "reasoning",
+        "include",
+        "text",
+        "previous_response_id",
+        "stream",
+        *ECHO_ONLY,
+    )
+)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+@dataclass(frozen=True)
+class EarlierResponse:
+    """What the pool holds of the call an earlier response came from.
+
+    ``request`` is that call's Responses body as the client sent it, ``upstream_request`` the
+    chat body sent to vLLM (its ``messages`` are the whole conversation up to then) and
+    ``response_message`` the answer in the common form (``content``, ``tool_calls``,
+    ``reasoning``). A step stores exactly these three.
+    """
+
+    request: dict[str, Any]
+    upstream_request: dict[str, Any]
+    response_message: dict[str, Any]
+
+
+EarlierLookup = Callable[[str], EarlierResponse | None]
+
+
+@dataclass(frozen=True)
+class Translation:
+    """A Responses body as a chat body.
+
+    ``chat_body`` has no capture fields yet; ``logprobs_asked`` is True when ``include`` has
+    ``message.output_text.logprobs``; ``omitted_tools`` names the tools chat cannot offer.
+    """
+
+    chat_body: dict[str, Any]
+    logprobs_asked: bool
+    omitted_tools: list[str] = field(default_factory=list)
+
+
+def _fail(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code="invalid_value")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], param: str, what: str) -> None:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise _fail(f"'{param}' must be {what}, got {_type_name(value)}", param)
+
+
+def previous_response_id(body: dict[str, Any]) -> str | None:
+    """The ``previous_response_id`` of ``body``, or None. Raises ``InvalidRequestError`` when it
+    is not a string."""
+    value = body.get("previous_response_id")
+    if value is None:
+        return None
+    _expect(value, str, "previous_response_id", "a string")
+    return str(value)
+
+
+def history_messages(earlier: EarlierResponse) -> list[dict[str, Any]]:
+    """The chat messages an earlier response leaves as history: its upstream messages without
+    the ``instructions`` system message this module put first, then its answer."""
+    messages = list(earlier.upstream_request.get("messages") or [])
+    if isinstance(earlier.request.get("instructions"), str) and messages:
+        messages = messages[1:]
+    answer = {"role": "assistant", "content": earlier.response_message.get("content")}
+    if earlier.response_message.get("tool_calls"):
+        answer["tool_calls"] = earlier.response_message["tool_calls"]
+    if earlier.response_message.get("reasoning"):
+        answer["reasoning"] = earlier.response_message["reasoning"]
+    return [*messages, answer]
+
+
+def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = None) -> Translation:
+    """The chat body for a Responses ``body`` (never mutated).
+
+    ``earlier`` is what the pool holds for ``body["previous_response_id"]``, looked up by the
+    caller (None when unknown). Raises ``InvalidRequestError`` (400) naming the field for an
+    unknown field, item or part type, a wrong type, or an unknown ``previous_response_id``.
+    """
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise InvalidRequestError(
+            f"unsupported parameter '{unknown[0]}' for the Responses API here; supported: "
+            + ", ".join(sorted(KNOWN_FIELDS)),
+            param=unknown[0],
+            code="unknown_parameter",
+        )
+    _expect(body.get("model"), str, "model", "a string")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        _expect(instructions, str, "instructions", "a string")
+        messages.append({"role": "system", "content": instructions})
+    earlier_id = previous_response_id(body)
+    if earlier_id is not None:
+        if earlier is None:
+            raise InvalidRequestError(
+                f"previous_response_id '{earlier_id}' is unknown: no response with that id is "
+                "in the pool",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        messages.extend(history_messages(earlier))
+    messages.extend(input_messages(body.get("input")))
+    chat: dict[str, Any] = {"model": body["model"], "messages": messages}
+    chat.update(_sampling(body))
+    tools, omitted = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    if "tool_choice" in body:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if "parallel_tool_calls" in body:
+        _expect(body["parallel_tool_calls"], bool, "parallel_tool_calls", "a boolean")
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:
+        # vLLM passes it to the chat template, and turns thinking off for "none".
+        chat["reasoning_effort"] = effort
+    if "stream" in body:
+        _expect(body["stream"], bool, "stream", "a boolean")
+        chat["stream"] = body["stream"]
+    return Translation(chat, LOGPROBS_INCLUDE in _include(body.get("include")), omitted)
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    sampling: dict[str, Any] = {}
+    if body.get("max_output_tokens") is not None:
+        _expect(body["max_output_tokens"], int, "max_output_tokens", "an integer")
+        sampling["max_tokens"] = body["max_output_tokens"]
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            _expect(body[name], (int, float), name, "a number")
+            sampling[name] = body[name]
+    if body.get("top_logprobs") is not None:
+        _expect(body["top_logprobs"], int, "top_logprobs", "an integer")
+        sampling["top_logprobs"] = body["top_logprobs"]
+    return sampling
+
+
+def _include(include: Any) -> list[str]:
+    if include is None:
+        return []
+    _expect(include, list, "include", "a list of strings")
+    for position, entry in enumerate(include):
+        _expect(entry, str, f"include[{position}]", "a string")
+    return list(include)
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat messages for a Responses ``input``: a string (one user message) or a list of items
+    (module docstring). Raises ``InvalidRequestError`` naming the item's field."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    _expect(value, list, "input", "a string or a list of items")
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for position, item in enumerate(value):
+        param = f"input[{position}]"
+        _expect(item, dict, param, "an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            message = _message(item, param)
+            if reasoning is not None:
+                if message["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+                else:
+                    message["reasoning"] = reasoning
+                reasoning = None
+            messages.append(message)
+        elif kind == "reasoning":
+            text = _reasoning_text(item, param)
+            if text:
+                reasoning = (reasoning or "") + text
+        elif kind == "function_call":
+            call = _function_call(item, param)
+            last = messages[-1] if messages and reasoning is None else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                turn: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    turn["reasoning"] = reasoning
+                    reasoning = None
+                messages.append(turn)
+        elif kind == "function_call_output":
+            messages.append(_function_call_output(item, param))
+        else:
+            raise InvalidRequestError(
+                f"unsupported input item type {kind!r} at {param}; supported: message, "
+                "reasoning, function_call, function_call_output",
+                param=f"{param}.type",
+                code="invalid_value",
+            )
+    if reasoning is not None:
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+    return messages
+
+
+def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise _fail(
+            f"'{param}.role' must be one of {', '.join(ROLES)}, got {role!r}", param + ".role"
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        chat_content: str | list[dict[str, Any]] = content
+    else:
+        _expect(content, list, f"{param}.content", "a string or a list of content parts")
+        parts: list[Any] = item["content"]
+        chat_content = [
+            _content_part(part, f"{param}.content[{index}]") for index, part in enumerate(parts)
+        ]
+    return {"role": "system" if role == "developer" else role, "content": chat_content}
+
+
+def _content_part(part: Any, param: str) -> dict[str, Any]:
+    _expect(part, dict, param, "an object")
+    kind = part.get("type")
+    if kind in ("input_text", "output_text"):
+        _expect(part.get("text"), str, f"{param}.text", "a string")
+        return {"type": "text", "text": part["text"]}
+    if kind == "input_image":
+        _expect(part.get("image_url"), str, f"{param}.image_url", "a string (URL or data URL)")
+        image = {"url": part["image_url"]}
+        if part.get("detail") is not None:
+            image["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": image}
+    raise _fail(
+        f"unsupported content part type {kind!r}; supported: input_text, output_text, input_image",
+        param + ".type",
+    )
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """The reasoning text of a reasoning item: its ``reasoning_text`` parts joined, else its
+    summary parts joined by blank lines (an item with only ``encrypted_content`` has none this
+    gateway could read: "")."""
+    content = _texts(item, "content", "reasoning_text", param)
+    return (
+        "".join(content) if content else "\n\n".join(_texts(item, "summary", "summary_text", param))
+    )
+
+
+def _texts(item: dict[str, Any], key: str, part_type: str, param: str) -> list[str]:
+    parts = item.get(key)
+    if parts is None:
+        return []
+    _expect(parts, list, f"{param}.{key}", "a list")
+    texts: list[str] = []
+    for index, part in enumerate(parts):
+        where = f"{param}.{key}[{index}]"
+        _expect(part, dict, where, "an object")
+        if part.get("type") != part_type:
+            raise _fail(
+                f"'{where}.type' must be {part_type!r}, got {part.get('type')!r}", where + ".type"
+            )
+        _expect(part.get("text"), str, where + ".text", "a string")
+        texts.append(part["text"])
+    return texts
+
+
+def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
+    for key in ("call_id", "name", "arguments"):
+        _expect(item.get(key), str, f"{param}.{key}", "a string")
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
+
+
+def _function_call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
+    _expect(item.get("call_id"), str, f"{param}.call_id", "a string")
+    output = item.get("output")
+    if isinstance(output, str):
+        content: str | list[dict[str, Any]] = output
+    else:
+        _expect(output, list, f"{param}.output", "a string or a list of content parts")
+        parts: list[Any] = item["output"]
+        content = [_content_part(part, f"{param}.output[{i}]") for i, part in enumerate(parts)]
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": content}
+
+
+def _tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    if tools is None:
+        return [], []
+    _expect(tools, list, "tools", "a list")
+    chat_tools: list[dict[str, Any]] = []
+    omitted: list[str] = []
+    for position, tool in enumerate(tools):
+        param = f"tools[{position}]"
+        _expect(tool, dict, param, "an object")
+        _expect(tool.get("type"), str, f"{param}.type", "a string")
+        if tool["type"] != "function":
+            omitted.append(str(tool.get("name") or tool["type"]))
+            continue
+        _expect(tool.get("name"), str, f"{param}.name", "a string")
+        function = {"name": tool["name"]}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        chat_tools.append({"type": "function", "function": function})
+    return chat_tools, omitted
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_MODES:
+            raise _fail(
+                f"'tool_choice' must be one of {', '.join(TOOL_CHOICE_MODES)} or "
+                f'{{"type": "function", "name": ...}}, got {choice!r}',
+                "tool_choice",
+            )
+        return choice
+    _expect(choice, dict, "tool_choice", "a string or an object")
+    if choice.get("type") != "function":
+        raise _fail(
+            f"'tool_choice.type' must be 'function' (hosted tools are not served), "
+            f"got {choice.get('type')!r}",
+            "tool_choice.type",
+        )
+    _expect(choice.get("name"), str, "tool_choice.name", "a string")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    _expect(text, dict, "text", "an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    _expect(fmt, dict, "text.format", "an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        _expect(fmt.get("name"), str, "text.format.name", "a string")
+        _expect(fmt.get("schema"), dict, "text.format.schema", "an object")
+        schema = {
+            key: fmt[key] for key in ("name", "schema", "description", "strict") if key in fmt
+        }
+        return {"type": "json_schema", "json_schema": schema}
+    raise _fail(
+        f"'text.format.type' must be text, json_object or json_schema, got {kind!r}",
+        "text.format.type",
+    )
+
+
+def _reasoning_effort(reasoning: Any) -> str | None:
+    if reasoning is None:
+        return None
+    _expect(reasoning, dict, "reasoning", "an object")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return None
+    _expect(effort, str, "reasoning.effort", "a string")
+    return str(effort)
