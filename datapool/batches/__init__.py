@@ -1,7 +1,12 @@
 """Batches: from ready trajectories to immutable training batches, handed out exactly once.
 
-- ``build``: batch specs and materialisation (``BatchSpec``, ``build_rows``, ``materialise``,
-  ``get_batch``, ``list_batches``, ``read_rows``, ``consumptions``, ``step_lineage``).
+- ``spec``: ``BatchSpec``, what a batch is made of, validated before anything is read.
+- ``build``: from a spec to an immutable batch, and batches read back (``build_rows``,
+  ``materialise``, ``get_batch``, ``list_batches``, ``read_rows``, ``consumptions``,
+  ``step_lineage``, ``NothingToBatchError``).
+- ``stages``: the stages ``build_rows`` runs, one function each and testable alone
+  (``select_candidates``, ``form_groups``, ``keep_groups``, ``fit_token_budget``, ``score``,
+  ``place_rewards``, ``shuffle_rows``, ``assemble_table``).
 - ``advantages``: the advantage estimators on numpy (``ALGORITHMS``, ``estimate_advantages``,
   ``group_stats``, ``grpo_advantages``, ``rloo_advantages``, ``discounted_returns``, ...): adding
   a batch algorithm means one function here.

@@ -13,7 +13,8 @@
 Never: deletes or edits steps (an exclusion is a mark or a label, undone by another); never builds
 batches (``datapool.batches`` reads the verdicts).
 
-Imports: ``datapool``'s shared modules, ``datapool.steps``, ``datapool.rewards`` and
-``datapool.lifecycle`` (the ``EMPTY`` / ``INCOMPLETE`` flags); never ``gateway`` or
+Imports: ``datapool``'s shared modules, ``datapool.steps``, ``datapool.rewards``,
+``datapool.lifecycle`` (the ``EMPTY`` / ``INCOMPLETE`` flags) and, inside ``judge_group``,
+``datapool.batches.advantages`` (a group's reward statistics); never ``gateway`` or
 ``trainer_bridge``.
 """
