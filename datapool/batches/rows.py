@@ -28,7 +28,7 @@ import pyarrow as pa
 from sqlalchemy.orm import Session
 
 from datapool.models import Step
-from datapool.steps.payloads import StepRef, _prompt
+from datapool.steps.payloads import StepRef, prompts_of
 from datapool.steps.store import PoolStore
 
 IntArray = npt.NDArray[np.int32]
@@ -59,14 +59,13 @@ def load_tokens(
         for s in steps
     ]
     stored = store.payloads.load(session, refs)
-    prompts: dict[str, IntArray | None] = {}
+    prompts = prompts_of(stored)
     result: dict[str, StepTokens | None] = {}
-    for step in steps:  # parents come first: a parent has a lower step_index
+    for step in steps:
         entry = stored.get(step.id)
         if entry is None:
             result[step.id] = None
             continue
-        prompts[step.id] = _prompt(entry, prompts, stored)
         prompt, response, logprobs = (
             prompts[step.id],
             entry.response_token_ids,

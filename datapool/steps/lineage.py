@@ -1,11 +1,14 @@
-"""The writer's memory of each open trajectory's token sequences, to find a new step's parent.
+"""The writer's memory of each open trajectory's token sequences, and where a new call's steps go.
 
-Owns: a bounded LRU of ``S_k = P_k + R_k`` per trajectory as int32 bytes, and the fast parent
-choice over it. The contract is exactly ``datapool.steps.prefix.choose_parent`` (a test checks they
+Owns: a bounded LRU of ``S_k = P_k + R_k`` per trajectory as int32 bytes; ``place``, which picks
+a new call's parent over it and explains a prefix break (``datapool.steps.prefix``); ``remember``,
+which takes the call's steps in; and ``rebuilt``, the memory of a trajectory from its stored
+steps. The parent choice is exactly ``datapool.steps.prefix.choose_parent`` (a test checks they
 agree); the comparison is a memcmp of bytes instead of a Python loop over tokens, because the
 writer runs it for every step against every earlier step of the trajectory (20 turns of ~10k
-tokens would otherwise cost milliseconds per step). Never: the source of truth; a trajectory
-that another process wrote to, or that was evicted, is rebuilt from the stored payloads.
+tokens would otherwise cost milliseconds per step). Never: the source of truth, or reads SQL; a
+trajectory that another process wrote to, or that was evicted, is rebuilt from the stored
+steps that ``datapool.steps.store`` reads.
 
 Memory: a chain of extending steps shares one growing buffer, so a trajectory costs about
 4 bytes per token of its longest sequence; each candidate also keeps its messages as JSON text
@@ -15,29 +18,31 @@ size of the trajectory's distinct messages plus a pointer per message per step.
 
 from __future__ import annotations
 
-import struct
+import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from datapool.steps.prefix import Lineage
+from datapool.models import Step, StepOutcome
+from datapool.steps.messages import history_keys, message_key
+from datapool.steps.payloads import TOKEN_BYTES, TokenPayload, pack_ids
+from datapool.steps.prefix import RETOKENISED, Lineage, classify_divergence, divergence_window
+from datapool.steps.records import CallRecord
 
-TOKEN_BYTES = 4
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a new call's steps join the trajectory's tree (``TrajectoryTokens.place``)."""
 
-def pack_ids(ids: Sequence[int]) -> bytes:
-    """``[T]`` token IDs as int32 little-endian bytes (4 T bytes), the blob format of
-    ``payload.encode_ids``, for the writer's Python lists: ``struct`` packs a list about 3x faster
-    than numpy converts one, and the writer packs every prompt.
-
-    Raises ``ValueError`` when an ID is not an integer that fits int32.
-    """
-    try:
-        return struct.pack(f"<{len(ids)}i", *ids)
-    except struct.error as exc:
-        raise ValueError(f"token ids must be integers that fit int32: {exc}") from None
+    lineage: Lineage  # the parent, whether the prompt extends it, the divergence offset
+    divergence_kind: str | None  # at a prefix break: ``prefix.classify_divergence``
+    divergence_detail: dict[str, Any] | None  # at a prefix break: ``prefix.divergence_window``
+    parent_tokens: int  # ``len(S_parent)`` when the prompt extends its parent, else 0
+    # ``H_p`` of ``datapool.steps.messages`` when the parent is a candidate, else None.
+    parent_message_keys: list[str] | None
 
 
 @dataclass
@@ -108,6 +113,86 @@ class TrajectoryTokens:
                 return candidate
         raise KeyError(step_id)
 
+    def place(self, call: CallRecord, prompt: bytes | None) -> Placement:
+        """Where ``call``'s steps go: the parent by token lineage of ``prompt`` (``pack_ids``
+        bytes of ``call.prompt_token_ids``), and at a prefix break its kind and window.
+
+        A failed or token-less call is never compared: it hangs on the latest step, without
+        ``extends_parent``.
+        """
+        if prompt is None or call.outcome != StepOutcome.OK:
+            lineage = Lineage(self.latest_step_id, None, None)
+            kind, detail = None, None
+        else:
+            lineage = self.choose_parent(prompt)
+            kind, detail = self._divergence(call, lineage)
+        parent = lineage.parent_step_id
+        # Only a candidate's keys are known, so a failed or token-less parent gets None and the
+        # messages are stored whole.
+        return Placement(
+            lineage,
+            kind,
+            detail,
+            self.tokens_of(parent) if lineage.extends_parent and parent is not None else 0,
+            None if parent is None else self.message_keys_of(parent)[0],
+        )
+
+    def _divergence(
+        self, call: CallRecord, lineage: Lineage
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """For a prefix break: its kind (from the messages) and a window of both sides.
+
+        The parent's full messages and response come from its message keys here (a parent is
+        always a candidate), not from its stored delta.
+        """
+        if lineage.extends_parent is not False or lineage.divergence_offset is None:
+            return None, None
+        assert lineage.parent_step_id is not None and call.prompt_token_ids is not None
+        keys, has_response = self.message_keys_of(lineage.parent_step_id)
+        keys = keys or []
+        request_keys = keys[:-1] if has_response else keys
+        parent_messages = [json.loads(key) for key in request_keys]
+        parent_response = json.loads(keys[-1]) if has_response else None
+        new_messages = call.request.get("messages")
+        kind = (
+            classify_divergence(parent_messages, parent_response, new_messages)
+            if isinstance(new_messages, list)
+            else RETOKENISED
+        )
+        sequence = np.frombuffer(self.sequence_of(lineage.parent_step_id), dtype="<i4")
+        detail = divergence_window(
+            sequence.tolist(), call.prompt_token_ids, lineage.divergence_offset
+        )
+        return kind, detail
+
+    def remember(
+        self,
+        step_ids: Sequence[str],
+        call: CallRecord,
+        placement: Placement,
+        prompt: bytes | None,
+        responses: Sequence[bytes | None],
+        messages_base: int | None,
+    ) -> None:
+        """Take in ``call``'s steps (``step_ids`` in choice order): each choice of an ok call
+        with prompt and response IDs (``responses``, int32 bytes) becomes a candidate with its
+        message keys, sharing the parent's for the first ``messages_base`` messages; the first
+        step becomes the latest."""
+        if call.outcome == StepOutcome.OK and prompt is not None:
+            messages = call.request.get("messages")
+            for step_id, response, choice in zip(step_ids, responses, call.choices, strict=True):
+                if response is not None:
+                    keys = history_keys(
+                        placement.parent_message_keys,
+                        messages,
+                        messages_base or 0,
+                        choice.response_message,
+                    )
+                    answered = choice.response_message is not None
+                    self.add(step_id, placement.lineage, prompt, response, keys, answered)
+        if step_ids:
+            self.latest_step_id = step_ids[0]
+
     def add(
         self,
         step_id: str,
@@ -131,6 +216,49 @@ class TrajectoryTokens:
         buffer = bytearray(prompt)
         buffer += response
         self.candidates.append(_Candidate(step_id, buffer, len(buffer), message_keys, has_response))
+
+
+def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> TrajectoryTokens:
+    """The memory of a trajectory from its stored steps: ``rows`` in step then choice order,
+    their requests expanded (``messages.expand_requests``), ``payloads`` by step id. Its
+    ``call_count`` is left 0 for the caller to set from the trajectory row."""
+    keys_of: dict[int, str] = {}  # message_key by id(): messages a step shares with its parent
+
+    def key(message: Any) -> str:
+        found = keys_of.get(id(message))
+        if found is None:
+            found = keys_of[id(message)] = message_key(message)
+        return found
+
+    tokens = TrajectoryTokens()
+    for row in rows:
+        if row.choice_index == 0 or tokens.latest_step_id is None:
+            tokens.latest_step_id = row.id
+        payload = payloads[row.id]
+        if (
+            row.outcome == StepOutcome.OK
+            and payload.prompt_token_ids is not None
+            and payload.response_token_ids is not None
+        ):
+            lineage = Lineage(row.parent_step_id, row.extends_parent, row.divergence_offset)
+            known = {c.step_id for c in tokens.candidates}
+            if row.parent_step_id not in known:
+                lineage = Lineage(None, None, None)
+            messages = row.request.get("messages")
+            keys = None
+            if isinstance(messages, list):
+                keys = [key(m) for m in messages]
+                if row.response_message is not None:
+                    keys.append(key(row.response_message))
+            tokens.add(
+                row.id,
+                lineage,
+                pack_ids(payload.prompt_token_ids),
+                pack_ids(payload.response_token_ids),
+                keys,
+                row.response_message is not None,
+            )
+    return tokens
 
 
 class LineageCache:

@@ -1,8 +1,9 @@
 """Request JSON as stored: messages as a delta on the parent step, the upstream request as a patch.
 
 Owns: how a step's client request and upstream request are written to ``steps.request``,
-``steps.messages_base``, ``steps.upstream_request`` and ``steps.upstream_request_patch``, and
-their exact reconstruction on read (``expand_requests`` puts the full JSON back on loaded rows).
+``steps.messages_base``, ``steps.upstream_request`` and ``steps.upstream_request_patch``
+(``request_delta``), and their exact reconstruction on read (``expand_requests`` puts the full
+JSON back on loaded rows, through the delta-chain walk of ``datapool.steps.chain``).
 Never: rewrites what the client sent; a reader always sees the request exactly as it came.
 
 An agent resends its whole history on every call, so storing each step's request whole grows
@@ -38,12 +39,13 @@ from sqlalchemy import inspect, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from datapool.db import chunks
 from datapool.models import Step
+from datapool.steps import chain
 
 # Marks a loaded Step whose ``request`` attribute already holds the full request (the value is
 # that very dict, so a row reloaded from the database is not mistaken for an expanded one).
 _EXPANDED = "trajgate_full_request"
-SQL_IN_CHUNK = 2000  # ids per IN (...) list, well under SQLite's bound-parameter limit
 
 
 class RequestMissingError(LookupError):
@@ -93,6 +95,32 @@ def stored_request(request: dict[str, Any], base: int | None) -> dict[str, Any]:
     if not base:
         return request
     return {**request, "messages": request["messages"][base:]}
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """A call's two requests as its step rows store them (columns of the module docstring)."""
+
+    request: dict[str, Any]  # ``steps.request``: the client's request with ``M[b:]``
+    messages_base: int | None  # b
+    upstream_request: dict[str, Any] | None  # whole, only when no merge patch says it
+    upstream_request_patch: dict[str, Any] | None
+
+
+def request_delta(
+    parent_keys: Sequence[str] | None, request: dict[str, Any], upstream_request: dict[str, Any]
+) -> RequestDelta:
+    """Store ``request`` as a delta on the parent's ``H_p`` (``parent_keys``; None when the
+    parent is not a lineage candidate, so the messages are stored whole) and
+    ``upstream_request`` as a merge patch on ``request``."""
+    base = messages_base(parent_keys, request.get("messages"))
+    patch = merge_patch(request, upstream_request)
+    return RequestDelta(
+        stored_request(request, base),
+        base,
+        upstream_request if patch is None else None,
+        patch,
+    )
 
 
 # ---- JSON Merge Patch (RFC 7396 §2) ---------------------------------------------------------
@@ -182,22 +210,23 @@ def reconstruct_messages(
     must hold each one's chain of parents down to a step with b = 0 or NULL, or one in
     ``known`` (full messages already at hand). None for a request without a messages list.
 
-    Walks each chain iteratively (a long trajectory is a long chain) and computes every step
-    once. Raises ``RequestMissingError`` when a parent is absent or shorter than a base.
+    One walk per chain (``datapool.steps.chain``), every step computed once. Raises
+    ``RequestMissingError`` when a parent is absent or shorter than a base.
     """
-    full: dict[str, list[Any] | None] = dict(known or {})
-    for step_id in step_ids:
-        chain: list[StoredRequest] = []
-        current: str | None = step_id
-        while current is not None and current not in full:
-            entry = stored.get(current)
-            if entry is None:
-                raise RequestMissingError(f"the request of step {current} is not stored")
-            chain.append(entry)
-            current = entry.parent_step_id if entry.messages_base else None
-        for entry in reversed(chain):
-            full[entry.step_id] = _messages(entry, full, stored)
-    return full
+
+    def apply(entry: StoredRequest, full: Mapping[str, list[Any] | None]) -> list[Any] | None:
+        return _messages(entry, full, stored)
+
+    return chain.resolve(step_ids, stored, _based_on, apply, _request_missing, known)
+
+
+def _based_on(entry: StoredRequest) -> str | None:
+    """The step whose history ``entry``'s messages are a delta on; None when stored whole."""
+    return entry.parent_step_id if entry.messages_base else None
+
+
+def _request_missing(step_id: str) -> RequestMissingError:
+    return RequestMissingError(f"the request of step {step_id} is not stored")
 
 
 def _messages(
@@ -275,20 +304,11 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
     known: dict[str, list[Any]] = {}
     for row in todo:
         stored[row.id] = _stored_of(row)
-    needed: set[str] = set()
-    for row in todo:
-        current: StoredRequest | None = stored[row.id]
-        while current is not None and current.messages_base and current.parent_step_id:
-            parent_id = current.parent_step_id
-            if parent_id in stored:
-                current = stored[parent_id]
-                continue
-            needed.add(row.trajectory_id)
-            break
+    # Trajectories whose rows lack an ancestor some row's messages are a delta on.
+    needed = {row.trajectory_id for row in todo if chain.walk(row.id, stored, _based_on)[1]}
     if needed:
         trajectory_ids = sorted(needed)
-        for start in range(0, len(trajectory_ids), SQL_IN_CHUNK):
-            chunk = trajectory_ids[start : start + SQL_IN_CHUNK]
+        for chunk in chunks(trajectory_ids):
             for values in session.execute(
                 select(
                     Step.id,

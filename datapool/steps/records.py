@@ -1,7 +1,7 @@
 """What the gateway hands the pool for one LLM call (plain data, no SQL).
 
-Owns: the shape of a captured call. Never: holds text that was re-encoded into IDs; every ID and
-logprob here is the engine's own.
+Owns: the shape of a captured call, and of one waiting for its commit. Never: holds text that
+was re-encoded into IDs; every ID and logprob here is the engine's own.
 """
 
 from __future__ import annotations
@@ -78,3 +78,11 @@ class CallRecord:
     # The upstream attempts of the call (retries included), committed in the same transaction as
     # its steps; none when the call was refused (trajectory closed).
     attempts: tuple[AttemptRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """One call waiting to be committed to trajectory ``trajectory_id``."""
+
+    trajectory_id: str
+    call: CallRecord

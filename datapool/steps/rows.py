@@ -1,0 +1,304 @@
+"""The SQL of one write transaction: which rows it locks, inserts and updates, and how.
+
+Owns: locking (PostgreSQL ``FOR UPDATE``) or creating the batch's trajectories and their groups
+(``lock_trajectories``), the ``steps`` / ``step_payloads`` / ``call_attempts`` rows of each
+accepted call and the trajectories' counters (``WriteBatch``), and the fast executemany they go
+through (``Inserts``). Never: opens or commits the transaction (``datapool.steps.store`` does),
+or decides a step's parent, payload or request encoding: it writes what
+``datapool.steps.lineage``, ``datapool.steps.payloads`` and ``datapool.steps.messages`` made.
+"""
+
+from __future__ import annotations
+
+import typing
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Dialect, Table, bindparam, insert, select, update
+from sqlalchemy.orm import Session
+
+from datapool.db import insert_ignore
+from datapool.models import (
+    CallAttempt,
+    Step,
+    StepPayload,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+)
+from datapool.steps.calls import attempt_rows
+from datapool.steps.lineage import Placement
+from datapool.steps.messages import RequestDelta
+from datapool.steps.payloads import CallPayload
+from datapool.steps.records import CallRecord, PendingCall
+
+# The write path inserts through Core; these are the models' tables.
+_TRAJECTORIES = typing.cast(Table, Trajectory.__table__)
+_STEPS = typing.cast(Table, Step.__table__)
+_PAYLOADS = typing.cast(Table, StepPayload.__table__)
+_ATTEMPTS = typing.cast(Table, CallAttempt.__table__)
+_GROUPS = typing.cast(Table, TrajectoryGroup.__table__)
+
+TrajectoryState = tuple[str, int]  # (status, call_count) as read under the write lock
+
+
+def lock_trajectories(
+    session: Session, pending: Sequence[PendingCall], trajectory_ids: list[str], now: datetime
+) -> dict[str, TrajectoryState]:
+    """``{id: (status, call_count)}`` of every trajectory of the batch, creating the missing
+    ones (and their groups) first; on PostgreSQL the rows stay locked until commit."""
+    first_call: dict[str, CallRecord] = {}
+    for p in pending:
+        first_call.setdefault(p.trajectory_id, p.call)
+    group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
+    if group_ids:
+        insert_ignore(
+            session,
+            TrajectoryGroup,
+            [{"id": g, "status": "open", "created_at": now} for g in group_ids],
+        )
+    state = _select_state(session, trajectory_ids)
+    missing = [tid for tid in trajectory_ids if tid not in state]
+    if missing:  # one IN query per batch finds them; only new trajectories are inserted
+        insert_ignore(
+            session,
+            Trajectory,
+            [
+                {
+                    "id": trajectory_id,
+                    "group_id": first_call[trajectory_id].group_id,
+                    "channel": first_call[trajectory_id].channel or "train",
+                    "status": TrajectoryStatus.OPEN.value,
+                    "metadata_json": {},
+                    "tags": [],
+                    "flags": [],
+                    "call_count": 0,
+                    "rejected_calls": 0,
+                    "created_at": now,
+                }
+                for trajectory_id in missing
+            ],
+        )
+        state.update(_select_state(session, missing))
+        joined = sorted({g for t in missing if (g := first_call[t].group_id)})
+        if joined:
+            # A new open member: its group is not complete (the rule of
+            # ``lifecycle.update_group``). Updated unconditionally, so the group rows stay
+            # locked until commit and a member closing meanwhile (which locks its group)
+            # counts this one.
+            session.connection().execute(
+                update(_GROUPS)
+                .where(_GROUPS.c.id.in_(joined))
+                .values(status="open", completed_at=None)
+            )
+    return state
+
+
+def _select_state(session: Session, trajectory_ids: list[str]) -> dict[str, TrajectoryState]:
+    table = _TRAJECTORIES
+    query = select(table.c.id, table.c.status, table.c.call_count).where(
+        table.c.id.in_(trajectory_ids)
+    )
+    connection = session.connection()
+    if connection.dialect.name == "postgresql":
+        query = query.with_for_update()
+    return {tid: (status, count) for tid, status, count in connection.execute(query)}
+
+
+class WriteBatch:
+    """The rows one transaction writes: steps, payloads and attempts of the accepted calls, and
+    per trajectory its new ``call_count`` and its refused calls (``rejected_calls``)."""
+
+    def __init__(self, state: Mapping[str, TrajectoryState], now: datetime) -> None:
+        self.now = now
+        self._counts_before = {tid: count for tid, (_status, count) in state.items()}
+        self._counts = dict(self._counts_before)
+        self._rejected: dict[str, int] = {}
+        self._steps: list[dict[str, Any]] = []
+        self._payloads: list[dict[str, Any]] = []
+        self._attempts: list[dict[str, Any]] = []
+
+    def reject(self, trajectory_id: str) -> None:
+        """Count a call refused because its trajectory is not open."""
+        self._rejected[trajectory_id] = self._rejected.get(trajectory_id, 0) + 1
+
+    def next_step_index(self, trajectory_id: str) -> int:
+        """The ``step_index`` of the trajectory's next accepted call (its calls so far)."""
+        step_index = self._counts[trajectory_id]
+        self._counts[trajectory_id] = step_index + 1
+        return step_index
+
+    def add_call(
+        self,
+        trajectory_id: str,
+        call: CallRecord,
+        step_index: int,
+        placement: Placement,
+        payload: CallPayload,
+        request: RequestDelta,
+    ) -> list[str]:
+        """Add one step and one payload row per choice of ``call``, and its attempts; returns
+        the step ids in choice order (the gateway's own where it named them)."""
+        lineage = placement.lineage
+        now = self.now
+        step_ids: list[str] = []
+        for choice, response, logprobs in zip(
+            call.choices, payload.responses, payload.logprobs, strict=True
+        ):
+            step_id = choice.step_id or str(uuid.uuid4())
+            flags = list(choice.flags)
+            if lineage.extends_parent is False:
+                flags.append("prefix_break")
+            ids = choice.response_token_ids
+            self._steps.append(
+                {
+                    "id": step_id,
+                    "trajectory_id": trajectory_id,
+                    "parent_step_id": lineage.parent_step_id,
+                    "call_id": call.call_id,
+                    "endpoint": call.endpoint,
+                    "request_hash": call.request_hash,
+                    "idempotency_key": call.idempotency_key,
+                    "step_index": step_index,
+                    "choice_index": choice.choice_index,
+                    "policy_version": call.policy_version,
+                    "model": call.model,
+                    "upstream": call.upstream,
+                    "outcome": call.outcome,
+                    "error": call.error,
+                    "request": request.request,
+                    "messages_base": request.messages_base,
+                    "upstream_request": request.upstream_request,
+                    "upstream_request_patch": request.upstream_request_patch,
+                    "response_message": choice.response_message,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                    "prompt_tokens": call.prompt_tokens,
+                    "completion_tokens": None if ids is None else len(ids),
+                    "latency_ms": call.latency_ms,
+                    "ttft_ms": call.ttft_ms,
+                    "flags": flags,
+                    "extends_parent": lineage.extends_parent,
+                    "divergence_offset": lineage.divergence_offset,
+                    "divergence_kind": placement.divergence_kind,
+                    "divergence_detail": placement.divergence_detail,
+                    "prompt_base_tokens": payload.prompt_base_tokens,
+                    "payload_file_id": None,
+                    "created_at": now,
+                }
+            )
+            self._payloads.append(
+                {
+                    "step_id": step_id,
+                    "prompt_delta": payload.prompt_delta,
+                    "response_token_ids": response,
+                    "response_logprobs": logprobs,
+                    "created_at": now,
+                }
+            )
+            step_ids.append(step_id)
+        # A call's attempts commit with its steps: one transaction per batch, not one more per call.
+        self._attempts += attempt_rows(call.attempts, now)
+        return step_ids
+
+    def write(self, connection: Connection, inserts: Inserts, writer_id: str | None) -> None:
+        """Insert every row (one executemany per table) and update the trajectories' counters
+        (``call_count``, ``last_step_at``, ``writer_id``; ``rejected_calls``)."""
+        if self._steps:
+            inserts.insert(connection, _STEPS, self._steps)
+            inserts.insert(connection, _PAYLOADS, self._payloads)
+        if self._attempts:
+            inserts.insert(connection, _ATTEMPTS, self._attempts)
+        counts = [
+            {"b_id": tid, "b_count": n, "b_at": self.now, "b_writer": writer_id}
+            for tid, n in self._counts.items()
+            if n != self._counts_before[tid]
+        ]
+        if counts:  # one executemany, not one UPDATE per trajectory
+            connection.execute(
+                update(_TRAJECTORIES)
+                .where(_TRAJECTORIES.c.id == bindparam("b_id"))
+                .values(
+                    call_count=bindparam("b_count"),
+                    last_step_at=bindparam("b_at"),
+                    writer_id=bindparam("b_writer"),
+                ),
+                counts,
+            )
+        if self._rejected:
+            connection.execute(
+                update(_TRAJECTORIES)
+                .where(_TRAJECTORIES.c.id == bindparam("b_id"))
+                .values(rejected_calls=_TRAJECTORIES.c.rejected_calls + bindparam("b_n")),
+                [{"b_id": tid, "b_n": n} for tid, n in self._rejected.items()],
+            )
+
+
+@dataclass(frozen=True)
+class _PreparedInsert:
+    """An ``INSERT`` of every column of a table, compiled for one dialect."""
+
+    sql: str
+    processors: list[tuple[str, Callable[[Any], Any] | None]]  # (column, bind processor)
+    columns: frozenset[str]
+
+    @classmethod
+    def of(cls, table: Table, dialect: Dialect) -> _PreparedInsert:
+        names = list(table.c.keys())
+        compiled = insert(table).compile(dialect=dialect, column_keys=names)
+        if compiled.positional:  # the parameters' order in the statement
+            names = list(compiled.positiontup or ())
+        processors: list[tuple[str, Callable[[Any], Any] | None]] = [
+            (name, table.c[name].type.dialect_impl(dialect).bind_processor(dialect))
+            for name in names
+        ]
+        return cls(compiled.string, processors, frozenset(names))
+
+
+class Inserts:
+    """``INSERT`` statements compiled once per table, for one engine (one per ``PoolStore``)."""
+
+    def __init__(self) -> None:
+        self._prepared: dict[str, _PreparedInsert] = {}  # by table name
+
+    def insert(self, connection: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+        """``INSERT`` ``rows`` (each a value for every column of ``table``) in one DBAPI
+        executemany of a statement compiled once per table and dialect.
+
+        Each value goes through its column type's own bind processor (JSON text, SQLite's
+        datetime format), as in ``connection.execute(insert(table), rows)``; what is skipped is
+        SQLAlchemy's per-row parameter machinery, which cost more CPU than SQLite's insert.
+        Raises ``ValueError`` when the rows' keys are not exactly the table's columns (a missing
+        column would silently skip its Python-side default).
+        """
+        dialect = connection.dialect
+        prepared = self._prepared.get(table.name)
+        if prepared is None:
+            prepared = self._prepared[table.name] = _PreparedInsert.of(table, dialect)
+        if rows[0].keys() != prepared.columns:
+            raise ValueError(
+                f"rows for {table.name} must give every column: "
+                f"expected {sorted(prepared.columns)}, got {sorted(rows[0])}"
+            )
+        processors = prepared.processors
+        params: list[Any]
+        if dialect.positional:  # SQLite's qmark style: tuples in the statement's order
+            params = [
+                tuple(
+                    row[name] if process is None else process(row[name])
+                    for name, process in processors
+                )
+                for row in rows
+            ]
+        else:  # psycopg's named style
+            params = [
+                {
+                    name: row[name] if process is None else process(row[name])
+                    for name, process in processors
+                }
+                for row in rows
+            ]
+        connection.exec_driver_sql(prepared.sql, params)
