@@ -1,29 +1,51 @@
-"""The gateway's exception tree and its one JSON error envelope.
+"""The gateway's exception tree and its one error envelope.
 
-Every error a client sees has OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
-with the HTTP status from the exception class. A test walks every route with bad input and
-checks the shape.
+Owns: the exception classes every gateway route raises, the mapping of the pool's errors and of
+FastAPI's own (unknown route, wrong method, failed validation) onto them, and the rendering of an
+error as a response body or a stream event. Never: decides *whether* a request is an error (the
+routes and ``gateway.attribution`` do); never passes an upstream's own error body through (the
+proxy does that, unchanged, as vLLM sent it).
 
-    TrajgateError                      500 internal_error
-     ├── InvalidRequestError           400 invalid_request_error
-     │    └── PayloadTooLargeError     413 invalid_request_error
-     ├── AuthenticationError           401 authentication_error
-     ├── PermissionDeniedError         403 permission_error
-     ├── NotFoundError                 404 not_found_error
-     ├── ConflictError                 409 conflict_error
-     ├── ServiceUnavailableError       503 service_unavailable
-     └── UpstreamError                 502 upstream_error
-          └── UpstreamTimeoutError     504 upstream_timeout
+An error is five things: ``status_code`` (HTTP), ``error_type`` (the class's kind), ``code`` (a
+string a client can branch on: the class default unless the raiser names a finer one),
+``message`` (says what was expected and what came) and ``param`` (the offending field, or None).
+A dialect renders those five in its own shape (``ErrorRenderer``); the default is OpenAI's,
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str}}
+
+the same unstreamed (``error_response``) and as the last event of a stream (``sse_error_event``).
+``tests/test_error_envelope.py`` walks every route of the app with bad input and checks it.
+
+    class                               status  type                   default code
+    TrajgateError                       500     internal_error         internal_error
+     ├── InvalidRequestError            400     invalid_request_error  invalid_request
+     │    ├── PayloadTooLargeError      413     invalid_request_error  payload_too_large
+     │    └── MethodNotAllowedError     405     invalid_request_error  method_not_allowed
+     ├── AuthenticationError            401     authentication_error   unauthenticated
+     ├── PermissionDeniedError          403     permission_error       permission_denied
+     ├── NotFoundError                  404     not_found_error        not_found
+     ├── ConflictError                  409     conflict_error         conflict
+     ├── ServiceUnavailableError        503     service_unavailable    service_unavailable
+     └── UpstreamError                  502     upstream_error         upstream_error
+          └── UpstreamTimeoutError      504     upstream_timeout       upstream_timeout
+
+Finer codes named where raised: ``invalid_api_key``, ``missing_api_key``, ``invalid_admin_token``
+(401); ``cross_site`` (403); ``unknown_target`` (404); ``trajectory_closed``, ``nothing_ready``,
+``lease_lost`` (409); ``payload_missing`` (500); ``pool_<fault reason>`` (503, e.g.
+``pool_disk_full``, with Retry-After), ``no_capturing_upstream`` (503); ``upstream_unreachable``
+(504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:
 TrajectoryClosedError → 409, UnknownTargetError → 404, InvalidPoolRequestError → 400,
-PoolUnavailableError → 503.
+PoolUnavailableError → 503, PayloadMissingError → 500.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -46,8 +68,11 @@ log = logging.getLogger("trajgate.gateway")
 
 
 class TrajgateError(Exception):
+    """Base of every error the gateway answers on purpose; ``code`` defaults to the class's."""
+
     status_code = 500
     error_type = "internal_error"
+    default_code = "internal_error"
 
     def __init__(
         self,
@@ -60,32 +85,44 @@ class TrajgateError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        self.code: str = code if code is not None else self.default_code
         self.headers = headers
 
 
 class InvalidRequestError(TrajgateError):
     status_code = 400
     error_type = "invalid_request_error"
+    default_code = "invalid_request"
 
 
 class PayloadTooLargeError(InvalidRequestError):
     status_code = 413
+    default_code = "payload_too_large"
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    """The path exists, the method does not (``headers`` carry ``Allow``)."""
+
+    status_code = 405
+    default_code = "method_not_allowed"
 
 
 class AuthenticationError(TrajgateError):
     status_code = 401
     error_type = "authentication_error"
+    default_code = "unauthenticated"
 
 
 class PermissionDeniedError(TrajgateError):
     status_code = 403
     error_type = "permission_error"
+    default_code = "permission_denied"
 
 
 class NotFoundError(TrajgateError):
     status_code = 404
     error_type = "not_found_error"
+    default_code = "not_found"
 
 
 class ConflictError(TrajgateError):
@@ -93,6 +130,7 @@ class ConflictError(TrajgateError):
 
     status_code = 409
     error_type = "conflict_error"
+    default_code = "conflict"
 
 
 class ServiceUnavailableError(TrajgateError):
@@ -100,6 +138,19 @@ class ServiceUnavailableError(TrajgateError):
 
     status_code = 503
     error_type = "service_unavailable"
+    default_code = "service_unavailable"
+
+
+class UpstreamError(TrajgateError):
+    status_code = 502
+    error_type = "upstream_error"
+    default_code = "upstream_error"
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status_code = 504
+    error_type = "upstream_timeout"
+    default_code = "upstream_timeout"
 
 
 def from_pool_error(exc: PoolError) -> TrajgateError:
@@ -123,55 +174,114 @@ def from_pool_error(exc: PoolError) -> TrajgateError:
     return TrajgateError(exc.message, param=exc.param)
 
 
-class UpstreamError(TrajgateError):
-    status_code = 502
-    error_type = "upstream_error"
+# Starlette's own HTTP errors (routing, body limits) by status; any other 4xx is a bad request.
+_HTTP_ERRORS: dict[int, type[TrajgateError]] = {
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    405: MethodNotAllowedError,
+    409: ConflictError,
+    413: PayloadTooLargeError,
+    503: ServiceUnavailableError,
+}
 
 
-class UpstreamTimeoutError(UpstreamError):
-    status_code = 504
-    error_type = "upstream_timeout"
+def from_http_exception(exc: StarletteHTTPException) -> TrajgateError:
+    """The gateway error a Starlette ``HTTPException`` becomes; keeps its status and headers."""
+    error_class = _HTTP_ERRORS.get(exc.status_code)
+    if error_class is None:
+        error_class = InvalidRequestError if exc.status_code < 500 else TrajgateError
+    error = error_class(str(exc.detail), headers=dict(exc.headers) if exc.headers else None)
+    error.status_code = exc.status_code  # an unlisted 4xx/5xx keeps its own status
+    return error
+
+
+def from_validation_error(exc: RequestValidationError) -> InvalidRequestError:
+    """A 400 naming the first failing field (``param``, dotted, without its location).
+
+    Example: ``GET /api/batches?limit=x`` → param ``limit``, message "Input should be a valid
+    integer, unable to parse string as an integer; got 'x'".
+    """
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    kind = first.get("type")
+    if kind == "json_invalid":  # located by ("body", offset): no field is at fault
+        detail = (first.get("ctx") or {}).get("error")
+        return InvalidRequestError(f"request body is not valid JSON: {detail or 'decode error'}")
+    param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+    if kind == "missing":
+        return InvalidRequestError(
+            f"{param!r} is required" if param else "a request body is required", param=param
+        )
+    message = str(first.get("msg") or "invalid request")
+    if "input" in first:
+        got = repr(first["input"])
+        message += f"; got {got if len(got) <= 80 else got[:77] + '...'}"
+    return InvalidRequestError(message, param=param)
+
+
+ErrorRenderer = Callable[[TrajgateError], dict[str, Any]]
+"""Renders an error as a dialect's JSON body (from ``status_code``, ``error_type``, ``code``,
+``message``, ``param``); ``openai_envelope`` is the default."""
+
+
+def openai_envelope(error: TrajgateError) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def error_response(error: TrajgateError, render: ErrorRenderer = openai_envelope) -> JSONResponse:
+    """The unstreamed answer for ``error``: its status, its headers, its rendered body."""
+    return JSONResponse(render(error), status_code=error.status_code, headers=error.headers)
+
+
+def sse_error_event(error: TrajgateError, render: ErrorRenderer = openai_envelope) -> bytes:
+    """The SSE event that ends a stream in ``error`` (after the status line went out as 200):
+    ``data: <rendered body>`` and a blank line, the body the same as unstreamed."""
+    return b"data: " + json.dumps(render(error)).encode() + b"\n\n"
 
 
 def envelope(
     message: str, error_type: str, *, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
+    """Deprecated: ``gateway.proxy`` builds its stream error events with it (``code`` may be a
+    number there); they move to ``sse_error_event``, and then this goes."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception FastAPI can raise through the one envelope."""
+    """Route every exception FastAPI can raise through the one envelope.
+
+    A route whose dialect has its own envelope sets ``request.state.render_error`` (an
+    ``ErrorRenderer``, e.g. in a router dependency); every other request gets OpenAI's.
+    """
+
+    def respond(request: Request, error: TrajgateError) -> JSONResponse:
+        render: ErrorRenderer = getattr(request.state, "render_error", openai_envelope)
+        return error_response(error, render)
 
     @app.exception_handler(TrajgateError)
-    async def _trajgate(_request: Request, exc: TrajgateError) -> JSONResponse:
-        return JSONResponse(
-            envelope(exc.message, exc.error_type, param=exc.param, code=exc.code),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+    async def _trajgate(request: Request, exc: TrajgateError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(PoolError)
     async def _pool(request: Request, exc: PoolError) -> JSONResponse:
-        return await _trajgate(request, from_pool_error(exc))
+        return respond(request, from_pool_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            envelope(str(exc.detail), error_type, code=exc.status_code),
-            status_code=exc.status_code,
-        )
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return respond(request, from_http_exception(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        return JSONResponse(
-            envelope(
-                str(first.get("msg", "invalid request")), "invalid_request_error", param=param
-            ),
-            status_code=400,
-        )
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, from_validation_error(exc))
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
@@ -190,10 +300,8 @@ def install_error_handlers(app: FastAPI) -> None:
             unavailable = PoolUnavailableError(
                 f"the pool's database failed ({reason}) during {operation}", reason=reason
             )
-        return await _trajgate(request, from_pool_error(unavailable))
+        return respond(request, from_pool_error(unavailable))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            envelope(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500
-        )
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, TrajgateError(f"internal error: {type(exc).__name__}"))
