@@ -62,6 +62,7 @@ def test_bad_request_gets_the_error_envelope_and_writes_nothing(
     body = response.json()
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["code"], str)
     assert needle in body["error"]["message"]
     assert _row_counts(pool_settings) == (0, 0)
 

@@ -1,0 +1,547 @@
+"""Every route refuses bad input in the one error envelope, with a string code, streamed or not.
+
+The walk: every (method, path) the app serves (the operations of its OpenAPI document and the
+routes left out of it: the docs pages, the inspector page and its JSON API) gets each bad request
+its inputs allow, derived from the route's schema:
+
+- a method the path does not serve (405);
+- a path or query parameter of the wrong type (an integer, number, boolean, date-time or enum
+  parameter given a word), or outside its bounds (``maximum`` + 1, ``minimum`` - 1, a string one
+  character over ``maxLength``), and an over-long unknown id (201 characters, one over the
+  gateway's id bound) for a string path parameter;
+- each required query parameter left out;
+- a body that is not JSON, a JSON body of the wrong type (an array), an empty object when fields
+  are required, and each bounded top-level field out of bounds in an otherwise valid body. The
+  OpenAI routes read their body themselves, so every POST gets the first three.
+
+Each answer must be a 4xx whose body is exactly ``{"error": {"message", "type", "param", "code"}}``
+with a string code and a non-empty message; a schema-derived refusal must name the field in
+``param``. The upstream is an ``httpx.MockTransport`` that fails its health check, and afterwards
+it must have seen no call and the pool must hold no trajectory, step or attempt: bad input is
+refused before vLLM is asked and before anything is written.
+
+Also here: a stream that fails after its 200 went out ends in an event with the same type and
+string code as the unstreamed answer to the same upstream fault; the tree drawn at the top of
+``gateway/errors.py`` is the real one; a dialect can render an error in its own shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import RouteContext, iter_route_contexts
+from fastapi.testclient import TestClient
+from gateway_helpers import steps_of
+from sqlalchemy import func, select
+
+from datapool import db
+from datapool.db import make_engine
+from datapool.models import CallAttempt, Step, Trajectory
+from datapool.settings import PoolSettings
+from gateway.app import create_app
+from gateway.errors import (
+    TrajgateError,
+    UpstreamTimeoutError,
+    error_response,
+    openai_envelope,
+    sse_error_event,
+)
+from gateway.settings import GatewaySettings
+
+UPSTREAM = "http://upstream.test"
+ENVELOPE_KEYS = {"message", "type", "param", "code"}
+# The gateway bounds trajectory, group and API-key ids to 200 characters.
+OVER_LONG_ID = "z" * 201
+# Catch-all path parameters for which every string is a valid value, with the reason.
+ANY_VALUE_IS_VALID = {("/inspector/{view:path}", "view"): "every path is a view of the one page"}
+
+
+# -- the walk ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shown(RouteContext):
+    """A route context that the OpenAPI generator documents even when the route hides itself."""
+
+    @property
+    def include_in_schema(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # as routed, converters included: /inspector/static/{relative:path}
+    operation: dict[str, Any]
+    documented: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+@dataclass
+class BadRequest:
+    what: str
+    method: str
+    url: str
+    params: dict[str, str] = field(default_factory=dict)
+    content: bytes | None = None
+    param: str | None = None  # the field the envelope must name, when the schema says which
+
+
+def _template_app() -> FastAPI:
+    """An app built like the real one, only to read its routes (no lifespan, no database)."""
+    return create_app(
+        GatewaySettings(upstream_url=UPSTREAM),
+        PoolSettings(database_url="sqlite:///unused.sqlite3"),
+    )
+
+
+def app_routes(app: FastAPI) -> tuple[list[Route], dict[str, Any]]:
+    """Every (method, route) the app serves, each with its OpenAPI operation, and the schemas.
+
+    Hidden routes are documented by the same generator as the app's own document (``_Shown``),
+    so both kinds are walked the same way.
+    """
+    contexts = list(iter_route_contexts(app.routes))
+    documented = app.openapi()["paths"]
+    shown = [
+        _Shown(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)}) for c in contexts
+    ]
+    full = get_openapi(title="all routes", version="0", routes=shown)
+    routes = []
+    for context in contexts:
+        for method in sorted(context.methods or ()):
+            if method == "HEAD":  # Starlette's implicit twin of GET
+                continue
+            template = context.path_format or ""
+            operation = full["paths"].get(template, {}).get(method.lower(), {})
+            routes.append(
+                Route(
+                    method,
+                    context.path or "",
+                    operation,
+                    method.lower() in documented.get(template, {}),
+                )
+            )
+    return routes, full.get("components", {}).get("schemas", {})
+
+
+def _resolve(schema: dict[str, Any], schemas: dict[str, Any]) -> dict[str, Any]:
+    """The schema itself: ``$ref`` followed, ``anyOf [X, null]`` reduced to ``X``."""
+    if "$ref" in schema:
+        return _resolve(schemas[schema["$ref"].rsplit("/", 1)[1]], schemas)
+    options = [s for s in schema.get("anyOf", []) if s.get("type") != "null"]
+    if len(options) == 1:
+        return {
+            **_resolve(options[0], schemas),
+            **{k: v for k, v in schema.items() if k != "anyOf"},
+        }
+    return schema
+
+
+def _valid(schema: dict[str, Any], schemas: dict[str, Any]) -> Any:
+    """A smallest value the schema accepts (required object fields only)."""
+    schema = _resolve(schema, schemas)
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if kind == "integer":
+        return int(schema.get("minimum", 1))
+    if kind == "number":
+        return float(schema.get("minimum", 1.0))
+    if kind == "boolean":
+        return True
+    if kind == "array":
+        return [_valid(schema.get("items", {}), schemas)] * int(schema.get("minItems", 0))
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return {name: _valid(properties[name], schemas) for name in schema.get("required", [])}
+    return "x"
+
+
+def _out_of_bounds(schema: dict[str, Any], schemas: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Values the schema's declared bounds refuse, each with what it breaks."""
+    schema = _resolve(schema, schemas)
+    bad: list[tuple[str, Any]] = []
+    if "enum" in schema:
+        bad.append(("not one of its values", "no-such-value"))
+    if "maximum" in schema:
+        bad.append((f"above its maximum {schema['maximum']}", schema["maximum"] + 1))
+    if "minimum" in schema:
+        bad.append((f"below its minimum {schema['minimum']}", schema["minimum"] - 1))
+    if "exclusiveMinimum" in schema:
+        bad.append(
+            (f"at its exclusive minimum {schema['exclusiveMinimum']}", schema["exclusiveMinimum"])
+        )
+    if "maxLength" in schema:
+        bad.append((f"over its maxLength {schema['maxLength']}", "x" * (schema["maxLength"] + 1)))
+    if schema.get("minLength", 0) >= 1:
+        bad.append(("under its minLength", ""))
+    if "pattern" in schema and re.search(schema["pattern"], " bad value") is None:
+        bad.append(("not matching its pattern", " bad value"))
+    if "maxItems" in schema:
+        item = _valid(schema.get("items", {}), schemas)
+        bad.append((f"over its maxItems {schema['maxItems']}", [item] * (schema["maxItems"] + 1)))
+    if schema.get("minItems", 0) >= 1:
+        bad.append(("under its minItems", []))
+    return bad
+
+
+def _wrong_word(schema: dict[str, Any], schemas: dict[str, Any]) -> tuple[str, str] | None:
+    """A word a query or path parameter of this type refuses, or None for a free string."""
+    schema = _resolve(schema, schemas)
+    if schema.get("type") == "array":
+        return _wrong_word(schema.get("items", {}), schemas)
+    if schema.get("format") == "date-time":
+        return "not a date-time", "not-a-date"
+    words = {"integer": "not-a-number", "number": "not-a-number", "boolean": "maybe"}
+    kind = schema.get("type")
+    return (f"not a {kind}", words[kind]) if kind in words else None
+
+
+def bad_requests(route: Route, schemas: dict[str, Any]) -> list[BadRequest]:
+    """The bad requests the route's inputs allow (see the module docstring)."""
+    parameters = route.operation.get("parameters", [])
+    path_values = {
+        p["name"]: str(_valid(p["schema"], schemas)) for p in parameters if p["in"] == "path"
+    }
+    required = {
+        p["name"]: str(_valid(p["schema"], schemas))
+        for p in parameters
+        if p["in"] == "query" and p.get("required")
+    }
+
+    def case(
+        what: str,
+        *,
+        method: str = route.method,
+        path: dict[str, str] | None = None,
+        query: dict[str, str] | None = None,
+        content: bytes | None = None,
+        param: str | None = None,
+    ) -> BadRequest:
+        values = {**path_values, **(path or {})}
+        url = re.sub(r"\{(\w+)(:\w+)?\}", lambda m: values[m.group(1)], route.path)
+        return BadRequest(what, method, url, {**required, **(query or {})}, content, param)
+
+    cases = [case("a method the path does not serve", method="PATCH")]
+    for p in parameters:
+        name, where = p["name"], f"{p['in']} parameter {p['name']!r}"
+        bad = _out_of_bounds(p["schema"], schemas)
+        wrong = _wrong_word(p["schema"], schemas)
+        for what, value in [*bad, *([wrong] if wrong else [])]:
+            given = {name: str(value)}
+            if p["in"] == "path":
+                cases.append(case(f"{where} {what}", path=given, param=name))
+            else:
+                cases.append(case(f"{where} {what}", query=given, param=name))
+        if p["in"] == "path" and not wrong and (route.path, name) not in ANY_VALUE_IS_VALID:
+            cases.append(case(f"{where} an over-long unknown id", path={name: OVER_LONG_ID}))
+        if p["in"] == "query" and p.get("required"):
+            left_out = case(f"{where} left out", param=name)
+            del left_out.params[name]
+            cases.append(left_out)
+    body = route.operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+    schema = _resolve(body.get("schema", {}), schemas)
+    if body or route.method == "POST":  # the OpenAI routes read their JSON body themselves
+        cases.append(case("a body that is not JSON", content=b"{not json"))
+        cases.append(case("a JSON array body", content=b"[1, 2]"))
+    if schema.get("required") or (route.method == "POST" and not body):
+        cases.append(case("an empty object body", content=b"{}"))
+    valid_body = _valid(schema, schemas) if schema.get("type") == "object" else {}
+    for name, field_schema in schema.get("properties", {}).items():
+        for what, value in _out_of_bounds(field_schema, schemas):
+            content = json.dumps({**valid_body, name: value}).encode()
+            cases.append(case(f"body field {name!r} {what}", content=content, param=name))
+    return cases
+
+
+ROUTES, SCHEMAS = app_routes(_template_app())
+
+
+# -- the app under test --------------------------------------------------------------------
+
+
+def _row_counts(pool: PoolSettings) -> tuple[int, int, int]:
+    engine = make_engine(pool.resolved_database_url())
+    try:
+        with engine.connect() as conn:
+            trajectories, steps, attempts = (
+                conn.execute(select(func.count()).select_from(model)).scalar_one()
+                for model in (Trajectory, Step, CallAttempt)
+            )
+            return trajectories, steps, attempts
+    finally:
+        engine.dispose()
+
+
+@dataclass
+class Walked:
+    client: TestClient
+    pool: PoolSettings
+    upstream_calls: list[str]
+
+
+@pytest.fixture(scope="module")
+def walked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Walked]:
+    """One gateway for the whole walk: a SQLite pool, an upstream that fails its health check."""
+    root: Path = tmp_path_factory.mktemp("envelope")
+    url = f"sqlite:///{root / 'pool.sqlite3'}"
+    db.upgrade(url)
+    pool = PoolSettings(data_dir=root / "data", database_url=url)
+    calls: list[str] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/health":
+            calls.append(f"{request.method} {request.url.path}")
+        return httpx.Response(503)
+
+    app = create_app(
+        GatewaySettings(upstream_url=UPSTREAM, health_check_interval_s=3600),
+        pool,
+        upstream_transport=httpx.MockTransport(upstream),
+    )
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield Walked(client, pool, calls)
+
+
+def _envelope_problems(body: Any, param: str | None = None) -> list[str]:
+    """What keeps ``body`` from being the one envelope with a string code ([] when nothing);
+    ``param``: the field the envelope must name."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if set(body) != {"error"} or not isinstance(error, dict) or set(error) != ENVELOPE_KEYS:
+        return [f"not the envelope: {body!r}"[:200]]
+    problems = [
+        f"{key} {error[key]!r} is not a non-empty string"
+        for key in ("code", "type", "message")
+        if not isinstance(error[key], str) or not error[key]
+    ]
+    if param is not None and (error["param"] or "").split(".")[0] != param:
+        problems.append(f"param {error['param']!r}, expected {param!r}")
+    return problems
+
+
+def _refusal_problems(status_code: int, text: str, param: str | None) -> list[str]:
+    """What keeps an answer from being a 4xx in the one envelope ([] when nothing)."""
+    status = [] if 400 <= status_code < 500 else [f"status {status_code}"]
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return [*status, f"not JSON: {text[:80]!r}"]
+    return [*status, *_envelope_problems(body, param)]
+
+
+def test_the_walk_covers_every_documented_operation_and_the_hidden_routes() -> None:
+    documented = {
+        (method.upper(), path)
+        for path, operations in _template_app().openapi()["paths"].items()
+        for method in operations
+    }
+    walked = {(r.method, re.sub(r":\w+\}", "}", r.path)) for r in ROUTES if r.documented}
+    assert walked == documented
+    hidden = {r.name for r in ROUTES if not r.documented}
+    # The docs pages and the inspector are left out of the schema on purpose; they are walked.
+    assert {
+        "GET /openapi.json",
+        "GET /inspector/{view:path}",
+        "POST /api/batches/preview",
+    } <= hidden
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=[r.name for r in ROUTES])
+def test_every_route_refuses_bad_input_in_the_envelope_and_records_nothing(
+    walked: Walked, route: Route
+) -> None:
+    cases = bad_requests(route, SCHEMAS)
+    failures = []
+    for case in cases:
+        headers = {"content-type": "application/json"} if case.content is not None else {}
+        response = walked.client.request(
+            case.method, case.url, params=case.params, content=case.content, headers=headers
+        )
+        for problem in _refusal_problems(response.status_code, response.text, case.param):
+            failures.append(f"{case.what} ({case.method} {case.url} {case.params}): {problem}")
+    assert failures == []
+    assert _row_counts(walked.pool) == (0, 0, 0)
+    assert walked.upstream_calls == []
+
+
+def test_an_unknown_path_gets_404_not_found_in_the_envelope(walked: Walked) -> None:
+    response = walked.client.get("/no/such/route")
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "Not Found",
+            "type": "not_found_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+
+
+# -- streamed and unstreamed: the same code ------------------------------------------------
+
+
+def _chunk(content: str, token_id: int) -> bytes:
+    """One vLLM chat stream event (the fields the gateway reads)."""
+    chunk = {
+        "id": "chatcmpl-mock",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "tiny",
+        "prompt_token_ids": [1, 2, 3] if token_id == 0 else None,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": content},
+                "logprobs": {"content": [{"token": content, "logprob": -0.5, "top_logprobs": []}]},
+                "finish_reason": None,
+                "token_ids": [token_id],
+            }
+        ],
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+class _FaultyStream(httpx.AsyncByteStream):
+    """An upstream answer that sends one event, then stalls past the total limit or breaks."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield _chunk("a", 0)
+        if self.fault == "broken":
+            raise httpx.ReadError("connection reset by peer")
+        await asyncio.sleep(0.6)  # the gateway's total limit is 0.3 s
+        yield _chunk("b", 1)
+        yield b"data: [DONE]\n\n"
+
+
+def _faulty_upstream(fault: str) -> httpx.MockTransport:
+    """Every chat completion, streamed or not, gets a 200 whose body then meets ``fault``."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/chat/completions":
+            return httpx.Response(404)
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=_FaultyStream(fault))
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "code", "outcomes"),
+    [
+        # A stall past the total limit: the step says upstream_timeout either way.
+        ("timeout", 504, "upstream_timeout", ("upstream_timeout", "upstream_timeout")),
+        # A connection reset: while reading a whole answer it is a transport failure (the
+        # replica is unreachable); mid-stream it ends the stream.
+        ("broken", 502, "upstream_error", ("upstream_unreachable", "upstream_error")),
+    ],
+)
+def test_a_streamed_error_event_carries_the_same_string_code_as_the_unstreamed_answer(
+    tmp_path: Path, fault: str, status: int, code: str, outcomes: tuple[str, str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    db.upgrade(url)
+    pool = PoolSettings(data_dir=tmp_path / "data", database_url=url)
+    settings = GatewaySettings(
+        upstream_url=UPSTREAM,
+        health_check_interval_s=3600,
+        upstream_total_timeout_s=0.3,
+        upstream_max_attempts=1,
+    )
+    app = create_app(settings, pool, upstream_transport=_faulty_upstream(fault))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        unstreamed = client.post("/t/unary/v1/chat/completions", json=body)
+        streamed = client.post("/t/streamed/v1/chat/completions", json={**body, "stream": True})
+    assert unstreamed.status_code == status
+    unstreamed_error = unstreamed.json()
+    # The status line went out with the first event: the stream is a 200 that ends in the error.
+    assert streamed.status_code == 200
+    events = [
+        line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")
+    ]
+    assert len(events) == 2 and json.loads(events[0])["choices"][0]["delta"] == {"content": "a"}
+    streamed_error = json.loads(events[1])
+    for error in (unstreamed_error, streamed_error):
+        assert _envelope_problems(error) == []
+        assert (error["error"]["type"], error["error"]["code"]) == (
+            unstreamed_error["error"]["type"],
+            code,
+        )
+    recorded = tuple(steps_of(pool, t)[0].outcome for t in ("unary", "streamed"))
+    assert recorded == outcomes
+
+
+# -- the tree and its renderings -----------------------------------------------------------
+
+
+def _tree() -> list[type[TrajgateError]]:
+    classes, todo = [], [TrajgateError]
+    while todo:
+        cls = todo.pop(0)
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    return classes
+
+
+def test_the_drawn_tree_lists_every_error_class_with_its_status_type_and_code() -> None:
+    import gateway.errors
+
+    drawn = {}
+    for line in (gateway.errors.__doc__ or "").splitlines():
+        match = re.match(r"^[\s│├└─]*(\w+Error)\s+(\d{3})\s+(\w+)\s+(\w+)$", line)
+        if match:
+            drawn[match.group(1)] = (int(match.group(2)), match.group(3), match.group(4))
+    actual = {c.__name__: (c.status_code, c.error_type, c.default_code) for c in _tree()}
+    assert drawn == actual
+
+
+@pytest.mark.parametrize("error_class", _tree(), ids=lambda c: c.__name__)
+def test_every_error_class_renders_its_status_and_a_string_code_unstreamed_and_streamed(
+    error_class: type[TrajgateError],
+) -> None:
+    error = error_class("expected x, got y", param="x")
+    response = error_response(error)
+    body = json.loads(bytes(response.body))
+    assert response.status_code == error_class.status_code
+    assert body == {
+        "error": {
+            "message": "expected x, got y",
+            "type": error_class.error_type,
+            "param": "x",
+            "code": error_class.default_code,
+        }
+    }
+    assert sse_error_event(error) == b"data: " + json.dumps(body).encode() + b"\n\n"
+    assert openai_envelope(error) == body
+
+
+def test_a_dialect_renders_the_same_error_in_its_own_shape() -> None:
+    # Anthropic's Messages envelope, as the next dialect will render it.
+    def anthropic(error: TrajgateError) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": error.error_type, "message": error.message}}
+
+    error = UpstreamTimeoutError("upstream did not answer within 0.3 s")
+    response = error_response(error, anthropic)
+    assert response.status_code == 504
+    assert json.loads(bytes(response.body)) == {
+        "type": "error",
+        "error": {"type": "upstream_timeout", "message": "upstream did not answer within 0.3 s"},
+    }
