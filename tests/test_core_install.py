@@ -175,3 +175,18 @@ def test_the_core_install_serves_and_records_a_step_with_its_token_ids(
     )
     assert completed.status_code == 200, completed.text
     assert completed.json()["status"] == "complete"
+
+
+def test_a_command_that_needs_an_extra_names_it_in_the_core_install(
+    core_venv: Path, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [str(core_venv / "bin" / "trajgate"), "train", "--model-dir", str(tmp_path)],
+        env=_clean_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "pip install 'trajgate[train]'" in done.stderr
