@@ -1,13 +1,13 @@
 """Engines and sessions for the pool's SQL database (SQLite by default, PostgreSQL at scale).
 
-Owns: connection set-up (SQLite in WAL mode with foreign keys on) and running the Alembic
-migrations programmatically. Never: creates tables with ``metadata.create_all``; the schema
-comes only from ``migrations/``.
+Owns: connection set-up (SQLite in WAL mode with foreign keys on), running the Alembic
+migrations programmatically, and the size of ``IN (...)`` lists (``chunks``). Never: creates
+tables with ``metadata.create_all``; the schema comes only from ``migrations/``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 import migrations
+
+SQL_IN_CHUNK = 2000  # ids per IN (...) list, well under SQLite's bound-parameter limit
+
+
+def chunks(items: Sequence[str], size: int = SQL_IN_CHUNK) -> Iterable[Sequence[str]]:
+    """``items`` in consecutive slices of at most ``size``, one ``IN (...)`` list each."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def make_engine(database_url: str, *, lock_timeout_ms: int | None = None) -> Engine:

@@ -44,7 +44,8 @@ from datapool.batches.rows import StepTokens, assemble, load_tokens, segment_tok
 from datapool.batches.settings import BatchSettings
 from datapool.curation.readiness import assess
 from datapool.curation.rules import active_policy_version, apply_rules, judge_group
-from datapool.curation.selection import TrajectoryFilter, chunks, select_trajectory_ids
+from datapool.curation.selection import TrajectoryFilter, select_trajectory_ids
+from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import (
     Batch,

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import select
 
-from datapool.curation.selection import chunks
+from datapool.db import chunks
 from datapool.models import Batch, Step
 from datapool.steps.messages import expand_requests
 from datapool.steps.store import PoolStore

@@ -21,7 +21,8 @@ from typing import Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.curation.selection import TrajectoryFilter, chunks, select_trajectory_ids
+from datapool.curation.selection import TrajectoryFilter, select_trajectory_ids
+from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import Label, Step, Trajectory, TrajectoryGroup, utc_now
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.curation.labels import CurrentLabel, current_labels, labels_of_trajectories
 from datapool.curation.rules import INTEGRITY_FLAGS
-from datapool.curation.selection import chunks
+from datapool.db import chunks
 from datapool.errors import UnknownTargetError
 from datapool.lifecycle.transitions import EMPTY, INCOMPLETE
 from datapool.models import (

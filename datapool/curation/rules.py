@@ -49,7 +49,7 @@ from typing import Any, Literal
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.curation.selection import chunks
+from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.lifecycle.transitions import EMPTY
 from datapool.models import (

@@ -8,7 +8,7 @@ selects.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal
 
@@ -20,7 +20,6 @@ from datapool.models import Step, Trajectory
 from datapool.rewards.values import current_rewards_query
 
 Quality = Literal["good", "bad", "unsure"]
-SQL_IN_CHUNK = 2000
 
 
 class TrajectoryFilter(BaseModel):
@@ -77,11 +76,6 @@ def request_text_contains(text: str) -> Any:
         Step.trajectory_id == Trajectory.id,
         cast(Step.request, Text).ilike(_like_substring(as_json), escape=_LIKE_ESCAPE),
     )
-
-
-def chunks(items: Sequence[str], size: int = SQL_IN_CHUNK) -> Iterable[Sequence[str]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def trajectory_conditions(

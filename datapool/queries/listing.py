@@ -21,7 +21,8 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from datapool.curation.labels import current_labels, labels_of_trajectories
-from datapool.curation.selection import TrajectoryFilter, chunks, trajectory_conditions
+from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
+from datapool.db import chunks
 from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
 from datapool.rewards.values import current_rewards
 from datapool.steps.messages import expand_requests

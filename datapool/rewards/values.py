@@ -24,7 +24,7 @@ import importlib
 import inspect
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import Reward, RewardSource, Step, Trajectory, utc_now
 from datapool.settings import PoolSettings
@@ -101,7 +102,7 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
         step_ids = sorted({r.target_id for r in rewards if r.target_kind == "step"})
         trajectory_ids = sorted({r.target_id for r in rewards if r.target_kind == "trajectory"})
         step_trajectory: dict[str, str] = {}
-        for chunk in _chunks(step_ids):
+        for chunk in chunks(step_ids):
             step_trajectory.update(
                 {
                     sid: tid
@@ -111,7 +112,7 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
                 }
             )
         known: dict[str, Trajectory] = {}
-        for chunk in _chunks(trajectory_ids):
+        for chunk in chunks(trajectory_ids):
             known.update(
                 {
                     t.id: t
@@ -151,11 +152,6 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
         return [record.id for record in records]
 
 
-def _chunks(items: Sequence[str], size: int = 2000) -> Iterable[Sequence[str]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 def current_rewards(
     session: Session, target_kind: str, target_ids: Sequence[str]
 ) -> dict[str, dict[str, float]]:
@@ -164,7 +160,7 @@ def current_rewards(
     A target or name absent from the result is unrewarded (never 0.0).
     """
     result: dict[str, dict[str, float]] = {}
-    for chunk in _chunks(list(target_ids)):
+    for chunk in chunks(list(target_ids)):
         latest = (
             select(func.max(Reward.id).label("id"))
             .where(
