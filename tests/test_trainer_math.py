@@ -1,56 +1,72 @@
-"""Advantage estimators and policy losses against values derived by hand."""
+"""Advantage estimators (numpy, in the pool) and policy losses (torch, in the trainer) against
+values derived by hand."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 
 from datapool.batches.advantages import (
+    ALGORITHMS,
+    ESTIMATORS,
     discounted_returns,
+    estimate_advantages,
     group_stats,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from datapool.errors import InvalidPoolRequestError
 from trainer_bridge.losses import LossConfig, aggregate, policy_loss
 
 NAN = float("nan")
+
+
+def _a(*values: float) -> npt.NDArray[np.float64]:
+    return np.array(values, dtype=np.float64)
+
+
+def _ids(*values: int) -> npt.NDArray[np.int64]:
+    return np.array(values, dtype=np.int64)
+
+
+def _close(actual: npt.NDArray[np.floating], expected: list[float]) -> None:
+    assert actual.dtype == np.float64, actual.dtype
+    assert np.allclose(actual, _a(*expected), atol=1e-6, equal_nan=True), actual
 
 
 def _t(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-def _close(actual: torch.Tensor, expected: list[float]) -> None:
-    assert torch.allclose(actual, _t(*expected), atol=1e-6, equal_nan=True), actual
-
-
 def test_grpo_divides_by_the_unbiased_group_std() -> None:
     # rewards [1, 0, 0, 1]: mean 0.5, std = sqrt(4 * 0.25 / 3) = 0.57735; A = ±0.5 / 0.57735
-    advantages = grpo_advantages(_t(1, 0, 0, 1), torch.tensor([7, 7, 7, 7]))
+    advantages = grpo_advantages(_a(1, 0, 0, 1), _ids(7, 7, 7, 7))
     _close(advantages, [0.866025, -0.866025, -0.866025, 0.866025])
 
 
 def test_dr_grpo_leaves_out_the_std() -> None:
-    advantages = grpo_advantages(_t(1, 0, 0, 1), torch.tensor([1, 1, 1, 1]), scale_by_std=False)
+    advantages = grpo_advantages(_a(1, 0, 0, 1), _ids(1, 1, 1, 1), scale_by_std=False)
     _close(advantages, [0.5, -0.5, -0.5, 0.5])
 
 
 def test_groups_are_normalised_separately() -> None:
     # group 1: [2, 4] -> mean 3, std sqrt(2); group 2: [10, 10] -> degenerate -> 0
-    advantages = grpo_advantages(_t(2, 4, 10, 10), torch.tensor([1, 1, 2, 2]))
+    advantages = grpo_advantages(_a(2, 4, 10, 10), _ids(1, 1, 2, 2))
     _close(advantages, [-1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0])
 
 
 def test_c16_unrewarded_members_are_left_out_of_the_baseline_not_zeroed() -> None:
     # two rewarded -1.0, two never rewarded: baseline over the two, scored size 2
-    rewards = _t(-1, -1, NAN, NAN)
-    stats = group_stats(rewards, torch.tensor([0, 0, 0, 0]))
+    rewards = _a(-1, -1, NAN, NAN)
+    stats = group_stats(rewards, _ids(0, 0, 0, 0))
     assert stats.scored_size.tolist() == [2]
     _close(stats.mean, [-1.0])
-    advantages = grpo_advantages(rewards, torch.tensor([0, 0, 0, 0]))
+    advantages = grpo_advantages(rewards, _ids(0, 0, 0, 0))
     _close(advantages, [0, 0, NAN, NAN])  # had NaN been 0.0, the mean would be -0.5
 
 
@@ -67,33 +83,58 @@ def test_c16_unrewarded_members_are_left_out_of_the_baseline_not_zeroed() -> Non
 def test_c17_degenerate_groups_are_flagged_with_a_configurable_epsilon(
     rewards: list[float], eps: float, degenerate: bool
 ) -> None:
-    stats = group_stats(_t(*rewards), torch.tensor([0, 0, 0, 0]), degenerate_eps=eps)
+    stats = group_stats(_a(*rewards), _ids(0, 0, 0, 0), degenerate_eps=eps)
     assert bool(stats.degenerate[0]) is degenerate
     assert float(stats.mean[0]) == pytest.approx(sum(rewards) / 4)
 
 
 def test_rloo_subtracts_the_mean_of_the_others() -> None:
     # [1, 0, 0, 1]: A_0 = 1 - (0 + 0 + 1) / 3 = 2/3; A_1 = 0 - (1 + 0 + 1) / 3 = -2/3
-    advantages = rloo_advantages(_t(1, 0, 0, 1), torch.tensor([0, 0, 0, 0]))
+    advantages = rloo_advantages(_a(1, 0, 0, 1), _ids(0, 0, 0, 0))
     _close(advantages, [2 / 3, -2 / 3, -2 / 3, 2 / 3])
 
 
 def test_rloo_skips_unrewarded_members_and_has_no_baseline_alone() -> None:
     # group 0: [1, 0, NaN] -> A = [1 - 0, 0 - 1, NaN]; group 1: a single member -> NaN
-    advantages = rloo_advantages(_t(1, 0, NAN, 5), torch.tensor([0, 0, 0, 1]))
+    advantages = rloo_advantages(_a(1, 0, NAN, 5), _ids(0, 0, 0, 1))
     _close(advantages, [1, -1, NAN, NAN])
 
 
 def test_reinforce_pp_uses_the_batch_baseline() -> None:
     # [1, 2, 3]: mean 2, std 1 -> [-1, 0, 1]
-    _close(reinforce_pp_advantages(_t(1, 2, 3)), [-1, 0, 1])
+    _close(reinforce_pp_advantages(_a(1, 2, 3)), [-1, 0, 1])
 
 
 def test_discounted_returns_credit_earlier_steps_less() -> None:
     # final reward 1 over 3 steps, gamma 0.9: [0.81, 0.9, 1]
-    _close(discounted_returns(_t(0, 0, 1), 0.9), [0.81, 0.9, 1.0])
+    _close(discounted_returns(_a(0, 0, 1), 0.9), [0.81, 0.9, 1.0])
     with pytest.raises(ValueError, match="gamma"):
-        discounted_returns(_t(1), 1.5)
+        discounted_returns(_a(1), 1.5)
+
+
+def test_estimators_keep_a_float32_input_in_float32() -> None:
+    # [1, 0] in one group: mean 0.5, std sqrt(0.5) = 0.7071; A = ±0.5 / 0.7071 = ±0.7071
+    rewards = np.array([1.0, 0.0], dtype=np.float32)
+    for advantages in (
+        grpo_advantages(rewards, _ids(0, 0)),
+        rloo_advantages(rewards, _ids(0, 0)),  # ±(1 - 0)
+        reinforce_pp_advantages(rewards),  # same as grpo: one batch, one group
+    ):
+        assert advantages.dtype == np.float32
+    assert grpo_advantages(rewards, _ids(0, 0)).tolist() == pytest.approx([0.7071, -0.7071], 1e-4)
+
+
+def test_every_algorithm_of_a_spec_has_one_registered_estimator() -> None:
+    assert set(ESTIMATORS) == set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "ppo", "sft"}
+    assert {name for name, e in ESTIMATORS.items() if e.group_relative} == {"grpo", "rloo"}
+    rewards, groups = _a(1, 0, NAN), _ids(0, 0, 0)
+    # ppo: NaN everywhere (the critic computes advantages); sft: 1.0 everywhere, NaN reward or not
+    _close(estimate_advantages("ppo", rewards, groups), [NAN, NAN, NAN])
+    _close(estimate_advantages("sft", rewards, groups), [1, 1, 1])
+    # grpo through the registry passes the spec's options: Dr. GRPO [1, 0] -> ±0.5
+    _close(estimate_advantages("grpo", rewards, groups, scale_by_std=False), [0.5, -0.5, NAN])
+    with pytest.raises(InvalidPoolRequestError, match=r"one of \('grpo'.*got 'dpo'"):
+        estimate_advantages("dpo", rewards, groups)
 
 
 def test_on_policy_loss_is_minus_the_masked_advantage_under_each_aggregation() -> None:

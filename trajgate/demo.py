@@ -29,8 +29,8 @@ from types import ModuleType
 from typing import Any
 
 import httpx
+import numpy as np
 import pyarrow as pa
-import torch
 
 from datapool import db
 from datapool.batches.advantages import grpo_advantages
@@ -384,8 +384,8 @@ def shuffled_rewards(table: pa.Table, rng: random.Random) -> pa.Table:
     groups = {g: i for i, g in enumerate(sorted(set(group_ids)))}
     per_trajectory = sorted({(t, g) for t, g in zip(trajectory_ids, group_ids, strict=True)})
     advantages = grpo_advantages(
-        torch.tensor([shuffled[t] for t, _ in per_trajectory], dtype=torch.float64),
-        torch.tensor([groups[g] for _, g in per_trajectory]),
+        np.array([shuffled[t] for t, _ in per_trajectory], dtype=np.float64),  # [N]
+        np.array([groups[g] for _, g in per_trajectory], dtype=np.int64),  # [N]
     )
     advantage_of = {t: float(a) for (t, _), a in zip(per_trajectory, advantages, strict=True)}
     column = pa.array([advantage_of[t] for t in trajectory_ids], type=pa.float64())

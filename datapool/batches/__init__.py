@@ -5,11 +5,11 @@
   ``materialise``, ``get_batch``, ``list_batches``, ``read_rows``, ``consumptions``,
   ``step_lineage``, ``NothingToBatchError``).
 - ``stages``: the stages ``build_rows`` runs, one function each and testable alone
-  (``select_candidates``, ``form_groups``, ``keep_groups``, ``fit_token_budget``, ``score``,
-  ``place_rewards``, ``shuffle_rows``, ``assemble_table``).
-- ``advantages``: the advantage estimators on numpy (``ALGORITHMS``, ``estimate_advantages``,
-  ``group_stats``, ``grpo_advantages``, ``rloo_advantages``, ``discounted_returns``, ...): adding
-  a batch algorithm means one function here.
+  (``select_candidates``, ``trainable_steps``, ``form_groups``, ``keep_groups``,
+  ``fit_token_budget``, ``score``, ``place_rewards``, ``shuffle_rows``, ``assemble_table``).
+- ``advantages``: the advantage estimators on numpy and ``ESTIMATORS``, the one registry of
+  batch algorithms (``ALGORITHMS``, ``estimate_advantages``, ``group_stats``, ...): adding a
+  batch algorithm means one function and one registry entry here.
 - ``rows``: training rows assembled from stored steps into Arrow columns (``load_tokens``,
   ``segments``, ``assemble``).
 - ``leases``: batches to consumers exactly once each (``lease_next``, ``ack``, ``nack``,

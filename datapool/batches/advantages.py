@@ -1,9 +1,11 @@
-"""Advantage estimators for RL on agent trajectories.
+"""Advantage estimators for RL on agent trajectories, on numpy (the pool never needs torch).
 
-Owns: turning scalar rewards into advantages. Shape legend: ``B`` rows (one per rollout or step),
-``G`` rollouts in a group, ``S`` steps of one trajectory. Never: treats a missing reward as 0.0:
-a missing reward is ``NaN`` on the way in, is left out of every baseline, and gets a ``NaN``
-advantage on the way out, which the caller must mask or drop (DESIGN invariant 5).
+Owns: turning scalar rewards into advantages, and ``ESTIMATORS``, the one registry of batch
+algorithms (``BatchSpec.algorithm`` takes its names). Shape legend: ``B`` rows (one per rollout or
+step), ``G`` rollouts in a group, ``S`` steps of one trajectory. Never: treats a missing reward as
+0.0: a missing reward is ``NaN`` on the way in, is left out of every baseline, and gets a ``NaN``
+advantage on the way out, which the caller must mask or drop (DESIGN invariant 5). Every function
+keeps the rewards' float dtype (the pool passes float64).
 
 Estimators:
 
@@ -16,93 +18,182 @@ Estimators:
 - REINFORCE++ (Hu 2025, "REINFORCE++"): a global baseline,
   ``A_i = (r_i - mean(r_batch)) / (std(r_batch) + eps)`` over the whole batch. (The paper also
   puts a token-level KL penalty into the reward; here KL lives in the loss, see ``losses``.)
+- PPO (Schulman et al. 2017): no advantage here (NaN); the trainer's critic computes it (GAE)
+  from each row's ``step_reward``.
+- SFT: advantage 1.0, a plain likelihood weight.
 - Discounted returns for multi-turn credit: ``G_k = sum_{j >= k} gamma^(j-k) r_j``.
+
+Adding an algorithm: write its function here, add its name to ``Algorithm`` and one entry to
+``ESTIMATORS`` (``group_relative`` says whether it needs groups of rollouts of one task).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
-import torch
-from torch import Tensor
+import numpy as np
+import numpy.typing as npt
+
+from datapool.errors import InvalidPoolRequestError
+
+FloatArray = npt.NDArray[np.floating[Any]]
+IntArray = npt.NDArray[np.integer[Any]]
+BoolArray = npt.NDArray[np.bool_]
+
+Algorithm = Literal["grpo", "rloo", "reinforce_pp", "ppo", "sft"]
+ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 
 
 @dataclass(frozen=True)
 class GroupStats:
-    """Per-group facts stored with a batch (C16, C17). All tensors are ``[number of groups]``."""
+    """Per-group facts stored with a batch (C16, C17). All arrays are ``[G]`` (number of groups)."""
 
-    group_ids: Tensor  # the distinct group ids, ascending
-    mean: Tensor  # over rewarded members; NaN when none
-    std: Tensor  # unbiased; NaN when fewer than 2 rewarded members
-    scored_size: Tensor  # rewarded members (unrewarded ones are not counted)
-    degenerate: Tensor  # bool: std below epsilon (every rewarded member scored the same)
+    group_ids: IntArray  # the distinct group ids, ascending
+    mean: FloatArray  # over rewarded members; NaN when none
+    std: FloatArray  # unbiased; NaN when fewer than 2 rewarded members
+    scored_size: npt.NDArray[np.int64]  # rewarded members (unrewarded ones are not counted)
+    degenerate: BoolArray  # std below epsilon (every rewarded member scored the same)
 
 
-def group_stats(rewards: Tensor, group_ids: Tensor, *, degenerate_eps: float = 1e-6) -> GroupStats:
+def group_stats(
+    rewards: FloatArray, group_ids: IntArray, *, degenerate_eps: float = 1e-6
+) -> GroupStats:
     """Mean, std and scored size of each group over its rewarded (non-NaN) members.
 
     Args:
         rewards: ``[B]`` float; NaN = unrewarded.
-        group_ids: ``[B]`` int64.
+        group_ids: ``[B]`` int.
         degenerate_eps: a group whose std is below this (or that has < 2 rewarded members) is
             ``degenerate``: it carries no learning signal for group-relative estimators.
+
+    Sums run in float64, member by member in row order, whatever the rewards' dtype.
+    Raises ValueError unless ``rewards`` and ``group_ids`` are both ``[B]`` and rewards are float.
     """
     _check(rewards, group_ids)
-    ids, inverse = torch.unique(group_ids, sorted=True, return_inverse=True)
-    rewarded = ~torch.isnan(rewards)
-    values = torch.where(rewarded, rewards, torch.zeros_like(rewards)).double()
-    count = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, rewarded.double())
-    total = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, values)
-    mean = total / count  # NaN where count == 0
-    centred = torch.where(rewarded, values - mean[inverse], torch.zeros_like(values))
-    square = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, centred**2)
-    std = torch.sqrt(square / (count - 1))  # Bessel's correction; NaN/inf for count < 2
-    std = torch.where(count >= 2, std, torch.full_like(std, float("nan")))
+    ids, inverse = np.unique(group_ids, return_inverse=True)  # [G], [B]
+    rewarded = ~np.isnan(rewards)  # [B]
+    values = np.where(rewarded, rewards, 0.0).astype(np.float64)  # [B]
+    count = np.bincount(inverse, weights=rewarded.astype(np.float64), minlength=len(ids))  # [G]
+    total = np.bincount(inverse, weights=values, minlength=len(ids))  # [G]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = total / count  # [G]; NaN where count == 0
+        centred = np.where(rewarded, values - mean[inverse], 0.0)  # [B]
+        square = np.bincount(inverse, weights=centred**2, minlength=len(ids))  # [G]
+        std = np.sqrt(square / (count - 1))  # [G]; Bessel's correction; NaN/inf for count < 2
+    std = np.where(count >= 2, std, np.nan)
     degenerate = ~(std >= degenerate_eps)  # NaN compares False: too few members is degenerate
-    return GroupStats(ids, mean.to(rewards.dtype), std.to(rewards.dtype), count.long(), degenerate)
+    return GroupStats(
+        ids,
+        mean.astype(rewards.dtype),
+        std.astype(rewards.dtype),
+        count.astype(np.int64),
+        degenerate,
+    )
 
 
 def grpo_advantages(
-    rewards: Tensor, group_ids: Tensor, *, scale_by_std: bool = True, eps: float = 1e-6
-) -> Tensor:
+    rewards: FloatArray, group_ids: IntArray, *, scale_by_std: bool = True, eps: float = 1e-6
+) -> FloatArray:
     """GRPO advantages ``[B]`` from rewards ``[B]`` and group ids ``[B]`` (NaN in, NaN out).
 
     A degenerate group (all rewarded members equal) gets advantage 0 for its rewarded members.
     """
     stats = group_stats(rewards, group_ids)
-    inverse = torch.searchsorted(stats.group_ids, group_ids)
-    centred = rewards - stats.mean[inverse]
+    inverse = np.searchsorted(stats.group_ids, group_ids)  # [B]
+    centred = rewards - stats.mean[inverse]  # [B]
     if not scale_by_std:
         return centred
-    std = torch.nan_to_num(stats.std[inverse], nan=0.0)
+    std = np.nan_to_num(stats.std[inverse], nan=0.0)  # [B]
     return centred / (std + eps)
 
 
-def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def rloo_advantages(rewards: FloatArray, group_ids: IntArray) -> FloatArray:
     """RLOO advantages ``[B]``: each reward minus the mean of the *other* rewarded members.
 
     A member whose group has no other rewarded member gets NaN (no baseline exists).
     """
     stats = group_stats(rewards, group_ids)
-    inverse = torch.searchsorted(stats.group_ids, group_ids)
-    n = stats.scored_size[inverse].to(rewards.dtype)
-    total = stats.mean[inverse] * n
-    leave_one_out = (total - rewards) / (n - 1)
-    return torch.where(n >= 2, rewards - leave_one_out, torch.full_like(rewards, float("nan")))
+    inverse = np.searchsorted(stats.group_ids, group_ids)  # [B]
+    n = stats.scored_size[inverse].astype(rewards.dtype)  # [B]
+    total = stats.mean[inverse] * n  # [B]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        leave_one_out = (total - rewards) / (n - 1)  # [B]; inf/NaN where n < 2, replaced below
+    return np.where(n >= 2, rewards - leave_one_out, np.nan).astype(rewards.dtype)
 
 
-def reinforce_pp_advantages(rewards: Tensor, *, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++ advantages ``[B]``: rewards normalised by the batch's mean and std."""
-    rewarded = rewards[~torch.isnan(rewards)]
-    if rewarded.numel() == 0:
-        return torch.full_like(rewards, float("nan"))
-    std = rewarded.std() if rewarded.numel() > 1 else torch.zeros((), dtype=rewards.dtype)
-    return (rewards - rewarded.mean()) / (torch.nan_to_num(std, nan=0.0) + eps)
+def reinforce_pp_advantages(rewards: FloatArray, *, eps: float = 1e-6) -> FloatArray:
+    """REINFORCE++ advantages ``[B]``: rewards normalised by the batch's mean and std
+    (unbiased; 0 for a single rewarded member)."""
+    rewarded = rewards[~np.isnan(rewards)]  # [B'] the rewarded ones
+    if rewarded.size == 0:
+        return np.full_like(rewards, np.nan)
+    std = rewarded.std(ddof=1) if rewarded.size > 1 else np.zeros((), dtype=rewards.dtype)
+    advantages: FloatArray = (rewards - rewarded.mean()) / (np.nan_to_num(std, nan=0.0) + eps)
+    return advantages
 
 
-def discounted_returns(step_rewards: Tensor, gamma: float) -> Tensor:
+def ppo_advantages(rewards: FloatArray) -> FloatArray:
+    """PPO: NaN ``[B]``; the trainer's critic computes advantages from ``step_reward``."""
+    return np.full_like(rewards, np.nan)
+
+
+def sft_weights(rewards: FloatArray) -> FloatArray:
+    """SFT: 1.0 ``[B]`` for every row, a plain likelihood weight (rewards are not used)."""
+    return np.ones_like(rewards)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One batch algorithm: its advantages ``[B]`` from rewards ``[B]``, group ids ``[B]``, and
+    the spec's ``(scale_by_std, eps)``; ``group_relative`` estimators need groups, so the builder
+    drops ungrouped trajectories and (by default) degenerate groups for them."""
+
+    advantages: Callable[[FloatArray, IntArray, bool, float], FloatArray]
+    group_relative: bool
+
+
+ESTIMATORS: dict[str, Estimator] = {  # keys: exactly ALGORITHMS (a test checks)
+    "grpo": Estimator(
+        lambda r, g, scale_by_std, eps: grpo_advantages(r, g, scale_by_std=scale_by_std, eps=eps),
+        group_relative=True,
+    ),
+    "rloo": Estimator(lambda r, g, _scale, _eps: rloo_advantages(r, g), group_relative=True),
+    "reinforce_pp": Estimator(
+        lambda r, _g, _scale, eps: reinforce_pp_advantages(r, eps=eps), group_relative=False
+    ),
+    "ppo": Estimator(lambda r, _g, _scale, _eps: ppo_advantages(r), group_relative=False),
+    "sft": Estimator(lambda r, _g, _scale, _eps: sft_weights(r), group_relative=False),
+}
+
+
+def estimator(algorithm: str) -> Estimator:
+    """The registered estimator of ``algorithm``; raises ``InvalidPoolRequestError`` (listing
+    the valid names) for any other."""
+    if algorithm not in ESTIMATORS:
+        raise InvalidPoolRequestError(
+            f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}", param="algorithm"
+        )
+    return ESTIMATORS[algorithm]
+
+
+def estimate_advantages(
+    algorithm: str,
+    rewards: FloatArray,
+    group_ids: IntArray,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> FloatArray:
+    """Advantages ``[B]`` of trajectory rewards ``[B]`` in groups ``[B]`` under ``algorithm``
+    (NaN = unrewarded stays NaN). Raises ``InvalidPoolRequestError`` for an unknown algorithm."""
+    return estimator(algorithm).advantages(rewards, group_ids, scale_by_std, eps)
+
+
+def discounted_returns(step_rewards: FloatArray, gamma: float) -> FloatArray:
     """Returns ``[S]`` of one trajectory's per-step rewards ``[S]`` (in step order).
 
     A final-only reward R over S steps is ``[0, ..., 0, R]`` and gives ``G_k = gamma^(S-1-k) R``.
@@ -110,19 +201,19 @@ def discounted_returns(step_rewards: Tensor, gamma: float) -> Tensor:
     """
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    returns = torch.empty_like(step_rewards)
-    running = torch.zeros((), dtype=step_rewards.dtype)
+    returns = np.empty_like(step_rewards)  # [S]
+    running = step_rewards.dtype.type(0.0)
     for k in range(step_rewards.shape[0] - 1, -1, -1):
         running = step_rewards[k] + gamma * running
         returns[k] = running
     return returns
 
 
-def _check(rewards: Tensor, group_ids: Tensor) -> None:
+def _check(rewards: FloatArray, group_ids: IntArray) -> None:
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
             f"rewards and group_ids must both be [B]; got {tuple(rewards.shape)} and "
             f"{tuple(group_ids.shape)}"
         )
-    if not torch.is_floating_point(rewards):
+    if not np.issubdtype(rewards.dtype, np.floating):
         raise ValueError(f"rewards must be floating point (NaN = unrewarded), got {rewards.dtype}")

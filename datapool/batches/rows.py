@@ -27,6 +27,7 @@ import numpy.typing as npt
 import pyarrow as pa
 from sqlalchemy.orm import Session
 
+from datapool.batches.spec import LAYOUTS
 from datapool.models import Step
 from datapool.steps.payloads import StepRef, prompts_of
 from datapool.steps.store import PoolStore
@@ -98,8 +99,8 @@ def segments(
     ``merged`` grows a segment only across token-exact extensions (a prefix break, a fork, a
     dropped step in between or the row cap start a new one); ``per_step`` is one step each.
     """
-    if layout not in ("per_step", "merged"):
-        raise ValueError(f"layout must be 'per_step' or 'merged', got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     result: list[list[StepTokens]] = []
     dropped = 0
     for step in steps:

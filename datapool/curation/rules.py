@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -535,12 +536,10 @@ def judge_group(
 ) -> GroupVerdict:
     """Statistics of one group's member rewards ``values`` (NaN = unrewarded), via
     ``datapool.batches.advantages.group_stats`` (unbiased std, degenerate when std < eps)."""
-    import torch  # lazily: the gateway imports this module, torch costs seconds to import
-
     from datapool.batches.advantages import group_stats
 
-    rewards = torch.tensor(list(values), dtype=torch.float64)  # [G]
-    stats = group_stats(rewards, torch.zeros(len(values), dtype=torch.long), degenerate_eps=eps)
+    rewards = np.array(list(values), dtype=np.float64)  # [G]
+    stats = group_stats(rewards, np.zeros(len(values), dtype=np.int64), degenerate_eps=eps)
     scored = int(stats.scored_size[0]) if len(values) else 0
     mean = float(stats.mean[0]) if scored else math.nan
     std = float(stats.std[0]) if scored else math.nan

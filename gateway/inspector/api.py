@@ -20,11 +20,13 @@ from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
+from datapool.batches.advantages import estimate_advantages
 from datapool.curation import readiness
 from datapool.errors import PoolError
 from datapool.models import Trajectory
@@ -194,8 +196,6 @@ async def group_rollouts(
     unrewarded members get none), and each one's last answer."""
 
     def run() -> dict[str, Any]:
-        import torch  # lazily: torch costs seconds to import
-
         with store.sessions() as session:
             members: list[Trajectory] = listing.group_members(session, group_id)
             if not members:
@@ -204,10 +204,10 @@ async def group_rollouts(
             answers = listing.last_answers(session, [m.id for m in members])
         values = [r["rewards"].get(reward_name, math.nan) for r in rows]
         try:
-            advantages = batches.estimate_advantages(
+            advantages = estimate_advantages(
                 algorithm,
-                torch.tensor(values, dtype=torch.float64),  # [G]
-                torch.zeros(len(values), dtype=torch.long),  # [G] one group
+                np.array(values, dtype=np.float64),  # [G]
+                np.zeros(len(values), dtype=np.int64),  # [G] one group
             ).tolist()
         except PoolError as exc:
             raise from_pool_error(exc) from exc
