@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +28,7 @@ from datapool.steps.messages import expand_requests
 from datapool.steps.store import PoolStore
 
 ExportFormat = Literal["parquet", "messages"]
-EXPORT_FORMATS: tuple[str, ...] = ("parquet", "messages")
+EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
 
 
 def _split(column: pa.ListArray, head: np.ndarray) -> tuple[pa.ListArray, pa.ListArray]:

@@ -16,19 +16,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import Literal, get_args
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.curation.selection import TrajectoryFilter, select_trajectory_ids
+from datapool.curation.selection import Quality, TrajectoryFilter, select_trajectory_ids
 from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import Label, Step, Trajectory, TrajectoryGroup, utc_now
 
 LabelTarget = Literal["step", "trajectory", "group"]
-LABEL_TARGETS: tuple[str, ...] = ("step", "trajectory", "group")
-QUALITIES: tuple[str, ...] = ("good", "bad", "unsure")
+LABEL_TARGETS: tuple[str, ...] = get_args(LabelTarget)
+QUALITIES: tuple[str, ...] = get_args(Quality)
 DECISIONS: tuple[str, ...] = ("include", "exclude")
 
 

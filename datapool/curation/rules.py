@@ -44,7 +44,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from sqlalchemy import delete, func, insert, select
@@ -77,9 +77,9 @@ RuleKind = Literal[
     "reward_threshold",
     "predicate",
 ]
-RULE_KINDS: tuple[str, ...] = RuleKind.__args__  # type: ignore[attr-defined]
+RULE_KINDS: tuple[str, ...] = get_args(RuleKind)
 RuleAction = Literal["exclude", "flag"]
-RULE_ACTIONS: tuple[str, ...] = ("exclude", "flag")
+RULE_ACTIONS: tuple[str, ...] = get_args(RuleAction)
 INTEGRITY_FLAGS: tuple[str, ...] = (
     "ids_missing",
     "ids_incomplete",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 from sqlalchemy import and_, func, select
@@ -30,7 +30,7 @@ from datapool.steps.messages import expand_requests
 SortKey = Literal[
     "created_at", "last_step_at", "completed_at", "call_count", "status", "channel", "id", "reward"
 ]
-SORT_KEYS: tuple[str, ...] = SortKey.__args__  # type: ignore[attr-defined]
+SORT_KEYS: tuple[str, ...] = get_args(SortKey)
 
 
 class ListQuery(BaseModel):

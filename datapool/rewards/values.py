@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import pyarrow.parquet as pq
 from sqlalchemy import func, select
@@ -41,7 +41,7 @@ from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore, StoredStep
 
 TargetKind = Literal["step", "trajectory"]
-TARGET_KINDS: tuple[str, ...] = ("step", "trajectory")
+TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
 ENTRY_POINT_GROUP = "trajgate.rewards"
 
 

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 from pydantic import BaseModel, Field
@@ -48,9 +48,9 @@ from datapool import db
 from datapool.models import Step
 
 GatewayMode = Literal["process", "thread"]
-GATEWAY_MODES: tuple[GatewayMode, ...] = ("process", "thread")
+GATEWAY_MODES: tuple[GatewayMode, ...] = get_args(GatewayMode)
 Loadgen = Literal["raw", "httpx"]
-LOADGENS: tuple[Loadgen, ...] = ("raw", "httpx")
+LOADGENS: tuple[Loadgen, ...] = get_args(Loadgen)
 
 # Goals of issue 3 on the 2-core reference machine.
 GOAL_ADDED_P50_MS = 1.0
