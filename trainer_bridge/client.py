@@ -37,7 +37,8 @@ class PoolClientError(RuntimeError):
 
 
 class LeaseLostError(PoolClientError):
-    """The lease expired or was taken over before ack/nack; do not count the update as done."""
+    """The lease expired or was taken over before ack/nack (the pool answered 409 ``lease_lost``,
+    its ``LeaseNotCurrentError``); do not count the update as done."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@
 - ``rows``: training rows assembled from stored steps into Arrow columns (``load_tokens``,
   ``segments``, ``assemble``).
 - ``leases``: batches to consumers exactly once each (``lease_next``, ``ack``, ``nack``,
-  ``Lease``, ``LeaseLostError``).
+  ``Lease``, ``LeaseNotCurrentError``).
 - ``exports``: a materialised batch for other trainers (``export_batch``, ``EXPORT_FORMATS``).
 - ``settings``: ``BatchSettings`` (where materialised batches go, the bounds of a lease).
 

@@ -10,7 +10,9 @@ Atomicity: on PostgreSQL the candidate row is taken with ``SELECT ... FOR UPDATE
 ``UPDATE ... WHERE id = (SELECT ...) RETURNING`` runs under the database's single writer lock.
 Either way the UPDATE re-checks the lease condition, so two consumers never hold one batch.
 An expired lease counts in ``expired_leases`` when the next consumer takes the batch over; an
-ack or nack with a lease that expired (or was taken over) is refused with ``LeaseLostError``.
+ack or nack with a lease that expired (or was taken over) is refused with
+``LeaseNotCurrentError`` (the gateway answers 409 ``lease_lost``; the trainer's client raises its
+own ``trainer_bridge.client.LeaseLostError`` from that answer).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from datapool.models import Batch, BatchConsumption, utc_now
 LEASABLE = ("ready", "consumed", "leased")
 
 
-class LeaseLostError(InvalidPoolRequestError):
+class LeaseNotCurrentError(InvalidPoolRequestError):
     """The lease named in an ack/nack is not the batch's current, unexpired lease."""
 
 
@@ -122,7 +124,7 @@ def _release(session: Session, batch_id: str, consumer: str, lease_id: str, stat
     if released is None:
         if session.get(Batch, batch_id) is None:
             raise UnknownTargetError(f"no batch {batch_id!r}", param="batch_id")
-        raise LeaseLostError(
+        raise LeaseNotCurrentError(
             f"lease {lease_id!r} of {consumer!r} on batch {batch_id} is not current (expired, "
             "released or taken over); lease the next batch instead",
             param="lease_id",

@@ -549,7 +549,7 @@ async def nack_batch(batch_id: str, body: NackRequest, store: StoreDep) -> Respo
 async def _release(fn: Any, store: PoolStore, *args: Any) -> None:
     try:
         await run_in_threadpool(fn, store.sessions, *args)
-    except leases.LeaseLostError as exc:
+    except leases.LeaseNotCurrentError as exc:
         raise ConflictError(exc.message, param=exc.param, code="lease_lost") from exc
 
 
