@@ -1,9 +1,9 @@
-"""Who a call belongs to and whether its body can be captured: the checks before any upstream call.
+"""Who a call belongs to, and its body as one JSON object: the checks before any upstream call.
 
-Owns: the trajectory id syntax, reading the body as one JSON object within the size limit, the
-few body checks capture needs (everything else is vLLM's to judge), and attribution by URL,
-``X-Trajgate-Trajectory`` / ``X-Trajgate-Group`` / ``X-Trajgate-Channel`` headers or the API
-key's binding. Never: writes anything; a request refused here leaves the pool untouched.
+Owns: the trajectory id syntax, reading the body as one JSON object within the size limit, and
+attribution by URL, ``X-Trajgate-Trajectory`` / ``X-Trajgate-Group`` / ``X-Trajgate-Channel``
+headers or the API key's binding. Never: writes anything; a request refused here leaves the pool
+untouched. What a body must hold to be captured is its dialect's check (``gateway.dialects``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 from fastapi import Request
 
 from gateway.auth import KeyGrant, bearer_token
-from gateway.capture import Endpoint
 from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -95,38 +94,6 @@ async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, A
     if not isinstance(body, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def check_body(endpoint: Endpoint, body: dict[str, Any]) -> None:
-    """The checks the gateway needs to capture the call; everything else is vLLM's to judge."""
-    if endpoint == "chat.completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError(
-                f"'messages' must be a non-empty list, got {type(messages).__name__}",
-                param="messages",
-            )
-        if not all(isinstance(message, dict) for message in messages):
-            raise InvalidRequestError(
-                "every item of 'messages' must be an object", param="messages"
-            )
-    else:
-        prompt = body.get("prompt")
-        single_text = isinstance(prompt, str)
-        single_ids = isinstance(prompt, list) and all(
-            isinstance(token, int) and not isinstance(token, bool) for token in prompt
-        )
-        if not (single_text or single_ids) or not prompt:
-            raise InvalidRequestError(
-                "'prompt' must be one non-empty string or one list of token ids (send one "
-                "request per prompt, so each becomes its own step)",
-                param="prompt",
-            )
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise InvalidRequestError("'stream' must be a boolean", param="stream")
-    n = body.get("n", 1)
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise InvalidRequestError(f"'n' must be a positive integer, got {n!r}", param="n")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""The OpenAI-compatible surface: chat completions, completions and models, streaming or not.
+"""The model-serving surface: every API dialect's routes (``gateway.dialects``) and models.
 
 Owns: attribution of a call to a trajectory (URL, header or API key), the upstream attempt loop
 (retries only before any byte reached the client), the order "upstream answers → steps commit →
 client gets the (last part of the) answer", time limits, client disconnects, and Idempotency-Key
-replays. Never: changes what the client receives beyond removing fields the gateway asked for;
-never retries after a timeout (tokens may already have been generated).
+replays, the same for every dialect. Never: looks inside a request or an answer (the dialect
+reads and renders them); never retries after a timeout (tokens may already have been
+generated).
 """
 
 from __future__ import annotations
@@ -30,41 +31,23 @@ from datapool.models import StepOutcome
 from datapool.steps.calls import AttemptRecord, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
 from datapool.steps.records import CallRecord, ChoiceRecord
-from gateway.attribution import (
-    Attribution,
-    attribute,
-    check_body,
-    check_trajectory_id,
-    read_json_object,
-)
-from gateway.capture import (
-    ClientAsked,
-    Endpoint,
-    loads,
-    prepare_request,
-    read_choices,
-    request_hash,
-    strip_for_client,
-)
+from gateway.attribution import Attribution, attribute, check_trajectory_id, read_json_object
+from gateway.capture import loads, request_hash
+from gateway.dialects import DIALECTS, Dialect, DialectStream, Prepared
 from gateway.errors import (
     ServiceUnavailableError,
     TrajgateError,
     UpstreamError,
     UpstreamTimeoutError,
-    envelope,
 )
 from gateway.state import GatewayState, StateDep
-from gateway.streaming import StreamCapture, sse_data
+from gateway.streaming import sse_data
 from gateway.upstreams import NoHealthyUpstreamError, Replica
 
 log = logging.getLogger("trajgate.proxy")
 T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
-UPSTREAM_PATHS: dict[Endpoint, str] = {
-    "chat.completions": "/v1/chat/completions",
-    "completions": "/v1/completions",
-}
 
 
 router = APIRouter()
@@ -73,26 +56,28 @@ router = APIRouter()
 # -- routes ------------------------------------------------------------------------------
 
 
-@router.post("/t/{trajectory_id}/v1/chat/completions")
-async def chat_completions_by_url(
-    trajectory_id: str, request: Request, state: StateDep
-) -> Response:
-    return await proxy_call(state, request, "chat.completions", check_trajectory_id(trajectory_id))
+def add_dialect_routes(router: APIRouter, dialect: Dialect) -> None:
+    """Serve each of the dialect's client paths at ``/t/{trajectory_id}/v1<path>`` (attributed
+    by URL) and ``/v1<path>`` (attributed by header or API key), plus its own ``router``."""
+
+    async def by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
+        return await proxy_call(state, request, dialect, trajectory_id)
+
+    async def by_header(request: Request, state: StateDep) -> Response:
+        return await proxy_call(state, request, dialect, None)
+
+    name = dialect.name.replace(".", "_")  # chat_completions, completions: OpenAPI operation ids
+    for path in dialect.client_paths:
+        router.add_api_route(
+            f"/t/{{trajectory_id}}/v1{path}", by_url, methods=["POST"], name=f"{name}_by_url"
+        )
+        router.add_api_route(f"/v1{path}", by_header, methods=["POST"], name=name)
+    if dialect.router is not None:
+        router.include_router(dialect.router)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, state: StateDep) -> Response:
-    return await proxy_call(state, request, "chat.completions", None)
-
-
-@router.post("/t/{trajectory_id}/v1/completions")
-async def completions_by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
-    return await proxy_call(state, request, "completions", check_trajectory_id(trajectory_id))
-
-
-@router.post("/v1/completions")
-async def completions(request: Request, state: StateDep) -> Response:
-    return await proxy_call(state, request, "completions", None)
+for _dialect in DIALECTS:
+    add_dialect_routes(router, _dialect)
 
 
 @router.get("/t/{trajectory_id}/v1/models")
@@ -125,11 +110,10 @@ async def list_models(request: Request, state: StateDep) -> Response:
 class Call:
     """Everything known about one logical call while it is in flight."""
 
-    endpoint: Endpoint
+    dialect: Dialect
     attribution: Attribution
-    body: dict[str, Any]
-    upstream_body: dict[str, Any]
-    asked: ClientAsked
+    body: dict[str, Any]  # the client's body as sent (before the model alias was resolved)
+    prepared: Prepared
     policy_version: int
     call_id: str
     request_hash: str
@@ -143,6 +127,10 @@ class Call:
     @property
     def trajectory_id(self) -> str:
         return self.attribution.trajectory_id
+
+    @property
+    def upstream_body(self) -> dict[str, Any]:
+        return self.prepared.upstream_body
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0
@@ -206,7 +194,7 @@ class Call:
             outcome=outcome,
             error=error,
             call_id=self.call_id,
-            endpoint=self.endpoint,
+            endpoint=self.dialect.name,
             request_hash=self.request_hash,
             idempotency_key=self.idempotency_key,
             ttft_ms=ttft_ms,
@@ -235,22 +223,27 @@ def failed_choice(outcome: str) -> list[ChoiceRecord]:
 
 
 async def proxy_call(
-    state: GatewayState, request: Request, endpoint: Endpoint, url_trajectory_id: str | None
+    state: GatewayState, request: Request, dialect: Dialect, url_trajectory_id: str | None
 ) -> Response:
-    """Forward one call upstream, commit its steps, and answer as vLLM answered.
+    """Forward one call upstream, commit its steps, and answer as the dialect answers.
 
-    The call counts as in flight for its trajectory (``PoolWriter.call_started``) until its
-    commit ended, so the idle timeout never closes a trajectory under a call of this gateway.
+    Every error of the call is rendered in the dialect's shape (``request.state.render_error``,
+    read by the app's error handlers). The call counts as in flight for its trajectory
+    (``PoolWriter.call_started``) until its commit ended, so the idle timeout never closes a
+    trajectory under a call of this gateway.
     """
+    request.state.render_error = dialect.render_error
+    if url_trajectory_id is not None:
+        check_trajectory_id(url_trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
-    check_body(endpoint, body)
+    dialect.check_body(body)
     attribution = attribute(state, request, url_trajectory_id)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
     writer.check_accepting()
     writer.call_started(attribution.trajectory_id)
     try:
-        response = await forward_call(state, request, endpoint, body, attribution)
+        response = await forward_call(state, request, dialect, body, attribution)
     except BaseException:
         writer.call_ended(attribution.trajectory_id)
         raise
@@ -266,7 +259,7 @@ async def proxy_call(
 async def forward_call(
     state: GatewayState,
     request: Request,
-    endpoint: Endpoint,
+    dialect: Dialect,
     body: dict[str, Any],
     attribution: Attribution,
 ) -> Response:
@@ -293,8 +286,8 @@ async def forward_call(
         if resolution.upstream_model == body.get("model")
         else {**body, "model": resolution.upstream_model}
     )
-    upstream_body, asked = prepare_request(endpoint, client_body)
-    digest = request_hash(endpoint, body)
+    prepared = dialect.prepare(client_body)
+    digest = request_hash(dialect.name, body)
     resend_of = None
     if state.settings.resend_window_s > 0 and not idempotency_key:
         resend_of = await pool_lookup(
@@ -306,18 +299,17 @@ async def forward_call(
             state.settings.resend_window_s,
         )
     call = Call(
-        endpoint=endpoint,
+        dialect=dialect,
         attribution=attribution,
         body=body,
-        upstream_body=upstream_body,
-        asked=asked,
+        prepared=prepared,
         policy_version=resolution.policy_version,
         call_id=resend_of or str(uuid.uuid4()),
         request_hash=digest,
         idempotency_key=idempotency_key,
         resend_of=resend_of,
     )
-    stream = body.get("stream") is True
+    stream = prepared.stream
     replica, upstream = await open_upstream(state, call, stream)
     if upstream.status_code != 200:
         content = await upstream.aread()
@@ -339,16 +331,16 @@ async def forward_call(
                 error=content.decode("utf-8", "replace"),
             ),
         )
-        state.metrics.requests.labels(endpoint, str(upstream.status_code)).inc()
+        state.metrics.requests.labels(dialect.name, str(upstream.status_code)).inc()
         return Response(
-            content,
+            dialect.upstream_error_body(upstream.status_code, content),
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type"),
             headers=call.headers(step_ids),
         )
     if stream:
         events, first = await first_event(state, call, replica, upstream)
-        call.step_ids = [str(uuid.uuid4()) for _ in range(int(body.get("n") or 1))]
+        call.step_ids = [str(uuid.uuid4()) for _ in range(prepared.n_choices)]
         return StreamingResponse(
             relay_stream(state, call, replica, upstream, events, first),
             media_type=upstream.headers.get("content-type", "text/event-stream"),
@@ -407,7 +399,7 @@ async def open_upstream(
         )
         request = state.client.build_request(
             "POST",
-            replica.url + UPSTREAM_PATHS[call.endpoint],
+            replica.url + call.dialect.upstream_path,
             json=call.upstream_body,
             timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
@@ -469,7 +461,7 @@ async def fail_call(
     await commit(
         state, call, call.record(replica, failed_choice(outcome), outcome=outcome, error=error)
     )
-    state.metrics.requests.labels(call.endpoint, "error").inc()
+    state.metrics.requests.labels(call.dialect.name, "error").inc()
 
 
 async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[str]:
@@ -488,7 +480,7 @@ async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[st
         "completion_tokens=%d latency_ms=%.1f policy_version=%d",
         call.trajectory_id,
         call.call_id,
-        call.endpoint,
+        call.dialect.name,
         record.outcome,
         len(step_ids),
         record.prompt_tokens,
@@ -504,28 +496,29 @@ async def finish_unary(
 ) -> Response:
     try:
         content = upstream.content
-        response = loads(content)
+        answer = loads(content)
     finally:
         await upstream.aclose()
         replica.in_flight -= 1
-    prompt_ids, choices = read_choices(call.endpoint, call.body, response)
+    dialect = call.dialect
+    captured = dialect.read_answer(call.prepared, answer)
     if replica.system_fingerprint is None:
-        replica.system_fingerprint = response.get("system_fingerprint")
-    client_response = strip_for_client(response, call.asked)
-    call.add_attempt(replica, StepOutcome.OK, status_code=200, response_body=client_response)
+        replica.system_fingerprint = captured.system_fingerprint
+    client_answer = dialect.client_answer(call.prepared, answer)
+    call.add_attempt(replica, StepOutcome.OK, status_code=200, response_body=client_answer)
     record = call.record(
         replica,
-        choices,
-        prompt_ids=prompt_ids,
-        prompt_tokens=(response.get("usage") or {}).get("prompt_tokens"),
-        model=response.get("model"),
+        captured.choices,
+        prompt_ids=captured.prompt_ids,
+        prompt_tokens=captured.prompt_tokens,
+        model=captured.model,
     )
     step_ids = await commit(state, call, record)
-    state.metrics.requests.labels(call.endpoint, "200").inc()
-    state.metrics.latency.labels(call.endpoint, "false").observe(call.elapsed_ms() / 1000)
-    if client_response is response:  # nothing hidden: vLLM's own bytes, unparsed and unchanged
+    state.metrics.requests.labels(dialect.name, "200").inc()
+    state.metrics.latency.labels(dialect.name, "false").observe(call.elapsed_ms() / 1000)
+    if client_answer is answer:  # nothing hidden: vLLM's own bytes, unparsed and unchanged
         return Response(content, media_type="application/json", headers=call.headers(step_ids))
-    return JSONResponse(client_response, headers=call.headers(step_ids))
+    return JSONResponse(client_answer, headers=call.headers(step_ids))
 
 
 async def first_event(
@@ -554,10 +547,6 @@ async def first_event(
         raise UpstreamError(f"upstream {replica.url} stream failed: {exc!r}") from exc
 
 
-def _sse(data: bytes) -> bytes:
-    return b"data: " + data + b"\n\n"
-
-
 async def relay_stream(
     state: GatewayState,
     call: Call,
@@ -577,19 +566,16 @@ async def relay_stream(
     arrives (a stream that goes silent just before it ends one silence limit later).
     """
     settings = state.settings
-    capture = StreamCapture(
-        call.endpoint,
-        call.body,
-        call.asked,
-        int(call.body.get("n") or 1),
-        replica.system_fingerprint,
-    )
+    dialect = call.dialect
+    stream: DialectStream = dialect.open_stream(call.prepared, replica.system_fingerprint)
     deadline = call.started + settings.upstream_total_timeout_s
     abort_reason: str | None = None
     ttft_ms: float | None = None
     finished = False
     not_recorded: TrajgateError | None = None
     try:
+        for event in stream.opening():
+            yield event
         while True:
             message = None
             try:
@@ -609,44 +595,41 @@ async def relay_stream(
             if message is not None:
                 abort_reason = StepOutcome.UPSTREAM_TIMEOUT
                 call.add_attempt(replica, abort_reason, status_code=200, error=message)
-                yield _sse(json.dumps(envelope(message, "upstream_timeout", code=504)).encode())
+                yield stream.error_event(UpstreamTimeoutError(message))
                 break
             if data == b"[DONE]":
                 finished = True
                 break
-            for payload in capture.feed(data):
-                yield _sse(payload)
-            if ttft_ms is None and capture.first_token_seen:
+            for event in stream.feed(data):
+                yield event
+            if ttft_ms is None and stream.first_token_seen:
                 ttft_ms = call.elapsed_ms()
-                state.metrics.ttft.labels(call.endpoint).observe(ttft_ms / 1000)
+                state.metrics.ttft.labels(dialect.name).observe(ttft_ms / 1000)
     except (asyncio.CancelledError, GeneratorExit):
         abort_reason = StepOutcome.CLIENT_DISCONNECT
         raise
     except httpx.HTTPError as exc:
         abort_reason = StepOutcome.UPSTREAM_ERROR
         call.add_attempt(replica, abort_reason, status_code=200, error=repr(exc))
-        yield _sse(
-            json.dumps(envelope(f"upstream stream failed: {exc!r}", "upstream_error")).encode()
-        )
+        yield stream.error_event(UpstreamError(f"upstream stream failed: {exc!r}"))
     finally:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()  # closing the connection makes vLLM abort the request
             replica.in_flight -= 1
-            if finished and capture.error is None:
+            captured = stream.captured(abort_reason)
+            if finished and captured.error is None:
                 call.add_attempt(replica, StepOutcome.OK, status_code=200)
             outcome = StepOutcome.OK if abort_reason is None else abort_reason
-            if capture.error is not None:
+            if captured.error is not None:
                 outcome = StepOutcome.UPSTREAM_ERROR
             record = call.record(
                 replica,
-                capture.choices(abort_reason if abort_reason else None),
-                prompt_ids=capture.prompt_ids,
-                prompt_tokens=(capture.usage or {}).get("prompt_tokens")
-                if capture.usage
-                else (len(capture.prompt_ids) if capture.prompt_ids is not None else None),
-                model=capture.model,
+                captured.choices,
+                prompt_ids=captured.prompt_ids,
+                prompt_tokens=captured.prompt_tokens,
+                model=captured.model,
                 outcome=outcome,
-                error=json.dumps(capture.error) if capture.error else None,
+                error=json.dumps(captured.error) if captured.error else None,
                 ttft_ms=ttft_ms,
             )
             try:
@@ -654,16 +637,13 @@ async def relay_stream(
             except TrajgateError as exc:
                 log.warning("stream of call %s not recorded: %s", call.call_id, exc.message)
                 not_recorded = exc
-                capture.release()
-            state.metrics.requests.labels(call.endpoint, "200").inc()
-            state.metrics.latency.labels(call.endpoint, "true").observe(call.elapsed_ms() / 1000)
+            state.metrics.requests.labels(dialect.name, "200").inc()
+            state.metrics.latency.labels(dialect.name, "true").observe(call.elapsed_ms() / 1000)
     if abort_reason is None and not_recorded is not None:
         # The status line went out before the commit could fail: the stream ends in an error
         # event (the OpenAI SDKs raise on it) instead of its last chunk and [DONE], so the
         # client knows to retry a call the pool could not keep.
-        error = envelope(not_recorded.message, not_recorded.error_type, code=not_recorded.code)
-        yield _sse(json.dumps(error).encode())
+        yield stream.error_event(not_recorded)
     elif abort_reason is None:
-        for payload in capture.release():
-            yield _sse(payload)
-        yield b"data: [DONE]\n\n"
+        for event in stream.closing():
+            yield event

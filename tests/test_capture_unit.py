@@ -1,22 +1,32 @@
 """Reading IDs out of vLLM-shaped JSON and stripping what the client did not ask for.
 
-The shapes are copied from vLLM 0.32 responses (see gateway/capture.py); the real-server tests
-in test_capture_real_vllm.py check the same path end to end.
+The shapes are copied from vLLM 0.32 responses (see gateway/dialects/choices.py); the real-server
+tests in test_capture_real_vllm.py check the same path end to end.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from gateway.capture import (
-    IDS_INCOMPLETE,
-    IDS_MISSING,
-    TRUNCATED,
-    ClientAsked,
-    prepare_request,
-    read_choices,
-    strip_for_client,
-)
+from datapool.steps.records import ChoiceRecord
+from gateway.capture import ABORTED, IDS_INCOMPLETE, IDS_MISSING, PROMPT_IDS_MISSING, TRUNCATED
+from gateway.dialects import DIALECTS, ClientAsked
+from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.choices import strip_for_client
+from gateway.dialects.completions import Completions
+from gateway.errors import UpstreamTimeoutError
+from gateway.proxy import router
+
+CHAT = ChatCompletions()
+
+
+def read_choices(
+    body: dict[str, Any], response: dict[str, Any]
+) -> tuple[list[int] | None, list[ChoiceRecord]]:
+    """Prompt ids and choices of a unary chat answer, as the chat dialect reads them."""
+    captured = CHAT.read_answer(CHAT.prepare(body), response)
+    return captured.prompt_ids, captured.choices
 
 
 def _response(
@@ -45,16 +55,14 @@ def _response(
 
 def test_prepare_adds_ids_and_logprobs_and_remembers_what_the_client_asked() -> None:
     body = {"model": "m", "messages": [], "top_logprobs": 3, "vendor_field": {"a": 1}}
-    upstream, asked = prepare_request("chat.completions", body)
-    assert upstream == {**body, "return_token_ids": True, "logprobs": True}
-    assert asked == ClientAsked(return_token_ids=False, logprobs=False, include_usage=True)
+    prepared = CHAT.prepare(body)
+    assert prepared.upstream_body == {**body, "return_token_ids": True, "logprobs": True}
+    assert prepared.asked == ClientAsked(return_token_ids=False, logprobs=False, include_usage=True)
     assert "logprobs" not in body  # the client's body is not mutated
 
 
 def test_read_choices_takes_ids_and_logprobs_verbatim() -> None:
-    prompt, choices = read_choices(
-        "chat.completions", {}, _response([5, 6], [-0.5, -0.25], completion=2)
-    )
+    prompt, choices = read_choices({}, _response([5, 6], [-0.5, -0.25], completion=2))
     assert prompt == [1, 2, 3]
     assert choices[0].response_token_ids == [5, 6]
     assert choices[0].response_logprobs == [-0.5, -0.25]
@@ -62,7 +70,7 @@ def test_read_choices_takes_ids_and_logprobs_verbatim() -> None:
 
 
 def test_null_ids_with_completion_tokens_are_flagged_missing_not_empty() -> None:
-    _, choices = read_choices("chat.completions", {}, _response(None, None, completion=4))
+    _, choices = read_choices({}, _response(None, None, completion=4))
     assert choices[0].response_token_ids is None
     assert choices[0].response_logprobs is None
     assert choices[0].flags == [IDS_MISSING]
@@ -70,17 +78,17 @@ def test_null_ids_with_completion_tokens_are_flagged_missing_not_empty() -> None
 
 def test_ids_that_disagree_with_logprobs_or_usage_are_flagged_incomplete() -> None:
     # 2 ids but 1 logprob: lengths differ.
-    _, choices = read_choices("chat.completions", {}, _response([5, 6], [-0.5], completion=2))
+    _, choices = read_choices({}, _response([5, 6], [-0.5], completion=2))
     assert choices[0].flags == [IDS_INCOMPLETE]
     # 2 ids and 2 logprobs, but usage says 3 sampled tokens.
-    _, choices = read_choices("chat.completions", {}, _response([5, 6], [-0.5, -0.1], completion=3))
+    _, choices = read_choices({}, _response([5, 6], [-0.5, -0.1], completion=3))
     assert choices[0].flags == [IDS_INCOMPLETE]
 
 
 def test_finish_reason_length_is_recorded_as_truncated() -> None:
     response = _response([5], [-0.5], completion=1)
     response["choices"][0]["finish_reason"] = "length"
-    _, choices = read_choices("chat.completions", {}, response)
+    _, choices = read_choices({}, response)
     assert choices[0].flags == [TRUNCATED]
 
 
@@ -132,3 +140,76 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
     expected = [b'{"a":1}', b"x\ny", b"[DONE]"]
     for size in (1, 3, 7, len(body)):
         assert asyncio.run(read(size)) == expected
+
+
+def _chunk(delta: dict[str, Any], ids: list[int], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "token_ids": ids, "finish_reason": finish}
+    choice["logprobs"] = {"content": [{"token": "x", "logprob": -0.5} for _ in ids]}
+    return json.dumps({"id": "c", "model": "m", "choices": [choice]}).encode()
+
+
+def test_a_chat_stream_flushes_each_chunk_and_holds_the_last_until_the_end() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    stream = CHAT.open_stream(CHAT.prepare(body), system_fingerprint="fp")
+    first = _chunk({"role": "assistant", "content": "a"}, [7])
+    held = _chunk({}, [8], finish="stop")  # a parser held its text back: ids count (C05)
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}
+    sent = stream.feed(first)
+    assert len(sent) == 1 and sent[0].startswith(b"data: ") and sent[0].endswith(b"\n\n")
+    assert b'"token_ids":null' in sent[0]  # the client did not ask for ids
+    assert stream.feed(held) == []  # terminal chunk of the last choice: after the commit
+    assert stream.feed(json.dumps(usage).encode()) == []  # usage the client did not ask for
+    captured = stream.captured(None)
+    # 1 id per chunk, 2 chunks: [7, 8], which agrees with completion_tokens = 2.
+    assert captured.choices[0].response_token_ids == [7, 8]
+    assert captured.choices[0].response_logprobs == [-0.5, -0.5]
+    assert captured.choices[0].response_message == {"role": "assistant", "content": "a"}
+    assert captured.choices[0].flags == [PROMPT_IDS_MISSING]  # chunks carried no prompt ids
+    closing = stream.closing()
+    assert closing[-1] == b"data: [DONE]\n\n"
+    assert len(closing) == 2 and b'"system_fingerprint":"fp"' in closing[0]
+
+
+def test_a_completions_stream_reads_prompt_ids_per_choice_and_joins_the_text() -> None:
+    dialect = Completions()
+    prepared = dialect.prepare({"prompt": "hi", "stream": True, "logprobs": 2})
+    assert prepared.upstream_body["logprobs"] == 2 and prepared.asked.logprobs
+    stream = dialect.open_stream(prepared, system_fingerprint=None)
+    for text, ids, finish in (("a", [5], None), ("b", [6], "length")):
+        choice = {
+            "index": 0,
+            "text": text,
+            "token_ids": ids,
+            "prompt_token_ids": [1, 2] if finish is None else None,
+            "logprobs": {"token_logprobs": [-1.0]},
+            "finish_reason": finish,
+        }
+        stream.feed(json.dumps({"model": "m", "choices": [choice]}).encode())
+    captured = stream.captured(None)
+    assert captured.prompt_ids == [1, 2] and captured.prompt_tokens == 2  # len([1, 2])
+    assert captured.choices[0].response_message == {"text": "ab"}
+    assert captured.choices[0].response_token_ids == [5, 6]
+    assert captured.choices[0].flags == [TRUNCATED]
+
+
+def test_a_stream_cut_short_is_flagged_aborted_with_the_reason_as_finish() -> None:
+    stream = CHAT.open_stream(CHAT.prepare({"messages": [{}], "stream": True}), None)
+    stream.feed(_chunk({"content": "a"}, [7]))
+    choice = stream.captured("upstream_timeout").choices[0]
+    assert choice.finish_reason == "upstream_timeout" and ABORTED in choice.flags
+
+
+def test_a_streamed_timeout_carries_the_same_string_code_as_an_unstreamed_one() -> None:
+    stream = CHAT.open_stream(CHAT.prepare({"messages": [{}], "stream": True}), None)
+    event = stream.error_event(UpstreamTimeoutError("upstream stopped sending within 1 s"))
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    error = json.loads(event[len(b"data: ") :])["error"]
+    assert error["type"] == "upstream_timeout" and error["code"] == "upstream_timeout"
+
+
+def test_every_dialect_path_is_served_by_url_and_by_header() -> None:
+    served = {(route.path, tuple(sorted(route.methods))) for route in router.routes}  # type: ignore[attr-defined]
+    for dialect in DIALECTS:
+        for path in dialect.client_paths:
+            assert (f"/v1{path}", ("POST",)) in served
+            assert (f"/t/{{trajectory_id}}/v1{path}", ("POST",)) in served

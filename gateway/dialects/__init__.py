@@ -1,0 +1,19 @@
+"""The API dialects the gateway serves: one module each, behind ``gateway.dialects.base``.
+
+Adding a dialect is one module (a ``Dialect`` subclass) plus one line in ``DIALECTS``; the proxy
+generates its routes and runs its calls. Offers: ``DIALECTS``, ``Dialect``, ``DialectStream``,
+``Prepared``, ``Captured``, ``ClientAsked``.
+"""
+
+from __future__ import annotations
+
+from gateway.dialects.base import Captured, ClientAsked, Dialect, DialectStream, Prepared
+from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.completions import Completions
+
+DIALECTS: tuple[Dialect, ...] = (
+    ChatCompletions(),
+    Completions(),
+)
+
+__all__ = ["DIALECTS", "Captured", "ClientAsked", "Dialect", "DialectStream", "Prepared"]

@@ -1,0 +1,181 @@
+"""The interface every API dialect implements, and the shapes it hands the proxy.
+
+A dialect is one client-facing API (chat completions, completions; translating dialects such as
+the Responses and Messages APIs later). ``gateway.proxy`` runs every call the same way and asks
+the dialect, through ``Dialect`` and the per-stream ``DialectStream``, for everything that
+depends on the API:
+
+=====================  =====================================================================
+client paths           ``client_paths`` under ``/v1``; the proxy serves each at ``/v1<path>``
+                       and ``/t/{trajectory_id}/v1<path>`` (``router`` adds uncaptured routes)
+upstream path          ``upstream_path``: the vLLM path called, which need not be the client's
+body checks            ``check_body`` raises ``InvalidRequestError`` (400; every error of the
+                       dialect's routes is rendered by its ``render_error``)
+upstream body          ``prepare``: what the engine must be asked for to capture token-exactly
+                       (ids, logprobs, usage), translated when the upstream speaks another API;
+                       sampling defaults a client omits go here too, and are recorded because
+                       the step stores the upstream body
+unary capture          ``read_answer``: prompt ids, per choice the sampled ids, behaviour
+                       logprobs, the response message in the common form (``content``,
+                       ``tool_calls``, ``reasoning``) and finish reason
+client answer          ``client_answer``: returns the upstream answer object itself when the
+                       client sees it unchanged (then vLLM's own bytes are sent), else the
+                       client's JSON (fields removed, or the answer rendered in the dialect)
+upstream errors        ``upstream_error_body``: a non-200 upstream body as the client sees it
+streams                ``open_stream`` gives a ``DialectStream``: it consumes each upstream SSE
+                       ``data`` payload, accumulates the capture and returns the framed bytes
+                       to send now (zero, one or several events), plus opening and closing
+                       events and the event that ends a stream in error
+=====================  =====================================================================
+
+The client's body as sent and the upstream body are both stored on the step; re-send detection
+hashes the client's body with the dialect's ``name`` (``gateway.capture.request_hash``).
+
+Never: talks HTTP, reads settings, retries or writes to the pool; a dialect is pure translation
+between one client API and the engine's answers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fastapi import APIRouter
+
+from datapool.steps.records import ChoiceRecord
+from gateway.errors import TrajgateError, openai_envelope
+
+
+@dataclass(frozen=True)
+class ClientAsked:
+    """Which capture fields the client itself asked for (so they are not hidden from it).
+
+    ``logprobs`` is True for chat ``logprobs: true`` and for completions ``logprobs: <int>``;
+    ``include_usage`` for a stream with ``stream_options.include_usage: true`` (always True for
+    a unary call, whose answer carries usage anyway).
+    """
+
+    return_token_ids: bool
+    logprobs: bool
+    include_usage: bool = True
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One call as its dialect prepared it.
+
+    ``client_body`` is the client's body with the model alias resolved, ``upstream_body`` the
+    body sent to ``upstream_path``, ``n_choices`` how many choices (so steps) the call yields.
+    """
+
+    client_body: dict[str, Any]
+    upstream_body: dict[str, Any]
+    asked: ClientAsked
+    n_choices: int = 1
+
+    @property
+    def stream(self) -> bool:
+        return self.client_body.get("stream") is True
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What one call captured, ready for its step record.
+
+    ``prompt_ids`` is ``[P]`` as the engine reported it (None when missing); ``prompt_tokens``
+    the usage count; ``error`` an error object the upstream sent inside its stream;
+    ``system_fingerprint`` the upstream's, learnt per replica for streams that drop usage.
+    """
+
+    prompt_ids: list[int] | None
+    choices: list[ChoiceRecord]
+    prompt_tokens: int | None
+    model: str | None
+    error: dict[str, Any] | None = None
+    system_fingerprint: str | None = None
+
+
+def sse_event(data: bytes, event: str | None = None) -> bytes:
+    """One server-sent event: ``data: <data>\\n\\n``, with ``event: <event>\\n`` first when named
+    (the Anthropic framing)."""
+    if event is None:
+        return b"data: " + data + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+
+
+class DialectStream(ABC):
+    """The state of one streamed call: feed upstream SSE payloads in order, send what comes back.
+
+    Every method returns framed SSE bytes (``sse_event``). The proxy calls ``opening`` once
+    before the first upstream event, ``feed`` per upstream ``data`` payload (``[DONE]``
+    excluded), commits the steps, then sends ``closing``; when the stream cannot end normally
+    (time limit, upstream failure, commit refused) it sends ``error_event`` instead.
+    ``first_token_seen`` turns True once a sampled token arrived (time to first token).
+    """
+
+    first_token_seen: bool = False
+
+    def opening(self) -> list[bytes]:
+        """Events the client gets before any upstream event (none for chat and completions)."""
+        return []
+
+    @abstractmethod
+    def feed(self, data: bytes) -> list[bytes]:
+        """Take one upstream ``data`` payload; return the events to flush to the client now."""
+
+    @abstractmethod
+    def closing(self) -> list[bytes]:
+        """The events that end a complete stream, sent after the commit (held-back events,
+        closing events, the terminator)."""
+
+    @abstractmethod
+    def error_event(self, error: TrajgateError) -> bytes:
+        """The event that ends a stream in ``error`` (the status line already said 200)."""
+
+    @abstractmethod
+    def captured(self, abort_reason: str | None) -> Captured:
+        """The capture so far. ``abort_reason`` (``client_disconnect``, ``upstream_timeout``,
+        ``upstream_error``) replaces a missing finish reason and flags the step ``aborted``."""
+
+
+class Dialect(ABC):
+    """One client-facing API; see the module docstring for what each member answers."""
+
+    # Stored as the step's ``endpoint`` and used as the metrics label: keep it stable.
+    name: ClassVar[str]
+    client_paths: ClassVar[tuple[str, ...]]
+    upstream_path: ClassVar[str]
+    # Routes of the dialect that are not captured calls (e.g. counting tokens), served under
+    # ``/v1`` and ``/t/{trajectory_id}/v1`` like the client paths.
+    router: ClassVar[APIRouter | None] = None
+
+    @abstractmethod
+    def check_body(self, body: dict[str, Any]) -> None:
+        """Raise ``InvalidRequestError`` when the body cannot be captured; everything else is
+        the engine's to judge."""
+
+    @abstractmethod
+    def prepare(self, body: dict[str, Any]) -> Prepared:
+        """The upstream body for the client's ``body`` (never mutated) and what it asked for."""
+
+    @abstractmethod
+    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
+        """The capture of a unary upstream answer (its parsed JSON)."""
+
+    @abstractmethod
+    def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
+        """The client's answer: ``answer`` itself (the very object) when nothing changes."""
+
+    def upstream_error_body(self, status_code: int, content: bytes) -> bytes:
+        """A non-200 upstream answer as the client sees it (default: unchanged)."""
+        return content
+
+    @abstractmethod
+    def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> DialectStream:
+        """The state of one streamed call; ``system_fingerprint`` is the replica's when known."""
+
+    def render_error(self, error: TrajgateError) -> dict[str, Any]:
+        """An error's body in the dialect's shape (an ``ErrorRenderer``; default: OpenAI's
+        ``{"error": {"message", "type", "param", "code"}}``)."""
+        return openai_envelope(error)

@@ -1,0 +1,65 @@
+"""The completions dialect: ``POST /v1/completions``, passed through to vLLM's own.
+
+Owns: the one-prompt rule (a batch of prompts is refused, so every prompt is its own step) and
+where completions answers keep their fields (prompt IDs per choice, logprobs under
+``logprobs.token_logprobs``, the message as ``{"text": ...}``). Never: changes what the client
+receives beyond hiding the capture fields it did not ask for (``gateway.dialects.choices``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.dialects.choices import ChoicesDialect, ChoiceState
+from gateway.errors import InvalidRequestError
+
+
+class Completions(ChoicesDialect):
+    name = "completions"
+    client_paths = ("/completions",)
+    upstream_path = "/v1/completions"
+
+    def check_input(self, body: dict[str, Any]) -> None:
+        prompt = body.get("prompt")
+        single_text = isinstance(prompt, str)
+        single_ids = isinstance(prompt, list) and all(
+            isinstance(token, int) and not isinstance(token, bool) for token in prompt
+        )
+        if not (single_text or single_ids) or not prompt:
+            raise InvalidRequestError(
+                "'prompt' must be one non-empty string or one list of token ids (send one "
+                "request per prompt, so each becomes its own step)",
+                param="prompt",
+            )
+
+    def upstream_logprobs(self, body: dict[str, Any]) -> tuple[bool, Any]:
+        # ``logprobs: <int>`` asks for that many alternatives; the sampled token's logprob comes
+        # with any count, so the client's own count (at least 1) goes upstream.
+        client_logprobs = body.get("logprobs")
+        asked = isinstance(client_logprobs, int) and not isinstance(client_logprobs, bool)
+        return asked, client_logprobs if asked else 1
+
+    def prompt_ids(self, answer: dict[str, Any]) -> list[int] | None:
+        for choice in answer.get("choices") or ():
+            ids: list[int] | None = choice.get("prompt_token_ids")
+            if ids is not None:
+                return ids
+        return None
+
+    def choice_logprobs(self, logprobs: dict[str, Any] | None) -> list[float] | None:
+        if not logprobs:
+            return None
+        values = logprobs.get("token_logprobs")
+        return None if values is None else [float(value) for value in values]
+
+    def answer_message(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        return {"text": choice.get("text")}
+
+    def delta_text(self, choice: dict[str, Any]) -> str:
+        return str(choice.get("text") or "")
+
+    def add_delta(self, state: ChoiceState, choice: dict[str, Any]) -> None:
+        state.text_parts.append(str(choice.get("text") or ""))
+
+    def stream_message(self, state: ChoiceState) -> dict[str, Any]:
+        return {"text": "".join(state.text_parts)}
