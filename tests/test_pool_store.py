@@ -11,7 +11,7 @@ from datapool.steps.lineage import TrajectoryTokens
 from datapool.steps.payloads import decode_logprobs, encode_ids, encode_logprobs
 from datapool.steps.prefix import Candidate, Lineage, choose_parent
 from datapool.steps.records import CallRecord, ChoiceRecord
-from datapool.steps.store import PoolStore
+from datapool.steps.store import PendingCall, PoolStore
 
 
 def call(prompt: list[int] | None, response: list[int] | None, **kw: object) -> CallRecord:
@@ -135,3 +135,19 @@ def test_fast_lineage_agrees_with_prefix_choose_parent() -> None:
         probe = [rng.randint(0, 3) for _ in range(rng.randint(0, 9))]
         assert tokens.choose_parent(encode_ids(probe) or b"") == choose_parent(candidates, probe)
     assert Lineage(None, None, None) == TrajectoryTokens().choose_parent(b"")
+
+
+def test_a_batch_over_more_trajectories_than_the_lineage_cache_commits_every_call(
+    pool_settings: PoolSettings,
+) -> None:
+    store = make_store(pool_settings.model_copy(update={"lineage_cache_trajectories": 2}))
+    first = [PendingCall(f"t{i}", call([1, 2], [3])) for i in range(3)]
+    assert all(isinstance(r, list) for r in store.record_calls(first))
+    # Each prompt extends its trajectory's [1, 2] + [3]: base 2 + 1 = 3 tokens, delta [4].
+    second = [PendingCall(f"t{i}", call([1, 2, 3, 4], [5])) for i in range(3)]
+    results = store.record_calls(second)
+    for i, result in enumerate(results):
+        assert isinstance(result, list)
+        steps = store.steps_of(f"t{i}")
+        assert [s.prompt_token_ids for s in steps] == [[1, 2], [1, 2, 3, 4]]
+        assert steps[1].parent_step_id == steps[0].id and steps[1].prompt_base_tokens == 3

@@ -138,27 +138,30 @@ class PoolStore:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
         now = utc_now()
         state = lock_trajectories(session, pending, trajectory_ids, now)
+        # Held here, not looked up in the LRU per call: a batch may span more trajectories than
+        # the LRU keeps.
+        memory: dict[str, TrajectoryTokens] = {}
         for trajectory_id in trajectory_ids:
             status, call_count = state[trajectory_id]
             if status == TrajectoryStatus.OPEN:
-                self._refresh_lineage(session, trajectory_id, call_count)
+                memory[trajectory_id] = self._refresh_lineage(session, trajectory_id, call_count)
         batch = WriteBatch(state, now)
         results: list[CallResult] = []
         for p in pending:
             status = state[p.trajectory_id][0]
             if status == TrajectoryStatus.OPEN:
-                results.append(self._steps_of_call(p, batch))
+                results.append(self._steps_of_call(p, memory[p.trajectory_id], batch))
             else:
                 batch.reject(p.trajectory_id)
                 results.append(TrajectoryClosedError(p.trajectory_id, status))
         batch.write(connection, self._inserts, writer_id)
         return results
 
-    def _steps_of_call(self, p: PendingCall, batch: WriteBatch) -> list[str]:
-        """Add one call's rows to ``batch`` and return its step ids, one concept at a time."""
+    @staticmethod
+    def _steps_of_call(p: PendingCall, tokens: TrajectoryTokens, batch: WriteBatch) -> list[str]:
+        """Add one call's rows to ``batch`` and return its step ids, one concept at a time;
+        ``tokens`` is the lineage memory of its trajectory, updated with the new steps."""
         call = p.call
-        tokens = self._lineage.get(p.trajectory_id)
-        assert tokens is not None  # _refresh_lineage loaded every trajectory of the batch
         prompt = None if call.prompt_token_ids is None else pack_ids(call.prompt_token_ids)
         placement = tokens.place(call, prompt)
         payload = encode_payload(prompt, placement.lineage, placement.parent_tokens, call.choices)
@@ -169,13 +172,16 @@ class PoolStore:
         tokens.call_count = step_index + 1  # the count this batch commits (see _refresh_lineage)
         return step_ids
 
-    def _refresh_lineage(self, session: Session, trajectory_id: str, call_count: int) -> None:
-        """Make the lineage memory of ``trajectory_id`` match the database, whose ``call_count``
-        (read under the write lock) says whether another process, an eviction or a restart left
-        it behind: every batch that adds steps bumps it in the same transaction."""
+    def _refresh_lineage(
+        self, session: Session, trajectory_id: str, call_count: int
+    ) -> TrajectoryTokens:
+        """The lineage memory of ``trajectory_id``, made to match the database, whose
+        ``call_count`` (read under the write lock) says whether another process, an eviction or
+        a restart left it behind: every batch that adds steps bumps it in the same
+        transaction."""
         cached = self._lineage.get(trajectory_id)
         if cached is not None and cached.call_count == call_count:
-            return
+            return cached
         if call_count == 0:
             tokens = TrajectoryTokens()  # no call yet, so no step to read
         else:
@@ -185,6 +191,7 @@ class PoolStore:
             tokens = rebuilt(rows, payloads)
         tokens.call_count = call_count
         self._lineage.put(trajectory_id, tokens)
+        return tokens
 
     def forget_lineage(self, trajectory_id: str) -> None:
         """Drop a closed trajectory's sequences from the writer's memory."""
