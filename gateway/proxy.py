@@ -42,7 +42,7 @@ from gateway.errors import (
 )
 from gateway.state import GatewayState, StateDep
 from gateway.streaming import sse_data
-from gateway.upstreams import NoHealthyUpstreamError, Replica
+from gateway.upstreams import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
 
 log = logging.getLogger("trajgate.proxy")
 T = TypeVar("T")
@@ -310,15 +310,28 @@ async def forward_call(
         resend_of=resend_of,
     )
     stream = prepared.stream
-    replica, upstream = await open_upstream(state, call, stream)
-    if upstream.status_code != 200:
-        content = await upstream.aread()
+    upstream = await open_upstream(state, call, stream)
+    try:
+        return await answer_call(state, call, upstream)
+    except BaseException:
+        # Whatever failed before a stream's generator or finish_unary took the response over
+        # (a client gone while waiting for the first event included): close it, free the slot.
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        raise
+
+
+async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
+    """The client's answer once an upstream answered: its error, its stream, or its JSON."""
+    dialect = call.dialect
+    replica, response = upstream.replica, upstream.response
+    if response.status_code != 200:
+        content = await response.aread()
         await upstream.aclose()
-        replica.in_flight -= 1
         call.add_attempt(
             replica,
             StepOutcome.UPSTREAM_ERROR,
-            status_code=upstream.status_code,
+            status_code=response.status_code,
             error=content.decode("utf-8", "replace"),
         )
         step_ids = await commit(
@@ -331,22 +344,25 @@ async def forward_call(
                 error=content.decode("utf-8", "replace"),
             ),
         )
-        state.metrics.requests.labels(dialect.name, str(upstream.status_code)).inc()
+        state.metrics.requests.labels(dialect.name, str(response.status_code)).inc()
         return Response(
-            dialect.upstream_error_body(upstream.status_code, content),
-            status_code=upstream.status_code,
-            media_type=upstream.headers.get("content-type"),
+            dialect.upstream_error_body(response.status_code, content),
+            status_code=response.status_code,
+            media_type=response.headers.get("content-type"),
             headers=call.headers(step_ids),
         )
-    if stream:
-        events, first = await first_event(state, call, replica, upstream)
-        call.step_ids = [str(uuid.uuid4()) for _ in range(prepared.n_choices)]
-        return StreamingResponse(
-            relay_stream(state, call, replica, upstream, events, first),
-            media_type=upstream.headers.get("content-type", "text/event-stream"),
+    if call.prepared.stream:
+        events, first = await first_event(state, call, upstream)
+        call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
+        streaming = StreamingResponse(
+            relay_stream(state, call, upstream, events, first),
+            media_type=response.headers.get("content-type", "text/event-stream"),
             headers=call.headers(call.step_ids, committed=False),
         )
-    return await finish_unary(state, call, replica, upstream)
+        # A generator the server never starts (the client left first) never runs its finally.
+        weakref.finalize(streaming.body_iterator, upstream.in_flight.release)
+        return streaming
+    return await finish_unary(state, call, upstream)
 
 
 async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *args: Any) -> T | None:
@@ -368,12 +384,10 @@ async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *arg
         raise error from exc
 
 
-async def open_upstream(
-    state: GatewayState, call: Call, stream: bool
-) -> tuple[Replica, httpx.Response]:
+async def open_upstream(state: GatewayState, call: Call, stream: bool) -> ReplicaResponse:
     """Send the call to a replica, retrying on another one on connection errors and 502/503/504
-    (nothing has reached the client yet). Returns the replica and the open response, whose
-    ``in_flight`` count the caller must release."""
+    (nothing has reached the client yet). Returns the open response, which holds the replica's
+    in-flight count until the caller closes it."""
     settings = state.settings
     tried: set[str] = set()
     for attempt in range(settings.upstream_max_attempts):
@@ -387,71 +401,73 @@ async def open_upstream(
             except NoHealthyUpstreamError as exc:
                 raise ServiceUnavailableError(str(exc), code="no_capturing_upstream") from exc
         tried.add(replica.url)
-        replica.in_flight += 1
-        # A non-streaming answer arrives whole after generation: its only limit is the total one
-        # (the client's read timeout is the silence allowed between stream chunks).
-        timeout = (
-            None
-            if stream
-            else httpx.Timeout(
-                settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
+        # Counted in flight until handed on with the open response (or given back).
+        with InFlight(replica) as in_flight:
+            # A non-streaming answer arrives whole after generation: its only limit is the total one
+            # (the client's read timeout is the silence allowed between stream chunks).
+            timeout = (
+                None
+                if stream
+                else httpx.Timeout(
+                    settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
+                )
             )
-        )
-        request = state.client.build_request(
-            "POST",
-            replica.url + call.dialect.upstream_path,
-            json=call.upstream_body,
-            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-        )
-        limit_s = (
-            settings.upstream_first_byte_timeout_s if stream else settings.upstream_total_timeout_s
-        )
-        try:
-            with anyio.fail_after(limit_s):
-                response = await state.client.send(request, stream=True)
-                if not stream:
-                    await response.aread()
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            replica.in_flight -= 1
-            connect = isinstance(exc, httpx.ConnectTimeout)
-            outcome = StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
-            call.add_attempt(replica, outcome, error=repr(exc))
-            state.metrics.attempts_failed.labels(outcome).inc()
-            if connect:
+            request = state.client.build_request(
+                "POST",
+                replica.url + call.dialect.upstream_path,
+                json=call.upstream_body,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+            limit_s = (
+                settings.upstream_first_byte_timeout_s
+                if stream
+                else settings.upstream_total_timeout_s
+            )
+            try:
+                with anyio.fail_after(limit_s):
+                    response = await state.client.send(request, stream=True)
+                    if not stream:
+                        await response.aread()
+            except (TimeoutError, httpx.TimeoutException) as exc:
+                connect = isinstance(exc, httpx.ConnectTimeout)
+                outcome = (
+                    StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
+                )
+                call.add_attempt(replica, outcome, error=repr(exc))
+                state.metrics.attempts_failed.labels(outcome).inc()
+                if connect:
+                    state.upstreams.mark_failure(replica)
+                    if attempt + 1 < settings.upstream_max_attempts:
+                        continue
+                await fail_call(state, call, replica, outcome, repr(exc))
+                raise UpstreamTimeoutError(
+                    f"upstream {replica.url} did not answer within {limit_s:g} s", code=outcome
+                ) from exc
+            except httpx.TransportError as exc:
                 state.upstreams.mark_failure(replica)
+                call.add_attempt(replica, StepOutcome.UPSTREAM_UNREACHABLE, error=repr(exc))
+                state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_UNREACHABLE).inc()
                 if attempt + 1 < settings.upstream_max_attempts:
                     continue
-            await fail_call(state, call, replica, outcome, repr(exc))
-            raise UpstreamTimeoutError(
-                f"upstream {replica.url} did not answer within {limit_s:g} s", code=outcome
-            ) from exc
-        except httpx.TransportError as exc:
-            replica.in_flight -= 1
-            state.upstreams.mark_failure(replica)
-            call.add_attempt(replica, StepOutcome.UPSTREAM_UNREACHABLE, error=repr(exc))
-            state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_UNREACHABLE).inc()
-            if attempt + 1 < settings.upstream_max_attempts:
+                await fail_call(state, call, replica, StepOutcome.UPSTREAM_UNREACHABLE, repr(exc))
+                raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
+            if (
+                response.status_code in RETRYABLE_STATUS
+                and attempt + 1 < settings.upstream_max_attempts
+            ):
+                content = await response.aread()
+                await response.aclose()
+                state.upstreams.mark_failure(replica)
+                call.add_attempt(
+                    replica,
+                    StepOutcome.UPSTREAM_ERROR,
+                    status_code=response.status_code,
+                    error=content.decode("utf-8", "replace"),
+                )
+                state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_ERROR).inc()
                 continue
-            await fail_call(state, call, replica, StepOutcome.UPSTREAM_UNREACHABLE, repr(exc))
-            raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
-        if (
-            response.status_code in RETRYABLE_STATUS
-            and attempt + 1 < settings.upstream_max_attempts
-        ):
-            content = await response.aread()
-            await response.aclose()
-            replica.in_flight -= 1
-            state.upstreams.mark_failure(replica)
-            call.add_attempt(
-                replica,
-                StepOutcome.UPSTREAM_ERROR,
-                status_code=response.status_code,
-                error=content.decode("utf-8", "replace"),
-            )
-            state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_ERROR).inc()
-            continue
-        state.upstreams.mark_success(replica)
-        return replica, response
+            state.upstreams.mark_success(replica)
+            return ReplicaResponse(replica, response, in_flight.keep())
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
@@ -491,15 +507,13 @@ async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[st
     return step_ids
 
 
-async def finish_unary(
-    state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
-) -> Response:
+async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
+    replica = upstream.replica
     try:
-        content = upstream.content
+        content = upstream.response.content
         answer = loads(content)
     finally:
         await upstream.aclose()
-        replica.in_flight -= 1
     dialect = call.dialect
     captured = dialect.read_answer(call.prepared, answer)
     if replica.system_fingerprint is None:
@@ -522,11 +536,12 @@ async def finish_unary(
 
 
 async def first_event(
-    state: GatewayState, call: Call, replica: Replica, upstream: httpx.Response
+    state: GatewayState, call: Call, upstream: ReplicaResponse
 ) -> tuple[AsyncIterator[bytes], bytes | None]:
     """Wait for the stream's first event before answering, so a slow first byte is still a
     clean 504 (nothing has been sent) rather than an error inside a 200 stream."""
-    events = sse_data(upstream)
+    replica = upstream.replica
+    events = sse_data(upstream.response)
     limit_s = state.settings.upstream_first_byte_timeout_s
     try:
         with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
@@ -535,7 +550,6 @@ async def first_event(
         return events, None
     except (TimeoutError, httpx.HTTPError) as exc:
         await upstream.aclose()
-        replica.in_flight -= 1
         timeout = isinstance(exc, TimeoutError | httpx.TimeoutException)
         outcome = StepOutcome.UPSTREAM_TIMEOUT if timeout else StepOutcome.UPSTREAM_ERROR
         call.add_attempt(replica, outcome, status_code=200, error=repr(exc))
@@ -550,8 +564,7 @@ async def first_event(
 async def relay_stream(
     state: GatewayState,
     call: Call,
-    replica: Replica,
-    upstream: httpx.Response,
+    upstream: ReplicaResponse,
     events: AsyncIterator[bytes],
     first: bytes | None,
 ) -> AsyncIterator[bytes]:
@@ -567,6 +580,7 @@ async def relay_stream(
     """
     settings = state.settings
     dialect = call.dialect
+    replica = upstream.replica
     stream: DialectStream = dialect.open_stream(call.prepared, replica.system_fingerprint)
     deadline = call.started + settings.upstream_total_timeout_s
     abort_reason: str | None = None
@@ -615,7 +629,6 @@ async def relay_stream(
     finally:
         with anyio.CancelScope(shield=True):
             await upstream.aclose()  # closing the connection makes vLLM abort the request
-            replica.in_flight -= 1
             captured = stream.captured(abort_reason)
             if finished and captured.error is None:
                 call.add_attempt(replica, StepOutcome.OK, status_code=200)

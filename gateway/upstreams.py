@@ -4,6 +4,7 @@ Owns: least-outstanding-requests balancing with stickiness by trajectory (so a t
 growing prompt keeps hitting the replica whose prefix cache holds it), health checks that take a
 dead replica out and bring it back, and per-replica in-flight counts. Never: retries by itself;
 the proxy decides when a retry is safe (only before any byte reached the client).
+``InFlight`` is the one place the in-flight count goes up and down.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -32,6 +33,57 @@ class Replica:
     # Whether the replica returns token ids when asked (probed once it is healthy): None until
     # known. A replica that answers without them is never routed to (case C06).
     returns_token_ids: bool | None = None
+
+
+class InFlight:
+    """One request counted in ``replica.in_flight``, from creation until ``release``.
+
+    ``release`` gives the count back once (later calls do nothing), so every path that ends the
+    request may call it. As a context manager it gives the count back on leaving the block,
+    however the block ends, unless ``keep`` handed it on to the holder of the open response
+    (``ReplicaResponse``, whose ``aclose`` releases it). This class is the only writer of
+    ``Replica.in_flight``.
+    """
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._held = True
+        self._kept = False
+        replica.in_flight += 1
+
+    def keep(self) -> InFlight:
+        """Hand the count on: leaving the ``with`` block no longer releases it."""
+        self._kept = True
+        return self
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.replica.in_flight -= 1
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if not self._kept:
+            self.release()
+
+
+@dataclass
+class ReplicaResponse:
+    """An open upstream response and the in-flight count it holds on its replica."""
+
+    replica: Replica
+    response: httpx.Response
+    in_flight: InFlight
+
+    async def aclose(self) -> None:
+        """Close the response (for a stream, vLLM then aborts the request) and release the
+        count, even when closing fails; closing twice does nothing more."""
+        try:
+            await self.response.aclose()
+        finally:
+            self.in_flight.release()
 
 
 class NoHealthyUpstreamError(RuntimeError):

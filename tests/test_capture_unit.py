@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from datapool.steps.records import ChoiceRecord
 from gateway.capture import ABORTED, IDS_INCOMPLETE, IDS_MISSING, PROMPT_IDS_MISSING, TRUNCATED
 from gateway.dialects import DIALECTS, ClientAsked
@@ -17,6 +19,7 @@ from gateway.dialects.choices import strip_for_client
 from gateway.dialects.completions import Completions
 from gateway.errors import UpstreamTimeoutError
 from gateway.proxy import router
+from gateway.upstreams import InFlight, Replica
 
 CHAT = ChatCompletions()
 
@@ -205,6 +208,23 @@ def test_a_streamed_timeout_carries_the_same_string_code_as_an_unstreamed_one() 
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     error = json.loads(event[len(b"data: ") :])["error"]
     assert error["type"] == "upstream_timeout" and error["code"] == "upstream_timeout"
+
+
+def test_in_flight_is_given_back_once_however_the_block_ends() -> None:
+    replica = Replica("http://upstream.test")
+    with pytest.raises(RuntimeError), InFlight(replica):
+        assert replica.in_flight == 1
+        raise RuntimeError("the send failed")
+    assert replica.in_flight == 0
+    with InFlight(replica):
+        assert replica.in_flight == 1
+    assert replica.in_flight == 0  # a retry: the block ends without handing the count on
+    with InFlight(replica) as held:
+        held.keep()  # handed to the open response's holder
+    assert replica.in_flight == 1
+    held.release()
+    held.release()  # a second release is a no-op
+    assert replica.in_flight == 0
 
 
 def test_every_dialect_path_is_served_by_url_and_by_header() -> None:
