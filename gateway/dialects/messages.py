@@ -1,0 +1,184 @@
+"""The Anthropic Messages API dialect: ``POST /v1/messages``, translated to chat completions.
+
+Owns: the dialect object the proxy runs (``Messages``): the client's Messages body becomes a
+chat body for vLLM's ``/v1/chat/completions`` (``gateway.dialects.messages_request``) with the
+capture fields added, the chat answer is captured like any chat answer
+(``gateway.dialects.choices``) and rendered back as an Anthropic ``message``
+(``gateway.dialects.messages_render``), a chat stream as Messages events as they come
+(``gateway.dialects.messages_stream``); errors in Anthropic's envelope; and
+``count_tokens`` for ``POST /v1/messages/count_tokens``. Never: tokenizes or re-encodes text;
+the stored ids and logprobs are the ones vLLM sent for the chat call.
+
+Why translate instead of calling vLLM's own ``/v1/messages`` (vLLM 0.32):
+
+- vLLM's ``/v1/messages`` answers text and usage only: no token ids and no logprobs, whatever
+  the request asks, streamed or not. A step without the engine's ids cannot be trained on.
+- ``/v1/chat/completions`` gives exactly what the pool needs, also while streaming: the prompt
+  ids (``prompt_token_ids``), the sampled ids per chunk (``token_ids``) and their behaviour
+  logprobs, checked against the usage chunk; every other dialect's capture already trusts it.
+  vLLM's own Messages endpoint is itself a translation onto the same chat path, so nothing the
+  engine does is lost by translating here.
+- Cost: the prompt is the chat template's rendering of the translated messages, so the
+  translation must be faithful (``messages_request``: how each block maps), and Messages
+  features with no chat equivalent (server tools, images on a text model) are refused or left
+  out, never emulated. The Messages API has no logprobs: the client never sees them.
+
+``count_tokens`` asks vLLM's ``/tokenize`` with the translated messages and tools, so the count
+is the chat template's rendering, the very prompt a call with the same body would get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.capture import dumps, loads
+from gateway.dialects.base import Captured, ClientAsked, Dialect, DialectStream, Prepared
+from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.choices import ChoicesCapture
+from gateway.dialects.messages_render import (
+    anthropic_envelope,
+    error_type,
+    new_message_id,
+    render_message,
+    upstream_error,
+)
+from gateway.dialects.messages_request import Translation, translate_request
+from gateway.dialects.messages_stream import MessagesEvents, frame
+from gateway.errors import TrajgateError, UpstreamError
+
+# Where the chat answers keep their fields: the capture reads the upstream chat answer.
+_CHAT = ChatCompletions()
+Tokenize = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MessagesPrepared(Prepared):
+    """A prepared Messages call: the translation, and the message's id, fixed before the
+    upstream call so a stream and the stored step agree."""
+
+    translation: Translation
+    message_id: str
+
+    def chat_prepared(self) -> Prepared:
+        """The same call as a chat call: the capture's quality flags read the chat body (tools,
+        tool_choice, response_format, chat_template_kwargs, continue_final_message)."""
+        return Prepared(self.upstream_body, self.upstream_body, self.asked)
+
+
+class Messages(Dialect):
+    name = "messages"
+    client_paths = ("/messages",)
+    upstream_path = "/v1/chat/completions"
+
+    def check_body(self, body: dict[str, Any]) -> None:
+        translate_request(body)
+
+    def prepare(self, body: dict[str, Any]) -> MessagesPrepared:
+        """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
+        streaming, the usage chunk. Raises ``InvalidRequestError`` (``messages_request``)."""
+        translation = translate_request(body)
+        upstream = dict(translation.chat_body)
+        upstream["return_token_ids"] = True
+        upstream["logprobs"] = True
+        if upstream.get("stream") is True:
+            upstream["stream_options"] = {"include_usage": True}
+        return MessagesPrepared(
+            body,
+            upstream,
+            ClientAsked(return_token_ids=False, logprobs=False),
+            translation=translation,
+            message_id=new_message_id(),
+        )
+
+    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
+        return _CHAT.read_answer(_messages(prepared).chat_prepared(), answer)
+
+    def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
+        call = _messages(prepared)
+        return render_message(answer, call.client_body, call.message_id)
+
+    def upstream_error_body(self, status_code: int, content: bytes) -> bytes:
+        return dumps(upstream_error(status_code, content))
+
+    def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> MessagesStream:
+        return MessagesStream(_messages(prepared))
+
+    def render_error(self, error: TrajgateError) -> dict[str, Any]:
+        return anthropic_envelope(error)
+
+
+def _messages(prepared: Prepared) -> MessagesPrepared:
+    if not isinstance(prepared, MessagesPrepared):
+        raise TypeError(f"expected MessagesPrepared, got {type(prepared).__name__}")
+    return prepared
+
+
+class MessagesStream(DialectStream):
+    """One streamed Messages call: captures the upstream chat chunks (ids, logprobs, message)
+    and sends each one's Messages events at once."""
+
+    def __init__(self, prepared: MessagesPrepared) -> None:
+        self.capture = ChoicesCapture(_CHAT, prepared.upstream_body, 1)
+        self.events = MessagesEvents(prepared.client_body, message_id=prepared.message_id)
+        self.error: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> list[bytes]:
+        chunk = loads(data)
+        if not isinstance(chunk, dict) or self.error is not None:
+            return []
+        if "error" in chunk and "choices" not in chunk:
+            # An error inside vLLM's stream ends the message here (an ``error`` event).
+            error = chunk["error"]
+            self.error = error if isinstance(error, dict) else {"message": str(error)}
+            code = self.error.get("code")
+            status = code if isinstance(code, int) else UpstreamError.status_code
+            message = str(self.error.get("message") or self.error)
+            return [frame(self.events.error(error_type(status), message))]
+        self.capture.add(chunk)
+        self.first_token_seen = self.capture.first_token_seen
+        return [frame(event) for event in self.events.feed(chunk)]
+
+    def closing(self) -> list[bytes]:
+        if self.error is not None:
+            return []  # the error event was the last one
+        return [frame(event) for event in self.events.closing()]
+
+    def error_event(self, error: TrajgateError) -> bytes:
+        return frame(anthropic_envelope(error))
+
+    def captured(self, abort_reason: str | None) -> Captured:
+        capture = self.capture
+        return Captured(
+            capture.prompt_ids,
+            capture.choices(abort_reason),
+            capture.prompt_tokens,
+            capture.model,
+            error=self.error,
+        )
+
+
+async def count_tokens(body: dict[str, Any], tokenize: Tokenize) -> dict[str, int]:
+    """``{"input_tokens": N}`` for a ``/v1/messages/count_tokens`` body: the body translated
+    (``max_tokens`` not needed) and rendered by vLLM's ``POST /tokenize`` (``tokenize`` sends
+    the JSON body there and returns vLLM's answer, ``{"count", "max_model_len", "tokens"}``).
+
+    Raises ``InvalidRequestError`` for a body the translation refuses, ``UpstreamError`` when
+    the answer has no ``count``.
+    """
+    chat = translate_request(body, counting=True).chat_body
+    request: dict[str, Any] = {
+        "model": chat["model"],
+        "messages": chat["messages"],
+        "add_generation_prompt": not chat.get("continue_final_message", False),
+        "continue_final_message": chat.get("continue_final_message", False),
+    }
+    for name in ("tools", "chat_template_kwargs"):
+        if name in chat:
+            request[name] = chat[name]
+    answer = await tokenize(request)
+    count = answer.get("count")
+    if not isinstance(count, int):
+        raise UpstreamError(f"vLLM's /tokenize answered without a count: {answer!r:.200}")
+    return {"input_tokens": count}
