@@ -405,23 +405,7 @@ class PayloadFiles:
             ).all()
         if not rows:
             return None
-        rows = sorted(rows, key=lambda row: (row[1], row[2], row[3]))
-        table = pa.table(
-            {
-                "step_id": [row[0] for row in rows],
-                "trajectory_id": [row[1] for row in rows],
-                "step_index": pa.array([row[2] for row in rows], pa.int32()),
-                "choice_index": pa.array([row[3] for row in rows], pa.int32()),
-                "prompt_delta": _list_column([decode_ids(row[4]) for row in rows], pa.int32()),
-                "response_token_ids": _list_column(
-                    [decode_ids(row[5]) for row in rows], pa.int32()
-                ),
-                "response_logprobs": _list_column(
-                    [decode_logprobs(row[6]) for row in rows], pa.float64()
-                ),
-            },
-            schema=PARQUET_SCHEMA,
-        )
+        table = _payload_table(rows)
         file_id = str(uuid.uuid4())
         uri = f"{self.root_uri}/{PAYLOAD_FILE_PREFIX}{file_id}.parquet"
         fs, path = _filesystem(uri)
@@ -508,6 +492,27 @@ def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
     raised (the file is then an orphan for ``delete_orphans``)."""
     with contextlib.suppress(OSError):
         fs.delete_file(path)
+
+
+def _payload_table(rows: Sequence[Any]) -> pa.Table:
+    """The Parquet table (``PARQUET_SCHEMA``) of ``compact``'s rows ``(step_id, trajectory_id,
+    step_index, choice_index, prompt_delta, response_token_ids, response_logprobs)``, sorted by
+    trajectory, step and choice so a trajectory's reads touch few row groups."""
+    rows = sorted(rows, key=lambda row: (row[1], row[2], row[3]))
+    return pa.table(
+        {
+            "step_id": [row[0] for row in rows],
+            "trajectory_id": [row[1] for row in rows],
+            "step_index": pa.array([row[2] for row in rows], pa.int32()),
+            "choice_index": pa.array([row[3] for row in rows], pa.int32()),
+            "prompt_delta": _list_column([decode_ids(row[4]) for row in rows], pa.int32()),
+            "response_token_ids": _list_column([decode_ids(row[5]) for row in rows], pa.int32()),
+            "response_logprobs": _list_column(
+                [decode_logprobs(row[6]) for row in rows], pa.float64()
+            ),
+        },
+        schema=PARQUET_SCHEMA,
+    )
 
 
 def _int_array(values: list[int] | None) -> IntArray | None:
