@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
@@ -81,7 +81,12 @@ def insert_ignore(session: Session, model: Any, rows: list[dict[str, Any]]) -> i
     return len(session.execute(stmt.returning(*keys), rows[0]).all())
 
 
-def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+# What functions of the pool take to open their own sessions (``with sessions() as session``),
+# so callers outside the data layer can hand it on without importing SQLAlchemy.
+Sessions: TypeAlias = sessionmaker[Session]
+
+
+def make_sessionmaker(engine: Engine) -> Sessions:
     return sessionmaker(engine, expire_on_commit=False)
 
 

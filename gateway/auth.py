@@ -17,10 +17,10 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.models import ApiKey, utc_now
+from datapool import api_keys
+from datapool.db import Sessions
+from datapool.models import ApiKey
 from gateway.errors import AuthenticationError, NotFoundError
 
 KEY_PREFIX = "tg-"
@@ -50,7 +50,7 @@ def bearer_token(request: Request) -> str | None:
 class KeyRing:
     """API keys in the pool's database, with a short in-process cache of verified keys."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: Sessions) -> None:
         self._sessions = sessions
         self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
 
@@ -58,32 +58,17 @@ class KeyRing:
         """Create a key; returns ``(key_id, key)``. The key itself is never stored."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = str(uuid.uuid4())
-        with self._sessions.begin() as session:
-            session.add(
-                ApiKey(
-                    id=key_id,
-                    name=name,
-                    key_hash=hash_key(key),
-                    trajectory_id=trajectory_id,
-                    channel=channel,
-                    created_at=utc_now(),
-                )
-            )
+        api_keys.add_key(self._sessions, key_id, name, hash_key(key), trajectory_id, channel)
         return key_id, key
 
     def revoke(self, key_id: str) -> None:
         """Raises ``NotFoundError`` for an unknown id."""
-        with self._sessions.begin() as session:
-            result = session.execute(
-                update(ApiKey).where(ApiKey.id == key_id).values(revoked_at=utc_now())
-            )
-            if result.rowcount == 0:  # type: ignore[attr-defined]
-                raise NotFoundError(f"no API key with id {key_id!r}", param="key_id")
+        if not api_keys.revoke_key(self._sessions, key_id):
+            raise NotFoundError(f"no API key with id {key_id!r}", param="key_id")
         self._cache.clear()
 
     def list(self) -> list[ApiKey]:
-        with self._sessions() as session:
-            return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at)))
+        return api_keys.list_keys(self._sessions)
 
     def verify(self, key: str) -> KeyGrant:
         """The grant of a valid, unrevoked key. Raises ``AuthenticationError`` otherwise."""
@@ -93,10 +78,7 @@ class KeyRing:
         if cached is not None and now - cached[0] < CACHE_TTL_S:
             grant = cached[1]
         else:
-            with self._sessions() as session:
-                row = session.scalar(
-                    select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None))
-                )
+            row = api_keys.active_key(self._sessions, digest)
             grant = (
                 None if row is None else KeyGrant(row.id, row.name, row.trajectory_id, row.channel)
             )

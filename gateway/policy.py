@@ -11,13 +11,11 @@ Never: loads weights; the trainer bridge pushes them into vLLM and then register
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session, sessionmaker
-
-from datapool.models import PolicyVersion, utc_now
+from datapool import policy_versions
+from datapool.db import Sessions
+from datapool.models import PolicyVersion
 from gateway.errors import InvalidRequestError, NotFoundError
 
 
@@ -38,9 +36,7 @@ class Resolution:
 class PolicyRegistry:
     """In-memory view of ``policy_versions`` with atomic switches."""
 
-    def __init__(
-        self, sessions: sessionmaker[Session], *, alias: str, default_version: int
-    ) -> None:
+    def __init__(self, sessions: Sessions, *, alias: str, default_version: int) -> None:
         self._sessions = sessions
         self.alias = alias
         self._default = ActivePolicy(default_version, None)
@@ -49,8 +45,7 @@ class PolicyRegistry:
 
     def refresh(self) -> None:
         """Re-read the registry from the database (start-up, and periodically)."""
-        with self._sessions() as session:
-            rows = session.scalars(select(PolicyVersion).order_by(PolicyVersion.version)).all()
+        rows = policy_versions.list_versions(self._sessions)
         self._version_by_model = {row.model_name: row.version for row in rows}
         active = [row for row in rows if row.active]
         self.active = (
@@ -82,25 +77,9 @@ class PolicyRegistry:
         """Add a version (idempotent for identical fields); optionally make it active.
 
         Raises:
-            InvalidRequestError: the version exists with a different model name.
+            InvalidPoolRequestError: the version exists with a different model name (400).
         """
-        with self._sessions.begin() as session:
-            row = session.get(PolicyVersion, version)
-            if row is not None and row.model_name != model_name:
-                raise InvalidRequestError(
-                    f"policy version {version} is already registered for model "
-                    f"{row.model_name!r}, not {model_name!r}",
-                    param="version",
-                )
-            if row is None:
-                row = PolicyVersion(
-                    version=version,
-                    model_name=model_name,
-                    weights_location=weights_location,
-                    active=False,
-                    created_at=utc_now(),
-                )
-                session.add(row)
+        row = policy_versions.register(self._sessions, version, model_name, weights_location)
         if activate:
             return self.activate(version)
         self.refresh()
@@ -112,17 +91,11 @@ class PolicyRegistry:
         Raises:
             NotFoundError: no such version.
         """
-        now: datetime = utc_now()
-        with self._sessions.begin() as session:
-            row = session.get(PolicyVersion, version)
-            if row is None:
-                raise NotFoundError(f"policy version {version} is not registered", param="version")
-            session.execute(update(PolicyVersion).values(active=False))
-            row.active = True
-            row.activated_at = now
+        row = policy_versions.activate(self._sessions, version)
+        if row is None:
+            raise NotFoundError(f"policy version {version} is not registered", param="version")
         self.refresh()
         return row
 
     def list(self) -> list[PolicyVersion]:
-        with self._sessions() as session:
-            return list(session.scalars(select(PolicyVersion).order_by(PolicyVersion.version)))
+        return policy_versions.list_versions(self._sessions)
