@@ -248,21 +248,3 @@ def _fold(view: CurrentLabel, record: Label) -> None:
     view.updated_at = record.created_at
     view.records += 1
 
-
-def label_history(
-    session: Session,
-    *,
-    target_kind: str | None = None,
-    target_id: str | None = None,
-    trajectory_id: str | None = None,
-    limit: int = 1000,
-) -> list[Label]:
-    """Label records, oldest first, of one target or of one trajectory's steps and itself."""
-    query = select(Label).order_by(Label.id).limit(limit)
-    if target_kind is not None:
-        query = query.where(Label.target_kind == target_kind)
-    if target_id is not None:
-        query = query.where(Label.target_id == target_id)
-    if trajectory_id is not None:
-        query = query.where(Label.trajectory_id == trajectory_id)
-    return list(session.scalars(query))

@@ -319,7 +319,7 @@ def release_writer(sessions: sessionmaker[Session], writer_id: str) -> None:
 
 
 def stale_steps(
-    session: Session,
+    sessions: sessionmaker[Session],
     current_version: int,
     max_versions_behind: int,
     *,
@@ -347,4 +347,5 @@ def stale_steps(
         )
     if limit is not None:
         query = query.limit(limit)
-    return [(step_id, version) for step_id, version in session.execute(query)]
+    with sessions() as session:
+        return [(step_id, version) for step_id, version in session.execute(query)]

@@ -19,8 +19,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Float, Integer, Text, cast, func, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from datapool.db import Sessions
 from datapool.models import Step, TrainingMetric, Trajectory
 from datapool.rewards.values import current_rewards_query
 
@@ -37,18 +38,20 @@ def _bucket(column: Any, bucket_s: int, dialect: str) -> Any:
 
 
 def charts(
-    session: Session, *, since: datetime | None, bucket_s: int, reward_name: str
+    sessions: Sessions, *, since: datetime | None, bucket_s: int, reward_name: str
 ) -> dict[str, Any]:
-    """Every chart's series; see the module docstring for what each number means."""
-    dialect = session.get_bind().dialect.name
-    return {
-        "bucket_s": bucket_s,
-        "reward_by_version": _reward_by_version(session, since, bucket_s, reward_name, dialect),
-        "steps_over_time": _steps_over_time(session, since, bucket_s, dialect),
-        "prompt_tokens_histogram": _histogram(session, Step.prompt_tokens, since),
-        "completion_tokens_histogram": _histogram(session, Step.completion_tokens, since),
-        "flag_rates": _flag_rates(session, since),
-    }
+    """Every chart's series, read in one session; see the module docstring for what each
+    number means."""
+    with sessions() as session:
+        dialect = session.get_bind().dialect.name
+        return {
+            "bucket_s": bucket_s,
+            "reward_by_version": _reward_by_version(session, since, bucket_s, reward_name, dialect),
+            "steps_over_time": _steps_over_time(session, since, bucket_s, dialect),
+            "prompt_tokens_histogram": _histogram(session, Step.prompt_tokens, since),
+            "completion_tokens_histogram": _histogram(session, Step.completion_tokens, since),
+            "flag_rates": _flag_rates(session, since),
+        }
 
 
 def _reward_by_version(
@@ -144,9 +147,7 @@ def _flag_rates(session: Session, since: datetime | None) -> dict[str, Any]:
 # ---- training metrics ----------------------------------------------------------------------
 
 
-def add_training_metrics(
-    sessions: sessionmaker[Session], rows: Sequence[dict[str, Any]]
-) -> list[int]:
+def add_training_metrics(sessions: Sessions, rows: Sequence[dict[str, Any]]) -> list[int]:
     """Append rows ``{run, policy_version, step, metrics}`` in one transaction; their ids."""
     with sessions.begin() as session:
         records = [TrainingMetric(**row) for row in rows]
@@ -156,10 +157,12 @@ def add_training_metrics(
 
 
 def training_metrics(
-    session: Session, run: str | None, after_id: int, limit: int
+    sessions: Sessions, run: str | None, after_id: int, limit: int
 ) -> list[TrainingMetric]:
-    """Rows oldest first (by id), after ``after_id`` so a chart can poll for new ones."""
+    """At most ``limit`` rows of ``run`` (None: every run), oldest first (by id), after
+    ``after_id`` so a chart can poll for new ones."""
     query = select(TrainingMetric).where(TrainingMetric.id > after_id)
     if run is not None:
         query = query.where(TrainingMetric.run == run)
-    return list(session.scalars(query.order_by(TrainingMetric.id).limit(limit)))
+    with sessions() as session:
+        return list(session.scalars(query.order_by(TrainingMetric.id).limit(limit)))

@@ -21,8 +21,9 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from datapool.curation.labels import current_labels, labels_of_trajectories
+from datapool.curation.readiness import trajectory_readiness
 from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
-from datapool.db import chunks
+from datapool.db import Sessions, chunks
 from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
 from datapool.rewards.values import current_rewards
 from datapool.steps.messages import expand_requests
@@ -132,8 +133,12 @@ def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
     return query, reward
 
 
-def list_page(session: Session, where: ListQuery) -> list[dict[str, Any]]:
-    """One page of trajectories in the requested order, each with its counts, rewards, labels."""
+def list_page(
+    sessions: Sessions, where: ListQuery, *, with_total: bool = False
+) -> tuple[list[dict[str, Any]], int | None]:
+    """``(rows, total)``: one page of trajectories in the requested order, each with its counts,
+    rewards, labels (``describe``), and how many match in all (only ``with_total``, else None;
+    a second query that counts every match)."""
     query, reward = _filtered(where, [Trajectory])
     if where.sort == "reward":
         assert reward is not None
@@ -145,20 +150,24 @@ def list_page(session: Session, where: ListQuery) -> list[dict[str, Any]]:
     ordered = key.desc() if where.order == "desc" else key.asc()
     tie = Trajectory.id.desc() if where.order == "desc" else Trajectory.id.asc()
     query = query.order_by(ordered, tie).offset(where.offset).limit(where.limit)
-    page: list[Trajectory] = list(session.scalars(query))
-    return describe(session, page)
+    with sessions() as session:
+        page: list[Trajectory] = list(session.scalars(query))
+        rows = describe(session, page)
+        total = _count(session, where) if with_total else None
+    return rows, total
 
 
-def count(session: Session, where: ListQuery) -> int:
+def _count(session: Session, where: ListQuery) -> int:
     query, _ = _filtered(where, [func.count(Trajectory.id)])
     return int(session.scalar(query) or 0)
 
 
-def matching_ids(session: Session, where: ListQuery, limit: int) -> list[str]:
+def matching_ids(sessions: Sessions, where: ListQuery, limit: int) -> list[str]:
     """Ids matching the filters, oldest first, at most ``limit``."""
     query, _ = _filtered(where, [Trajectory.id])
     query = query.order_by(Trajectory.created_at, Trajectory.id).limit(limit)
-    return list(session.scalars(query))
+    with sessions() as session:
+        return list(session.scalars(query))
 
 
 def _step_counts(session: Session, ids: Sequence[str]) -> dict[str, tuple[int, int]]:
@@ -207,8 +216,9 @@ def _mark(mark: CurationMark, rule_name: str) -> dict[str, Any]:
     }
 
 
-def list_marks(session: Session, rule_id: int | None, limit: int) -> list[dict[str, Any]]:
-    """The newest curation marks (what rules excluded or flagged, and why)."""
+def list_marks(sessions: Sessions, rule_id: int | None, limit: int) -> list[dict[str, Any]]:
+    """At most ``limit`` curation marks (what rules excluded or flagged, and why), newest first,
+    of one rule or (``rule_id`` None) of all."""
     query = (
         select(CurationMark, CurationRule.name)
         .join(CurationRule, CurationRule.id == CurationMark.rule_id)
@@ -217,7 +227,8 @@ def list_marks(session: Session, rule_id: int | None, limit: int) -> list[dict[s
     )
     if rule_id is not None:
         query = query.where(CurationMark.rule_id == rule_id)
-    return [_mark(mark, name) for mark, name in session.execute(query)]
+    with sessions() as session:
+        return [_mark(mark, name) for mark, name in session.execute(query)]
 
 
 def describe(session: Session, page: Sequence[Trajectory]) -> list[dict[str, Any]]:
@@ -285,8 +296,26 @@ STEP_COLUMNS = (
 )
 
 
-def trajectory_view(session: Session, trajectory_id: str) -> dict[str, Any] | None:
-    """A trajectory, its steps in order (no token payloads), their rewards, labels and marks."""
+def trajectory_view(
+    sessions: Sessions, trajectory_id: str, reward_name: str
+) -> dict[str, Any] | None:
+    """A trajectory, its steps in order (no token payloads), their rewards, labels and marks,
+    and ``readiness`` for a batch requiring ``reward_name``; None for an unknown id."""
+    with sessions() as session:
+        row = _view(session, trajectory_id)
+    if row is None:
+        return None
+    verdict = trajectory_readiness(sessions, trajectory_id, [reward_name])
+    row["readiness"] = {
+        "ready": verdict.ready,
+        "reasons": verdict.reasons,
+        "notes": verdict.notes,
+        "excluded_steps": verdict.excluded_steps,
+    }
+    return row
+
+
+def _view(session: Session, trajectory_id: str) -> dict[str, Any] | None:
     trajectory = session.get(Trajectory, trajectory_id)
     if trajectory is None:
         return None
@@ -324,16 +353,6 @@ def _label(view: Any) -> dict[str, Any] | None:
     if view is None:
         return None
     return {k: getattr(view, k) for k in ("tags", "quality", "decision", "note")}
-
-
-def group_members(session: Session, group_id: str) -> list[Trajectory]:
-    return list(
-        session.scalars(
-            select(Trajectory)
-            .where(Trajectory.group_id == group_id)
-            .order_by(Trajectory.created_at, Trajectory.id)
-        )
-    )
 
 
 def last_answers(session: Session, trajectory_ids: Sequence[str]) -> dict[str, dict[str, Any]]:

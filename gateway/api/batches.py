@@ -16,39 +16,25 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import pyarrow as pa
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.batches import leases
-from datapool.batches.settings import BatchSettings
 from datapool.curation import labels, readiness
 from datapool.curation import rules as curation
 from datapool.curation.selection import TrajectoryFilter
+from datapool.db import Sessions
 from datapool.models import Batch, CurationRule, Label
-from datapool.steps.store import PoolStore
+from datapool.queries.labels import current_label as current_label_of
+from datapool.queries.labels import label_history
+from gateway.api.dependencies import BatchSettingsDep, SessionsDep, StoreDep
 from gateway.errors import ConflictError, InvalidRequestError
 
 router = APIRouter(tags=["curation and batches"])
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
-
-
-def _store(request: Request) -> PoolStore:
-    store: PoolStore = request.app.state.gateway.store
-    return store
-
-
-def _batch_settings(request: Request) -> BatchSettings:
-    settings = getattr(request.app.state, "batch_settings", None)
-    if settings is None:  # read once per app, validated on first use
-        settings = request.app.state.batch_settings = BatchSettings()
-    return settings
-
-
-StoreDep = Annotated[PoolStore, Depends(_store)]
-BatchSettingsDep = Annotated[BatchSettings, Depends(_batch_settings)]
 
 
 # ---- labels --------------------------------------------------------------------------------
@@ -135,71 +121,61 @@ def _label_public(r: Label) -> LabelPublic:
 
 
 @router.post("/labels", response_model=LabelIds, status_code=201)
-async def post_label(body: LabelCreate, store: StoreDep) -> LabelIds:
+async def post_label(body: LabelCreate, sessions: SessionsDep) -> LabelIds:
     """Append one label (append-only; the current view folds the history)."""
     ids = await run_in_threadpool(
-        labels.add_labels, store.sessions, [_label_in(body, body.target, body.target_id)]
+        labels.add_labels, sessions, [_label_in(body, body.target, body.target_id)]
     )
     return LabelIds(ids=ids)
 
 
 @router.post("/labels/bulk", response_model=LabelIds, status_code=201)
-async def post_labels_bulk(body: LabelBulk, store: StoreDep) -> LabelIds:
+async def post_labels_bulk(body: LabelBulk, sessions: SessionsDep) -> LabelIds:
     """Append the same label to every trajectory, step or group the filter matches."""
     ids = await run_in_threadpool(
-        labels.bulk_label, store.sessions, body.filter, _label_in(body, body.target, "-")
+        labels.bulk_label, sessions, body.filter, _label_in(body, body.target, "-")
     )
     return LabelIds(ids=ids)
 
 
 @router.get("/labels", response_model=list[LabelPublic])
 async def list_labels(
-    store: StoreDep,
+    sessions: SessionsDep,
     target: Literal["step", "trajectory", "group"] | None = None,
     target_id: str | None = None,
     trajectory_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> list[LabelPublic]:
     """Label records (history), oldest first: of one target, or of a trajectory and its steps."""
-
-    def run() -> list[LabelPublic]:
-        with store.sessions() as session:
-            return [
-                _label_public(r)
-                for r in labels.label_history(
-                    session,
-                    target_kind=target,
-                    target_id=target_id,
-                    trajectory_id=trajectory_id,
-                    limit=limit,
-                )
-            ]
-
-    return await run_in_threadpool(run)
+    records = await run_in_threadpool(
+        lambda: label_history(
+            sessions,
+            target_kind=target,
+            target_id=target_id,
+            trajectory_id=trajectory_id,
+            limit=limit,
+        )
+    )
+    return [_label_public(r) for r in records]
 
 
 @router.get("/labels/current", response_model=CurrentLabelPublic | None)
 async def current_label(
-    store: StoreDep, target: Literal["step", "trajectory", "group"], target_id: str
+    sessions: SessionsDep, target: Literal["step", "trajectory", "group"], target_id: str
 ) -> CurrentLabelPublic | None:
     """The current view of one target's labels (null when it has none)."""
-
-    def run() -> CurrentLabelPublic | None:
-        with store.sessions() as session:
-            view = labels.current_labels(session, target, [target_id]).get(target_id)
-        if view is None:
-            return None
-        return CurrentLabelPublic(
-            target=target,
-            target_id=target_id,
-            tags=view.tags,
-            quality=view.quality,
-            decision=view.decision,
-            note=view.note,
-            records=view.records,
-        )
-
-    return await run_in_threadpool(run)
+    view = await run_in_threadpool(current_label_of, sessions, target, target_id)
+    if view is None:
+        return None
+    return CurrentLabelPublic(
+        target=target,
+        target_id=target_id,
+        tags=view.tags,
+        quality=view.quality,
+        decision=view.decision,
+        note=view.note,
+        records=view.records,
+    )
 
 
 # ---- curation rules ------------------------------------------------------------------------
@@ -272,16 +248,16 @@ async def create_rule(body: RuleCreate, store: StoreDep) -> RuleCreated:
 
 
 @router.get("/curation/rules", response_model=list[RulePublic])
-async def list_rules(store: StoreDep) -> list[RulePublic]:
+async def list_rules(sessions: SessionsDep) -> list[RulePublic]:
     """Every curation rule, oldest first."""
-    rules = await run_in_threadpool(curation.list_rules, store.sessions)
+    rules = await run_in_threadpool(curation.list_rules, sessions)
     return [RulePublic(**_rule_public(r)) for r in rules]
 
 
 @router.delete("/curation/rules/{rule_id}", status_code=204)
-async def delete_rule(rule_id: int, store: StoreDep) -> Response:
+async def delete_rule(rule_id: int, sessions: SessionsDep) -> Response:
     """Delete a rule and its marks (what it excluded becomes eligible again)."""
-    await run_in_threadpool(curation.delete_rule, store.sessions, rule_id)
+    await run_in_threadpool(curation.delete_rule, sessions, rule_id)
     return Response(status_code=204)
 
 
@@ -328,22 +304,22 @@ def _readiness_public(v: readiness.Verdict) -> ReadinessPublic:
 
 @router.get("/trajectories/{trajectory_id}/readiness", response_model=ReadinessPublic)
 async def trajectory_readiness(
-    trajectory_id: str, store: StoreDep, reward_name: RewardNamesQuery = None
+    trajectory_id: str, sessions: SessionsDep, reward_name: RewardNamesQuery = None
 ) -> ReadinessPublic:
     """Whether the trajectory is ready for a batch requiring ``reward_name``s, and why not."""
     verdict = await run_in_threadpool(
-        readiness.trajectory_readiness, store.sessions, trajectory_id, reward_name or ["final"]
+        readiness.trajectory_readiness, sessions, trajectory_id, reward_name or ["final"]
     )
     return _readiness_public(verdict)
 
 
 @router.get("/groups/{group_id}/readiness", response_model=GroupReadinessPublic)
 async def group_readiness(
-    group_id: str, store: StoreDep, reward_name: RewardNamesQuery = None
+    group_id: str, sessions: SessionsDep, reward_name: RewardNamesQuery = None
 ) -> GroupReadinessPublic:
     """Whether every member of the group is ready, and each member's reasons."""
     ready, reasons, members = await run_in_threadpool(
-        readiness.group_readiness, store.sessions, group_id, reward_name or ["final"]
+        readiness.group_readiness, sessions, group_id, reward_name or ["final"]
     )
     return GroupReadinessPublic(
         group_id=group_id,
@@ -453,7 +429,7 @@ async def list_batches(
 
 @router.post("/batches/lease", response_model=LeasePublic | None)
 async def lease_batch(
-    body: LeaseRequest, store: StoreDep, settings: BatchSettingsDep
+    body: LeaseRequest, sessions: SessionsDep, settings: BatchSettingsDep
 ) -> LeasePublic | Response:
     """Lease the oldest ready batch this consumer has not consumed; 204 when there is none."""
     lease_s = body.lease_s or settings.lease_default_s
@@ -463,7 +439,7 @@ async def lease_batch(
             param="lease_s",
         )
     lease = await run_in_threadpool(
-        leases.lease_next, store.sessions, body.consumer, lease_s, body.batch_id
+        leases.lease_next, sessions, body.consumer, lease_s, body.batch_id
     )
     if lease is None:
         return Response(status_code=204)
@@ -531,24 +507,24 @@ async def batch_rows(
 
 
 @router.post("/batches/{batch_id}/ack", status_code=204)
-async def ack_batch(batch_id: str, body: AckRequest, store: StoreDep) -> Response:
+async def ack_batch(batch_id: str, body: AckRequest, sessions: SessionsDep) -> Response:
     """The consumer trained on the batch: recorded once, with the policy version trained."""
     await _release(
-        leases.ack, store, batch_id, body.consumer, body.lease_id, body.policy_version_trained
+        leases.ack, sessions, batch_id, body.consumer, body.lease_id, body.policy_version_trained
     )
     return Response(status_code=204)
 
 
 @router.post("/batches/{batch_id}/nack", status_code=204)
-async def nack_batch(batch_id: str, body: NackRequest, store: StoreDep) -> Response:
+async def nack_batch(batch_id: str, body: NackRequest, sessions: SessionsDep) -> Response:
     """Give the batch back now (the update failed); the next lease may take it."""
-    await _release(leases.nack, store, batch_id, body.consumer, body.lease_id)
+    await _release(leases.nack, sessions, batch_id, body.consumer, body.lease_id)
     return Response(status_code=204)
 
 
-async def _release(fn: Any, store: PoolStore, *args: Any) -> None:
+async def _release(fn: Any, sessions: Sessions, *args: Any) -> None:
     try:
-        await run_in_threadpool(fn, store.sessions, *args)
+        await run_in_threadpool(fn, sessions, *args)
     except leases.LeaseNotCurrentError as exc:
         raise ConflictError(exc.message, param=exc.param, code="lease_lost") from exc
 

@@ -1,9 +1,10 @@
 """The pool's HTTP API under ``/api``: trajectories, steps, rewards, groups, summaries.
 
-Owns: request/response schemas (OpenAPI), filters and cursor pagination over trajectories, and
-mapping pool errors to the one envelope (``gateway.errors.from_pool_error``). Never: encodes
-text into token IDs; ``/api/steps/{id}`` returns the stored IDs and, only when a tokenizer is
-configured (``TRAJGATE_TOKENIZER_DIR``), their decoded text.
+Owns: request/response schemas (OpenAPI), parsing filters and opaque cursors, and shaping what
+the ``datapool.queries`` and ``datapool.lifecycle`` functions return into those schemas (pool
+errors reach the one envelope through ``gateway.errors.from_pool_error``). Never: runs SQL or
+opens a session; encodes text into token IDs (``/api/steps/{id}`` returns the stored IDs and,
+only when a tokenizer is configured, ``TRAJGATE_TOKENIZER_DIR``, their decoded text).
 """
 
 from __future__ import annotations
@@ -11,33 +12,27 @@ from __future__ import annotations
 import base64
 import json
 from datetime import datetime
-from functools import lru_cache
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, func, or_, select
 from starlette.concurrency import run_in_threadpool
 
-from datapool.curation.selection import json_contains, trajectory_conditions
+from datapool.db import Sessions
 from datapool.lifecycle import transitions as lifecycle
-from datapool.models import Reward, Step, Trajectory, TrajectoryGroup, TrajectoryStatus
+from datapool.models import Step, Trajectory, TrajectoryStatus
+from datapool.queries import groups, steps, trajectories
+from datapool.queries.rewards import reward_history
+from datapool.queries.summary import pool_counts
 from datapool.rewards import values as rewards
-from datapool.steps.store import PoolStore, StoredStep
+from datapool.steps.store import PoolStore
+from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.state import StateDep
 
 router = APIRouter(tags=["pool"])
-
-
-def _store(request: Request) -> PoolStore:
-    store: PoolStore = request.app.state.gateway.store
-    return store
-
-
-StoreDep = Annotated[PoolStore, Depends(_store)]
 
 
 # ---- schemas -------------------------------------------------------------------------------
@@ -207,7 +202,7 @@ def _public(t: Trajectory, current: dict[str, float]) -> TrajectoryPublic:
     )
 
 
-def _summary(s: Step | StoredStep) -> dict[str, Any]:
+def _summary(s: Step) -> dict[str, Any]:
     return {k: getattr(s, k) for k in StepSummary.model_fields}
 
 
@@ -224,19 +219,12 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidRequestError(f"cursor {cursor[:40]!r} is not one this API returned") from exc
 
 
-@lru_cache(maxsize=4)
-def _tokenizer(path: str) -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-
-
 # ---- trajectories --------------------------------------------------------------------------
 
 
 @router.get("/trajectories", response_model=TrajectoryPage)
 async def list_trajectories(
-    store: StoreDep,
+    sessions: SessionsDep,
     status: Annotated[list[TrajectoryStatus] | None, Query()] = None,
     channel: str | None = None,
     group_id: str | None = None,
@@ -256,61 +244,39 @@ async def list_trajectories(
     cursor: str | None = None,
 ) -> TrajectoryPage:
     """Trajectories, newest first, filtered; cursor pagination (stable under inserts)."""
-
-    def run() -> TrajectoryPage:
-        query = select(Trajectory).where(
-            *trajectory_conditions(
-                status=[s.value for s in status] if status else None,
-                channel=channel,
-                group_ids=None if group_id is None else [group_id],
-                tags=tag or (),
-                flags=flag or (),
-                policy_version=policy_version,
-                created_after=created_after,
-                created_before=created_before,
-                q=q,
-            )
+    page, more = await run_in_threadpool(
+        lambda: trajectories.trajectory_page(
+            sessions,
+            status=[s.value for s in status] if status else None,
+            channel=channel,
+            group_id=group_id,
+            tags=tag or (),
+            flags=flag or (),
+            reward_name=reward_name,
+            reward_min=reward_min,
+            reward_max=reward_max,
+            rewarded=rewarded,
+            policy_version=policy_version,
+            created_after=created_after,
+            created_before=created_before,
+            q=q,
+            after=_decode_cursor(cursor) if cursor else None,
+            limit=limit,
         )
-        if reward_min is not None or reward_max is not None or rewarded is not None:
-            current = rewards.current_rewards_query("trajectory", reward_name)
-            if rewarded is False:
-                query = query.where(~Trajectory.id.in_(select(current.c.target_id)))
-            else:
-                query = query.join(current, current.c.target_id == Trajectory.id)
-                if reward_min is not None:
-                    query = query.where(current.c.value >= reward_min)
-                if reward_max is not None:
-                    query = query.where(current.c.value <= reward_max)
-        if cursor:
-            at, last_id = _decode_cursor(cursor)
-            query = query.where(
-                or_(
-                    Trajectory.created_at < at,
-                    and_(Trajectory.created_at == at, Trajectory.id < last_id),
-                )
-            )
-        query = query.order_by(Trajectory.created_at.desc(), Trajectory.id.desc()).limit(limit + 1)
-        with store.sessions() as session:
-            rows = list(session.scalars(query))
-            page = rows[:limit]
-            current_values = rewards.current_rewards(session, "trajectory", [t.id for t in page])
-        next_cursor = (
-            _encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
-        )
-        return TrajectoryPage(
-            data=[_public(t, current_values.get(t.id, {})) for t in page],
-            next_cursor=next_cursor,
-        )
-
-    return await run_in_threadpool(run)
+    )
+    last = page[-1].trajectory if page else None
+    return TrajectoryPage(
+        data=[_public(row.trajectory, row.rewards) for row in page],
+        next_cursor=_encode_cursor(last.created_at, last.id) if more and last else None,
+    )
 
 
 @router.post("/trajectories", response_model=TrajectoryPublic, status_code=201)
-async def create_trajectory(body: TrajectoryCreate, store: StoreDep) -> TrajectoryPublic:
+async def create_trajectory(body: TrajectoryCreate, sessions: SessionsDep) -> TrajectoryPublic:
     """Register a trajectory before its first call (group, channel, tags, metadata)."""
     trajectory = await run_in_threadpool(
         lifecycle.create_trajectory,
-        store.sessions,
+        sessions,
         body.id,
         group_id=body.group_id,
         channel=body.channel,
@@ -320,34 +286,26 @@ async def create_trajectory(body: TrajectoryCreate, store: StoreDep) -> Trajecto
     return _public(trajectory, {})
 
 
-def _detail(store: PoolStore, trajectory_id: str) -> TrajectoryDetail:
-    with store.sessions() as session:
-        trajectory = session.get(Trajectory, trajectory_id)
-        if trajectory is None:
-            raise NotFoundError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
-        steps = list(
-            session.scalars(
-                select(Step)
-                .where(Step.trajectory_id == trajectory_id)
-                .order_by(Step.step_index, Step.choice_index)
-            )
-        )
-        current = rewards.current_rewards(session, "trajectory", [trajectory_id])
-    public = _public(trajectory, current.get(trajectory_id, {}))
+def _detail(sessions: Sessions, trajectory_id: str) -> TrajectoryDetail:
+    found = trajectories.trajectory_with_steps(sessions, trajectory_id)
+    if found is None:
+        raise NotFoundError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
+    public = _public(found.trajectory, found.rewards)
     return TrajectoryDetail(
-        **public.model_dump(), steps=[StepSummary(**_summary(s)) for s in steps]
+        **public.model_dump(), steps=[StepSummary(**_summary(s)) for s in found.steps]
     )
 
 
 @router.get("/trajectories/{trajectory_id}", response_model=TrajectoryDetail)
-async def get_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetail:
+async def get_trajectory(trajectory_id: str, sessions: SessionsDep) -> TrajectoryDetail:
     """One trajectory with its steps (without token IDs; see /api/steps/{id})."""
-    return await run_in_threadpool(_detail, store, trajectory_id)
+    return await run_in_threadpool(_detail, sessions, trajectory_id)
 
 
 @router.post("/trajectories/{trajectory_id}/complete", response_model=TrajectoryDetail)
 async def complete_trajectory(
     trajectory_id: str,
+    sessions: SessionsDep,
     store: StoreDep,
     request: Request,
     body: CompleteRequest | None = None,
@@ -360,63 +318,65 @@ async def complete_trajectory(
     does not wait for them.
     """
     body = body or CompleteRequest()
-    await run_in_threadpool(
-        lifecycle.close_trajectory,
-        store.sessions,
+    detail = await _close(
+        sessions,
+        store,
         trajectory_id,
         TrajectoryStatus.COMPLETE,
         final_reward=body.reward,
         reward_name=body.reward_name,
         author=body.author,
     )
-    store.forget_lineage(trajectory_id)
     # The hooks are already due in the database (durable); this only saves the polling delay.
     request.app.state.gateway.hooks.wake()
-    return await run_in_threadpool(_detail, store, trajectory_id)
+    return detail
 
 
-async def _close(store: PoolStore, trajectory_id: str, status: TrajectoryStatus) -> Any:
-    await run_in_threadpool(lifecycle.close_trajectory, store.sessions, trajectory_id, status)
+async def _close(
+    sessions: Sessions,
+    store: PoolStore,
+    trajectory_id: str,
+    status: TrajectoryStatus,
+    **final: Any,
+) -> TrajectoryDetail:
+    """Close the trajectory (``final``: its final reward, for completion), drop its cached
+    lineage, and return what it now is."""
+    await run_in_threadpool(
+        lambda: lifecycle.close_trajectory(sessions, trajectory_id, status, **final)
+    )
     store.forget_lineage(trajectory_id)
-    return await run_in_threadpool(_detail, store, trajectory_id)
+    return await run_in_threadpool(_detail, sessions, trajectory_id)
 
 
 @router.post("/trajectories/{trajectory_id}/abandon", response_model=TrajectoryDetail)
-async def abandon_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetail:
+async def abandon_trajectory(
+    trajectory_id: str, sessions: SessionsDep, store: StoreDep
+) -> TrajectoryDetail:
     """Mark an open trajectory abandoned (the agent gave up); later calls get 409."""
-    detail: TrajectoryDetail = await _close(store, trajectory_id, TrajectoryStatus.ABANDONED)
-    return detail
+    return await _close(sessions, store, trajectory_id, TrajectoryStatus.ABANDONED)
 
 
 @router.post("/trajectories/{trajectory_id}/fail", response_model=TrajectoryDetail)
-async def fail_trajectory(trajectory_id: str, store: StoreDep) -> TrajectoryDetail:
+async def fail_trajectory(
+    trajectory_id: str, sessions: SessionsDep, store: StoreDep
+) -> TrajectoryDetail:
     """Mark an open trajectory failed (the environment broke); later calls get 409."""
-    detail: TrajectoryDetail = await _close(store, trajectory_id, TrajectoryStatus.FAILED)
-    return detail
+    return await _close(sessions, store, trajectory_id, TrajectoryStatus.FAILED)
 
 
 # ---- groups --------------------------------------------------------------------------------
 
 
-def _group(store: PoolStore, group_id: str) -> GroupPublic:
-    with store.sessions() as session:
-        group = session.get(TrajectoryGroup, group_id)
-        if group is None:
-            raise NotFoundError(f"no group {group_id!r}", param="group_id")
-        members = {
-            status: n
-            for status, n in session.execute(
-                select(Trajectory.status, func.count())
-                .where(Trajectory.group_id == group_id)
-                .group_by(Trajectory.status)
-            )
-        }
+def _group(sessions: Sessions, group_id: str) -> GroupPublic:
+    found = groups.group_with_counts(sessions, group_id)
+    if found is None:
+        raise NotFoundError(f"no group {group_id!r}", param="group_id")
     return GroupPublic(
-        id=group.id,
-        expected_size=group.expected_size,
-        status=group.status,
-        members=members,
-        completed_at=group.completed_at,
+        id=found.group.id,
+        expected_size=found.group.expected_size,
+        status=found.group.status,
+        members=found.members,
+        completed_at=found.group.completed_at,
     )
 
 
@@ -424,17 +384,17 @@ def _group(store: PoolStore, group_id: str) -> GroupPublic:
 async def put_group(
     group_id: Annotated[str, PathParam(pattern=GROUP_ID_PATTERN.pattern)],
     body: GroupUpdate,
-    store: StoreDep,
+    sessions: SessionsDep,
 ) -> GroupPublic:
     """Create a group or set its expected size; it completes when that many members closed."""
-    await run_in_threadpool(lifecycle.set_group, store.sessions, group_id, body.expected_size)
-    return await run_in_threadpool(_group, store, group_id)
+    await run_in_threadpool(lifecycle.set_group, sessions, group_id, body.expected_size)
+    return await run_in_threadpool(_group, sessions, group_id)
 
 
 @router.get("/groups/{group_id}", response_model=GroupPublic)
-async def get_group(group_id: str, store: StoreDep) -> GroupPublic:
+async def get_group(group_id: str, sessions: SessionsDep) -> GroupPublic:
     """A group's expected size, status and members per status."""
-    return await run_in_threadpool(_group, store, group_id)
+    return await run_in_threadpool(_group, sessions, group_id)
 
 
 # ---- steps ---------------------------------------------------------------------------------
@@ -442,7 +402,7 @@ async def get_group(group_id: str, store: StoreDep) -> GroupPublic:
 
 @router.get("/steps/stale", response_model=list[StaleStep])
 async def stale_steps(
-    store: StoreDep,
+    sessions: SessionsDep,
     current_version: Annotated[int, Query(ge=0)],
     max_versions_behind: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -463,54 +423,42 @@ async def stale_steps(
     after = None
     if after_version is not None and after_step_id is not None:
         after = (after_version, after_step_id)
-
-    def run() -> list[StaleStep]:
-        with store.sessions() as session:
-            rows = lifecycle.stale_steps(
-                session, current_version, max_versions_behind, limit=limit, after=after
-            )
-        return [StaleStep(step_id=s, policy_version=v) for s, v in rows]
-
-    return await run_in_threadpool(run)
+    rows = await run_in_threadpool(
+        lambda: lifecycle.stale_steps(
+            sessions, current_version, max_versions_behind, limit=limit, after=after
+        )
+    )
+    return [StaleStep(step_id=s, policy_version=v) for s, v in rows]
 
 
 @router.get("/steps/{step_id}", response_model=StepPublic)
 async def get_step(step_id: str, store: StoreDep) -> StepPublic:
     """One step with its exact token IDs and logprobs (and decoded text with a tokenizer)."""
-
-    def run() -> StepPublic:
-        step = store.get_step(step_id)
-        if step is None:
-            raise NotFoundError(f"no step {step_id!r}", param="step_id")
-        with store.sessions() as session:
-            current = rewards.current_rewards(session, "step", [step_id]).get(step_id, {})
-        prompt_text = response_text = None
-        if store.settings.tokenizer_dir is not None:
-            tokenizer = _tokenizer(str(store.settings.tokenizer_dir))
-            if step.prompt_token_ids is not None:
-                prompt_text = tokenizer.decode(step.prompt_token_ids, skip_special_tokens=False)
-            if step.response_token_ids is not None:
-                response_text = tokenizer.decode(step.response_token_ids, skip_special_tokens=False)
-        computed = ("rewards", "prompt_text", "response_text")
-        fields = {k: getattr(step, k) for k in StepPublic.model_fields if k not in computed}
-        fields.update(prompt_text=prompt_text, response_text=response_text, rewards=current)
-        return StepPublic(**fields)
-
-    return await run_in_threadpool(run)
+    view = await run_in_threadpool(steps.step_view, store, step_id)
+    if view is None:
+        raise NotFoundError(f"no step {step_id!r}", param="step_id")
+    computed = ("rewards", "prompt_text", "response_text")
+    fields = {k: getattr(view.step, k) for k in StepPublic.model_fields if k not in computed}
+    return StepPublic(
+        **fields,
+        prompt_text=view.prompt_text,
+        response_text=view.response_text,
+        rewards=view.rewards,
+    )
 
 
 # ---- rewards -------------------------------------------------------------------------------
 
 
 @router.post("/rewards", response_model=RewardIds, status_code=201)
-async def post_rewards(body: RewardBatch, store: StoreDep) -> RewardIds:
+async def post_rewards(body: RewardBatch, sessions: SessionsDep) -> RewardIds:
     """Append rewards (one or many, all or none) to steps or trajectories, at any time.
 
     Unknown targets are 404 and nothing is written.
     """
     ids = await run_in_threadpool(
         rewards.add_rewards,
-        store.sessions,
+        sessions,
         [
             rewards.RewardIn(r.target, r.target_id, r.name, r.value, r.source, r.author)
             for r in body.rewards
@@ -521,7 +469,7 @@ async def post_rewards(body: RewardBatch, store: StoreDep) -> RewardIds:
 
 @router.get("/rewards", response_model=list[RewardPublic])
 async def list_rewards(
-    store: StoreDep,
+    sessions: SessionsDep,
     trajectory_id: str | None = None,
     target_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -529,89 +477,49 @@ async def list_rewards(
     """Reward records (history, failed reward functions included), oldest first."""
     if trajectory_id is None and target_id is None:
         raise InvalidRequestError("give trajectory_id or target_id", param="trajectory_id")
-
-    def run() -> list[RewardPublic]:
-        query = select(Reward).order_by(Reward.id).limit(limit)
-        if trajectory_id is not None:
-            query = query.where(Reward.trajectory_id == trajectory_id)
-        if target_id is not None:
-            query = query.where(Reward.target_id == target_id)
-        with store.sessions() as session:
-            return [
-                RewardPublic(
-                    id=r.id,
-                    target=r.target_kind,
-                    target_id=r.target_id,
-                    trajectory_id=r.trajectory_id,
-                    name=r.name,
-                    value=r.value,
-                    source=r.source,
-                    author=r.author,
-                    error=r.error,
-                    created_at=r.created_at,
-                )
-                for r in session.scalars(query)
-            ]
-
-    return await run_in_threadpool(run)
+    records = await run_in_threadpool(
+        lambda: reward_history(
+            sessions, trajectory_id=trajectory_id, target_id=target_id, limit=limit
+        )
+    )
+    return [
+        RewardPublic(
+            id=r.id,
+            target=r.target_kind,
+            target_id=r.target_id,
+            trajectory_id=r.trajectory_id,
+            name=r.name,
+            value=r.value,
+            source=r.source,
+            author=r.author,
+            error=r.error,
+            created_at=r.created_at,
+        )
+        for r in records
+    ]
 
 
 # ---- summary -------------------------------------------------------------------------------
 
 
 @router.get("/summary", response_model=Summary)
-async def summary(request: Request, store: StoreDep) -> Summary:
+async def summary(state: StateDep) -> Summary:
     """Counts for dashboards: trajectories by status/channel, steps, rewards, integrity."""
-
-    def run() -> Summary:
-        with store.sessions() as session:
-            by_status = dict(
-                (k, v)
-                for k, v in session.execute(
-                    select(Trajectory.status, func.count()).group_by(Trajectory.status)
-                )
-            )
-            by_channel = dict(
-                (k, v)
-                for k, v in session.execute(
-                    select(Trajectory.channel, func.count()).group_by(Trajectory.channel)
-                )
-            )
-            by_outcome = dict(
-                (k, v)
-                for k, v in session.execute(
-                    select(Step.outcome, func.count()).group_by(Step.outcome)
-                )
-            )
-            total = sum(by_status.values())
-            rewarded = session.scalar(
-                select(func.count(func.distinct(Reward.trajectory_id))).where(
-                    Reward.error.is_(None)
-                )
-            )
-            rejected = session.scalar(select(func.coalesce(func.sum(Trajectory.rejected_calls), 0)))
-            empty = session.scalar(
-                select(func.count()).where(json_contains(Trajectory.flags, lifecycle.EMPTY))
-            )
-            incomplete = session.scalar(
-                select(func.count()).where(json_contains(Trajectory.flags, lifecycle.INCOMPLETE))
-            )
-        writer = getattr(request.app.state.gateway, "writer", None)
-        stats = None
-        if writer is not None:
-            stats = {k: v for k, v in vars(writer.stats).items() if k != "batch_sizes"}
-        return Summary(
-            trajectories_by_status=by_status,
-            trajectories_by_channel=by_channel,
-            steps=sum(by_outcome.values()),
-            steps_by_outcome=by_outcome,
-            rewarded_trajectories=int(rewarded or 0),
-            unrewarded_trajectories=total - int(rewarded or 0),
-            rejected_calls=int(rejected or 0),
-            empty_trajectories=int(empty or 0),
-            incomplete_trajectories=int(incomplete or 0),
-            payloads_pending_compaction=store.payloads.pending_steps(),
-            writer=stats,
-        )
-
-    return await run_in_threadpool(run)
+    counts = await run_in_threadpool(pool_counts, state.store)
+    stats = None
+    if state.writer is not None:
+        stats = {k: v for k, v in vars(state.writer.stats).items() if k != "batch_sizes"}
+    total = sum(counts.trajectories_by_status.values())
+    return Summary(
+        trajectories_by_status=counts.trajectories_by_status,
+        trajectories_by_channel=counts.trajectories_by_channel,
+        steps=sum(counts.steps_by_outcome.values()),
+        steps_by_outcome=counts.steps_by_outcome,
+        rewarded_trajectories=counts.rewarded_trajectories,
+        unrewarded_trajectories=total - counts.rewarded_trajectories,
+        rejected_calls=counts.rejected_calls,
+        empty_trajectories=counts.empty_trajectories,
+        incomplete_trajectories=counts.incomplete_trajectories,
+        payloads_pending_compaction=counts.payloads_pending_compaction,
+        writer=stats,
+    )

@@ -1,11 +1,12 @@
 """The JSON endpoints the web inspector's views need, under ``/api``.
 
-Owns: sorted/paged trajectory lists, the trajectory view, a step's token view, a group's
-rollouts with advantages, curation marks, batch previews, chart aggregates and the trainer's
-metrics; and the inspector's guard: the admin token (when one is set) on every endpoint here,
-and a same-origin check on every write. Never: encodes text into token IDs (the token view
-decodes stored IDs one by one, only with ``TRAJGATE_TOKENIZER_DIR``); never writes labels or
-batches itself (the inspector calls ``/api/labels`` and ``/api/batches`` for that).
+Owns: the schemas of sorted/paged trajectory lists, the trajectory view, a step's token view, a
+group's rollouts with advantages, curation marks, batch previews, chart aggregates and the
+trainer's metrics (each endpoint one call to ``datapool.queries`` or ``datapool.batches``); and
+the inspector's guard: the admin token (when one is set) on every endpoint here, and a
+same-origin check on every write. Never: runs SQL or opens a session; encodes text into token IDs
+(the token view decodes stored IDs one by one, only with ``TRAJGATE_TOKENIZER_DIR``); writes
+labels or batches itself (the inspector calls ``/api/labels`` and ``/api/batches`` for that).
 
 Cross-site writes: a browser page on another origin can send a form POST; it cannot set a
 custom header or a JSON content type without a CORS preflight, which this gateway never grants.
@@ -20,26 +21,19 @@ from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-import numpy as np
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
-from datapool.batches.advantages import estimate_advantages
-from datapool.curation import readiness
-from datapool.errors import PoolError
-from datapool.models import Trajectory
-from datapool.queries import charts, listing
-from datapool.steps.store import PoolStore
-from gateway.api.pool import _tokenizer
+from datapool.queries import charts, groups, listing, steps
+from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.auth import check_admin_token
 from gateway.errors import (
     ConflictError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
-    from_pool_error,
 )
 
 MAX_IDS = 100_000
@@ -69,13 +63,6 @@ def guard(request: Request) -> None:
 
 router = APIRouter(prefix="/api", tags=["inspector"], dependencies=[Depends(guard)])
 
-
-def _store(request: Request) -> PoolStore:
-    store: PoolStore = request.app.state.gateway.store
-    return store
-
-
-StoreDep = Annotated[PoolStore, Depends(_store)]
 ListQueryDep = Annotated[listing.ListQuery, Query()]
 
 
@@ -90,17 +77,15 @@ class ListPage(BaseModel):
 
 
 @router.get("/inspector/trajectories", response_model=ListPage)
-async def list_page(store: StoreDep, where: ListQueryDep, with_total: bool = False) -> ListPage:
+async def list_page(
+    sessions: SessionsDep, where: ListQueryDep, with_total: bool = False
+) -> ListPage:
     """Trajectories filtered like ``GET /api/trajectories``, sorted by ``sort``/``order``,
     paged by ``offset``/``limit``; each row with steps, tokens, rewards, label, rule exclusion."""
-
-    def run() -> ListPage:
-        with store.sessions() as session:
-            rows = listing.list_page(session, where)
-            total = listing.count(session, where) if with_total else None
-        return ListPage(data=rows, offset=where.offset, limit=where.limit, total=total)
-
-    return await run_in_threadpool(run)
+    rows, total = await run_in_threadpool(
+        lambda: listing.list_page(sessions, where, with_total=with_total)
+    )
+    return ListPage(data=rows, offset=where.offset, limit=where.limit, total=total)
 
 
 class IdList(BaseModel):
@@ -109,40 +94,23 @@ class IdList(BaseModel):
 
 
 @router.get("/inspector/trajectory-ids", response_model=IdList)
-async def trajectory_ids(store: StoreDep, where: ListQueryDep) -> IdList:
+async def trajectory_ids(sessions: SessionsDep, where: ListQueryDep) -> IdList:
     """Ids of every trajectory the filters match (oldest first, at most 100,000): the target of
     bulk actions and batch specs when the filter has a text search."""
-
-    def run() -> IdList:
-        with store.sessions() as session:
-            ids = listing.matching_ids(session, where, MAX_IDS + 1)
-        return IdList(ids=ids[:MAX_IDS], truncated=len(ids) > MAX_IDS)
-
-    return await run_in_threadpool(run)
+    ids = await run_in_threadpool(listing.matching_ids, sessions, where, MAX_IDS + 1)
+    return IdList(ids=ids[:MAX_IDS], truncated=len(ids) > MAX_IDS)
 
 
 @router.get("/inspector/trajectories/{trajectory_id}")
 async def trajectory_view(
-    trajectory_id: str, store: StoreDep, reward_name: str = "final"
+    trajectory_id: str, sessions: SessionsDep, reward_name: str = "final"
 ) -> dict[str, Any]:
     """One trajectory and its steps in order (messages, tools, response, rewards, labels, rule
     marks, lineage and prefix-break windows; no token IDs), with its batch readiness."""
-
-    def run() -> dict[str, Any]:
-        with store.sessions() as session:
-            view = listing.trajectory_view(session, trajectory_id)
-        if view is None:
-            raise NotFoundError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
-        verdict = readiness.trajectory_readiness(store.sessions, trajectory_id, [reward_name])
-        view["readiness"] = {
-            "ready": verdict.ready,
-            "reasons": verdict.reasons,
-            "notes": verdict.notes,
-            "excluded_steps": verdict.excluded_steps,
-        }
-        return view
-
-    return await run_in_threadpool(run)
+    view = await run_in_threadpool(listing.trajectory_view, sessions, trajectory_id, reward_name)
+    if view is None:
+        raise NotFoundError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
+    return view
 
 
 @router.get("/steps/{step_id}/tokens")
@@ -150,93 +118,43 @@ async def step_tokens(step_id: str, store: StoreDep) -> dict[str, Any]:
     """A step's exact prompt and response IDs with behaviour logprobs, the loss mask (1 on
     sampled tokens), where the prompt stops repeating the parent's prompt + response
     (``prompt_base_tokens``), and each ID's text decoded alone when a tokenizer is set."""
-
-    def run() -> dict[str, Any]:
-        step = store.get_step(step_id)
-        if step is None:
-            raise NotFoundError(f"no step {step_id!r}", param="step_id")
-        prompt = step.prompt_token_ids or []
-        response = step.response_token_ids or []
-        texts: list[str] | None = None
-        if store.settings.tokenizer_dir is not None:
-            tokenizer = _tokenizer(str(store.settings.tokenizer_dir))
-            texts = tokenizer.decode_batch(
-                [[i] for i in [*prompt, *response]], skip_special_tokens=False
-            )
-        logprobs = step.response_logprobs
-        return {
-            "step_id": step.id,
-            "trajectory_id": step.trajectory_id,
-            "step_index": step.step_index,
-            "policy_version": step.policy_version,
-            "flags": list(step.flags or []),
-            "prompt_token_ids": step.prompt_token_ids,
-            "response_token_ids": step.response_token_ids,
-            "response_logprobs": [None if not math.isfinite(x) else x for x in logprobs]
-            if logprobs is not None
-            else None,
-            "loss_mask": [0] * len(prompt) + [1] * len(response),
-            "prompt_base_tokens": step.prompt_base_tokens or 0,
-            "divergence_offset": step.divergence_offset,
-            "token_texts": texts,
-        }
-
-    return await run_in_threadpool(run)
+    view = await run_in_threadpool(steps.step_tokens, store, step_id)
+    if view is None:
+        raise NotFoundError(f"no step {step_id!r}", param="step_id")
+    return view
 
 
 @router.get("/groups/{group_id}/rollouts")
 async def group_rollouts(
     group_id: str,
-    store: StoreDep,
+    sessions: SessionsDep,
     reward_name: str = "final",
     algorithm: str = "grpo",
 ) -> dict[str, Any]:
     """The group's members side by side: status, steps, tokens, reward, the advantage
     ``algorithm`` would give them (``grpo``, ``rloo``, ``reinforce_pp``, ``ppo``, ``sft``;
     unrewarded members get none), and each one's last answer."""
-
-    def run() -> dict[str, Any]:
-        with store.sessions() as session:
-            members: list[Trajectory] = listing.group_members(session, group_id)
-            if not members:
-                raise NotFoundError(f"no group {group_id!r} with members", param="group_id")
-            rows = listing.describe(session, members)
-            answers = listing.last_answers(session, [m.id for m in members])
-        values = [r["rewards"].get(reward_name, math.nan) for r in rows]
-        try:
-            advantages = estimate_advantages(
-                algorithm,
-                np.array(values, dtype=np.float64),  # [G]
-                np.zeros(len(values), dtype=np.int64),  # [G] one group
-            ).tolist()
-        except PoolError as exc:
-            raise from_pool_error(exc) from exc
-        for row, advantage in zip(rows, advantages, strict=True):
-            row["advantage"] = None if math.isnan(advantage) else advantage
-            row["answer"] = answers.get(row["id"], {})
-        return {
-            "group_id": group_id,
-            "reward_name": reward_name,
-            "algorithm": algorithm,
-            "members": rows,
-        }
-
-    return await run_in_threadpool(run)
+    members = await run_in_threadpool(
+        groups.group_rollouts, sessions, group_id, reward_name, algorithm
+    )
+    if members is None:
+        raise NotFoundError(f"no group {group_id!r} with members", param="group_id")
+    return {
+        "group_id": group_id,
+        "reward_name": reward_name,
+        "algorithm": algorithm,
+        "members": members,
+    }
 
 
 @router.get("/curation/marks")
 async def curation_marks(
-    store: StoreDep,
+    sessions: SessionsDep,
     rule_id: int | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
 ) -> list[dict[str, Any]]:
     """What curation rules marked (excluded or flagged), newest first, with each reason."""
-
-    def run() -> list[dict[str, Any]]:
-        with store.sessions() as session:
-            return listing.list_marks(session, rule_id, limit)
-
-    return await run_in_threadpool(run)
+    return await run_in_threadpool(listing.list_marks, sessions, rule_id, limit)
 
 
 # ---- batches -------------------------------------------------------------------------------
@@ -279,19 +197,16 @@ async def preview_batch(spec: batches.BatchSpec, store: StoreDep) -> dict[str, A
 
 @router.get("/charts")
 async def chart_data(
-    store: StoreDep,
+    sessions: SessionsDep,
     since: datetime | None = None,
     bucket_s: Annotated[int, Query(ge=1)] = 60,
     reward_name: str = "final",
 ) -> dict[str, Any]:
     """Reward by policy version over time, steps and tokens per bucket, length histograms and
     flag rates per policy version (exact aggregates over steps created since ``since``)."""
-
-    def run() -> dict[str, Any]:
-        with store.sessions() as session:
-            return charts.charts(session, since=since, bucket_s=bucket_s, reward_name=reward_name)
-
-    return await run_in_threadpool(run)
+    return await run_in_threadpool(
+        lambda: charts.charts(sessions, since=since, bucket_s=bucket_s, reward_name=reward_name)
+    )
 
 
 class TrainingMetricIn(BaseModel):
@@ -311,29 +226,24 @@ class TrainingMetricPublic(TrainingMetricIn):
 
 
 @router.post("/training-metrics", status_code=201)
-async def post_training_metrics(body: TrainingMetricBatch, store: StoreDep) -> dict[str, Any]:
+async def post_training_metrics(body: TrainingMetricBatch, sessions: SessionsDep) -> dict[str, Any]:
     """Append rows of trainer metrics (append-only; all or none)."""
     bad = [k for r in body.rows for k, v in r.metrics.items() if not math.isfinite(v)]
     if bad:
         raise InvalidRequestError(f"metric values must be finite numbers; got {bad[:5]}")
     ids = await run_in_threadpool(
-        charts.add_training_metrics, store.sessions, [r.model_dump() for r in body.rows]
+        charts.add_training_metrics, sessions, [r.model_dump() for r in body.rows]
     )
     return {"ids": ids}
 
 
 @router.get("/training-metrics", response_model=list[TrainingMetricPublic])
 async def get_training_metrics(
-    store: StoreDep,
+    sessions: SessionsDep,
     run: str | None = None,
     after_id: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> list[TrainingMetricPublic]:
     """Trainer metric rows oldest first; ``after_id`` returns only newer rows (polling)."""
-
-    def run_query() -> list[TrainingMetricPublic]:
-        with store.sessions() as session:
-            rows = charts.training_metrics(session, run, after_id, limit)
-            return [TrainingMetricPublic.model_validate(r, from_attributes=True) for r in rows]
-
-    return await run_in_threadpool(run_query)
+    rows = await run_in_threadpool(charts.training_metrics, sessions, run, after_id, limit)
+    return [TrainingMetricPublic.model_validate(r, from_attributes=True) for r in rows]

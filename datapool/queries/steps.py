@@ -1,0 +1,77 @@
+"""One step as the pool API and the inspector's token view show it.
+
+Owns: a stored step with its current rewards and, when a tokenizer is configured, its decoded
+text (``GET /api/steps/{id}``), and the token view (``GET /api/steps/{id}/tokens``: IDs,
+behaviour logprobs, loss mask, where the prompt stops repeating the parent). Never: encodes text
+into token IDs; IDs are the stored ones (see ``datapool.queries.token_text``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from datapool.queries.token_text import decode, decode_each
+from datapool.rewards.values import current_rewards
+from datapool.steps.store import PoolStore, StoredStep
+
+
+@dataclass(frozen=True)
+class StepView:
+    """A step, its current reward per name, and its decoded text (None without a tokenizer or
+    without IDs)."""
+
+    step: StoredStep
+    rewards: dict[str, float]
+    prompt_text: str | None
+    response_text: str | None
+
+
+def step_view(store: PoolStore, step_id: str) -> StepView | None:
+    """The step with its token payload, rewards and decoded text; None for an unknown id."""
+    step = store.get_step(step_id)
+    if step is None:
+        return None
+    with store.sessions() as session:
+        rewards = current_rewards(session, "step", [step_id]).get(step_id, {})
+    prompt_text = response_text = None
+    tokenizer_dir = store.settings.tokenizer_dir
+    if tokenizer_dir is not None:
+        if step.prompt_token_ids is not None:
+            prompt_text = decode(tokenizer_dir, step.prompt_token_ids)
+        if step.response_token_ids is not None:
+            response_text = decode(tokenizer_dir, step.response_token_ids)
+    return StepView(step, rewards, prompt_text, response_text)
+
+
+def step_tokens(store: PoolStore, step_id: str) -> dict[str, Any] | None:
+    """The token view of a step (None for an unknown id): prompt and response IDs, behaviour
+    logprobs (non-finite ones as None, which JSON can carry), ``loss_mask`` (0 per prompt token,
+    1 per sampled token), ``prompt_base_tokens`` and ``token_texts`` (each ID decoded alone, only
+    with a tokenizer)."""
+    step = store.get_step(step_id)
+    if step is None:
+        return None
+    prompt = step.prompt_token_ids or []
+    response = step.response_token_ids or []
+    texts: list[str] | None = None
+    if store.settings.tokenizer_dir is not None:
+        texts = decode_each(store.settings.tokenizer_dir, [*prompt, *response])
+    logprobs = step.response_logprobs
+    return {
+        "step_id": step.id,
+        "trajectory_id": step.trajectory_id,
+        "step_index": step.step_index,
+        "policy_version": step.policy_version,
+        "flags": list(step.flags or []),
+        "prompt_token_ids": step.prompt_token_ids,
+        "response_token_ids": step.response_token_ids,
+        "response_logprobs": [None if not math.isfinite(x) else x for x in logprobs]
+        if logprobs is not None
+        else None,
+        "loss_mask": [0] * len(prompt) + [1] * len(response),
+        "prompt_base_tokens": step.prompt_base_tokens or 0,
+        "divergence_offset": step.divergence_offset,
+        "token_texts": texts,
+    }

@@ -1,0 +1,38 @@
+"""The dependency aliases the ``/api`` routes (and the inspector's) declare to get the pool.
+
+Owns: ``StoreDep`` (the app's ``PoolStore``), ``SessionsDep`` (its session factory, to hand to
+``datapool`` functions) and ``BatchSettingsDep``. Never: opens a session or runs a query; route
+functions pass what they get here to ``datapool`` functions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from datapool.batches.settings import BatchSettings
+from datapool.db import Sessions
+from datapool.steps.store import PoolStore
+from gateway.state import StateDep
+
+
+def pool_store(state: StateDep) -> PoolStore:
+    return state.store
+
+
+def pool_sessions(state: StateDep) -> Sessions:
+    # The one place the gateway touches the factory: it only passes it on to the data pool.
+    return state.store.sessions
+
+
+def batch_settings(request: Request) -> BatchSettings:
+    settings = getattr(request.app.state, "batch_settings", None)
+    if settings is None:  # read once per app, validated on first use
+        settings = request.app.state.batch_settings = BatchSettings()
+    return settings
+
+
+StoreDep = Annotated[PoolStore, Depends(pool_store)]
+SessionsDep = Annotated[Sessions, Depends(pool_sessions)]
+BatchSettingsDep = Annotated[BatchSettings, Depends(batch_settings)]
