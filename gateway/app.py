@@ -13,14 +13,16 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import httpx
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from datapool.db import make_engine
 from datapool.lifecycle.hooks import CompletionHooks
+from datapool.lifecycle.transitions import close_idle
 from datapool.rewards.values import resolve_reward_function
 from datapool.settings import PoolSettings
 from datapool.steps.faults import fault_reason, is_storage_fault
@@ -36,7 +38,7 @@ from gateway.inspector import page as inspector
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
-from gateway.state import GatewayState
+from gateway.state import GatewayState, StateDep
 from gateway.upstreams import UpstreamPool
 
 log = logging.getLogger("trajgate.gateway")
@@ -63,59 +65,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = make_engine(
-            pool.resolved_database_url(), lock_timeout_ms=pool.database_lock_timeout_ms
-        )
-        store = PoolStore(engine, pool)
-        writer = await run_in_threadpool(PoolWriter(store).start)
-        upstreams = UpstreamPool(settings.upstream_urls)
-        policy = PolicyRegistry(
-            store.sessions, alias=settings.policy_alias, default_version=settings.policy_version
-        )
-        await run_in_threadpool(policy.refresh)
-        timeout = httpx.Timeout(
-            settings.upstream_total_timeout_s,
-            connect=settings.upstream_connect_timeout_s,
-            read=settings.upstream_between_chunks_timeout_s,
-        )
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(
-            timeout=timeout, limits=limits, transport=upstream_transport
-        ) as client:
-            hooks = CompletionHooks(store)
-            state = GatewayState(
-                settings,
-                store,
-                client,
-                upstreams,
-                policy,
-                KeyRing(store.sessions),
-                GatewayMetrics(upstreams, lambda: float(state.pending_writes), writer, hooks),
-            )
-            state.writer = writer
-            state.hooks = hooks
+        async with _running_state(settings, pool, upstream_transport) as state:
             app.state.gateway = state
-            tasks = [
-                asyncio.create_task(
-                    upstreams.health_loop(
-                        client,
-                        settings.health_check_interval_s,
-                        settings.upstream_connect_timeout_s,
-                    )
-                ),
-                asyncio.create_task(_refresh_loop(policy, settings.policy_refresh_s)),
-                asyncio.create_task(hooks.run_forever()),
-            ]
-            try:
-                yield
-            finally:
-                for task in tasks:
-                    task.cancel()
-                for task in tasks:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                await run_in_threadpool(writer.close)
-        engine.dispose()
+            yield
 
     app = FastAPI(title="trajgate gateway", lifespan=lifespan)
     install_error_handlers(app)
@@ -126,39 +78,109 @@ def create_app(
     app.include_router(pool_api.router, prefix="/api", dependencies=[Depends(_require_admin)])
     app.include_router(batches_api.router, prefix="/api", dependencies=[Depends(_require_admin)])
     app.include_router(inspector.router)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        """The process is up."""
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        """Ready when at least one upstream replica passes its health check.
-
-        ``pool_writable`` is false from a failed commit until the next good one. It is reported,
-        not made a condition: a balancer that stopped sending calls would never let a call
-        find the pool writable again.
-        """
-        state: GatewayState = app.state.gateway
-        healthy = [r.url for r in state.upstreams.replicas if r.healthy]
-        writable = state.writer is not None and state.writer.writable
-        return JSONResponse(
-            {"ready": bool(healthy), "healthy_upstreams": len(healthy), "pool_writable": writable},
-            status_code=200 if healthy else 503,
-        )
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        """Prometheus metrics (text exposition format)."""
-        state: GatewayState = app.state.gateway
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    app.include_router(probes)
     return app
 
 
-def _require_admin(request: Request) -> None:
-    state: GatewayState = request.app.state.gateway
+@asynccontextmanager
+async def _running_state(
+    settings: GatewaySettings,
+    pool: PoolSettings,
+    upstream_transport: httpx.AsyncBaseTransport | None,
+) -> AsyncIterator[GatewayState]:
+    """The app's state with its pool writer, upstream client and background tasks running;
+    everything is stopped, in reverse order, on exit."""
+    engine = make_engine(
+        pool.resolved_database_url(), lock_timeout_ms=pool.database_lock_timeout_ms
+    )
+    store = PoolStore(engine, pool)
+    idle_closer = partial(close_idle, store.sessions)
+    writer = await run_in_threadpool(PoolWriter(store, close_idle=idle_closer).start)
+    upstreams = UpstreamPool(settings.upstream_urls)
+    policy = PolicyRegistry(
+        store.sessions, alias=settings.policy_alias, default_version=settings.policy_version
+    )
+    await run_in_threadpool(policy.refresh)
+    async with _upstream_client(settings, upstream_transport) as client:
+        hooks = CompletionHooks(store)
+        state = GatewayState(
+            settings,
+            store,
+            client,
+            upstreams,
+            policy,
+            KeyRing(store.sessions),
+            GatewayMetrics(upstreams, lambda: float(state.pending_writes), writer, hooks),
+        )
+        state.writer = writer
+        state.hooks = hooks
+        tasks = [
+            asyncio.create_task(
+                upstreams.health_loop(
+                    client, settings.health_check_interval_s, settings.upstream_connect_timeout_s
+                )
+            ),
+            asyncio.create_task(_refresh_loop(policy, settings.policy_refresh_s)),
+            asyncio.create_task(hooks.run_forever()),
+        ]
+        try:
+            yield state
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await run_in_threadpool(writer.close)
+    engine.dispose()
+
+
+def _upstream_client(
+    settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None
+) -> httpx.AsyncClient:
+    """The one HTTP client for every upstream call: the read timeout is the silence allowed
+    between stream chunks; no cap on connections (the replicas' queues are the limit)."""
+    timeout = httpx.Timeout(
+        settings.upstream_total_timeout_s,
+        connect=settings.upstream_connect_timeout_s,
+        read=settings.upstream_between_chunks_timeout_s,
+    )
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+
+
+probes = APIRouter()
+
+
+@probes.get("/health")
+async def health() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@probes.get("/ready")
+async def ready(state: StateDep) -> Response:
+    """Ready when at least one upstream replica passes its health check.
+
+    ``pool_writable`` is false from a failed commit until the next good one. It is reported,
+    not made a condition: a balancer that stopped sending calls would never let a call
+    find the pool writable again.
+    """
+    healthy = [r.url for r in state.upstreams.replicas if r.healthy]
+    writable = state.writer is not None and state.writer.writable
+    return JSONResponse(
+        {"ready": bool(healthy), "healthy_upstreams": len(healthy), "pool_writable": writable},
+        status_code=200 if healthy else 503,
+    )
+
+
+@probes.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    """Prometheus metrics (text exposition format)."""
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _require_admin(request: Request, state: StateDep) -> None:
     check_admin_token(request, state.settings.admin_token)
 
 

@@ -1,23 +1,20 @@
 """The model-serving surface: every API dialect's routes (``gateway.dialects``) and models.
 
-Owns: attribution of a call to a trajectory (URL, header or API key), the upstream attempt loop
-(retries only before any byte reached the client), the order "upstream answers → steps commit →
-client gets the (last part of the) answer", time limits, client disconnects, and Idempotency-Key
-replays, the same for every dialect. Never: looks inside a request or an answer (the dialect
-reads and renders them); never retries after a timeout (tokens may already have been
-generated).
+Owns: attribution of a call to a trajectory (URL, header or API key), Idempotency-Key replays and
+re-send detection, the upstream attempt loop (retries only before any byte reached the client),
+the order "upstream answers → steps commit → client gets the (last part of the) answer" for
+unary answers (streams: ``gateway.streaming``), and the first-byte and total time limits, the
+same for every dialect. Never: looks inside a request or an answer (the dialect reads and renders
+them); never retries after a timeout (tokens may already have been generated).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -28,20 +25,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from datapool.models import StepOutcome
-from datapool.steps.calls import AttemptRecord, find_replay, find_resend
+from datapool.steps.calls import find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
-from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.attribution import Attribution, attribute, check_trajectory_id, read_json_object
+from gateway.call import Call, commit, fail_call, failed_choice
 from gateway.capture import loads, request_hash
-from gateway.dialects import DIALECTS, Dialect, DialectStream, Prepared
-from gateway.errors import (
-    ServiceUnavailableError,
-    TrajgateError,
-    UpstreamError,
-    UpstreamTimeoutError,
-)
+from gateway.dialects import DIALECTS, Dialect
+from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from gateway.state import GatewayState, StateDep
-from gateway.streaming import sse_data
+from gateway.streaming import first_event, relay_stream
 from gateway.upstreams import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
 
 log = logging.getLogger("trajgate.proxy")
@@ -103,125 +95,6 @@ async def list_models(request: Request, state: StateDep) -> Response:
     )
 
 
-# -- the call ----------------------------------------------------------------------------
-
-
-@dataclass
-class Call:
-    """Everything known about one logical call while it is in flight."""
-
-    dialect: Dialect
-    attribution: Attribution
-    body: dict[str, Any]  # the client's body as sent (before the model alias was resolved)
-    prepared: Prepared
-    policy_version: int
-    call_id: str
-    request_hash: str
-    idempotency_key: str | None
-    resend_of: str | None
-    started: float = field(default_factory=time.perf_counter)
-    attempts: list[AttemptRecord] = field(default_factory=list)
-    # Named before writing when the answer's headers go out first (streaming): index = choice.
-    step_ids: list[str] = field(default_factory=list)
-
-    @property
-    def trajectory_id(self) -> str:
-        return self.attribution.trajectory_id
-
-    @property
-    def upstream_body(self) -> dict[str, Any]:
-        return self.prepared.upstream_body
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.started) * 1000.0
-
-    def add_attempt(
-        self,
-        replica: Replica | None,
-        outcome: str,
-        *,
-        status_code: int | None = None,
-        error: str | None = None,
-        response_body: dict[str, Any] | None = None,
-    ) -> None:
-        self.attempts.append(
-            AttemptRecord(
-                id=str(uuid.uuid4()),
-                call_id=self.call_id,
-                trajectory_id=self.trajectory_id,
-                attempt_index=len(self.attempts),
-                upstream=replica.url if replica else None,
-                status_code=status_code,
-                outcome=outcome,
-                error=error,
-                latency_ms=self.elapsed_ms(),
-                idempotency_key=self.idempotency_key,
-                response_body=response_body,
-            )
-        )
-
-    def record(
-        self,
-        replica: Replica | None,
-        choices: list[ChoiceRecord],
-        *,
-        prompt_ids: list[int] | None = None,
-        prompt_tokens: int | None = None,
-        model: Any = None,
-        outcome: str = StepOutcome.OK,
-        error: str | None = None,
-        ttft_ms: float | None = None,
-    ) -> CallRecord:
-        if self.resend_of is not None:
-            choices = [replace(c, flags=[*c.flags, "resend"]) for c in choices]
-        if self.step_ids:
-            choices = [
-                replace(c, step_id=self.step_ids[c.choice_index])
-                if c.choice_index < len(self.step_ids)
-                else c
-                for c in choices
-            ]
-        return CallRecord(
-            request=self.body,
-            upstream_request=self.upstream_body,
-            model=model if isinstance(model, str) else self.upstream_body.get("model"),
-            upstream=replica.url if replica else "",
-            policy_version=self.policy_version,
-            latency_ms=self.elapsed_ms(),
-            prompt_token_ids=prompt_ids,
-            prompt_tokens=prompt_tokens,
-            choices=choices,
-            outcome=outcome,
-            error=error,
-            call_id=self.call_id,
-            endpoint=self.dialect.name,
-            request_hash=self.request_hash,
-            idempotency_key=self.idempotency_key,
-            ttft_ms=ttft_ms,
-            group_id=self.attribution.group_id,
-            channel=self.attribution.channel,
-            attempts=tuple(self.attempts),
-        )
-
-    def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:
-        """The trajgate headers of the answer. ``committed``: ``step_ids`` came back from the
-        commit (unary answers); a stream's ids are chosen before its commit."""
-        headers = {
-            "x-trajgate-trajectory-id": self.trajectory_id,
-            "x-trajgate-call-id": self.call_id,
-            "x-trajgate-step-id": ",".join(step_ids),
-            "x-trajgate-policy-version": str(self.policy_version),
-        }
-        if committed:
-            # False only under on_write_failure='serve' when the pool failed the commit.
-            headers["x-trajgate-recorded"] = "true" if step_ids else "false"
-        return headers
-
-
-def failed_choice(outcome: str) -> list[ChoiceRecord]:
-    return [ChoiceRecord(0, None, None, None, None, flags=[outcome])]
-
-
 async def proxy_call(
     state: GatewayState, request: Request, dialect: Dialect, url_trajectory_id: str | None
 ) -> Response:
@@ -265,52 +138,12 @@ async def forward_call(
 ) -> Response:
     """``proxy_call`` once the call is attributed and counted in flight."""
     idempotency_key = request.headers.get("idempotency-key")
-    sessions = state.store.sessions
     if idempotency_key:
-        replay = await pool_lookup(
-            state, find_replay, sessions, attribution.trajectory_id, idempotency_key
-        )
+        replay = await replayed_answer(state, attribution, idempotency_key)
         if replay is not None:
-            state.metrics.replays.inc()
-            return JSONResponse(
-                replay[1],
-                headers={
-                    "x-trajgate-trajectory-id": attribution.trajectory_id,
-                    "x-trajgate-call-id": replay[0],
-                    "x-trajgate-replayed": "true",
-                },
-            )
-    resolution = state.policy.resolve(body.get("model"))
-    client_body = (
-        body
-        if resolution.upstream_model == body.get("model")
-        else {**body, "model": resolution.upstream_model}
-    )
-    prepared = dialect.prepare(client_body)
-    digest = request_hash(dialect.name, body)
-    resend_of = None
-    if state.settings.resend_window_s > 0 and not idempotency_key:
-        resend_of = await pool_lookup(
-            state,
-            find_resend,
-            sessions,
-            attribution.trajectory_id,
-            digest,
-            state.settings.resend_window_s,
-        )
-    call = Call(
-        dialect=dialect,
-        attribution=attribution,
-        body=body,
-        prepared=prepared,
-        policy_version=resolution.policy_version,
-        call_id=resend_of or str(uuid.uuid4()),
-        request_hash=digest,
-        idempotency_key=idempotency_key,
-        resend_of=resend_of,
-    )
-    stream = prepared.stream
-    upstream = await open_upstream(state, call, stream)
+            return replay
+    call = await new_call(state, dialect, body, attribution, idempotency_key)
+    upstream = await open_upstream(state, call)
     try:
         return await answer_call(state, call, upstream)
     except BaseException:
@@ -321,48 +154,108 @@ async def forward_call(
         raise
 
 
+async def replayed_answer(
+    state: GatewayState, attribution: Attribution, idempotency_key: str
+) -> Response | None:
+    """The stored answer of the trajectory's earlier call with this Idempotency-Key, if any."""
+    replay = await pool_lookup(
+        state, find_replay, state.store.sessions, attribution.trajectory_id, idempotency_key
+    )
+    if replay is None:
+        return None
+    state.metrics.replays.inc()
+    return JSONResponse(
+        replay[1],
+        headers={
+            "x-trajgate-trajectory-id": attribution.trajectory_id,
+            "x-trajgate-call-id": replay[0],
+            "x-trajgate-replayed": "true",
+        },
+    )
+
+
+async def new_call(
+    state: GatewayState,
+    dialect: Dialect,
+    body: dict[str, Any],
+    attribution: Attribution,
+    idempotency_key: str | None,
+) -> Call:
+    """The call with the policy alias resolved, the dialect's upstream body, and the earlier
+    call it re-sends (same body within ``resend_window_s``), whose call id it then shares."""
+    resolution = state.policy.resolve(body.get("model"))
+    client_body = (
+        body
+        if resolution.upstream_model == body.get("model")
+        else {**body, "model": resolution.upstream_model}
+    )
+    digest = request_hash(dialect.name, body)
+    resend_of = None
+    if state.settings.resend_window_s > 0 and not idempotency_key:
+        resend_of = await pool_lookup(
+            state,
+            find_resend,
+            state.store.sessions,
+            attribution.trajectory_id,
+            digest,
+            state.settings.resend_window_s,
+        )
+    return Call(
+        dialect=dialect,
+        attribution=attribution,
+        body=body,
+        prepared=dialect.prepare(client_body),
+        policy_version=resolution.policy_version,
+        call_id=resend_of or str(uuid.uuid4()),
+        request_hash=digest,
+        idempotency_key=idempotency_key,
+        resend_of=resend_of,
+    )
+
+
 async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
     """The client's answer once an upstream answered: its error, its stream, or its JSON."""
-    dialect = call.dialect
-    replica, response = upstream.replica, upstream.response
+    response = upstream.response
     if response.status_code != 200:
-        content = await response.aread()
-        await upstream.aclose()
-        call.add_attempt(
-            replica,
-            StepOutcome.UPSTREAM_ERROR,
-            status_code=response.status_code,
-            error=content.decode("utf-8", "replace"),
-        )
-        step_ids = await commit(
-            state,
-            call,
-            call.record(
-                replica,
-                failed_choice(StepOutcome.UPSTREAM_ERROR),
-                outcome=StepOutcome.UPSTREAM_ERROR,
-                error=content.decode("utf-8", "replace"),
-            ),
-        )
-        state.metrics.requests.labels(dialect.name, str(response.status_code)).inc()
-        return Response(
-            dialect.upstream_error_body(response.status_code, content),
-            status_code=response.status_code,
-            media_type=response.headers.get("content-type"),
-            headers=call.headers(step_ids),
-        )
-    if call.prepared.stream:
-        events, first = await first_event(state, call, upstream)
-        call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
-        streaming = StreamingResponse(
-            relay_stream(state, call, upstream, events, first),
-            media_type=response.headers.get("content-type", "text/event-stream"),
-            headers=call.headers(call.step_ids, committed=False),
-        )
-        # A generator the server never starts (the client left first) never runs its finally.
-        weakref.finalize(streaming.body_iterator, upstream.in_flight.release)
-        return streaming
-    return await finish_unary(state, call, upstream)
+        return await upstream_refused(state, call, upstream)
+    if not call.prepared.stream:
+        return await finish_unary(state, call, upstream)
+    events, first = await first_event(state, call, upstream)
+    call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
+    streaming = StreamingResponse(
+        relay_stream(state, call, upstream, events, first),
+        media_type=response.headers.get("content-type", "text/event-stream"),
+        headers=call.headers(call.step_ids, committed=False),
+    )
+    # A generator the server never starts (the client left first) never runs its finally.
+    weakref.finalize(streaming.body_iterator, upstream.in_flight.release)
+    return streaming
+
+
+async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
+    """A non-200 answer the attempt loop did not retry: recorded as one failed step, passed to
+    the client with its status (its body as the dialect shows upstream errors)."""
+    replica, response = upstream.replica, upstream.response
+    content = await response.aread()
+    await upstream.aclose()
+    error = content.decode("utf-8", "replace")
+    call.add_attempt(
+        replica, StepOutcome.UPSTREAM_ERROR, status_code=response.status_code, error=error
+    )
+    record = call.record(
+        replica,
+        failed_choice(StepOutcome.UPSTREAM_ERROR),
+        outcome=StepOutcome.UPSTREAM_ERROR,
+        error=error,
+    )
+    step_ids = await commit(state, call, record)
+    state.metrics.requests.labels(call.dialect.name, str(response.status_code)).inc()
+    return Response(
+        call.dialect.upstream_error_body(response.status_code, content),
+        status_code=response.status_code,
+        media_type=response.headers.get("content-type"),
+        headers=call.headers(step_ids),
+    )
 
 
 async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *args: Any) -> T | None:
@@ -384,7 +277,7 @@ async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *arg
         raise error from exc
 
 
-async def open_upstream(state: GatewayState, call: Call, stream: bool) -> ReplicaResponse:
+async def open_upstream(state: GatewayState, call: Call) -> ReplicaResponse:
     """Send the call to a replica, retrying on another one on connection errors and 502/503/504
     (nothing has reached the client yet). Returns the open response, which holds the replica's
     in-flight count until the caller closes it."""
@@ -393,118 +286,99 @@ async def open_upstream(state: GatewayState, call: Call, stream: bool) -> Replic
     for attempt in range(settings.upstream_max_attempts):
         if attempt:
             await asyncio.sleep(settings.upstream_retry_backoff_ms * 2 ** (attempt - 1) / 1000)
-        try:
-            replica = state.upstreams.pick(call.trajectory_id, frozenset(tried))
-        except NoHealthyUpstreamError:
-            try:
-                replica = state.upstreams.pick(call.trajectory_id)
-            except NoHealthyUpstreamError as exc:
-                raise ServiceUnavailableError(str(exc), code="no_capturing_upstream") from exc
+        replica = pick_replica(state, call, frozenset(tried))
         tried.add(replica.url)
-        # Counted in flight until handed on with the open response (or given back).
-        with InFlight(replica) as in_flight:
-            # A non-streaming answer arrives whole after generation: its only limit is the total one
-            # (the client's read timeout is the silence allowed between stream chunks).
-            timeout = (
-                None
-                if stream
-                else httpx.Timeout(
-                    settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
-                )
-            )
-            request = state.client.build_request(
-                "POST",
-                replica.url + call.dialect.upstream_path,
-                json=call.upstream_body,
-                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-            )
-            limit_s = (
-                settings.upstream_first_byte_timeout_s
-                if stream
-                else settings.upstream_total_timeout_s
-            )
-            try:
-                with anyio.fail_after(limit_s):
-                    response = await state.client.send(request, stream=True)
-                    if not stream:
-                        await response.aread()
-            except (TimeoutError, httpx.TimeoutException) as exc:
-                connect = isinstance(exc, httpx.ConnectTimeout)
-                outcome = (
-                    StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
-                )
-                call.add_attempt(replica, outcome, error=repr(exc))
-                state.metrics.attempts_failed.labels(outcome).inc()
-                if connect:
-                    state.upstreams.mark_failure(replica)
-                    if attempt + 1 < settings.upstream_max_attempts:
-                        continue
-                await fail_call(state, call, replica, outcome, repr(exc))
-                raise UpstreamTimeoutError(
-                    f"upstream {replica.url} did not answer within {limit_s:g} s", code=outcome
-                ) from exc
-            except httpx.TransportError as exc:
-                state.upstreams.mark_failure(replica)
-                call.add_attempt(replica, StepOutcome.UPSTREAM_UNREACHABLE, error=repr(exc))
-                state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_UNREACHABLE).inc()
-                if attempt + 1 < settings.upstream_max_attempts:
-                    continue
-                await fail_call(state, call, replica, StepOutcome.UPSTREAM_UNREACHABLE, repr(exc))
-                raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
-            if (
-                response.status_code in RETRYABLE_STATUS
-                and attempt + 1 < settings.upstream_max_attempts
-            ):
-                content = await response.aread()
-                await response.aclose()
-                state.upstreams.mark_failure(replica)
-                call.add_attempt(
-                    replica,
-                    StepOutcome.UPSTREAM_ERROR,
-                    status_code=response.status_code,
-                    error=content.decode("utf-8", "replace"),
-                )
-                state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_ERROR).inc()
-                continue
-            state.upstreams.mark_success(replica)
-            return ReplicaResponse(replica, response, in_flight.keep())
+        last = attempt + 1 == settings.upstream_max_attempts
+        with InFlight(replica) as in_flight:  # given back on leaving, unless kept
+            response = await try_replica(state, call, replica, last=last)
+            if response is not None:
+                return ReplicaResponse(replica, response, in_flight.keep())
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-async def fail_call(
-    state: GatewayState, call: Call, replica: Replica | None, outcome: str, error: str
-) -> None:
-    await commit(
-        state, call, call.record(replica, failed_choice(outcome), outcome=outcome, error=error)
-    )
-    state.metrics.requests.labels(call.dialect.name, "error").inc()
+def pick_replica(state: GatewayState, call: Call, tried: frozenset[str]) -> Replica:
+    """The call's replica among those not tried yet, else among all; 503 when none can capture."""
+    try:
+        return state.upstreams.pick(call.trajectory_id, tried)
+    except NoHealthyUpstreamError:
+        try:
+            return state.upstreams.pick(call.trajectory_id)
+        except NoHealthyUpstreamError as exc:
+            raise ServiceUnavailableError(str(exc), code="no_capturing_upstream") from exc
 
 
-async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[str]:
-    """Make the call durable (steps and attempts) and count it."""
-    step_ids = await state.record(call.trajectory_id, record)
-    state.metrics.steps_written.inc(len(step_ids))
-    for choice in record.choices:
-        for flag in choice.flags:
-            state.metrics.step_flags.labels(flag).inc()
-    if record.prompt_tokens:
-        state.metrics.tokens.labels("prompt").inc(record.prompt_tokens)
-    sampled = sum(len(choice.response_token_ids or []) for choice in record.choices)
-    state.metrics.tokens.labels("completion").inc(sampled)
-    log.info(
-        "call trajectory=%s call=%s endpoint=%s outcome=%s steps=%d prompt_tokens=%s "
-        "completion_tokens=%d latency_ms=%.1f policy_version=%d",
-        call.trajectory_id,
-        call.call_id,
-        call.dialect.name,
-        record.outcome,
-        len(step_ids),
-        record.prompt_tokens,
-        sampled,
-        record.latency_ms,
-        call.policy_version,
+async def try_replica(
+    state: GatewayState, call: Call, replica: Replica, *, last: bool
+) -> httpx.Response | None:
+    """One attempt on ``replica``: the open response, or None to try another replica.
+
+    ``last``: no attempt follows, so a retryable failure fails the call instead. Raises
+    ``UpstreamTimeoutError`` (504) or ``UpstreamError`` (502) after recording the failed call.
+    """
+    settings = state.settings
+    stream = call.prepared.stream
+    limit_s = (
+        settings.upstream_first_byte_timeout_s if stream else settings.upstream_total_timeout_s
     )
-    return step_ids
+    try:
+        with anyio.fail_after(limit_s):
+            response = await state.client.send(upstream_request(state, call, replica), stream=True)
+            if not stream:
+                await response.aread()
+    except (TimeoutError, httpx.TimeoutException) as exc:
+        connect = isinstance(exc, httpx.ConnectTimeout)
+        outcome = StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
+        call.add_attempt(replica, outcome, error=repr(exc))
+        state.metrics.attempts_failed.labels(outcome).inc()
+        if connect:
+            state.upstreams.mark_failure(replica)
+            if not last:
+                return None
+        await fail_call(state, call, replica, outcome, repr(exc))
+        raise UpstreamTimeoutError(
+            f"upstream {replica.url} did not answer within {limit_s:g} s", code=outcome
+        ) from exc
+    except httpx.TransportError as exc:
+        state.upstreams.mark_failure(replica)
+        call.add_attempt(replica, StepOutcome.UPSTREAM_UNREACHABLE, error=repr(exc))
+        state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_UNREACHABLE).inc()
+        if not last:
+            return None
+        await fail_call(state, call, replica, StepOutcome.UPSTREAM_UNREACHABLE, repr(exc))
+        raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
+    if response.status_code in RETRYABLE_STATUS and not last:
+        content = await response.aread()
+        await response.aclose()
+        state.upstreams.mark_failure(replica)
+        call.add_attempt(
+            replica,
+            StepOutcome.UPSTREAM_ERROR,
+            status_code=response.status_code,
+            error=content.decode("utf-8", "replace"),
+        )
+        state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_ERROR).inc()
+        return None
+    state.upstreams.mark_success(replica)
+    return response
+
+
+def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx.Request:
+    """The POST of the call's upstream body to the dialect's upstream path on ``replica``.
+
+    A non-streaming answer arrives whole after generation: its only limit is the total one (the
+    client's read timeout is the silence allowed between stream chunks).
+    """
+    settings = state.settings
+    timeout = (
+        httpx.USE_CLIENT_DEFAULT
+        if call.prepared.stream
+        else httpx.Timeout(
+            settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
+        )
+    )
+    return state.client.build_request(
+        "POST", replica.url + call.dialect.upstream_path, json=call.upstream_body, timeout=timeout
+    )
 
 
 async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
@@ -533,130 +407,3 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
     if client_answer is answer:  # nothing hidden: vLLM's own bytes, unparsed and unchanged
         return Response(content, media_type="application/json", headers=call.headers(step_ids))
     return JSONResponse(client_answer, headers=call.headers(step_ids))
-
-
-async def first_event(
-    state: GatewayState, call: Call, upstream: ReplicaResponse
-) -> tuple[AsyncIterator[bytes], bytes | None]:
-    """Wait for the stream's first event before answering, so a slow first byte is still a
-    clean 504 (nothing has been sent) rather than an error inside a 200 stream."""
-    replica = upstream.replica
-    events = sse_data(upstream.response)
-    limit_s = state.settings.upstream_first_byte_timeout_s
-    try:
-        with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
-            return events, await events.__anext__()
-    except StopAsyncIteration:
-        return events, None
-    except (TimeoutError, httpx.HTTPError) as exc:
-        await upstream.aclose()
-        timeout = isinstance(exc, TimeoutError | httpx.TimeoutException)
-        outcome = StepOutcome.UPSTREAM_TIMEOUT if timeout else StepOutcome.UPSTREAM_ERROR
-        call.add_attempt(replica, outcome, status_code=200, error=repr(exc))
-        await fail_call(state, call, replica, outcome, repr(exc))
-        if timeout:
-            raise UpstreamTimeoutError(
-                f"upstream {replica.url} sent no first chunk within {limit_s:g} s", code=outcome
-            ) from exc
-        raise UpstreamError(f"upstream {replica.url} stream failed: {exc!r}") from exc
-
-
-async def relay_stream(
-    state: GatewayState,
-    call: Call,
-    upstream: ReplicaResponse,
-    events: AsyncIterator[bytes],
-    first: bytes | None,
-) -> AsyncIterator[bytes]:
-    """Yield the client's SSE events as the upstream's arrive; commit before the last ones.
-
-    A client disconnect closes the upstream response (vLLM aborts the request) and records the
-    partial step with finish reason ``client_disconnect``; a time limit ends the stream with an
-    error event and records ``upstream_timeout``. Either way the step is never left open.
-
-    Time limits cost nothing per chunk: the silence between chunks is the HTTP client's read
-    timeout (``upstream_between_chunks_timeout_s``), and the total limit is checked as each chunk
-    arrives (a stream that goes silent just before it ends one silence limit later).
-    """
-    settings = state.settings
-    dialect = call.dialect
-    replica = upstream.replica
-    stream: DialectStream = dialect.open_stream(call.prepared, replica.system_fingerprint)
-    deadline = call.started + settings.upstream_total_timeout_s
-    abort_reason: str | None = None
-    ttft_ms: float | None = None
-    finished = False
-    not_recorded: TrajgateError | None = None
-    try:
-        for event in stream.opening():
-            yield event
-        while True:
-            message = None
-            try:
-                if first is not None:
-                    data, first = first, None
-                else:
-                    data = await events.__anext__()
-            except StopAsyncIteration:
-                break
-            except httpx.TimeoutException:
-                limit_s = settings.upstream_between_chunks_timeout_s
-                message = f"upstream stopped sending within {limit_s:.3g} s"
-            else:
-                if time.perf_counter() > deadline:
-                    limit_s = settings.upstream_total_timeout_s
-                    message = f"upstream stream took longer than {limit_s:.3g} s in all"
-            if message is not None:
-                abort_reason = StepOutcome.UPSTREAM_TIMEOUT
-                call.add_attempt(replica, abort_reason, status_code=200, error=message)
-                yield stream.error_event(UpstreamTimeoutError(message))
-                break
-            if data == b"[DONE]":
-                finished = True
-                break
-            for event in stream.feed(data):
-                yield event
-            if ttft_ms is None and stream.first_token_seen:
-                ttft_ms = call.elapsed_ms()
-                state.metrics.ttft.labels(dialect.name).observe(ttft_ms / 1000)
-    except (asyncio.CancelledError, GeneratorExit):
-        abort_reason = StepOutcome.CLIENT_DISCONNECT
-        raise
-    except httpx.HTTPError as exc:
-        abort_reason = StepOutcome.UPSTREAM_ERROR
-        call.add_attempt(replica, abort_reason, status_code=200, error=repr(exc))
-        yield stream.error_event(UpstreamError(f"upstream stream failed: {exc!r}"))
-    finally:
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()  # closing the connection makes vLLM abort the request
-            captured = stream.captured(abort_reason)
-            if finished and captured.error is None:
-                call.add_attempt(replica, StepOutcome.OK, status_code=200)
-            outcome = StepOutcome.OK if abort_reason is None else abort_reason
-            if captured.error is not None:
-                outcome = StepOutcome.UPSTREAM_ERROR
-            record = call.record(
-                replica,
-                captured.choices,
-                prompt_ids=captured.prompt_ids,
-                prompt_tokens=captured.prompt_tokens,
-                model=captured.model,
-                outcome=outcome,
-                error=json.dumps(captured.error) if captured.error else None,
-                ttft_ms=ttft_ms,
-            )
-            try:
-                await commit(state, call, record)
-            except TrajgateError as exc:
-                log.warning("stream of call %s not recorded: %s", call.call_id, exc.message)
-                not_recorded = exc
-            state.metrics.requests.labels(dialect.name, "200").inc()
-            state.metrics.latency.labels(dialect.name, "true").observe(call.elapsed_ms() / 1000)
-    if abort_reason is None and not_recorded is not None:
-        # The status line went out before the commit could fail: the stream ends in an error
-        # event (the OpenAI SDKs raise on it) instead of its last chunk and [DONE], so the
-        # client knows to retry a call the pool could not keep.
-        yield stream.error_event(not_recorded)
-    elif abort_reason is None:
-        for event in stream.closing():
-            yield event

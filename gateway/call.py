@@ -1,0 +1,180 @@
+"""One logical call while it is in flight: what it is, its attempts, its record and its commit.
+
+Owns: ``Call`` (the client's body, the dialect's preparation, the attribution, the policy
+version, the upstream attempts, the step ids named before a stream's commit), turning it into
+the pool's ``CallRecord``, the trajgate response headers, and committing it with its metrics and
+log line. Never: talks to an upstream (``gateway.proxy`` and ``gateway.streaming`` do) or reads
+an answer (the dialect does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from datapool.models import StepOutcome
+from datapool.steps.calls import AttemptRecord
+from datapool.steps.records import CallRecord, ChoiceRecord
+from gateway.attribution import Attribution
+from gateway.dialects import Dialect, Prepared
+from gateway.state import GatewayState
+from gateway.upstreams import Replica
+
+log = logging.getLogger("trajgate.proxy")
+
+
+@dataclass
+class Call:
+    """Everything known about one logical call while it is in flight."""
+
+    dialect: Dialect
+    attribution: Attribution
+    body: dict[str, Any]  # the client's body as sent (before the model alias was resolved)
+    prepared: Prepared
+    policy_version: int
+    call_id: str
+    request_hash: str
+    idempotency_key: str | None
+    resend_of: str | None
+    started: float = field(default_factory=time.perf_counter)
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    # Named before writing when the answer's headers go out first (streaming): index = choice.
+    step_ids: list[str] = field(default_factory=list)
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.attribution.trajectory_id
+
+    @property
+    def upstream_body(self) -> dict[str, Any]:
+        return self.prepared.upstream_body
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000.0
+
+    def add_attempt(
+        self,
+        replica: Replica | None,
+        outcome: str,
+        *,
+        status_code: int | None = None,
+        error: str | None = None,
+        response_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.attempts.append(
+            AttemptRecord(
+                id=str(uuid.uuid4()),
+                call_id=self.call_id,
+                trajectory_id=self.trajectory_id,
+                attempt_index=len(self.attempts),
+                upstream=replica.url if replica else None,
+                status_code=status_code,
+                outcome=outcome,
+                error=error,
+                latency_ms=self.elapsed_ms(),
+                idempotency_key=self.idempotency_key,
+                response_body=response_body,
+            )
+        )
+
+    def record(
+        self,
+        replica: Replica | None,
+        choices: list[ChoiceRecord],
+        *,
+        prompt_ids: list[int] | None = None,
+        prompt_tokens: int | None = None,
+        model: Any = None,
+        outcome: str = StepOutcome.OK,
+        error: str | None = None,
+        ttft_ms: float | None = None,
+    ) -> CallRecord:
+        if self.resend_of is not None:
+            choices = [replace(c, flags=[*c.flags, "resend"]) for c in choices]
+        if self.step_ids:
+            choices = [
+                replace(c, step_id=self.step_ids[c.choice_index])
+                if c.choice_index < len(self.step_ids)
+                else c
+                for c in choices
+            ]
+        return CallRecord(
+            request=self.body,
+            upstream_request=self.upstream_body,
+            model=model if isinstance(model, str) else self.upstream_body.get("model"),
+            upstream=replica.url if replica else "",
+            policy_version=self.policy_version,
+            latency_ms=self.elapsed_ms(),
+            prompt_token_ids=prompt_ids,
+            prompt_tokens=prompt_tokens,
+            choices=choices,
+            outcome=outcome,
+            error=error,
+            call_id=self.call_id,
+            endpoint=self.dialect.name,
+            request_hash=self.request_hash,
+            idempotency_key=self.idempotency_key,
+            ttft_ms=ttft_ms,
+            group_id=self.attribution.group_id,
+            channel=self.attribution.channel,
+            attempts=tuple(self.attempts),
+        )
+
+    def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:
+        """The trajgate headers of the answer. ``committed``: ``step_ids`` came back from the
+        commit (unary answers); a stream's ids are chosen before its commit."""
+        headers = {
+            "x-trajgate-trajectory-id": self.trajectory_id,
+            "x-trajgate-call-id": self.call_id,
+            "x-trajgate-step-id": ",".join(step_ids),
+            "x-trajgate-policy-version": str(self.policy_version),
+        }
+        if committed:
+            # False only under on_write_failure='serve' when the pool failed the commit.
+            headers["x-trajgate-recorded"] = "true" if step_ids else "false"
+        return headers
+
+
+def failed_choice(outcome: str) -> list[ChoiceRecord]:
+    """The one record of a call that got no answer: no ids, flagged with its outcome."""
+    return [ChoiceRecord(0, None, None, None, None, flags=[outcome])]
+
+
+async def fail_call(
+    state: GatewayState, call: Call, replica: Replica | None, outcome: str, error: str
+) -> None:
+    """Commit a call that ended without an answer (``outcome``: why) and count it."""
+    await commit(
+        state, call, call.record(replica, failed_choice(outcome), outcome=outcome, error=error)
+    )
+    state.metrics.requests.labels(call.dialect.name, "error").inc()
+
+
+async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[str]:
+    """Make the call durable (steps and attempts) and count it."""
+    step_ids = await state.record(call.trajectory_id, record)
+    state.metrics.steps_written.inc(len(step_ids))
+    for choice in record.choices:
+        for flag in choice.flags:
+            state.metrics.step_flags.labels(flag).inc()
+    if record.prompt_tokens:
+        state.metrics.tokens.labels("prompt").inc(record.prompt_tokens)
+    sampled = sum(len(choice.response_token_ids or []) for choice in record.choices)
+    state.metrics.tokens.labels("completion").inc(sampled)
+    log.info(
+        "call trajectory=%s call=%s endpoint=%s outcome=%s steps=%d prompt_tokens=%s "
+        "completion_tokens=%d latency_ms=%.1f policy_version=%d",
+        call.trajectory_id,
+        call.call_id,
+        call.dialect.name,
+        record.outcome,
+        len(step_ids),
+        record.prompt_tokens,
+        sampled,
+        record.latency_ms,
+        call.policy_version,
+    )
+    return step_ids
