@@ -83,6 +83,12 @@ class TrajectoryStatus(enum.StrEnum):
     FAILED = "failed"
 
 
+# Trajectory flags (``trajectories.flags``) that keep a trajectory out of training until a human
+# or rule decides: closed with no step (C15), and open in a writer process that died (C14).
+EMPTY = "empty"
+INCOMPLETE = "incomplete"
+
+
 class StepOutcome(enum.StrEnum):
     """How the call behind a step ended."""
 

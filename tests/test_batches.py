@@ -20,8 +20,9 @@ from datapool.batches.build import (
     read_rows,
 )
 from datapool.batches.settings import BatchSettings
-from datapool.curation import labels, readiness
+from datapool.curation import bulk_labels, labels, readiness
 from datapool.curation import rules as curation
+from datapool.curation.selection import TrajectoryFilter
 from datapool.lifecycle import transitions as lifecycle
 from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
@@ -209,9 +210,9 @@ def test_an_exclude_label_changes_what_a_batch_contains(
     labels.add_labels(store.sessions, [labels.LabelIn("trajectory", "drop", decision="include")])
     assert set(build_rows(store, spec)[0]["trajectory_id"].to_pylist()) == {"keep", "drop"}
     # bulk: tag every step of the rewarded-1 trajectories, exclude them by a bulk label
-    ids = labels.bulk_label(
+    ids = bulk_labels.bulk_label(
         store.sessions,
-        labels.TrajectoryFilter(reward_min=0.5),
+        TrajectoryFilter(reward_min=0.5),
         labels.LabelIn("step", "-", tags=["good-run"], decision="exclude"),
     )
     assert len(ids) == 2  # the two steps of "keep"

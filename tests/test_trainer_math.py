@@ -15,12 +15,12 @@ from datapool.batches.advantages import (
     ESTIMATORS,
     discounted_returns,
     estimate_advantages,
-    group_stats,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
 )
 from datapool.errors import InvalidPoolRequestError
+from datapool.rewards.group_stats import group_stats
 from trainer_bridge.losses import LossConfig, aggregate, policy_loss
 
 NAN = float("nan")

@@ -49,14 +49,7 @@ import pyarrow as pa
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from datapool.batches.advantages import (
-    FloatArray,
-    GroupStats,
-    discounted_returns,
-    estimate_advantages,
-    estimator,
-    group_stats,
-)
+from datapool.batches.advantages import discounted_returns, estimate_advantages, estimator
 from datapool.batches.rows import StepTokens, assemble, load_tokens, segment_tokens, segments
 from datapool.batches.spec import REWARD_TO_STEPS, BatchSpec
 from datapool.curation.readiness import Verdict, assess
@@ -65,6 +58,7 @@ from datapool.curation.selection import select_trajectory_ids
 from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError
 from datapool.models import Batch, BatchRow, Step, Trajectory
+from datapool.rewards.group_stats import FloatArray, GroupStats, group_stats
 from datapool.steps.store import PoolStore
 
 Segment = list[StepTokens]  # the steps of one row, in order

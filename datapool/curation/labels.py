@@ -1,8 +1,9 @@
 """Labels: append-only human judgements on steps, trajectories and groups, and their current view.
 
-Owns: appending label records (never updating one), bulk-applying one label to everything a
-filter matches, and the current view per target. Never: changes a step or trajectory; a label is
-data about data, read by curation (``datapool.curation.rules``) and batch specs.
+Owns: appending label records (never updating one) and the current view per target
+(``datapool.curation.bulk_labels`` applies one label to everything a filter matches).
+Never: changes a step or trajectory; a label is data about data, read by curation
+(``datapool.curation.rules``) and batch specs.
 
 The current view of a target folds its records oldest first: ``tags`` are added and
 ``remove_tags`` removed; ``quality`` (good / bad / unsure), ``decision`` (include / exclude) and
@@ -21,12 +22,12 @@ from typing import Literal, get_args
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.curation.selection import Quality, TrajectoryFilter, select_trajectory_ids
 from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import Label, Step, Trajectory, TrajectoryGroup, utc_now
 
 LabelTarget = Literal["step", "trajectory", "group"]
+Quality = Literal["good", "bad", "unsure"]
 LABEL_TARGETS: tuple[str, ...] = get_args(LabelTarget)
 QUALITIES: tuple[str, ...] = get_args(Quality)
 DECISIONS: tuple[str, ...] = ("include", "exclude")
@@ -60,7 +61,8 @@ class CurrentLabel:
     records: int = 0
 
 
-def _check(label: LabelIn) -> None:
+def check_label(label: LabelIn) -> None:
+    """Raises InvalidPoolRequestError naming the field when ``label`` cannot be stored."""
     if label.target_kind not in LABEL_TARGETS:
         raise InvalidPoolRequestError(
             f"target must be one of {LABEL_TARGETS}, got {label.target_kind!r}", param="target"
@@ -125,7 +127,7 @@ def add_labels(sessions: sessionmaker[Session], labels: Sequence[LabelIn]) -> li
     bad kind, quality, decision or an empty label.
     """
     for label in labels:
-        _check(label)
+        check_label(label)
     with sessions.begin() as session:
         trajectory_of = _trajectory_of(session, labels)
         now = utc_now()
@@ -149,54 +151,10 @@ def add_labels(sessions: sessionmaker[Session], labels: Sequence[LabelIn]) -> li
         return [record.id for record in records]
 
 
-def bulk_label(
-    sessions: sessionmaker[Session], where: TrajectoryFilter, template: LabelIn
-) -> list[int]:
-    """Append ``template`` (its ``target_id`` ignored) to everything ``where`` matches.
-
-    ``template.target_kind`` picks what gets the label: the matching trajectories, every step of
-    them, or their distinct groups. Returns the appended record ids.
-    """
-    _check(LabelIn(template.target_kind, "-", *_fields(template)))
-    with sessions() as session:
-        trajectory_ids = select_trajectory_ids(session, where)
-        if template.target_kind == "trajectory":
-            targets = trajectory_ids
-        elif template.target_kind == "step":
-            targets = [
-                step_id
-                for chunk in chunks(trajectory_ids)
-                for step_id in session.scalars(
-                    select(Step.id)
-                    .where(Step.trajectory_id.in_(chunk))
-                    .order_by(Step.trajectory_id, Step.step_index, Step.choice_index)
-                )
-            ]
-        elif template.target_kind == "group":
-            targets = sorted(
-                {
-                    group_id
-                    for chunk in chunks(trajectory_ids)
-                    for group_id in session.scalars(
-                        select(Trajectory.group_id).where(Trajectory.id.in_(chunk))
-                    )
-                    if group_id is not None
-                }
-            )
-        else:
-            raise InvalidPoolRequestError(
-                f"target must be one of {LABEL_TARGETS}, got {template.target_kind!r}"
-            )
-    if not targets:
-        return []
-    return add_labels(
-        sessions, [LabelIn(template.target_kind, t, *_fields(template)) for t in targets]
-    )
-
-
-def _fields(
+def label_fields(
     label: LabelIn,
 ) -> tuple[list[str], list[str], str | None, str | None, str | None, str | None]:
+    """A label's fields after its target, to build the same label on another target."""
     return (
         label.tags,
         label.remove_tags,
@@ -247,4 +205,3 @@ def _fold(view: CurrentLabel, record: Label) -> None:
         view.decision_label_id = record.id
     view.updated_at = record.created_at
     view.records += 1
-

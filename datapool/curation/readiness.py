@@ -27,8 +27,9 @@ from datapool.curation.labels import CurrentLabel, current_labels, labels_of_tra
 from datapool.curation.rules import INTEGRITY_FLAGS
 from datapool.db import chunks
 from datapool.errors import UnknownTargetError
-from datapool.lifecycle.transitions import EMPTY, INCOMPLETE
 from datapool.models import (
+    EMPTY,
+    INCOMPLETE,
     CurationMark,
     CurationRule,
     Step,

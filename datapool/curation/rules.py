@@ -52,8 +52,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
-from datapool.lifecycle.transitions import EMPTY
 from datapool.models import (
+    EMPTY,
     CurationMark,
     CurationRule,
     PolicyVersion,
@@ -62,6 +62,7 @@ from datapool.models import (
     TrajectoryStatus,
     utc_now,
 )
+from datapool.rewards.group_stats import group_stats
 from datapool.rewards.values import RewardContext, current_rewards
 from datapool.steps.store import PoolStore
 
@@ -535,9 +536,7 @@ def judge_group(
     values: Sequence[float], eps: float, success_reward: float, fail_reward: float
 ) -> GroupVerdict:
     """Statistics of one group's member rewards ``values`` (NaN = unrewarded), via
-    ``datapool.batches.advantages.group_stats`` (unbiased std, degenerate when std < eps)."""
-    from datapool.batches.advantages import group_stats
-
+    ``datapool.rewards.group_stats`` (unbiased std, degenerate when std < eps)."""
     rewards = np.array(list(values), dtype=np.float64)  # [G]
     stats = group_stats(rewards, np.zeros(len(values), dtype=np.int64), degenerate_eps=eps)
     scored = int(stats.scored_size[0]) if len(values) else 0

@@ -10,16 +10,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Text, cast, exists, select
 from sqlalchemy.orm import Session
 
+from datapool.curation.labels import Quality, current_labels
 from datapool.models import Step, Trajectory
 from datapool.rewards.values import current_rewards_query
-
-Quality = Literal["good", "bad", "unsure"]
 
 
 class TrajectoryFilter(BaseModel):
@@ -150,8 +149,6 @@ def select_trajectory_ids(session: Session, where: TrajectoryFilter) -> list[str
         query = query.limit(where.limit)
     ids = list(session.scalars(query))
     if where.quality is not None:
-        from datapool.curation.labels import current_labels
-
         labels = current_labels(session, "trajectory", ids)
         wanted = set(where.quality)
         ids = [i for i in ids if i in labels and labels[i].quality in wanted]

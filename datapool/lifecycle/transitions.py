@@ -1,11 +1,10 @@
 """Trajectory and group lifecycle: open → complete / abandoned / failed, and what a crash leaves.
 
 Owns: the status transitions (explicit, or by idle timeout), the ``empty`` flag (closed with no
-step: case C15), the ``incomplete`` flag (open in a writer process that died: case C14), group
+step: case C15; the ``incomplete`` flag of a crashed writer is ``datapool.steps.crashes``'), group
 completion (all ``expected_size`` members closed), marking a newly complete trajectory's
 completion hooks due (``hooks_due_at``, run by ``datapool.lifecycle.hooks``), and the staleness
-query
-(steps more than K policy versions old). Never: deletes steps; a closed trajectory keeps
+query (steps more than K policy versions old). Never: deletes steps; a closed trajectory keeps
 everything it had, and a late call is refused and counted (``TrajectoryClosedError``), never
 stored. Never runs the hooks itself (they may be slow; the closing transaction must not wait).
 
@@ -14,18 +13,17 @@ Case codes (Cnn) are defined in docs/capture-cases.md.
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Collection
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import insert_ignore
 from datapool.errors import InvalidPoolRequestError, TrajectoryClosedError, UnknownTargetError
 from datapool.models import (
+    EMPTY,
     Reward,
     RewardSource,
     Step,
@@ -36,8 +34,6 @@ from datapool.models import (
 )
 from datapool.rewards.values import RewardIn, check_reward
 
-EMPTY = "empty"
-INCOMPLETE = "incomplete"
 CLOSED_STATUSES = (
     TrajectoryStatus.COMPLETE.value,
     TrajectoryStatus.ABANDONED.value,
@@ -257,65 +253,6 @@ def close_idle(
         for trajectory in idle:
             _close(session, trajectory, TrajectoryStatus.COMPLETE, "idle_timeout")
         return [t.id for t in idle]
-
-
-def _writer_is_dead(writer_id: str, own_writer_id: str) -> bool:
-    """A writer id is ``host:pid:start_ns``; only this host's writers can be judged."""
-    host, _, rest = writer_id.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit() or writer_id == own_writer_id:
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():  # an earlier writer of this very process (restarted in place)
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def mark_interrupted(sessions: sessionmaker[Session], own_writer_id: str) -> int:
-    """Flag ``incomplete`` the open trajectories last written by a dead writer on this host.
-
-    They stay open (the agent may come back); the flag keeps them out of training until a human
-    or rule decides. Returns how many were flagged.
-    """
-    with sessions.begin() as session:
-        writers = session.scalars(
-            select(Trajectory.writer_id)
-            .where(
-                Trajectory.status == TrajectoryStatus.OPEN.value,
-                Trajectory.writer_id.is_not(None),
-            )
-            .distinct()
-        ).all()
-        dead = [w for w in writers if w is not None and _writer_is_dead(w, own_writer_id)]
-        if not dead:
-            return 0
-        trajectories = list(
-            session.scalars(
-                select(Trajectory).where(
-                    Trajectory.status == TrajectoryStatus.OPEN.value,
-                    Trajectory.writer_id.in_(dead),
-                )
-            )
-        )
-        for trajectory in trajectories:
-            if INCOMPLETE not in trajectory.flags:
-                trajectory.flags = [*trajectory.flags, INCOMPLETE]
-            trajectory.writer_id = None
-        return len(trajectories)
-
-
-def release_writer(sessions: sessionmaker[Session], writer_id: str) -> None:
-    """On a clean stop: this writer's open trajectories are not in flight in a dead process."""
-    with sessions.begin() as session:
-        session.execute(
-            update(Trajectory).where(Trajectory.writer_id == writer_id).values(writer_id=None)
-        )
 
 
 def stale_steps(

@@ -28,8 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import select
 
-from datapool.lifecycle.transitions import EMPTY, INCOMPLETE
-from datapool.models import Trajectory
+from datapool.models import EMPTY, INCOMPLETE, Trajectory
 from datapool.rewards.values import current_rewards
 from datapool.steps.store import PoolStore
 

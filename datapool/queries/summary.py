@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 
 from datapool.curation.selection import json_contains
-from datapool.lifecycle.transitions import EMPTY, INCOMPLETE
-from datapool.models import Reward, Step, Trajectory
+from datapool.models import EMPTY, INCOMPLETE, Reward, Step, Trajectory
 from datapool.steps.store import PoolStore
 
 

@@ -23,15 +23,25 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from datapool.errors import PoolUnavailableError, TrajectoryClosedError
-from datapool.lifecycle.transitions import close_idle, mark_interrupted, release_writer
 from datapool.settings import PoolSettings
+from datapool.steps.crashes import mark_interrupted, release_writer
 from datapool.steps.faults import fault_reason
 from datapool.steps.payloads import CompactionRaceError
 from datapool.steps.records import CallRecord
 from datapool.steps.store import CallResult, PendingCall, PoolStore
+
+
+class IdleCloser(Protocol):
+    """Completes the open trajectories idle for ``idle_s`` seconds, except those ``in_flight``;
+    returns the ids completed (``datapool.lifecycle.transitions.close_idle`` with its sessions)."""
+
+    def __call__(self, idle_s: float, *, in_flight: Collection[str] = ()) -> list[str]: ...
+
 
 log = logging.getLogger("trajgate.pool.writer")
 
@@ -72,8 +82,20 @@ _STOP = object()
 class PoolWriter:
     """Commits calls for the whole process through one thread, many calls per transaction."""
 
-    def __init__(self, store: PoolStore, settings: PoolSettings | None = None) -> None:
+    def __init__(
+        self,
+        store: PoolStore,
+        settings: PoolSettings | None = None,
+        *,
+        close_idle: IdleCloser | None = None,
+    ) -> None:
+        """``close_idle`` runs the idle timeout in each upkeep round (the gateway passes
+        ``datapool.lifecycle.transitions.close_idle`` bound to its sessions); without it this
+        writer never completes idle trajectories, whatever ``trajectory_idle_timeout_s`` says.
+        It is passed in because lifecycle sits above the write path (completing a trajectory
+        checks its final reward), so the write path cannot import it."""
         self.store = store
+        self.close_idle = close_idle
         self.settings = settings or store.settings
         self.stats = WriterStats()
         self.writer_id = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
@@ -315,9 +337,8 @@ class PoolWriter:
         Raises what the database or filesystem raised; a failed compaction leaves its payloads
         in SQL and no file behind (``PayloadFiles.compact``), and is counted.
         """
-        if self.settings.trajectory_idle_timeout_s > 0:
-            for trajectory_id in close_idle(
-                self.store.sessions,
+        if self.close_idle is not None and self.settings.trajectory_idle_timeout_s > 0:
+            for trajectory_id in self.close_idle(
                 self.settings.trajectory_idle_timeout_s,
                 in_flight=self.trajectories_in_flight(),
             ):

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.batches import leases
-from datapool.curation import labels, readiness
+from datapool.curation import bulk_labels, labels, readiness
 from datapool.curation import rules as curation
 from datapool.curation.selection import TrajectoryFilter
 from datapool.db import Sessions
@@ -133,7 +133,7 @@ async def post_label(body: LabelCreate, sessions: SessionsDep) -> LabelIds:
 async def post_labels_bulk(body: LabelBulk, sessions: SessionsDep) -> LabelIds:
     """Append the same label to every trajectory, step or group the filter matches."""
     ids = await run_in_threadpool(
-        labels.bulk_label, sessions, body.filter, _label_in(body, body.target, "-")
+        bulk_labels.bulk_label, sessions, body.filter, _label_in(body, body.target, "-")
     )
     return LabelIds(ids=ids)
 
