@@ -8,7 +8,7 @@
   (``select_candidates``, ``trainable_steps``, ``form_groups``, ``keep_groups``,
   ``fit_token_budget``, ``score``, ``place_rewards``, ``shuffle_rows``, ``assemble_table``).
 - ``advantages``: the advantage estimators on numpy and ``ESTIMATORS``, the one registry of
-  batch algorithms (``ALGORITHMS``, ``estimate_advantages``, ``group_stats``, ...): adding a
+  batch algorithms (``ALGORITHMS``, ``estimate_advantages``, ...): adding a
   batch algorithm means one function and one registry entry here.
 - ``rows``: training rows assembled from stored steps into Arrow columns (``load_tokens``,
   ``segments``, ``assemble``).
@@ -20,6 +20,7 @@
 Never: imports torch or trains (``trainer_bridge`` does, from the rows); never changes a batch
 once materialised; never exports a step flagged for integrity.
 
-Imports: ``datapool``'s shared modules, ``datapool.steps`` and ``datapool.curation``, and
+Imports: ``datapool``'s shared modules, ``datapool.steps``, ``datapool.rewards`` and
+``datapool.curation``, and
 ``trajgate.config``; never ``gateway`` or ``trainer_bridge``.
 """

@@ -1,9 +1,9 @@
 """Lifecycle: how trajectories and groups open and close, and what runs once one completes.
 
 - ``transitions``: open → complete / abandoned / failed, explicitly or by idle timeout
-  (``create_trajectory``, ``close_trajectory``, ``close_idle``), groups (``set_group``,
-  ``update_group``), the ``EMPTY`` and ``INCOMPLETE`` flags a crash or a bypassed call leaves
-  (``mark_interrupted``, ``release_writer``), and stale steps (``stale_steps``).
+  (``create_trajectory``, ``close_trajectory``, ``close_idle``, which the gateway hands to the
+  pool writer's upkeep), groups (``set_group``, ``update_group``), the ``EMPTY`` flag of a
+  trajectory closed without a step, and stale steps (``stale_steps``).
 - ``hooks``: ``CompletionHooks``, which runs each completed trajectory's reward functions, then
   its curation rules, at least once across crashes (``due_trajectories``, ``claim``, ``settle``;
   counters in ``HookStats``).

@@ -5,6 +5,8 @@
   running the configured reward functions on a completed trajectory (``RewardContext``,
   ``resolve_reward_function``, ``run_reward_functions``; plug-ins by the entry-point group
   ``ENTRY_POINT_GROUP``).
+- ``group_stats``: mean, std, scored size and degeneracy of rewards within groups
+  (``group_stats``, ``GroupStats``), shared by curation and the advantage estimators.
 - ``functions``: the built-in reward functions ``exact_match``, ``tool_call_format`` and
   ``http_reward_model``.
 

@@ -11,7 +11,7 @@ the parent step, and the rows are written in one transaction.
   ``check_accepting``, ``upkeep``).
 - ``store``: ``PoolStore``, writes calls (``record_call``, ``record_calls``) and reads steps back
   whole (``get_step``, ``steps_of``, ``get_trajectory``; ``StoredStep``).
-- ``rows``: the SQL of one write transaction (``WriteBatch``, ``lock_trajectories``).
+- ``transaction``: the SQL of one write transaction (``WriteBatch``, ``lock_trajectories``).
 - ``lineage``: each open trajectory's token sequences and where a new call's steps go
   (``TrajectoryTokens``, ``LineageCache``, ``Placement``).
 - ``prefix``: the pure comparison of token sequences: does a prompt extend a parent, where it
@@ -23,12 +23,14 @@ the parent step, and the rows are written in one transaction.
 - ``chain``: the one walk back along a step's parent deltas (``walk``, ``resolve``).
 - ``calls``: logical calls: upstream attempts, ``Idempotency-Key`` replays and re-sends
   (``record_attempts``, ``find_replay``, ``find_resend``).
+- ``crashes``: what a crashed writer leaves: its open trajectories flagged ``incomplete``
+  (``mark_interrupted``, ``release_writer``).
 - ``faults``: which storage fault the pool hit (``fault_reason``, ``FAULT_REASONS``).
 
 Never: tokenizes, decodes or repairs token IDs (missing IDs stay missing, a prefix break is
 recorded, not fixed); never decides rewards, curation or batches.
 
-Imports: ``datapool``'s shared modules (``models``, ``db``, ``settings``, ``errors``) and
-``datapool.lifecycle`` (the writer's idle and crash upkeep); never ``gateway`` or
-``trainer_bridge``.
+Imports: ``datapool``'s shared modules (``models``, ``db``, ``settings``, ``errors``) only: it is
+the bottom of the pool (the idle timeout reaches the writer as a function, ``IdleCloser``); never
+``gateway`` or ``trainer_bridge``.
 """

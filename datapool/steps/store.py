@@ -40,7 +40,7 @@ from datapool.steps.payloads import (
     reconstruct,
 )
 from datapool.steps.records import CallRecord, PendingCall
-from datapool.steps.rows import Inserts, WriteBatch, lock_trajectories
+from datapool.steps.transaction import Inserts, WriteBatch, lock_trajectories
 
 __all__ = ["CallResult", "PendingCall", "PoolStore", "StoredStep"]
 
