@@ -345,7 +345,8 @@ class ChoicesStream(DialectStream):
         if self._held or (terminal and (capture.all_finished() or needs_fingerprint)):
             self._held.append(chunk)
             return []
-        return [sse_event(self._for_client(chunk, data))]
+        # sse_event, inlined: this is the per-chunk path
+        return [b"data: " + self._for_client(chunk, data) + b"\n\n"]
 
     def closing(self) -> list[bytes]:
         return [*self._release(), b"data: [DONE]\n\n"]
