@@ -271,7 +271,7 @@ def test_stale_steps_and_reward_modes_reach_rows_as_specified(pool_settings: Poo
     store.record_call("st", call(p3, r3, policy_version=5))
     lifecycle.close_trajectory(store.sessions, "st", TrajectoryStatus.COMPLETE, final_reward=2.0)
     spec = BatchSpec(
-        algorithm="ppo",
+        algorithm="sft",
         reward_to_steps="discounted",
         gamma=0.5,
         max_staleness_versions=2,
@@ -279,9 +279,10 @@ def test_stale_steps_and_reward_modes_reach_rows_as_specified(pool_settings: Poo
     )
     table, manifest = build_rows(store, spec)
     assert manifest["counts"]["stale_steps"] == 1
-    # S = 2 trainable steps: G_0 = 0.5 * 2.0 = 1.0, G_1 = 2.0; ppo leaves advantages to the critic
+    # S = 2 trainable steps: G_0 = 0.5 * 2.0 = 1.0, G_1 = 2.0; sft's weight 1.0 is discounted
+    # the same way: 0.5 * 1.0, then 1.0
     assert table["step_reward"].to_pylist() == [1.0, 2.0]
-    assert all(math.isnan(a) for a in table["advantage"].to_pylist())
+    assert table["advantage"].to_pylist() == [0.5, 1.0]
     assert table["policy_version"].to_pylist() == [4, 5]
     final = build_rows(store, spec.model_copy(update={"reward_to_steps": "final_step"}))[0]
     assert final["step_reward"].to_pylist() == [2.0] and final["policy_version"].to_pylist() == [5]

@@ -589,9 +589,7 @@ def batches_create(
         Path | None, typer.Option(help="A JSON file with a batch spec (fields in docs/batches.md).")
     ] = None,
     channel: Annotated[str | None, typer.Option(help="Channel (overrides the spec's).")] = None,
-    algorithm: Annotated[
-        str | None, typer.Option(help="grpo, rloo, reinforce_pp, ppo or sft.")
-    ] = None,
+    algorithm: Annotated[str | None, typer.Option(help="grpo, rloo, reinforce_pp or sft.")] = None,
     layout: Annotated[str | None, typer.Option(help="per_step or merged.")] = None,
     name: Annotated[str | None, typer.Option(help="A name for the batch.")] = None,
     database_url: DatabaseUrlOpt = None,

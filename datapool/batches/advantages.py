@@ -18,13 +18,15 @@ Estimators:
 - REINFORCE++ (Hu 2025, "REINFORCE++"): a global baseline,
   ``A_i = (r_i - mean(r_batch)) / (std(r_batch) + eps)`` over the whole batch. (The paper also
   puts a token-level KL penalty into the reward; here KL lives in the loss, see ``losses``.)
-- PPO (Schulman et al. 2017): no advantage here (NaN); the trainer's critic computes it (GAE)
-  from each row's ``step_reward``.
 - SFT: advantage 1.0, a plain likelihood weight.
 - Discounted returns for multi-turn credit: ``G_k = sum_{j >= k} gamma^(j-k) r_j``.
 
 Adding an algorithm: write its function here, add its name to ``Algorithm`` and one entry to
 ``ESTIMATORS`` (``group_relative`` says whether it needs groups of rollouts of one task).
+
+Not offered: PPO. It needs a critic (a value head trained with the policy) and GAE over each
+row's tokens, which the trainer does not have; a spec naming ``ppo`` is refused (400, listing the
+valid values) rather than accepted and then refused by the trainer (issue 19).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -40,7 +42,7 @@ import numpy as np
 from datapool.errors import InvalidPoolRequestError
 from datapool.rewards.group_stats import FloatArray, IntArray, group_stats
 
-Algorithm = Literal["grpo", "rloo", "reinforce_pp", "ppo", "sft"]
+Algorithm = Literal["grpo", "rloo", "reinforce_pp", "sft"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 
 
@@ -85,11 +87,6 @@ def reinforce_pp_advantages(rewards: FloatArray, *, eps: float = 1e-6) -> FloatA
     return advantages
 
 
-def ppo_advantages(rewards: FloatArray) -> FloatArray:
-    """PPO: NaN ``[B]``; the trainer's critic computes advantages from ``step_reward``."""
-    return np.full_like(rewards, np.nan)
-
-
 def sft_weights(rewards: FloatArray) -> FloatArray:
     """SFT: 1.0 ``[B]`` for every row, a plain likelihood weight (rewards are not used)."""
     return np.ones_like(rewards)
@@ -114,7 +111,6 @@ ESTIMATORS: dict[str, Estimator] = {  # keys: exactly ALGORITHMS (a test checks)
     "reinforce_pp": Estimator(
         lambda r, _g, _scale, eps: reinforce_pp_advantages(r, eps=eps), group_relative=False
     ),
-    "ppo": Estimator(lambda r, _g, _scale, _eps: ppo_advantages(r), group_relative=False),
     "sft": Estimator(lambda r, _g, _scale, _eps: sft_weights(r), group_relative=False),
 }
 

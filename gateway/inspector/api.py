@@ -132,7 +132,7 @@ async def group_rollouts(
     algorithm: str = "grpo",
 ) -> dict[str, Any]:
     """The group's members side by side: status, steps, tokens, reward, the advantage
-    ``algorithm`` would give them (``grpo``, ``rloo``, ``reinforce_pp``, ``ppo``, ``sft``;
+    ``algorithm`` would give them (``grpo``, ``rloo``, ``reinforce_pp``, ``sft``;
     unrewarded members get none), and each one's last answer."""
     members = await run_in_threadpool(
         groups.group_rollouts, sessions, group_id, reward_name, algorithm
