@@ -106,6 +106,7 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         detail = httpx.get(f"{gateway.url}/api/batches/{batch.id}", timeout=30).json()
+        posted = httpx.get(f"{gateway.url}/api/training-metrics", timeout=30).json()
     finally:
         gateway.stop()
     reports = {
@@ -136,3 +137,7 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
         assert abs(update["loss"] - metrics.loss) < 1e-6
         assert abs(update["grad_norm"] - metrics.grad_norm) < 1e-5
         assert update["tokens"] == metrics.tokens
+    # rank 0 alone posted the update's metrics, under the consumer id and the published version
+    [row] = posted
+    assert (row["run"], row["policy_version"], row["step"]) == ("trainer", 1, 1)
+    assert abs(row["metrics"]["loss"] - metrics.loss) < 1e-6

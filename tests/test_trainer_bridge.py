@@ -4,6 +4,7 @@ trainer's logprobs of vLLM's sampled tokens match vLLM's behaviour logprobs."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,62 @@ def test_lora_updates_reach_every_adapter_weight_and_nothing_else(
     trainable = {name for name, p in named.items() if p.requires_grad}
     assert changed == trainable
     assert all("lora_" in name for name in trainable)
+
+
+def _on_policy_batch(trainer: PolicyTrainer) -> TrainBatch:
+    """Two rows of fixed token ids whose behaviour logprobs are the trainer's own (gap 0)."""
+    rows = [
+        row_from_step([5, 9, 13], [21, 34, 55], [0.0] * 3, 1.0),
+        row_from_step([7, 11], [89, 144], [0.0] * 2, -1.0),
+    ]
+    batch = collate(rows, PAD_ID)
+    own = trainer.logprobs(batch) * batch.loss_mask  # [B, T]
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, own, batch.advantages)
+
+
+def _k3_token_mean(policy: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> float:
+    """k3 = e^d - d - 1 with d = ref - logp, averaged over the loss tokens (losses.py)."""
+    d = (reference - policy)[mask.bool()]
+    return float((d.exp() - d - 1).mean())
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_kl_penalty_measures_the_distance_to_the_frozen_starting_policy(
+    tiny_model_dir: Path, lora_rank: int
+) -> None:
+    # The reference is the starting policy (LoRA: the adapter off; full: a frozen copy), so the
+    # first update's KL is exactly 0; after updates the reference has not moved while the policy
+    # has, and the reported KL is k3 of the policy's pre-update logprobs against the reference.
+    trainer = PolicyTrainer(
+        TrainerSettings(
+            model_dir=tiny_model_dir, lora_rank=lora_rank, learning_rate=1e-2, kl_coef=0.1
+        )
+    )
+    batch = _on_policy_batch(trainer)
+    start = trainer.logprobs(batch)  # [B, T]
+    first = trainer.update(batch)
+    assert first.kl == 0.0 and first.step == 1
+    trainer.update(batch)  # LoRA's B starts at 0: the adapter moves the logprobs from step 2
+    before_third = trainer.logprobs(batch)
+    reference = trainer.reference_logprobs(batch)
+    assert torch.allclose(reference, start, atol=1e-6)
+    assert not torch.allclose(before_third, start, atol=1e-3)
+    third = trainer.update(batch)
+    expected = _k3_token_mean(before_third, reference, batch.loss_mask)
+    assert third.kl is not None and third.kl > 0
+    assert third.kl == pytest.approx(expected, rel=1e-4)
+    assert third.step == 3
+    if lora_rank == 0:  # the copy is frozen and not optimised
+        assert not any(p.requires_grad for p in trainer.reference.parameters())
+
+
+def test_kl_is_left_out_of_the_metrics_when_no_reference_is_kept(tiny_model_dir: Path) -> None:
+    trainer = PolicyTrainer(TrainerSettings(model_dir=tiny_model_dir, lora_rank=0))
+    metrics = trainer.update(_on_policy_batch(trainer))
+    assert metrics.kl is None and "kl" not in metrics.as_dict()
+    assert trainer.reference is None
+    with pytest.raises(ValueError, match="kl_coef > 0"):
+        trainer.reference_logprobs(_on_policy_batch(trainer))
 
 
 def test_collate_pads_right_longest_first_and_masks_only_sampled_tokens() -> None:
@@ -271,11 +328,36 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
         adapter_dir=tmp_path,
         adapter_prefix=f"loop-{tmp_path.name}",
     )
-    metrics = run_loop(
-        loop, TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2), say=lambda _: None
-    )
+    settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2, kl_coef=0.05)
+    metrics = run_loop(loop, settings, say=lambda _: None)
     assert len(metrics) == 1 and metrics[0]["policy_version"] == 1.0
     assert metrics[0]["tokens"] == 4 * 6
+    # The update's metrics reached the pool for the inspector's training chart.
+    [posted] = api.get("/api/training-metrics", params={"run": "loop-test"}).json()
+    assert (posted["policy_version"], posted["step"]) == (1, 1)
+    values = posted["metrics"]
+    assert {
+        "loss",
+        "kl",
+        "clip_fraction",
+        "entropy_mean",
+        "logprob_gap_mean_abs",
+        "grad_norm",
+        "tokens_per_s",
+        "policy_version",
+    } <= set(values)
+    assert all(math.isfinite(v) for v in values.values())
+    assert values["policy_version"] == 1.0 and values["tokens"] == 4 * 6
+    assert values["kl"] == 0.0  # the first update starts at the reference (adapter B = 0)
+    assert values["grad_norm"] > 0 and values["tokens_per_s"] > 0
+    assert values["entropy_mean"] > 0
+    assert values["logprob_gap_mean_abs"] < LORA_GAP_TOLERANCE
+    # A spec naming an algorithm the trainer cannot run is refused before anything is built.
+    refused = api.post("/api/batches", json={"algorithm": "ppo"})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "algorithm"
+    assert "'grpo', 'rloo', 'reinforce_pp' or 'sft'; got 'ppo'" in error["message"]
     versions = api.get("/admin/policy-versions").json()
     assert [(v["version"], v["active"]) for v in versions] == [(0, False), (1, True)]
     batches = api.get("/api/batches").json()

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+from pydantic import ValidationError
 
 from datapool.batches.advantages import (
     ALGORITHMS,
@@ -19,6 +20,7 @@ from datapool.batches.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from datapool.batches.spec import BatchSpec
 from datapool.errors import InvalidPoolRequestError
 from datapool.rewards.group_stats import group_stats
 from trainer_bridge.losses import LossConfig, aggregate, policy_loss
@@ -125,16 +127,23 @@ def test_estimators_keep_a_float32_input_in_float32() -> None:
 
 
 def test_every_algorithm_of_a_spec_has_one_registered_estimator() -> None:
-    assert set(ESTIMATORS) == set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "ppo", "sft"}
+    assert set(ESTIMATORS) == set(ALGORITHMS) == {"grpo", "rloo", "reinforce_pp", "sft"}
     assert {name for name, e in ESTIMATORS.items() if e.group_relative} == {"grpo", "rloo"}
     rewards, groups = _a(1, 0, NAN), _ids(0, 0, 0)
-    # ppo: NaN everywhere (the critic computes advantages); sft: 1.0 everywhere, NaN reward or not
-    _close(estimate_advantages("ppo", rewards, groups), [NAN, NAN, NAN])
+    # sft: 1.0 everywhere, NaN reward or not
     _close(estimate_advantages("sft", rewards, groups), [1, 1, 1])
     # grpo through the registry passes the spec's options: Dr. GRPO [1, 0] -> ±0.5
     _close(estimate_advantages("grpo", rewards, groups, scale_by_std=False), [0.5, -0.5, NAN])
     with pytest.raises(InvalidPoolRequestError, match=r"one of \('grpo'.*got 'dpo'"):
         estimate_advantages("dpo", rewards, groups)
+
+
+def test_a_spec_naming_ppo_is_refused_with_the_valid_algorithms() -> None:
+    # PPO needs a critic and GAE, which the trainer does not have: nothing accepts it
+    with pytest.raises(ValidationError, match="'grpo', 'rloo', 'reinforce_pp' or 'sft'"):
+        BatchSpec(algorithm="ppo")  # type: ignore[arg-type]
+    with pytest.raises(InvalidPoolRequestError, match="got 'ppo'"):
+        estimate_advantages("ppo", _a(1, 0), _ids(0, 0))
 
 
 def test_on_policy_loss_is_minus_the_masked_advantage_under_each_aggregation() -> None:
@@ -191,6 +200,38 @@ def test_k3_kl_to_the_reference_is_added_with_its_weight() -> None:
     )
     assert out.kl == pytest.approx(1 - math.log(2))
     assert float(out.loss) == pytest.approx(-1 + 0.5 * (1 - math.log(2)))
+
+
+def test_k3_kl_counts_only_loss_tokens_and_its_gradient_pulls_toward_the_reference() -> None:
+    # ratio 1 and A = 0, so the loss is kl_coef * KL alone. d = ref - logp on the loss tokens:
+    # row 0: ln 2 -> k3 = 2 - ln 2 - 1 = 1 - ln 2 = 0.306853; -ln 2 -> 1/2 + ln 2 - 1 = 0.193147
+    # row 1: ln 3 -> k3 = 3 - ln 3 - 1 = 2 - ln 3 = 0.901388
+    # The masked positions (ref 1000.0, 7.0) must be zeroed before exp: e^1000 is inf, and
+    # inf * 0 is NaN, so masking only in the average would not do; e^7 - 8 = 1088.6 if counted.
+    logprobs = torch.zeros((2, 3), dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    ref = torch.tensor(
+        [[1000.0, math.log(2.0), -math.log(2.0)], [0.0, math.log(3.0), 7.0]], dtype=torch.float64
+    )
+    expected = {
+        "token_mean": (0.5 + 2 - math.log(3)) / 3,  # (0.306853 + 0.193147 + 0.901388) / 3
+        "seq_mean": (0.25 + 2 - math.log(3)) / 2,  # row means 0.5 / 2 and 0.901388
+    }
+    for aggregation, kl in expected.items():
+        config = LossConfig(aggregation=aggregation, kl_coef=0.1)  # type: ignore[arg-type]
+        out = policy_loss(logprobs, logprobs.detach(), _t(0, 0), mask, config, ref_logprobs=ref)
+        assert out.kl == pytest.approx(kl)  # 0.467129 and 0.575694
+        assert float(out.loss.detach()) == pytest.approx(0.1 * kl)
+    # d k3 / d logp = 1 - e^d, times kl_coef / 3 loss tokens under token_mean:
+    # ln 2 -> 0.1 * (1 - 2) / 3 = -0.033333, -ln 2 -> 0.1 * 0.5 / 3, ln 3 -> 0.1 * (1 - 3) / 3;
+    # negative where pi_ref > pi, so gradient descent raises logp toward the reference.
+    config = LossConfig(kl_coef=0.1)
+    policy_loss(
+        logprobs, logprobs.detach(), _t(0, 0), mask, config, ref_logprobs=ref
+    ).loss.backward()
+    assert logprobs.grad is not None
+    expected_grad = [[0.0, -0.1 / 3, 0.05 / 3], [0.0, -0.2 / 3, 0.0]]
+    assert torch.allclose(logprobs.grad, torch.tensor(expected_grad, dtype=torch.float64))
 
 
 def test_bad_configurations_are_refused_with_the_fix() -> None:

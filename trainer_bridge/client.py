@@ -1,7 +1,8 @@
 """The trainer's client of the pool: lease a batch, read its rows, ack or nack.
 
 Owns: the HTTP calls of ``/api/batches/lease``, ``/api/batches/{id}/rows`` (Arrow IPC),
-``/ack`` and ``/nack``, and turning Arrow rows into ``trainer_bridge.collate.Row``s or straight
+``/ack``, ``/nack`` and ``/api/training-metrics`` (each update's metrics, which the inspector's
+training chart draws), and turning Arrow rows into ``trainer_bridge.collate.Row``s or straight
 into a padded ``TrainBatch``. Never: builds or changes rows; they arrive exactly as the pool
 materialised them (token IDs, loss mask, behaviour logprobs, advantage).
 
@@ -12,6 +13,7 @@ Typical loop::
             batch = train_batch(pool.rows(lease.batch_id), pad_token_id=0)
             ...  # one RL update
             pool.ack(lease, policy_version_trained=version)
+            pool.post_training_metrics("trainer-0", version + 1, metrics)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import httpx
 import pyarrow as pa
 
 from trainer_bridge.collate import Row, collate
-from trainer_bridge.trainer import TrainBatch
+from trainer_bridge.trainer import TrainBatch, UpdateMetrics
 
 
 class PoolClientError(RuntimeError):
@@ -134,6 +136,21 @@ class PoolClient:
             )
         )
 
+    def post_training_metrics(self, run: str, policy_version: int, metrics: UpdateMetrics) -> None:
+        """Append one update's metrics to the pool's training metrics (``run``, ``step`` =
+        ``metrics.step``, ``policy_version``: the version the update produced); every value is
+        finite (the pool refuses others with a 400, raised as ``PoolClientError``)."""
+        values = {name: v for name, v in metrics.as_dict().items() if name != "step"}
+        # the version again among the values, so the inspector's training chart draws it
+        values["policy_version"] = float(policy_version)
+        row = {
+            "run": run,
+            "policy_version": policy_version,
+            "step": metrics.step,
+            "metrics": values,
+        }
+        self._check(self._http.post("/api/training-metrics", json={"rows": [row]}))
+
     def nack(self, lease: LeasedBatch, reason: str | None = None) -> None:
         """The update failed; the batch goes back to the pool now."""
         self._check(
@@ -148,7 +165,7 @@ def rows_from_table(table: pa.Table, *, skip_unscored: bool = False) -> list[Row
     """``Row``s of a batch table (columns ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
     ``advantage``).
 
-    A NaN advantage (an unrewarded row, or ``ppo`` where the critic computes advantages) raises
+    A NaN advantage (a row without a baseline, e.g. ``rloo`` with one rewarded member) raises
     ``ValueError`` unless ``skip_unscored``, which drops such rows: NaN never becomes 0.
     """
     columns = table.select(["input_ids", "loss_mask", "behaviour_logprobs", "advantage"])
@@ -160,8 +177,8 @@ def rows_from_table(table: pa.Table, *, skip_unscored: bool = False) -> list[Row
             if skip_unscored:
                 continue
             raise ValueError(
-                "a row has no advantage (NaN: unrewarded, or algorithm 'ppo' whose critic "
-                "computes it); pass skip_unscored=True to drop such rows"
+                "a row has no advantage (NaN: unrewarded, or no baseline in its group); "
+                "pass skip_unscored=True to drop such rows"
             )
         rows.append(Row(ids, mask, logprobs, float(advantage)))
     return rows

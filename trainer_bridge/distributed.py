@@ -15,7 +15,8 @@ the ranks' token counts differ by at most one row); ``PolicyTrainer.update(shard
 weighs each micro-batch by its share of the *whole* batch and sums gradients over the ranks
 before clipping, so every rank applies exactly the update one process would apply to the whole
 batch (tests/test_distributed.py checks it within float tolerance). After the update rank 0 acks,
-saves the weights and publishes them (vLLM, then the gateway's policy registry); a failed update
+saves the weights, publishes them (vLLM, then the gateway's policy registry) and posts the
+update's metrics to the pool's training metrics (run = the consumer id); a failed update
 on rank 0 nacks, and a crashed rank lets the lease expire, so the batch comes back either way.
 
 Deliberately different from torch's ``DistributedDataParallel`` wrapper: the gradients are
@@ -170,6 +171,7 @@ def _update_on_share(
         weights = trainer.save_for_vllm(settings.weights_dir / f"policy-v{version}")
         if sync is not None:
             sync.publish(version, weights, "lora" if trainer.settings.lora_rank else "full")
+        pool.post_training_metrics(settings.consumer, version, metrics)
     dist.barrier()  # no rank leases the next batch before rank 0 has acked this one
     return metrics
 

@@ -2,8 +2,9 @@
 
 Owns: ``trajgate train``. It needs only URLs and a model path, so the same loop runs against the
 CPU demo's services and against a GPU host (vLLM on GPUs, the trainer on a GPU: ``--device cuda``
-or the default ``auto``). Never: runs agents or computes rewards; it trains on what the pool
-hands out, one batch per update, exactly once per consumer.
+or the default ``auto``). Each update's metrics go to the pool's training metrics (run = the
+consumer id), which the inspector's training chart draws. Never: runs agents or computes
+rewards; it trains on what the pool hands out, one batch per update, exactly once per consumer.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def run_loop(
             )
             sync.publish(version + 1, adapter, "lora" if trainer_settings.lora_rank else "full")
             version += 1
+            pool.post_training_metrics(loop.consumer, version, metrics)
             loop.metrics.append({"policy_version": float(version), **metrics.as_dict()})
             say(
                 f"batch {lease.batch_id}: loss {metrics.loss:+.4f}, "

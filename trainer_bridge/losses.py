@@ -16,9 +16,18 @@ Variants, each with its source:
   pre-update logprobs ``old_logprobs`` are given, ``rho`` is taken against them and each token
   is weighted by ``min(exp(old_logprobs - behaviour_logprobs), tis_cap)``; without them ``rho``
   is taken against the behaviour logprobs vLLM reported.
-- KL to a reference policy with the k3 estimator (Schulman 2020, "Approximating KL
-  Divergence"): ``exp(ref - logp) - (ref - logp) - 1`` (non-negative, unbiased), weight
-  ``kl_coef``.
+- KL to a reference policy ``pi_ref`` with Schulman's k3 estimator (J. Schulman 2020,
+  "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html), per token on the loss
+  mask: with ``d_t = ref_logprobs_t - logprobs_t`` (``log pi_ref/pi`` of the sampled token),
+  ``k3_t = exp(d_t) - d_t - 1``, aggregated like the policy loss and added with weight
+  ``kl_coef`` (GRPO's penalty, Shao et al. 2024, eq. 4, uses this k3). Why k3 and not k1: over
+  tokens sampled from ``pi``, k1 = ``-d_t`` is unbiased for KL(pi || pi_ref) but takes negative
+  values and, used as a loss, its gradient ``grad log pi`` has expectation 0, so it would not
+  pull toward the reference at all; k3 is never negative, unbiased for the same KL, and its
+  gradient ``(1 - pi_ref/pi) grad log pi`` has the expectation of the gradient of the forward
+  KL(pi_ref || pi) (Tang and Munos 2025, "On a few pitfalls in KL divergence gradient estimation
+  for RL"). The tokens were sampled by the behaviour policy, not the current one: no importance
+  weight is put on this term (as in GRPO and TRL), a bias of the size of the sampler gap.
 - Aggregation: ``token_mean`` (DAPO: every token weighs the same, the normaliser is the batch's
   token count, no length bias); ``seq_mean`` (GRPO as published: mean over a sequence's tokens,
   then over sequences, which favours short correct and long wrong answers, Liu et al. 2025);

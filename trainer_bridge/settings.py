@@ -50,7 +50,13 @@ class TrainerSettings(ConfigFileSettings):
     clip_high: float = Field(default=0.28, ge=0, description="PPO clip above 1 (clip-higher).")
     tis_cap: float | None = Field(default=2.0, description="Truncated importance weight cap.")
     aggregation: Aggregation = Field(default="token_mean", description="Loss aggregation.")
-    kl_coef: float = Field(default=0.0, ge=0, description="k3 KL weight (0 = no reference model).")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the k3 KL penalty to the starting policy (0: none). LoRA: the "
+        "reference is the model with the adapter off (one more forward pass per update); full "
+        "fine-tuning: a frozen copy of the weights (4 bytes more per parameter).",
+    )
     seed: int = Field(default=0, description="Seed of LoRA initialisation.")
     device: str = Field(default="auto", description="'auto' (CUDA if present), 'cpu' or 'cuda'.")
 

@@ -1,14 +1,22 @@
 """The torch trainer: one RL update of a Hugging Face causal LM (LoRA via peft, or full weights).
 
-Owns: the model and optimiser, micro-batching with gradient accumulation, gradient clipping,
-bf16 autocast on GPU, the update's metrics, and saving what vLLM loads (a peft adapter directory
-or full safetensors). Shape legend: ``B`` rows, ``T`` tokens. Never: talks HTTP (``sync`` and
-``client`` do), or computes advantages (``advantages`` does, before the batch gets here).
+Owns: the model and optimiser, the reference policy of the KL penalty, micro-batching with
+gradient accumulation, gradient clipping, bf16 autocast on GPU, the update's metrics, and saving
+what vLLM loads (a peft adapter directory or full safetensors). Shape legend: ``B`` rows, ``T``
+tokens. Never: talks HTTP (``sync`` and ``client`` do), or computes advantages (the pool does,
+before the batch gets here).
+
+The reference policy (only when ``kl_coef > 0``; the estimator is in ``losses``): with LoRA it is
+the same model with the adapter switched off (peft's ``disable_adapter()`` context), so it costs
+one extra forward pass per update and no memory. With full fine-tuning it is a frozen copy of the
+initial weights made at start: one more copy of every parameter in float32 (4 bytes per
+parameter: 2 GB for a 0.5B model, 28 GB for 7B; no gradients or optimiser state) plus the same
+extra forward pass. Both are the starting weights, so the first update's KL is 0.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,21 +71,26 @@ class TrainBatch:
 @dataclass(frozen=True)
 class UpdateMetrics:
     """What one update did. ``logprob_gap_mean_abs``: mean |trainer - vLLM| logprob of the
-    sampled tokens before the update (the sampler/trainer mismatch, in nats)."""
+    sampled tokens before the update (the sampler/trainer mismatch, in nats). ``kl``: the k3
+    estimate of KL(policy || reference) in nats per token, aggregated like the loss; None when
+    ``kl_coef`` is 0 (no reference is evaluated). ``step``: optimiser steps taken so far,
+    this one included (1 after the first update)."""
 
     loss: float
     clip_fraction: float
     ratio_mean: float
-    kl: float
+    kl: float | None
     entropy_mean: float
     grad_norm: float
     tokens: int
     tokens_per_s: float
     logprob_gap_mean_abs: float
     logprob_gap_max_abs: float
+    step: int
 
     def as_dict(self) -> dict[str, float]:
-        return {key: float(value) for key, value in self.__dict__.items()}
+        """Every metric as a float; ``kl`` left out when it was not measured."""
+        return {key: float(value) for key, value in self.__dict__.items() if value is not None}
 
 
 class World(Protocol):
@@ -118,6 +131,11 @@ class PolicyTrainer:
             model = get_peft_model(model, lora)
         self.model: Any = model.to(self.device)
         self.model.train()
+        # Full fine-tuning's reference for the KL penalty: a frozen copy (memory: module doc).
+        self.reference: Any = None
+        if settings.kl_coef > 0 and settings.lora_rank == 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.steps = 0
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=settings.learning_rate, weight_decay=settings.weight_decay
@@ -135,15 +153,34 @@ class PolicyTrainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> Tensor:
-        """The current policy's logprobs ``[B, T]`` of the batch's tokens (no gradient)."""
+    def _logprobs_of(self, model: Any, batch: TrainBatch) -> Tensor:
         chunks = []
         for start in range(0, batch.rows, self.settings.micro_batch_rows):
             micro = batch.slice(start, start + self.settings.micro_batch_rows).to(self.device)
             with self._autocast():
-                values, _ = token_logprobs(self.model, micro.input_ids, micro.attention_mask)
+                values, _ = token_logprobs(model, micro.input_ids, micro.attention_mask)
             chunks.append(values.float().cpu())
-        return torch.cat(chunks, dim=0)
+        return torch.cat(chunks, dim=0)  # [B, T]
+
+    def logprobs(self, batch: TrainBatch) -> Tensor:
+        """The current policy's logprobs ``[B, T]`` of the batch's tokens (no gradient)."""
+        return self._logprobs_of(self.model, batch)
+
+    def reference_logprobs(self, batch: TrainBatch) -> Tensor:
+        """The reference policy's logprobs ``[B, T]`` (no gradient): the base model with the
+        LoRA adapter disabled, or the frozen copy under full fine-tuning.
+
+        Raises:
+            ValueError: full fine-tuning with ``kl_coef == 0`` (no copy was kept).
+        """
+        if self.settings.lora_rank > 0:
+            with self.model.disable_adapter():
+                return self._logprobs_of(self.model, batch)
+        if self.reference is None:
+            raise ValueError(
+                "full fine-tuning keeps a reference copy only when kl_coef > 0; got kl_coef 0"
+            )
+        return self._logprobs_of(self.reference, batch)
 
     def update(self, batch: TrainBatch, world: World | None = None) -> UpdateMetrics:
         """One optimiser step over the whole batch, accumulated over micro-batches.
@@ -165,6 +202,7 @@ class PolicyTrainer:
         if total_tokens == 0:
             raise ValueError("batch has no sampled token (loss_mask is all 0)")
         old = self.logprobs(batch)  # [B, T], before the update
+        ref = self.reference_logprobs(batch) if self.loss_config.kl_coef > 0 else None  # [B, T]
         mask = batch.loss_mask.bool()
         gap = (old - batch.behaviour_logprobs).abs()[mask]
         self.optimizer.zero_grad(set_to_none=True)
@@ -191,6 +229,7 @@ class PolicyTrainer:
                 micro.loss_mask,
                 self.loss_config,
                 old_logprobs=old[start : start + step].to(self.device),
+                ref_logprobs=None if ref is None else ref[start : start + step].to(self.device),
             )
             (out.loss * share).backward()  # type: ignore[no-untyped-call]
             token_share = micro_tokens / total_tokens
@@ -207,18 +246,20 @@ class PolicyTrainer:
             gap_sum, gap_max = world.sum(gap_sum), world.max(gap_max)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.max_grad_norm)
         self.optimizer.step()
-        elapsed = time.perf_counter() - started
+        self.steps += 1
+        elapsed = max(time.perf_counter() - started, 1e-9)  # finite: the pool refuses inf
         return UpdateMetrics(
             loss=sums["loss"],
             clip_fraction=sums["clip"],
             ratio_mean=sums["ratio"],
-            kl=sums["kl"],
+            kl=None if ref is None else sums["kl"],
             entropy_mean=sums["entropy"],
             grad_norm=float(grad_norm),
             tokens=total_tokens,
-            tokens_per_s=total_tokens / elapsed if elapsed > 0 else math.inf,
+            tokens_per_s=total_tokens / elapsed,
             logprob_gap_mean_abs=gap_sum / total_tokens,
             logprob_gap_max_abs=gap_max,
+            step=self.steps,
         )
 
     def save_for_vllm(self, directory: Path) -> Path:

@@ -233,6 +233,8 @@ class DemoRun:
             table = shuffled_rewards(table, shuffle)
         metrics = trainer.update(train_batch(table, PAD_TOKEN_ID))
         self.pool.ack(lease, policy_version_trained=version)
+        # one row per update for the inspector's training chart: run = the arm's channel
+        self.pool.post_training_metrics(channel, version + 1, metrics)
         self.batches_trained += 1
         self.gaps.append(metrics.logprob_gap_mean_abs)
         return metrics
