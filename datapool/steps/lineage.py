@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from datapool.models import Step, StepOutcome
-from datapool.steps.messages import history_keys, message_key
+from datapool.steps.messages import history_keys, history_of, message_key
 from datapool.steps.payloads import TOKEN_BYTES, TokenPayload, pack_ids
 from datapool.steps.prefix import RETOKENISED, Lineage, classify_divergence, divergence_window
 from datapool.steps.records import CallRecord
@@ -149,16 +149,16 @@ class TrajectoryTokens:
             return None, None
         assert lineage.parent_step_id is not None and call.prompt_token_ids is not None
         keys, has_response = self.message_keys_of(lineage.parent_step_id)
-        keys = keys or []
-        request_keys = keys[:-1] if has_response else keys
-        parent_messages = [json.loads(key) for key in request_keys]
-        parent_response = json.loads(keys[-1]) if has_response else None
-        new_messages = call.request.get("messages")
-        kind = (
-            classify_divergence(parent_messages, parent_response, new_messages)
-            if isinstance(new_messages, list)
-            else RETOKENISED
-        )
+        new_messages = history_of(call.request)
+        if keys is None or new_messages is None:
+            # Either side has no history list (a completions prompt, a Responses ``input``
+            # string): nothing to compare the messages with.
+            kind = RETOKENISED
+        else:
+            request_keys = keys[:-1] if has_response else keys
+            parent_messages = [json.loads(key) for key in request_keys]
+            parent_response = json.loads(keys[-1]) if has_response else None
+            kind = classify_divergence(parent_messages, parent_response, new_messages)
         sequence = np.frombuffer(self.sequence_of(lineage.parent_step_id), dtype="<i4")
         detail = divergence_window(
             sequence.tolist(), call.prompt_token_ids, lineage.divergence_offset
@@ -179,7 +179,7 @@ class TrajectoryTokens:
         message keys, sharing the parent's for the first ``messages_base`` messages; the first
         step becomes the latest."""
         if call.outcome == StepOutcome.OK and prompt is not None:
-            messages = call.request.get("messages")
+            messages = history_of(call.request)
             for step_id, response, choice in zip(step_ids, responses, call.choices, strict=True):
                 if response is not None:
                     keys = history_keys(
@@ -188,7 +188,8 @@ class TrajectoryTokens:
                         messages_base or 0,
                         choice.response_message,
                     )
-                    answered = choice.response_message is not None
+                    # Without a history list there are no keys, so no response key either.
+                    answered = keys is not None and choice.response_message is not None
                     self.add(step_id, placement.lineage, prompt, response, keys, answered)
         if step_ids:
             self.latest_step_id = step_ids[0]
@@ -244,9 +245,9 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
             known = {c.step_id for c in tokens.candidates}
             if row.parent_step_id not in known:
                 lineage = Lineage(None, None, None)
-            messages = row.request.get("messages")
+            messages = history_of(row.request)
             keys = None
-            if isinstance(messages, list):
+            if messages is not None:
                 keys = [key(m) for m in messages]
                 if row.response_message is not None:
                     keys.append(key(row.response_message))
@@ -256,7 +257,7 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
                 pack_ids(payload.prompt_token_ids),
                 pack_ids(payload.response_token_ids),
                 keys,
-                row.response_message is not None,
+                keys is not None and row.response_message is not None,
             )
     return tokens
 

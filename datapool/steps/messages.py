@@ -7,8 +7,8 @@ JSON back on loaded rows, through the delta-chain walk of ``datapool.steps.chain
 Never: rewrites what the client sent; a reader always sees the request exactly as it came.
 
 An agent resends its whole history on every call, so storing each step's request whole grows
-quadratically with turns. Instead (``M`` the request's ``messages``, ``M_p`` the parent step's
-full messages, ``R_p`` its response message):
+quadratically with turns. Instead (``M`` the request's history list, ``M_p`` the parent step's
+full history list, ``R_p`` its response message):
 
 - ``messages_base`` = b and ``request`` = the client's request with ``messages`` = ``M[b:]``; the
   full messages are ``H_p[:b] + M[b:]`` with ``H_p = M_p + [R_p]`` (``R_p`` left out when the
@@ -16,7 +16,13 @@ full messages, ``R_p`` its response message):
   message by message as JSON text (``message_key``), so a history the client rewrote (an edited
   message, dropped thinking, truncation) only stops the prefix earlier. b = 0: the request holds
   every message; b NULL: a row written before migration 0007, or a request without a
-  ``messages`` list; ``request`` is then the whole request.
+  history list; ``request`` is then the whole request.
+- The history list is the request's first list among ``HISTORY_FIELDS``: ``messages`` (chat
+  completions; the Messages API, whose messages hold content blocks) or ``input`` (the
+  Responses API's items; an ``input`` string is no list, so such a request is stored whole).
+  The rule reads only the request itself, and cutting a list leaves a list, so the reader
+  finds the same field the writer cut. A parent of another dialect is fine: the items are
+  compared and copied as JSON, whatever their shape.
 - ``upstream_request_patch`` = the JSON Merge Patch (RFC 7396 §2, which obsoletes RFC 7386 with
   the same algorithm) that turns the full client request into the upstream request: only what
   the gateway added or changed (``return_token_ids``, ``logprobs``, ``stream_options``). When a
@@ -50,6 +56,28 @@ _EXPANDED = "trajgate_full_request"
 
 class RequestMissingError(LookupError):
     """A step's messages are a delta on a parent whose request is not stored (or too short)."""
+
+
+# The request fields that can hold the history an agent resends, in the order they are tried.
+HISTORY_FIELDS = ("messages", "input")
+
+
+def history_field(request: Mapping[str, Any]) -> str | None:
+    """The name of ``request``'s history list: the first of ``HISTORY_FIELDS`` whose value is
+    a list; None when none is."""
+    for name in HISTORY_FIELDS:
+        if isinstance(request.get(name), list):
+            return name
+    return None
+
+
+def history_of(request: Mapping[str, Any]) -> list[Any] | None:
+    """``request``'s history list (``M`` of the module docstring), None when it has none."""
+    name = history_field(request)
+    if name is None:
+        return None
+    history: list[Any] = request[name]
+    return history
 
 
 def message_key(message: Any) -> str:
@@ -91,10 +119,12 @@ def messages_base(parent_keys: Sequence[str] | None, messages: Any) -> int | Non
 
 
 def stored_request(request: dict[str, Any], base: int | None) -> dict[str, Any]:
-    """The request as stored: ``messages`` cut to ``M[b:]`` (a new dict; ``request`` is kept)."""
-    if not base:
+    """The request as stored: its history list cut to ``M[b:]`` (a new dict; ``request`` is
+    kept)."""
+    name = history_field(request)
+    if not base or name is None:
         return request
-    return {**request, "messages": request["messages"][base:]}
+    return {**request, name: request[name][base:]}
 
 
 @dataclass(frozen=True)
@@ -113,7 +143,7 @@ def request_delta(
     """Store ``request`` as a delta on the parent's ``H_p`` (``parent_keys``; None when the
     parent is not a lineage candidate, so the messages are stored whole) and
     ``upstream_request`` as a merge patch on ``request``."""
-    base = messages_base(parent_keys, request.get("messages"))
+    base = messages_base(parent_keys, history_of(request))
     patch = merge_patch(request, upstream_request)
     return RequestDelta(
         stored_request(request, base),
@@ -206,9 +236,9 @@ def reconstruct_messages(
     step_ids: Iterable[str],
     known: Mapping[str, list[Any]] | None = None,
 ) -> dict[str, list[Any] | None]:
-    """Full messages ``[M]`` of ``step_ids`` (and of every ancestor they needed); ``stored``
-    must hold each one's chain of parents down to a step with b = 0 or NULL, or one in
-    ``known`` (full messages already at hand). None for a request without a messages list.
+    """Full history lists ``[M]`` of ``step_ids`` (and of every ancestor they needed);
+    ``stored`` must hold each one's chain of parents down to a step with b = 0 or NULL, or one
+    in ``known`` (full lists already at hand). None for a request without a history list.
 
     One walk per chain (``datapool.steps.chain``), every step computed once. Raises
     ``RequestMissingError`` when a parent is absent or shorter than a base.
@@ -235,7 +265,7 @@ def _messages(
     stored: Mapping[str, StoredRequest],
 ) -> list[Any] | None:
     """``H_p[:b] + M[b:]`` (module docstring); the parent's full messages are in ``full``."""
-    messages = entry.request.get("messages")
+    messages = history_of(entry.request)
     if not entry.messages_base:
         return messages if isinstance(messages, list) else None
     parent_id = entry.parent_step_id
@@ -260,8 +290,9 @@ def _messages(
 def full_request(entry: StoredRequest, messages: list[Any] | None) -> FullRequest:
     """A step's full client and upstream requests, given its full ``messages``."""
     request = entry.request
-    if entry.messages_base is not None and messages is not None:
-        request = {**request, "messages": messages}
+    name = history_field(request)
+    if entry.messages_base is not None and messages is not None and name is not None:
+        request = {**request, name: messages}
     if entry.upstream_request_patch is not None:
         upstream = apply_merge_patch(request, entry.upstream_request_patch)
     elif entry.upstream_request is not None:
@@ -323,8 +354,8 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
                 stored.setdefault(values[0], StoredRequest(*values))
     for row in rows:  # rows already expanded serve as known full messages
         if is_expanded(row):
-            messages = row.request.get("messages")
-            if isinstance(messages, list):
+            messages = history_of(row.request)
+            if messages is not None:
                 known[row.id] = messages
     full = reconstruct_messages(stored, [row.id for row in todo], known)
     for row in todo:

@@ -10,10 +10,14 @@ from __future__ import annotations
 from gateway.dialects.base import Captured, ClientAsked, Dialect, DialectStream, Prepared
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.dialects.completions import Completions
+from gateway.dialects.messages import Messages
+from gateway.dialects.responses import Responses
 
 DIALECTS: tuple[Dialect, ...] = (
     ChatCompletions(),
     Completions(),
+    Responses(),
+    Messages(),
 )
 
 __all__ = ["DIALECTS", "Captured", "ClientAsked", "Dialect", "DialectStream", "Prepared"]
