@@ -9,6 +9,7 @@ note of the trainer issue), not asserted here: two updates are too few to tell.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from tests_support import free_port
 
 from datapool.db import make_engine
+from datapool.queries import charts
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
 from trajgate.vllm_server import VLLMServer
@@ -76,3 +78,8 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
         for step in store.steps_of(f"train-r{round_index}-g0-0")
     }
     assert versions == {0, 1, 2}  # each round was served by the version trained before it
+    # each update's metrics reached the pool (the inspector's training chart), finite
+    posted = charts.training_metrics(store.sessions, "train", 0, 100)
+    assert [(m.step, m.policy_version) for m in posted] == [(1, 1), (2, 2)]
+    assert all(math.isfinite(v) for m in posted for v in m.metrics.values())
+    assert all(m.metrics["grad_norm"] > 0 and "loss" in m.metrics for m in posted)
