@@ -1,9 +1,10 @@
-"""The benchmark's emulated upstream answers in the real vLLM's shapes, and a tiny bench run
-reports every field, answers every call (streamed or not) and persists one step per call. No
-timing is asserted."""
+"""The benchmark's emulated upstream answers in the real vLLM's shapes, and a tiny bench run in
+each dialect reports every field, answers every call (streamed or not) and persists one step per
+call. No timing is asserted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -13,11 +14,21 @@ import pytest
 from tests_support import free_port
 
 from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
-from trajgate.bench.gateway import BenchSettings, percentile, run_benchmark
+from trajgate.bench.gateway import (
+    STREAM_ENDS,
+    BenchDialect,
+    BenchSettings,
+    Caller,
+    percentile,
+    request_body,
+    run_benchmark,
+)
 from trajgate.vllm_server import VLLMServer
 
 MESSAGES = [{"role": "user", "content": "Count to three."}]
 RUN_FIELDS = {
+    "dialect",
+    "direct_dialect",
     "stream",
     "concurrency",
     "direct_p50_ms",
@@ -134,8 +145,71 @@ def test_percentile_takes_the_nearest_rank() -> None:
     assert percentile([7.0], 99) == 7.0
 
 
-def test_tiny_bench_run_answers_every_call_and_persists_one_step_per_call() -> None:
+def test_request_body_is_the_same_request_in_each_dialect() -> None:
+    settings = BenchSettings(prompt_tokens=3, response_tokens=7)
+    words = "w0 w1 w2"  # prompt_tokens=3 words, w<i % 997>
+    common = {"model": "emulated", "temperature": 1.0, "stream": True}
+    assert request_body(settings, "chat", True) == {
+        **common,
+        "messages": [
+            {"role": "system", "content": "You are a benchmark."},
+            {"role": "user", "content": words},
+        ],
+        "max_tokens": 7,
+    }
+    assert request_body(settings, "responses", True) == {
+        **common,
+        "instructions": "You are a benchmark.",
+        "input": words,
+        "max_output_tokens": 7,
+    }
+    assert request_body(settings, "messages", True) == {
+        **common,
+        "system": "You are a benchmark.",
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 7,
+    }
+    with pytest.raises(ValueError, match="dialect must be one of"):
+        request_body(settings, "completions", True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("dialect", "last_event", "answered"),
+    [
+        ("chat", "data: [DONE]", True),
+        ("chat", 'data: {"choices":[]}', False),
+        ("responses", 'event: response.completed\ndata: {"type":"response.completed"}', True),
+        ("responses", 'event: response.failed\ndata: {"type":"response.failed"}', False),
+        ("messages", 'event: message_stop\ndata: {"type":"message_stop"}', True),
+        ("messages", 'event: error\ndata: {"type":"error"}', False),
+    ],
+)
+def test_a_stream_counts_as_answered_only_when_it_ends_with_its_dialects_last_event(
+    dialect: BenchDialect, last_event: str, answered: bool
+) -> None:
+    def upstream(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=f"event: ping\ndata: {{}}\n\n{last_event}\n\n")
+
+    async def call() -> str | None:
+        caller = Caller("http://gateway.test", "httpx", STREAM_ENDS[dialect])
+        assert caller.client is not None
+        await caller.client.aclose()
+        caller.client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+        try:
+            return await caller.call("/v1/x", b"{}", stream=True)
+        finally:
+            await caller.close()
+
+    error = asyncio.run(call())
+    assert (error is None) is answered, error
+
+
+@pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
+def test_tiny_bench_run_answers_every_call_and_persists_one_step_per_call(
+    dialect: BenchDialect,
+) -> None:
     settings = BenchSettings(
+        dialect=dialect,
         requests=6,
         warmup_requests=2,
         concurrencies=(1, 3),
@@ -147,6 +221,7 @@ def test_tiny_bench_run_answers_every_call_and_persists_one_step_per_call() -> N
     )
     report = run_benchmark(settings)
 
+    assert report["dialect"] == dialect
     assert [(run["stream"], run["concurrency"]) for run in report["runs"]] == [
         (False, 1),
         (False, 3),
@@ -158,6 +233,8 @@ def test_tiny_bench_run_answers_every_call_and_persists_one_step_per_call() -> N
     # (max(2, concurrency) per run) go to "-w" trajectories, which are not counted.
     for run in report["runs"]:
         assert set(run) >= RUN_FIELDS, RUN_FIELDS - set(run)
+        # The emulator speaks chat only: the direct run is chat whatever the gateway is sent.
+        assert (run["dialect"], run["direct_dialect"]) == (dialect, "chat")
         assert run["direct_errors"] == 0, run.get("direct_error")
         assert run["errors"] == 0, run.get("error")
         assert run["steps_expected"] == 6

@@ -388,11 +388,20 @@ def bench_gateway(
     data_dir: Annotated[
         Path | None, typer.Option(help="Keep the gateway's pool and logs here.")
     ] = None,
+    dialect: Annotated[
+        str,
+        typer.Option(
+            help="API spoken to the gateway: 'chat', 'responses' or 'messages' (the direct "
+            "run is always chat: the emulator speaks what the gateway sends upstream)."
+        ),
+    ] = "chat",
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
-    from trajgate.bench.gateway import BenchSettings, run_benchmark
+    from trajgate.bench.gateway import BENCH_DIALECTS, BenchSettings, run_benchmark
 
+    if dialect not in BENCH_DIALECTS:
+        raise typer.BadParameter(f"--dialect takes one of {BENCH_DIALECTS}, got {dialect!r}")
     values = [value.lower() for value in stream or ["false", "true"]]
     if not set(values) <= {"false", "true"}:
         raise typer.BadParameter(f"--stream takes 'false' or 'true', got {stream}")
@@ -411,6 +420,7 @@ def bench_gateway(
         proxy_urls=tuple(proxy_url or []),
         emulator_port=emulator_port,
         data_dir=data_dir,
+        dialect=dialect,
     )
     if as_json:
         typer.echo(json.dumps(run_benchmark(settings), indent=2))

@@ -6,6 +6,18 @@ its own process by default, so it never shares the load generator's GIL), drivin
 directly at the emulator, through the gateway and through any other proxy given, and the one
 JSON report. Never: asserts goals; it measures and reports, ``goals_met`` says how it went.
 
+``dialect`` picks the API the load generator speaks to the gateway: ``chat`` (``POST
+/v1/chat/completions``), ``responses`` (``POST /v1/responses``: ``instructions``, ``input``,
+``max_output_tokens``) or ``messages`` (``POST /v1/messages``: ``system``, ``messages``,
+``max_tokens``), the same logical request in each (a system prompt, one user turn of
+``prompt_tokens`` words, ``response_tokens`` asked, temperature 1). The emulator speaks chat
+completions only, which is what the gateway sends upstream for every dialect, so the direct run
+is always the chat request: for ``responses`` and ``messages`` the ``added_*`` figures are the
+gateway's dialect call against the emulator's own chat call (translation, rendering and capture
+together; ``direct_dialect`` says so in each run), and ``cpu_ms_per_call`` gives the gateway's
+CPU per call. A stream counts as answered when its last event is the dialect's end (``data:
+[DONE]``, ``response.completed``, ``message_stop``).
+
 Per configuration (``stream`` × ``concurrency``) and per target, ``requests`` calls are sent by
 ``concurrency`` workers, each with its own keep-alive connection, after a warm-up of
 ``max(warmup_requests, concurrency)`` calls on the same connections. Latency is wall time from
@@ -51,6 +63,21 @@ GatewayMode = Literal["process", "thread"]
 GATEWAY_MODES: tuple[GatewayMode, ...] = get_args(GatewayMode)
 Loadgen = Literal["raw", "httpx"]
 LOADGENS: tuple[Loadgen, ...] = get_args(Loadgen)
+BenchDialect = Literal["chat", "responses", "messages"]
+BENCH_DIALECTS: tuple[BenchDialect, ...] = get_args(BenchDialect)
+
+# Per dialect: the client's path under /v1, and how the last event of a whole stream begins.
+DIALECT_PATHS: dict[BenchDialect, str] = {
+    "chat": "/chat/completions",
+    "responses": "/responses",
+    "messages": "/messages",
+}
+STREAM_ENDS: dict[BenchDialect, bytes] = {
+    "chat": b"data: [DONE]",
+    "responses": b"event: response.completed\n",
+    "messages": b"event: message_stop\n",
+}
+SYSTEM_PROMPT = "You are a benchmark."
 
 # Goals of issue 3 on the 2-core reference machine.
 GOAL_ADDED_P50_MS = 1.0
@@ -73,6 +100,11 @@ class BenchSettings(BaseModel):
     ttft_ms: float = Field(default=20.0, ge=0, description="Emulated time to first token (ms).")
     inter_token_ms: float = Field(default=5.0, ge=0, description="Emulated token gap (ms).")
     steps_per_trajectory: int = Field(default=8, ge=1, description="Calls per trajectory.")
+    dialect: BenchDialect = Field(
+        default="chat",
+        description="API the load generator speaks to the gateway: 'chat', 'responses' or "
+        "'messages'; the direct run (and the upstream) is always chat.",
+    )
     loadgen: Loadgen = Field(
         default="raw",
         description="'raw': a minimal asyncio HTTP/1.1 client (cheap); 'httpx': httpx clients.",
@@ -120,20 +152,33 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
-def chat_body(settings: BenchSettings, stream: bool) -> dict[str, Any]:
-    """A chat request of about ``prompt_tokens`` words, asking for ``response_tokens``."""
+def request_body(settings: BenchSettings, dialect: BenchDialect, stream: bool) -> dict[str, Any]:
+    """The bench's request in ``dialect``: a system prompt and a user turn of ``prompt_tokens``
+    words, asking for ``response_tokens`` at temperature 1. Raises ``ValueError`` on an unknown
+    dialect."""
     words = " ".join(f"w{i % 997}" for i in range(settings.prompt_tokens))
-    body: dict[str, Any] = {
-        "model": "emulated",
-        "messages": [
-            {"role": "system", "content": "You are a benchmark."},
+    common = {"model": "emulated", "temperature": 1.0, "stream": stream}
+    if dialect == "chat":
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": words},
-        ],
-        "max_tokens": settings.response_tokens,
-        "temperature": 1.0,
-        "stream": stream,
-    }
-    return body
+        ]
+        return {**common, "messages": messages, "max_tokens": settings.response_tokens}
+    if dialect == "responses":
+        return {
+            **common,
+            "instructions": SYSTEM_PROMPT,
+            "input": words,
+            "max_output_tokens": settings.response_tokens,
+        }
+    if dialect == "messages":
+        return {
+            **common,
+            "system": SYSTEM_PROMPT,
+            "messages": [{"role": "user", "content": words}],
+            "max_tokens": settings.response_tokens,
+        }
+    raise ValueError(f"dialect must be one of {BENCH_DIALECTS}, got {dialect!r}")
 
 
 class RawConnection(asyncio.Protocol):
@@ -218,11 +263,12 @@ class RawConnection(asyncio.Protocol):
 
 
 class Caller:
-    """One worker's way to a target (``base_url`` without ``/v1``): a raw or an httpx client."""
+    """One worker's way to a target (``base_url`` without ``/v1``): a raw or an httpx client;
+    ``stream_end`` is how the last event of a whole stream begins (``STREAM_ENDS``)."""
 
-    def __init__(self, base_url: str, loadgen: Loadgen) -> None:
+    def __init__(self, base_url: str, loadgen: Loadgen, stream_end: bytes) -> None:
         url = httpx.URL(base_url)
-        self.base_url, self.loadgen = base_url.rstrip("/"), loadgen
+        self.base_url, self.loadgen, self.stream_end = base_url.rstrip("/"), loadgen, stream_end
         self.host, self.port = url.host, url.port or 80
         self.raw: RawConnection | None = None
         self.client: httpx.AsyncClient | None = None
@@ -236,8 +282,8 @@ class Caller:
             raise ValueError(f"loadgen must be one of {LOADGENS}, got {loadgen!r}")
 
     async def call(self, path: str, body: bytes, stream: bool) -> str | None:
-        """POST ``body`` to ``path``; None when it answered 200 (and, streaming, ended with
-        ``data: [DONE]``), else the error as text."""
+        """POST ``body`` to ``path``; None when it answered 200 (and, streaming, its last event
+        begins with ``stream_end``), else the error as text."""
         if self.client is not None:
             response = await self.client.post(
                 self.base_url + path, content=body, headers={"content-type": "application/json"}
@@ -254,8 +300,8 @@ class Caller:
             status, content = await self.raw.call(head.encode() + body)
         if status != 200:
             return f"HTTP {status}: {content[:300].decode(errors='replace')}"
-        if stream and not content.rstrip().endswith(b"data: [DONE]"):
-            return f"stream ended without data: [DONE]: {content[-80:]!r}"
+        if stream and not content.rstrip().rsplit(b"\n\n", 1)[-1].startswith(self.stream_end):
+            return f"stream's last event is not {self.stream_end!r}: {content[-80:]!r}"
         return None
 
     async def close(self) -> None:
@@ -266,9 +312,11 @@ class Caller:
 
 
 @asynccontextmanager
-async def callers(base_url: str, loadgen: Loadgen, concurrency: int) -> AsyncIterator[list[Caller]]:
+async def callers(
+    base_url: str, loadgen: Loadgen, concurrency: int, stream_end: bytes
+) -> AsyncIterator[list[Caller]]:
     """``concurrency`` callers, each with its own keep-alive connection to ``base_url``."""
-    workers = [Caller(base_url, loadgen) for _ in range(concurrency)]
+    workers = [Caller(base_url, loadgen, stream_end) for _ in range(concurrency)]
     try:
         yield workers
     finally:
@@ -456,11 +504,12 @@ async def _measure(
     concurrency: int,
     settings: BenchSettings,
     gateway: bool,
+    stream_end: bytes,
 ) -> tuple[Sample, dict[str, float | None]]:
     """Warm up, then one measured run on the same connections; also each process's CPU ms
     per call during the measured run."""
     pids = {"emulator": targets.emulator_pid, "gateway": targets.gateway_pid if gateway else None}
-    async with callers(base_url, settings.loadgen, concurrency) as workers:
+    async with callers(base_url, settings.loadgen, concurrency, stream_end) as workers:
         if settings.warmup_requests:
             await drive(
                 workers,
@@ -521,12 +570,12 @@ def run_benchmark(
     try:
         with running_targets(settings, log_dir) as targets:
             for stream in settings.streams:
-                body = chat_body(settings, stream)
-                raw = httpx.Request("POST", "/", json=body).content
                 for concurrency in settings.concurrencies:
-                    runs.append(_run_one(settings, targets, raw, stream, concurrency, session))
+                    runs.append(_run_one(settings, targets, stream, concurrency, session))
                     if progress is not None:
-                        progress(f"stream={stream} concurrency={concurrency} done")
+                        progress(
+                            f"{settings.dialect} stream={stream} concurrency={concurrency} done"
+                        )
     finally:
         if settings.data_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
@@ -535,6 +584,13 @@ def run_benchmark(
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "gateway_mode": settings.gateway_mode,
         "loadgen": settings.loadgen,
+        "dialect": settings.dialect,
+        "added_against": (
+            "the emulator's chat completions, the same request as the gateway's"
+            if settings.dialect == "chat"
+            else f"the emulator's chat completions: the gateway's {settings.dialect} call "
+            "(translated to chat upstream) minus the same request sent directly as chat"
+        ),
         "emulator": {
             "prompt_tokens": settings.prompt_tokens,
             "response_tokens": settings.response_tokens,
@@ -557,26 +613,34 @@ def run_benchmark(
 def _run_one(
     settings: BenchSettings,
     targets: Targets,
-    body: bytes,
     stream: bool,
     concurrency: int,
     session: str,
 ) -> dict[str, Any]:
+    """One configuration: the chat request directly at the emulator, then the request in
+    ``settings.dialect`` through the gateway and through each other proxy."""
+    dialect = settings.dialect
     run_id = f"bench-{session}-{'s' if stream else 'p'}{concurrency}"
     spt = settings.steps_per_trajectory
 
     def gateway_path(w: int, k: int) -> str:
         phase = "m" if w >= 0 else "w"  # measured or warm-up; only "m" steps are counted
-        return f"/t/{run_id}-{phase}{abs(w)}-{k // spt}/v1/chat/completions"
+        return f"/t/{run_id}-{phase}{abs(w)}-{k // spt}/v1{DIALECT_PATHS[dialect]}"
 
-    def measure(base_url: str, path_of: Callable[[int, int], str], gateway: bool) -> Any:
+    def measure(
+        base_url: str, path_of: Callable[[int, int], str], spoken: BenchDialect, gateway: bool
+    ) -> Any:
+        body = httpx.Request("POST", "/", json=request_body(settings, spoken, stream)).content
+        end = STREAM_ENDS[spoken]
         return asyncio.run(
-            _measure(targets, base_url, path_of, body, stream, concurrency, settings, gateway)
+            _measure(targets, base_url, path_of, body, stream, concurrency, settings, gateway, end)
         )
 
-    direct, direct_cpu = measure(targets.emulator_url, _fixed_path("/v1"), False)
-    via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, True)
+    direct, direct_cpu = measure(targets.emulator_url, _fixed_path("/v1", "chat"), "chat", False)
+    via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, dialect, True)
     run: dict[str, Any] = {
+        "dialect": dialect,
+        "direct_dialect": "chat",  # the emulator speaks chat only: what the gateway sends it
         "stream": stream,
         "concurrency": concurrency,
         "requests": settings.requests,
@@ -593,15 +657,15 @@ def _run_one(
     for proxy_url in settings.proxy_urls:
         url = httpx.URL(proxy_url)
         base_url = str(url.copy_with(path="/", query=None)).rstrip("/")
-        sample, _cpu = measure(base_url, _fixed_path(url.path), False)
+        sample, _cpu = measure(base_url, _fixed_path(url.path, dialect), dialect, False)
         proxies.append({"url": proxy_url, **_compare(direct, sample, "proxy")})
     if proxies:
         run["proxies"] = proxies
     return run
 
 
-def _fixed_path(prefix: str) -> Callable[[int, int], str]:
-    path = f"{prefix.rstrip('/')}/chat/completions"
+def _fixed_path(prefix: str, dialect: BenchDialect) -> Callable[[int, int], str]:
+    path = f"{prefix.rstrip('/')}{DIALECT_PATHS[dialect]}"
     return lambda _worker, _k: path
 
 
