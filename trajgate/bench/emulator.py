@@ -23,11 +23,16 @@ earlier at ``max_tokens`` / ``max_completion_tokens`` (``"length"``). Responses 
 once per shape and reused with a fresh ``id`` and ``created``, so the emulator costs a few
 microseconds of CPU per request and per chunk (uvicorn's h11 stack was the bottleneck; see
 docs/benchmarks.md).
+
+``ResponseBook.token_times`` keeps, for the latest streamed answers, when each token's chunk was
+written (``time.monotonic()`` seconds, taken just before the write), so a test can compare when
+a client received a token with when the engine sent it (tests/test_dialect_streaming.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -95,6 +100,8 @@ class ResponseBook:
 
     ``prompt_ids [P]``; per choice ``c``: ``ids[c] [T]`` and ``logprobs[c] [T]`` with
     ``P = prompt_tokens`` and ``T = response_tokens``; choice ``c`` is seeded by ``(seed, c)``.
+    ``token_times``: per streamed answer (the latest 64), the monotonic time (s) at which the
+    chunk of each token position ``[T']`` was written (``T'`` = tokens sent so far).
     """
 
     def __init__(self, settings: EmulatorSettings) -> None:
@@ -105,6 +112,7 @@ class ResponseBook:
         ]
         self._choices: dict[int, tuple[list[int], list[float]]] = {}
         self._templates: dict[_Shape, list[bytes]] = {}
+        self.token_times: collections.deque[list[float]] = collections.deque(maxlen=64)
 
     def choice_tokens(self, choice_index: int) -> tuple[list[int], list[float]]:
         """Sampled ids ``[T]`` and their logprobs ``[T]`` (nats, < 0) of one choice."""
@@ -380,17 +388,23 @@ class _Connection(asyncio.Protocol):
         await _sleep_until(first_at)
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
         head += b"transfer-encoding: chunked\r\n\r\n"
+        token_times: list[float] = []
+        self.book.token_times.append(token_times)
         if gap_s == 0:
+            token_times += [time.monotonic()] * shape.completion_tokens
             self._write(head + b"".join(_chunked(part) for part in parts) + b"0\r\n\r\n")
             return
         # Role chunks and the first token chunk of every choice go at once, then one per gap.
         first_batch = 2 * shape.n
+        token_times.append(time.monotonic())
         self._write(head + b"".join(_chunked(part) for part in parts[:first_batch]))
         last_position = shape.completion_tokens - 1
         for offset, part in enumerate(parts[first_batch:]):
             # Token chunks at positions 1..T-1; the usage chunk and [DONE] follow the last one.
             position = min(1 + offset // shape.n, last_position)
             await _sleep_until(first_at + gap_s * position)
+            if offset % shape.n == 0 and offset // shape.n < last_position:
+                token_times.append(time.monotonic())  # choice 0's chunk of this position
             self._write(_chunked(part))
         self._write(b"0\r\n\r\n")
 
@@ -419,9 +433,14 @@ async def _sleep_until(deadline: float) -> None:
         await asyncio.sleep(delay_s)
 
 
-async def serve(settings: EmulatorSettings, ready: threading.Event | None = None) -> None:
-    """Serve until cancelled; sets ``ready`` once listening (``settings.port`` must be fixed)."""
-    book = ResponseBook(settings)
+async def serve(
+    settings: EmulatorSettings,
+    ready: threading.Event | None = None,
+    book: ResponseBook | None = None,
+) -> None:
+    """Serve until cancelled, answering from ``book`` (a new one by default); sets ``ready``
+    once listening (``settings.port`` must be fixed)."""
+    book = book or ResponseBook(settings)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Connection(book), settings.host, settings.port)
     async with server:
@@ -436,6 +455,7 @@ class EmulatorThread:
     def __init__(self, settings: EmulatorSettings) -> None:
         self.settings = settings
         self.url = f"http://{settings.host}:{settings.port}"
+        self.book = ResponseBook(settings)
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._task: asyncio.Task[None] | None = None
@@ -443,7 +463,7 @@ class EmulatorThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._task = self._loop.create_task(serve(self.settings, self._ready))
+        self._task = self._loop.create_task(serve(self.settings, self._ready, self.book))
         with contextlib.suppress(asyncio.CancelledError):
             self._loop.run_until_complete(self._task)
 
