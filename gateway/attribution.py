@@ -2,8 +2,9 @@
 
 Owns: the trajectory id syntax, reading the body as one JSON object within the size limit, and
 attribution by URL, ``X-Trajgate-Trajectory`` / ``X-Trajgate-Group`` / ``X-Trajgate-Channel``
-headers or the API key's binding. Never: writes anything; a request refused here leaves the pool
-untouched. What a body must hold to be captured is its dialect's check (``gateway.dialects``).
+headers or the API key's binding (the key read from ``Authorization: Bearer`` or
+``x-api-key``). Never: writes anything; a request refused here leaves the pool untouched. What
+a body must hold to be captured is its dialect's check (``gateway.dialects``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
-from gateway.auth import KeyGrant, bearer_token
+from gateway.auth import KeyGrant, api_key
 from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -107,11 +108,12 @@ def attribute(state: GatewayState, request: Request, url_trajectory_id: str | No
     """Which trajectory a call belongs to: URL, else ``X-Trajgate-Trajectory``, else the API
     key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys."""
     grant: KeyGrant | None = None
-    token = bearer_token(request)
+    token = api_key(request)
     if state.settings.api_key_required:
         if token is None:
             raise AuthenticationError(
-                "an API key is required: send 'Authorization: Bearer tg-...'",
+                "an API key is required: send 'Authorization: Bearer tg-...' or "
+                "'x-api-key: tg-...'",
                 code="missing_api_key",
             )
         grant = state.keys.verify(token)

@@ -1,7 +1,8 @@
 """API keys for agents and the admin token for management endpoints.
 
-Owns: issuing keys (shown once, stored as SHA-256 hashes), checking ``Authorization: Bearer``,
-and the trajectory/channel a key is bound to. Keys are 32 random bytes: a fast hash is the
+Owns: issuing keys (shown once, stored as SHA-256 hashes), reading an agent's key from
+``Authorization: Bearer`` or ``x-api-key`` (``api_key``), checking it, and the
+trajectory/channel a key is bound to. Keys are 32 random bytes: a fast hash is the
 standard for high-entropy tokens (a slow password hash such as argon2 adds nothing against
 guessing 256-bit secrets and would cost milliseconds per call). Comparison of the admin token is
 constant-time. Never: stores or logs a key in clear.
@@ -45,6 +46,17 @@ def bearer_token(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def api_key(request: Request) -> str | None:
+    """The key an agent sent: ``Authorization: Bearer <key>`` (the OpenAI SDKs), else
+    ``x-api-key: <key>`` (the Anthropic SDK and Claude Code); None when neither is there.
+    Management endpoints take the admin token as a bearer token only (``check_admin_token``)."""
+    token = bearer_token(request)
+    if token is not None:
+        return token
+    key = request.headers.get("x-api-key", "").strip()
+    return key or None
 
 
 class KeyRing:

@@ -25,12 +25,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from datapool.models import StepOutcome
-from datapool.steps.calls import find_replay, find_resend
+from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.attribution import Attribution, attribute, check_trajectory_id, read_json_object
 from gateway.call import Call, commit, fail_call, failed_choice
 from gateway.capture import loads, request_hash
-from gateway.dialects import DIALECTS, Dialect
+from gateway.dialects import DIALECTS, Dialect, EarlierCall, with_sampling_defaults
+from gateway.dialects.messages import Messages, count_tokens
+from gateway.dialects.messages_render import upstream_error
 from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from gateway.state import GatewayState, StateDep
 from gateway.streaming import first_event, relay_stream
@@ -70,6 +72,57 @@ def add_dialect_routes(router: APIRouter, dialect: Dialect) -> None:
 
 for _dialect in DIALECTS:
     add_dialect_routes(router, _dialect)
+
+
+class _TokenizeRefused(Exception):
+    """vLLM's ``/tokenize`` answered with an error: passed to the client with its status."""
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        super().__init__(status_code)
+        self.status_code = status_code
+        self.content = content
+
+
+@router.post("/t/{trajectory_id}/v1/messages/count_tokens")
+async def count_tokens_by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
+    request.state.render_error = Messages().render_error
+    check_trajectory_id(trajectory_id)
+    return await answer_count_tokens(request, state, trajectory_id)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(request: Request, state: StateDep) -> Response:
+    return await answer_count_tokens(request, state, None)
+
+
+async def answer_count_tokens(
+    request: Request, state: GatewayState, trajectory_id: str | None
+) -> Response:
+    """The Messages API's token count (``gateway.dialects.messages.count_tokens``), rendered
+    by a replica's ``/tokenize``: ``{"input_tokens": N}``. Not a call: nothing is recorded.
+    Errors (the body's, vLLM's) in Anthropic's envelope."""
+    request.state.render_error = Messages().render_error
+    if state.settings.api_key_required:
+        attribute(state, request, trajectory_id)
+    body = await read_json_object(request, state.settings.max_body_bytes)
+    replica = state.upstreams.pick(trajectory_id or "count_tokens")
+
+    async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await state.client.post(f"{replica.url}/tokenize", json=payload)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise _TokenizeRefused(response.status_code, response.content)
+        answer = loads(response.content)
+        return answer if isinstance(answer, dict) else {}
+
+    try:
+        return JSONResponse(await count_tokens(body, tokenize))
+    except _TokenizeRefused as refused:
+        return JSONResponse(
+            upstream_error(refused.status_code, refused.content), status_code=refused.status_code
+        )
 
 
 @router.get("/t/{trajectory_id}/v1/models")
@@ -181,8 +234,10 @@ async def new_call(
     attribution: Attribution,
     idempotency_key: str | None,
 ) -> Call:
-    """The call with the policy alias resolved, the dialect's upstream body, and the earlier
-    call it re-sends (same body within ``resend_window_s``), whose call id it then shares."""
+    """The call with the policy alias resolved, the dialect's upstream body (with the channel's
+    sampling defaults where the client omitted a field), and the earlier call it re-sends
+    (same body within ``resend_window_s``), whose call id it then shares. A body continuing an
+    earlier call (``Dialect.earlier_call_id``) gets that call's step read from the pool."""
     resolution = state.policy.resolve(body.get("model"))
     client_body = (
         body
@@ -200,17 +255,37 @@ async def new_call(
             digest,
             state.settings.resend_window_s,
         )
+    call_id = resend_of or str(uuid.uuid4())
+    earlier = await earlier_call(state, dialect, body, attribution)
+    prepared = with_sampling_defaults(
+        dialect.prepare_call(client_body, call_id, earlier),
+        state.settings.sampling_defaults_for(attribution.channel),
+    )
     return Call(
         dialect=dialect,
         attribution=attribution,
         body=body,
-        prepared=dialect.prepare(client_body),
+        prepared=prepared,
         policy_version=resolution.policy_version,
-        call_id=resend_of or str(uuid.uuid4()),
+        call_id=call_id,
         request_hash=digest,
         idempotency_key=idempotency_key,
         resend_of=resend_of,
     )
+
+
+async def earlier_call(
+    state: GatewayState, dialect: Dialect, body: dict[str, Any], attribution: Attribution
+) -> EarlierCall | None:
+    """The stored exchange of the trajectory's call that ``body`` continues, if it names one
+    and the pool holds it (the dialect refuses a reference that finds nothing)."""
+    call_id = dialect.earlier_call_id(body)
+    if call_id is None:
+        return None
+    found = await pool_lookup(
+        state, find_exchange, state.store.sessions, attribution.trajectory_id, call_id, needed=True
+    )
+    return None if found is None else EarlierCall(*found)
 
 
 async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
@@ -258,11 +333,15 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
     )
 
 
-async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *args: Any) -> T | None:
-    """Run a read the call only benefits from (idempotent replay, re-send detection).
+async def pool_lookup(
+    state: GatewayState, lookup: Callable[..., T | None], *args: Any, needed: bool = False
+) -> T | None:
+    """Run a read of the pool before the call goes upstream.
 
-    When the database fails it, 'serve' mode goes on without it (the call will not be recorded
-    either) and 'refuse' mode raises ``PoolUnavailableError`` (503) with the fault's reason.
+    For a read the call only benefits from (idempotent replay, re-send detection), 'serve' mode
+    goes on without it when the database fails it (the call will not be recorded either), and
+    'refuse' mode raises ``PoolUnavailableError`` (503) with the fault's reason. A read the call
+    is ``needed`` for (an earlier response it continues) raises in both modes.
     """
     try:
         return await run_in_threadpool(lookup, *args)
@@ -271,7 +350,7 @@ async def pool_lookup(state: GatewayState, lookup: Callable[..., T | None], *arg
             raise
         assert state.writer is not None, "the lifespan starts the pool writer"
         error = state.writer.report_fault(exc, f"lookup {lookup.__name__}")
-        if state.store.settings.on_write_failure == "serve":
+        if state.store.settings.on_write_failure == "serve" and not needed:
             return None
         state.writer.stats.refused_calls += 1
         raise error from exc

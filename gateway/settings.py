@@ -1,14 +1,19 @@
 """Settings of the gateway, read from ``TRAJGATE_*`` environment variables and CLI flags.
 
-Owns: how the proxy reaches its upstreams, its time limits, and its security posture, validated
-at start-up. Never: holds state. Binding beyond loopback without an admin token is refused.
+Owns: how the proxy reaches its upstreams, its time limits, its security posture and the
+sampling defaults per channel, validated at start-up. Never: holds state. Binding beyond
+loopback without an admin token is refused; a sampling default vLLM would refuse is refused
+here first.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
+import re
+from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from trajgate.config import ConfigFileSettings
@@ -21,6 +26,44 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# Sampling fields a default may set, with the values vLLM 0.32 accepts for each (its
+# ``SamplingParams`` checks): (integer only, lowest, lowest is allowed, highest or None).
+SAMPLING_RANGES: dict[str, tuple[bool, float, bool, float | None]] = {
+    "temperature": (False, 0.0, True, None),
+    "top_p": (False, 0.0, False, 1.0),
+    "top_k": (True, -1, True, None),
+    "min_p": (False, 0.0, True, 1.0),
+    "max_tokens": (True, 1, True, None),
+    "presence_penalty": (False, -2.0, True, 2.0),
+    "frequency_penalty": (False, -2.0, True, 2.0),
+    "repetition_penalty": (False, 0.0, False, None),
+    "seed": (True, -(2**63), True, 2**63 - 1),
+}
+# A channel name as the attribution checks it, or ``*`` for every channel.
+_CHANNEL_KEY = re.compile(r"^(\*|[A-Za-z0-9][A-Za-z0-9._:-]{0,99})$")
+
+
+def check_sampling_value(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a value vLLM accepts for sampling field
+    ``name`` (one of ``SAMPLING_RANGES``), stating the range expected and the value got."""
+    if name not in SAMPLING_RANGES:
+        raise ValueError(
+            f"unknown sampling field {name!r}; valid: {', '.join(sorted(SAMPLING_RANGES))}"
+        )
+    integer, lowest, lowest_allowed, highest = SAMPLING_RANGES[name]
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if (integer and not isinstance(value, int)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    number = float(value)
+    below = number < lowest if lowest_allowed else number <= lowest
+    if below or (highest is not None and number > highest):
+        low = f"{'>=' if lowest_allowed else '>'} {lowest:g}"
+        high = "" if highest is None else f" and <= {highest:g}"
+        raise ValueError(f"{name} must be {low}{high}, got {value!r}")
 
 
 class GatewaySettings(ConfigFileSettings):
@@ -109,6 +152,45 @@ class GatewaySettings(ConfigFileSettings):
             "Default: off on loopback, on otherwise."
         ),
     )
+
+    sampling_defaults: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description=(
+            "Sampling fields a client omits, per channel, as JSON: "
+            '{"*": {"temperature": 1.0, "max_tokens": 4096}, "eval": {"temperature": 0}}. '
+            "A call gets the '*' entry overlaid with its channel's (the X-Trajgate-Channel "
+            "header or its key's channel, else 'train'); a field the client sent (in any "
+            "dialect) is never replaced. Applied to the upstream body, so the step records "
+            f"them. Fields: {', '.join(SAMPLING_RANGES)}; a value vLLM would refuse is refused "
+            "at start-up."
+        ),
+    )
+
+    @field_validator("sampling_defaults")
+    @classmethod
+    def _check_sampling_defaults(
+        cls, value: dict[str, dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        for channel, fields in value.items():
+            if not _CHANNEL_KEY.match(channel):
+                raise ValueError(
+                    f"sampling_defaults: channel {channel!r} must be '*' or 1-100 of letters, "
+                    "digits, '.', '_', ':' or '-' starting with a letter or digit"
+                )
+            for name, field_value in fields.items():
+                try:
+                    check_sampling_value(name, field_value)
+                except ValueError as exc:
+                    raise ValueError(f"sampling_defaults[{channel!r}]: {exc}") from exc
+        return value
+
+    def sampling_defaults_for(self, channel: str | None) -> dict[str, Any]:
+        """The defaults of a call on ``channel`` (None: the pool's default channel 'train'):
+        the '*' entry overlaid with the channel's own."""
+        return {
+            **self.sampling_defaults.get("*", {}),
+            **self.sampling_defaults.get(channel or "train", {}),
+        }
 
     @model_validator(mode="after")
     def _refuse_insecure_exposure(self) -> GatewaySettings:

@@ -1,7 +1,9 @@
 """Logical calls: upstream attempts, Idempotency-Key replays, and re-send detection (case C13).
 
-Owns: the ``call_attempts`` table and the queries that link a repeated request to the call it
-repeats. Never: creates steps (``datapool.steps.store`` does); a failed attempt is never a step.
+Owns: the ``call_attempts`` table, the queries that link a repeated request to the call it
+repeats, and the read of an earlier call's exchange a new request continues (``find_exchange``:
+the Responses API's ``previous_response_id``). Never: creates steps (``datapool.steps.store``
+does); a failed attempt is never a step.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -16,9 +18,17 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.models import CallAttempt, Step, StepOutcome, utc_now
+from datapool.steps.messages import expand_requests
 from datapool.steps.records import AttemptRecord
 
-__all__ = ["AttemptRecord", "attempt_rows", "find_replay", "find_resend", "record_attempts"]
+__all__ = [
+    "AttemptRecord",
+    "attempt_rows",
+    "find_exchange",
+    "find_replay",
+    "find_resend",
+    "record_attempts",
+]
 
 
 def attempt_rows(attempts: Iterable[AttemptRecord], created_at: datetime) -> list[dict[str, Any]]:
@@ -87,3 +97,28 @@ def find_resend(
             .order_by(Step.step_index.desc())
             .limit(1)
         )
+
+
+def find_exchange(
+    sessions: sessionmaker[Session], trajectory_id: str, call_id: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
+    """``(request, upstream_request, response_message)`` of call ``call_id`` of the trajectory:
+    its latest ok first-choice step that has a response message, both requests read back whole
+    (``datapool.steps.messages.expand_requests``); None when the trajectory has no such step."""
+    with sessions() as session:
+        row = session.scalars(
+            select(Step)
+            .where(
+                Step.trajectory_id == trajectory_id,
+                Step.call_id == call_id,
+                Step.choice_index == 0,
+                Step.outcome == StepOutcome.OK,
+                Step.response_message.is_not(None),
+            )
+            .order_by(Step.step_index.desc())
+            .limit(1)
+        ).first()
+        if row is None or row.response_message is None:
+            return None
+        expand_requests(session, [row])
+        return row.request, row.upstream_request or {}, row.response_message

@@ -7,7 +7,15 @@ generates its routes and runs its calls. Offers: ``DIALECTS``, ``Dialect``, ``Di
 
 from __future__ import annotations
 
-from gateway.dialects.base import Captured, ClientAsked, Dialect, DialectStream, Prepared
+from gateway.dialects.base import (
+    Captured,
+    ClientAsked,
+    Dialect,
+    DialectStream,
+    EarlierCall,
+    Prepared,
+    with_sampling_defaults,
+)
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.dialects.completions import Completions
 from gateway.dialects.messages import Messages
@@ -20,4 +28,13 @@ DIALECTS: tuple[Dialect, ...] = (
     Messages(),
 )
 
-__all__ = ["DIALECTS", "Captured", "ClientAsked", "Dialect", "DialectStream", "Prepared"]
+__all__ = [
+    "DIALECTS",
+    "Captured",
+    "ClientAsked",
+    "Dialect",
+    "DialectStream",
+    "EarlierCall",
+    "Prepared",
+    "with_sampling_defaults",
+]

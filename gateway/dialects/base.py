@@ -12,9 +12,12 @@ upstream path          ``upstream_path``: the vLLM path called, which need not b
 body checks            ``check_body`` raises ``InvalidRequestError`` (400; every error of the
                        dialect's routes is rendered by its ``render_error``)
 upstream body          ``prepare``: what the engine must be asked for to capture token-exactly
-                       (ids, logprobs, usage), translated when the upstream speaks another API;
-                       sampling defaults a client omits go here too, and are recorded because
-                       the step stores the upstream body
+                       (ids, logprobs, usage), translated when the upstream speaks another API
+                       (the proxy then adds the channel's sampling defaults a client omitted,
+                       ``with_sampling_defaults``: recorded, since the step stores the body)
+earlier calls          ``earlier_call_id``: the call a body continues (the Responses API's
+                       ``previous_response_id``); the proxy reads that call's step from the
+                       pool and hands it to ``prepare_call`` with the new call's id
 unary capture          ``read_answer``: prompt ids, per choice the sampled ids, behaviour
                        logprobs, the response message in the common form (``content``,
                        ``tool_calls``, ``reasoning``) and finish reason
@@ -38,7 +41,7 @@ between one client API and the engine's answers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from fastapi import APIRouter
@@ -77,6 +80,29 @@ class Prepared:
     @property
     def stream(self) -> bool:
         return self.client_body.get("stream") is True
+
+
+@dataclass(frozen=True)
+class EarlierCall:
+    """What the pool holds of an earlier call's first step: the client's request as sent, the
+    body sent upstream, and the response message in the common form (``content``,
+    ``tool_calls``, ``reasoning``)."""
+
+    request: dict[str, Any]
+    upstream_request: dict[str, Any]
+    response_message: dict[str, Any]
+
+
+def with_sampling_defaults(prepared: Prepared, defaults: dict[str, Any]) -> Prepared:
+    """``prepared`` with each of ``defaults`` (upstream field → value) set in its upstream body
+    where the body lacks the field or holds ``null`` (the client omitted it: every dialect's
+    upstream is a chat or completions body, whose field names the defaults use). The same
+    object when nothing is added; else a copy of the same class."""
+    upstream = prepared.upstream_body
+    missing = {name: value for name, value in defaults.items() if upstream.get(name) is None}
+    if not missing:
+        return prepared
+    return replace(prepared, upstream_body={**upstream, **missing})
 
 
 @dataclass(frozen=True)
@@ -158,6 +184,19 @@ class Dialect(ABC):
     @abstractmethod
     def prepare(self, body: dict[str, Any]) -> Prepared:
         """The upstream body for the client's ``body`` (never mutated) and what it asked for."""
+
+    def earlier_call_id(self, body: dict[str, Any]) -> str | None:
+        """The id of the earlier call of the same trajectory that ``body`` continues (None:
+        none, the default). Raises ``InvalidRequestError`` when the reference cannot name a
+        call (the proxy then answers 400 before any lookup)."""
+        return None
+
+    def prepare_call(
+        self, body: dict[str, Any], call_id: str, earlier: EarlierCall | None
+    ) -> Prepared:
+        """``prepare`` for the call ``call_id``, given the earlier call ``earlier_call_id``
+        named (None when it named none, or the pool has no such call). Default: ``prepare``."""
+        return self.prepare(body)
 
     @abstractmethod
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:

@@ -22,8 +22,11 @@ Why translate instead of calling vLLM's own ``/v1/responses`` (vLLM 0.32):
   and Responses features with no chat equivalent (hosted tools, encrypted reasoning) are
   refused or left out, never emulated.
 
-``previous_response_id`` resolves from the pool: the proxy looks the id up (``EarlierLookup``,
-async on its side) and passes the result to ``prepare_with``; an unknown id is a 400.
+``previous_response_id`` resolves from the pool: a response's id is ``resp_<its call id as 32
+hex digits>`` (``response_id_of``), so ``earlier_call_id`` names the call, the proxy reads that
+call's step from the trajectory (client request, upstream request, response message) and hands
+it to ``prepare_call``; an id that names no call of the trajectory is a 400
+(``previous_response_not_found``), before anything is sent upstream or recorded.
 """
 
 from __future__ import annotations
@@ -76,6 +79,27 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
+def response_id_of(call_id: str) -> str:
+    """``resp_<hex>`` for a call id (a UUID): the response id the client sees, and reads back
+    into the call id with ``call_id_of``. A call id that is no UUID gets a fresh id."""
+    try:
+        return "resp_" + uuid.UUID(call_id).hex
+    except ValueError:
+        return new_response_id()
+
+
+def call_id_of(response_id: str) -> str | None:
+    """The call id (canonical UUID text) a ``resp_<32 hex>`` id names; None for any other
+    string (no call of this gateway answered with it)."""
+    suffix = response_id.removeprefix("resp_")
+    if suffix == response_id or len(suffix) != 32:
+        return None
+    try:
+        return str(uuid.UUID(hex=suffix))
+    except ValueError:
+        return None
+
+
 class Responses(Dialect):
     name = "responses"
     client_paths = ("/responses",)
@@ -90,13 +114,27 @@ class Responses(Dialect):
     def prepare(self, body: dict[str, Any]) -> ResponsesPrepared:
         return self.prepare_with(body, None)
 
+    def earlier_call_id(self, body: dict[str, Any]) -> str | None:
+        """The call ``previous_response_id`` names; None without one, or when it names no
+        call of this gateway (``prepare_call`` then refuses it as unknown)."""
+        earlier = previous_response_id(body)
+        return None if earlier is None else call_id_of(earlier)
+
+    def prepare_call(
+        self, body: dict[str, Any], call_id: str, earlier: EarlierResponse | None
+    ) -> ResponsesPrepared:
+        return self.prepare_with(body, earlier, response_id_of(call_id))
+
     def prepare_with(
-        self, body: dict[str, Any], earlier: EarlierResponse | None
+        self,
+        body: dict[str, Any],
+        earlier: EarlierResponse | None,
+        response_id: str | None = None,
     ) -> ResponsesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
         streaming, the usage chunk. ``earlier`` is what the pool holds for the body's
         ``previous_response_id``; raises ``InvalidRequestError`` when it has one and
-        ``earlier`` is None."""
+        ``earlier`` is None. ``response_id``: the id to answer with (default: a fresh one)."""
         translation = translate_request(body, earlier)
         upstream = dict(translation.chat_body)
         upstream["return_token_ids"] = True
@@ -108,7 +146,7 @@ class Responses(Dialect):
             upstream,
             ClientAsked(return_token_ids=False, logprobs=translation.logprobs_asked),
             translation=translation,
-            response_id=new_response_id(),
+            response_id=response_id or new_response_id(),
             created_at=int(time.time()),
         )
 

@@ -34,10 +34,10 @@ cannot translate (an unknown item or part type, a wrong type) is a 400 naming th
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.dialects.base import EarlierCall
 from gateway.errors import InvalidRequestError
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -79,22 +79,11 @@ KNOWN_FIELDS = frozenset(
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
-@dataclass(frozen=True)
-class EarlierResponse:
-    """What the pool holds of the call an earlier response came from.
-
-    ``request`` is that call's Responses body as the client sent it, ``upstream_request`` the
-    chat body sent to vLLM (its ``messages`` are the whole conversation up to then) and
-    ``response_message`` the answer in the common form (``content``, ``tool_calls``,
-    ``reasoning``). A step stores exactly these three.
-    """
-
-    request: dict[str, Any]
-    upstream_request: dict[str, Any]
-    response_message: dict[str, Any]
-
-
-EarlierLookup = Callable[[str], EarlierResponse | None]
+# What the pool holds of the call an earlier response came from: ``request`` is that call's
+# Responses body as the client sent it, ``upstream_request`` the chat body sent to vLLM (its
+# ``messages`` are the whole conversation up to then) and ``response_message`` the answer in the
+# common form (``content``, ``tool_calls``, ``reasoning``). A step stores exactly these three.
+EarlierResponse = EarlierCall
 
 
 @dataclass(frozen=True)
