@@ -135,7 +135,7 @@ def test_second_call_of_a_trajectory_is_numbered_and_linked_to_the_first(
 def test_upstream_error_is_passed_through_and_recorded_as_a_failed_step(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
-    too_long = {**REQUEST, "max_tokens": 100_000}  # above --max-model-len 2048: vLLM says 400
+    too_long = {**REQUEST, "max_tokens": 1_000_000}  # above --max-model-len 131072: a 400
     response = httpx.post(
         f"{gateway.url}/t/skeleton-5/v1/chat/completions", json=too_long, timeout=120
     )

@@ -569,13 +569,13 @@ def test_c18_context_overflow_is_a_failed_step_with_the_lengths(
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4000,
-    }  # prompt + 4000 > --max-model-len 2048
+        "max_tokens": 200_000,
+    }  # prompt + 200,000 > --max-model-len 131072
     response = _post(f"{gateway.url}/t/c18/v1/chat/completions", body)
     assert response.status_code == 400
     (step,) = steps_of(pool_settings, "c18")
     assert step.outcome == "upstream_error"
-    assert "2048" in step.error  # vLLM's message names the model length
+    assert "131072" in step.error  # vLLM's message names the model length
 
 
 def test_c18_a_streamed_tool_call_cut_at_max_tokens_keeps_its_ids_and_is_flagged(

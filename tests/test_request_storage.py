@@ -350,8 +350,8 @@ def test_every_request_of_a_real_agent_reads_back_as_the_client_sent_it(
         if turn == 2:
             body["n"] = 2
             body["temperature"] = 1.0
-        if turn == 3:  # fails upstream (prompt + max_tokens > 2048) and is recorded
-            call({**body, "max_tokens": 4000})
+        if turn == 3:  # fails upstream (prompt + max_tokens > 131072) and is recorded
+            call({**body, "max_tokens": 200_000})
         if turn == 4:  # the agent edits an earlier message
             body["messages"][1] = {"role": "user", "content": "Count to four."}
             messages[1] = body["messages"][1]

