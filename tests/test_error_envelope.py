@@ -334,13 +334,38 @@ def _envelope_problems(body: Any, param: str | None = None) -> list[str]:
     return problems
 
 
-def _refusal_problems(status_code: int, text: str, param: str | None) -> list[str]:
-    """What keeps an answer from being a 4xx in the one envelope ([] when nothing)."""
+def _anthropic_problems(body: Any, param: str | None = None) -> list[str]:
+    """What keeps ``body`` from being Anthropic's envelope, the Messages routes' own
+    (``{"type": "error", "error": {"type", "message"}}``, the field leading the message)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if (
+        body.get("type") != "error"
+        or not isinstance(error, dict)
+        or set(error)
+        != {
+            "type",
+            "message",
+        }
+    ):
+        return [f"not Anthropic's envelope: {body!r}"[:200]]
+    if not all(isinstance(error[key], str) and error[key] for key in ("type", "message")):
+        return [f"type or message not a non-empty string: {error!r}"[:200]]
+    if param is not None and not error["message"].startswith(param):
+        return [f"message {error['message']!r:.120} does not lead with {param!r}"]
+    return []
+
+
+def _refusal_problems(status_code: int, text: str, param: str | None, path: str = "") -> list[str]:
+    """What keeps an answer from being a 4xx in its route's envelope ([] when nothing): the one
+    envelope, Anthropic's on the Messages API's routes (``path``, served as POST: another
+    method never reaches the route, and gets the one envelope)."""
     status = [] if 400 <= status_code < 500 else [f"status {status_code}"]
     try:
         body = json.loads(text)
     except ValueError:
         return [*status, f"not JSON: {text[:80]!r}"]
+    if "/v1/messages" in path:
+        return [*status, *_anthropic_problems(body, param)]
     return [*status, *_envelope_problems(body, param)]
 
 
@@ -372,7 +397,9 @@ def test_every_route_refuses_bad_input_in_the_envelope_and_records_nothing(
         response = walked.client.request(
             case.method, case.url, params=case.params, content=case.content, headers=headers
         )
-        for problem in _refusal_problems(response.status_code, response.text, case.param):
+        path = route.path if case.method == "POST" else ""
+        problems = _refusal_problems(response.status_code, response.text, case.param, path)
+        for problem in problems:
             failures.append(f"{case.what} ({case.method} {case.url} {case.params}): {problem}")
     assert failures == []
     assert _row_counts(walked.pool) == (0, 0, 0)
