@@ -1,0 +1,210 @@
+"""The CLI coding agents themselves, run headless against the gateway in front of the real vLLM.
+
+Each agent is the pinned npm release that ``scripts/setup.sh`` installs (``trajgate.agents``),
+run as a subprocess in a temporary HOME and work directory, attributed by the ``/t/<id>`` base
+URL. The tiny model's answers are nonsense; what is tested is the protocol: the agent exits 0
+(its streams were read to the end without error), and every call it made is a complete step of
+that one trajectory whose prompt ids are vLLM's own tokenization of the request sent upstream.
+
+Their requests are large (Qwen Code ~28k prompt tokens with the tiny model's tokenizer, Claude
+Code ~17k plus ``max_tokens`` 32,000, Codex ~10k), which is why the tiny model has 131,072
+positions; it ends a sampled turn after ~300 tokens on average, so each agent's answer is
+complete. Wall time per agent on 2 CPU cores: 1-70 s, mostly decoding (the prompt prefill takes
+1-3 s, then prefix caching).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from gateway_helpers import steps_of
+from sqlalchemy import func, select
+from tests_support import free_port
+
+from datapool import db
+from datapool.curation.rules import INTEGRITY_FLAGS
+from datapool.models import Step
+from datapool.settings import PoolSettings
+from datapool.steps.store import StoredStep
+from gateway.app import create_app
+from gateway.server import BackgroundServer
+from gateway.settings import GatewaySettings
+from trajgate import agents
+from trajgate.vllm_server import VLLMServer
+
+AGENT_TIMEOUT_S = 600.0
+
+
+@pytest.fixture
+def pool_settings(tmp_path: Path) -> PoolSettings:
+    """A SQLite pool (the protocol is what is under test, not the backend)."""
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    db.upgrade(url)
+    return PoolSettings(data_dir=tmp_path / "data", database_url=url)
+
+
+@pytest.fixture
+def gateway(vllm: VLLMServer, pool_settings: PoolSettings) -> Iterator[BackgroundServer]:
+    settings = GatewaySettings(upstream_url=vllm.url, port=free_port())
+    server = BackgroundServer(create_app(settings, pool_settings), port=settings.port).start()
+    yield server
+    server.stop()
+
+
+def _agent_command(name: str) -> str:
+    agent = agents.AGENTS[name]
+    try:
+        return str(agents.executable(agent))
+    except agents.AgentNotInstalledError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def _home(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """An environment whose HOME and work directory are fresh: no user config, no history."""
+    home = tmp_path / "home"
+    work = tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "TMPDIR": str(tmp_path),
+        "LANG": "C.UTF-8",
+        "NO_COLOR": "1",
+        "CI": "1",
+    }
+    return env, work
+
+
+def _run_agent(argv: list[str], env: dict[str, str], cwd: Path) -> float:
+    """Run the agent to its end and return its wall time (s); fail with its output if not 0."""
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=AGENT_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{argv[0]} ran past {AGENT_TIMEOUT_S:.0f} s:\n{exc.stderr!r}", pytrace=False)
+    wall_s = time.monotonic() - started
+    print(f"{Path(argv[0]).name}: exit {done.returncode} after {wall_s:.1f} s")
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\n{done.stderr}"
+    return wall_s
+
+
+def _vllm_tokenize(vllm: VLLMServer, upstream_request: dict[str, Any]) -> list[int]:
+    """vLLM's own ids for the chat request the gateway sent upstream (its messages and tools)."""
+    payload: dict[str, Any] = {"model": upstream_request["model"]}
+    for key in ("messages", "tools", "chat_template_kwargs"):
+        if upstream_request.get(key):
+            payload[key] = upstream_request[key]
+    response = httpx.post(f"{vllm.url}/tokenize", json=payload, timeout=60)
+    assert response.status_code == 200, response.text
+    tokens: list[int] = response.json()["tokens"]
+    return tokens
+
+
+def _assert_one_complete_trajectory(
+    vllm: VLLMServer, pool_settings: PoolSettings, trajectory_id: str
+) -> list[StoredStep]:
+    """Every call landed, complete and with exact ids, in ``trajectory_id`` and nowhere else."""
+    steps = steps_of(pool_settings, trajectory_id)
+    assert steps, "the agent's calls did not reach the pool"
+    engine = db.make_engine(pool_settings.resolved_database_url())
+    try:
+        with engine.connect() as conn:
+            every_step = conn.execute(select(func.count()).select_from(Step)).scalar_one()
+    finally:
+        engine.dispose()
+    assert every_step == len(steps)  # one trajectory holds every call
+    assert [step.step_index for step in steps] == list(range(len(steps)))
+    for step in steps:
+        where = (step.step_index, step.endpoint)
+        # "ok": the upstream answered and the client read the stream to its end (a client
+        # that hangs up leaves "client_disconnect").
+        assert step.outcome == "ok", (where, step.outcome, step.error)
+        assert not set(INTEGRITY_FLAGS) & set(step.flags), (where, step.flags)
+        assert step.prompt_token_ids, where
+        assert step.response_token_ids, where
+        assert step.response_logprobs is not None, where
+        assert len(step.response_logprobs) == len(step.response_token_ids), where
+        assert step.upstream_request is not None, where
+        assert step.prompt_token_ids == _vllm_tokenize(vllm, step.upstream_request), where
+    print(
+        f"{trajectory_id}: {len(steps)} steps, prompt tokens {[s.prompt_tokens for s in steps]}, "
+        f"completion tokens {[s.completion_tokens for s in steps]}"
+    )
+    return steps
+
+
+def test_qwen_code_headless_lands_as_one_complete_trajectory(
+    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Qwen Code speaks Chat Completions: OPENAI_BASE_URL at the gateway, ``qwen -p``."""
+    env, work = _home(tmp_path)
+    env.update(
+        OPENAI_BASE_URL=f"{gateway.url}/t/qwen-code-1/v1",
+        OPENAI_API_KEY="unused",
+        OPENAI_MODEL=vllm.served_model_name,
+    )
+    _run_agent([_agent_command("qwen-code"), "-p", "Write hello.py that prints hi."], env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "qwen-code-1")
+    assert {step.endpoint for step in steps} == {"chat.completions"}
+
+
+def test_codex_exec_lands_as_one_complete_trajectory(
+    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Codex speaks the Responses API only: a model provider whose base URL is the gateway."""
+    env, work = _home(tmp_path)
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(
+        f'model = "{vllm.served_model_name}"\n'
+        'model_provider = "trajgate"\n'
+        "[model_providers.trajgate]\n"
+        'name = "trajgate"\n'
+        f'base_url = "{gateway.url}/t/codex-1/v1"\n'
+        'wire_api = "responses"\n'
+        'env_key = "TRAJGATE_API_KEY"\n'
+    )
+    env.update(CODEX_HOME=str(codex_home), TRAJGATE_API_KEY="unused")
+    argv = [_agent_command("codex"), "exec", "--skip-git-repo-check", "Write hello.py."]
+    _run_agent(argv, env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "codex-1")
+    assert {step.endpoint for step in steps} == {"responses"}
+
+
+def test_claude_code_print_mode_lands_as_one_complete_trajectory(
+    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Claude Code speaks the Anthropic Messages API: ANTHROPIC_BASE_URL at the gateway."""
+    env, work = _home(tmp_path)
+    env.update(
+        ANTHROPIC_BASE_URL=f"{gateway.url}/t/claude-code-1",
+        ANTHROPIC_API_KEY="unused",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_AUTOUPDATER="1",
+    )
+    argv = [
+        _agent_command("claude-code"),
+        "-p",
+        "Write hello.py.",
+        "--model",
+        vllm.served_model_name,
+    ]
+    _run_agent(argv, env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "claude-code-1")
+    assert {step.endpoint for step in steps} == {"messages"}
