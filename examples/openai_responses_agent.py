@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from openai import OpenAI
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseFunctionToolCall
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -42,6 +42,20 @@ TOOLS: list[dict[str, Any]] = [
 
 def get_weather(city: str) -> str:
     return json.dumps({"city": city, "temperature_c": 21, "sky": "sunny"})
+
+
+def _streamed(client: OpenAI, request: dict[str, Any]) -> Response:
+    """Stream one call to its terminal event; return the final response it carries. (The SDK's
+    ``responses.stream`` helper raises unless the stream ends in ``response.completed``, but a
+    turn cut at ``max_output_tokens`` ends in ``response.incomplete``, as OpenAI's does.)"""
+    final: Response | None = None
+    for event in client.responses.create(**request, stream=True):
+        # a UI would render the response.output_text.delta events here
+        if event.type in ("response.completed", "response.incomplete", "response.failed"):
+            final = event.response
+    if final is None:
+        raise RuntimeError("the stream ended without a terminal response event")
+    return final
 
 
 def run(
@@ -66,15 +80,9 @@ def run(
             "tool_choice": tool_choice,
             "max_output_tokens": max_output_tokens,
         }
-        if stream:
-            with client.responses.stream(**request) as events:
-                for _event in events:
-                    pass  # a UI would render response.output_text.delta here
-                response = events.get_final_response()
-        else:
-            response = client.responses.create(**request)
+        response = _streamed(client, request) if stream else client.responses.create(**request)
         responses.append(response)
-        calls = [item for item in response.output if item.type == "function_call"]
+        calls = [item for item in response.output if isinstance(item, ResponseFunctionToolCall)]
         if not calls:
             break
         history += [item.model_dump(exclude_none=True) for item in response.output]

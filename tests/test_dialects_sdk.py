@@ -242,10 +242,10 @@ def _responses_turn(client: OpenAI, stream: bool, **request: Any) -> Any:
     if request.get("tool_choice"):
         with client.responses.stream(**request) as events:
             types = [event.type for event in events]
-            final = events.get_final_response()
+            completed = events.get_final_response()
         assert "response.function_call_arguments.done" in types
         assert types[-1] == "response.completed"
-        return final
+        return completed
     final = None
     for event in client.responses.create(**request, stream=True):
         if event.type in ("response.completed", "response.incomplete"):
