@@ -451,3 +451,40 @@ def test_responses_items_and_messages_blocks_read_back_exactly_after_delta_stora
     assert [json.dumps(s.request) for s in fresh.steps_of("round-trip")] == [
         json.dumps(r) for r in requests
     ]
+
+
+def test_trajectory_export_carries_the_chat_messages_the_engine_saw_for_every_dialect(
+    gw: BackgroundServer, sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    """A Responses or Messages request has no chat ``messages``; the export's messages are the
+    translated chat history the engine rendered (the stored upstream body's), as for chat."""
+    calls = {
+        "export-chat": ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        "export-resp": ("responses", {"instructions": "be brief", "input": "hi"}),
+        "export-msg": (
+            "messages",
+            {"system": "be brief", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+    }
+    for trajectory_id, (path, body) in calls.items():
+        limit = "max_output_tokens" if path == "responses" else "max_tokens"
+        answer = _post(f"{gw.url}/t/{trajectory_id}/v1/{path}", {"model": "tiny", limit: 4, **body})
+        assert answer.status_code == 200, answer.text
+    from datapool.queries.export import export_trajectories
+
+    engine = make_engine(sqlite_pool.resolved_database_url())
+    out = tmp_path / "steps.jsonl"
+    try:
+        written = export_trajectories(PoolStore(engine, sqlite_pool), list(calls), out, "jsonl")
+    finally:
+        engine.dispose()
+    assert written == 3
+    exported = {row["trajectory_id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert json.loads(exported["export-chat"]["messages_json"]) == [
+        {"role": "user", "content": "hi"}
+    ]
+    # instructions / system become the leading system message of the chat body sent upstream.
+    for trajectory_id in ("export-resp", "export-msg"):
+        messages = json.loads(exported[trajectory_id]["messages_json"])
+        assert messages[0] == {"role": "system", "content": "be brief"}
+        assert messages[1:] == [{"role": "user", "content": "hi"}]

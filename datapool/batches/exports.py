@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from datapool.db import chunks
 from datapool.models import Batch, Step
-from datapool.steps.messages import expand_requests
+from datapool.steps.messages import engine_chat, expand_requests
 from datapool.steps.store import PoolStore
 
 ExportFormat = Literal["parquet", "messages"]
@@ -83,12 +83,13 @@ def export_batch(
         with out.open("w") as sink:
             for i, step_id in enumerate(last_steps):
                 step = steps[step_id]
-                messages = list(step.request.get("messages") or [])
+                history, tools = engine_chat(step.request, step.upstream_request)
+                messages = history or []
                 if step.response_message is not None:
                     messages.append(step.response_message)
                 record = {
                     "messages": messages,
-                    "tools": step.request.get("tools"),
+                    "tools": tools,
                     "batch_id": batch.id,
                     "trajectory_id": table["trajectory_id"][i].as_py(),
                     "step_ids": table["step_ids"][i].as_py(),

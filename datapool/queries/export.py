@@ -30,6 +30,7 @@ from sqlalchemy import select
 
 from datapool.models import EMPTY, INCOMPLETE, Trajectory
 from datapool.rewards.values import current_rewards
+from datapool.steps.messages import engine_chat
 from datapool.steps.store import PoolStore
 
 ExportFormat = Literal["parquet", "jsonl"]
@@ -128,7 +129,7 @@ def _rows(store: PoolStore, trajectory_ids: list[str]) -> Iterator[dict[str, Any
                 "trainable": trainable,
                 "step_rewards_json": json.dumps(step_rewards.get(step.id, {})),
                 "trajectory_rewards_json": json.dumps(trajectory_rewards.get(trajectory_id, {})),
-                "messages_json": json.dumps(step.request.get("messages")),
+                "messages_json": json.dumps(engine_chat(step.request, step.upstream_request)[0]),
                 "response_message_json": json.dumps(step.response_message),
                 "created_at": step.created_at,
             }

@@ -363,3 +363,18 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
         set_committed_value(row, "request", result.request)
         set_committed_value(row, "upstream_request", result.upstream_request)
         inspect(row).info[_EXPANDED] = result.request
+
+
+def engine_chat(
+    request: Mapping[str, Any], upstream_request: Mapping[str, Any] | None
+) -> tuple[list[Any] | None, Any]:
+    """The chat messages and tools the engine rendered for a step's full requests.
+
+    They are the upstream body's: for chat completions the client's own; for a translating
+    dialect (Responses, Messages) the chat form the gateway sent, with any
+    ``previous_response_id`` history included. ``(None, None)`` for completions (a prompt, no
+    messages). Exports use these so every dialect exports the conversation the policy saw.
+    """
+    upstream = upstream_request if upstream_request is not None else request
+    messages = upstream.get("messages")
+    return (list(messages) if isinstance(messages, list) else None), upstream.get("tools")
