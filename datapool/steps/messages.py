@@ -375,6 +375,8 @@ def engine_chat(
     ``previous_response_id`` history included. ``(None, None)`` for completions (a prompt, no
     messages). Exports use these so every dialect exports the conversation the policy saw.
     """
-    upstream = upstream_request if upstream_request is not None else request
-    messages = upstream.get("messages")
-    return (list(messages) if isinstance(messages, list) else None), upstream.get("tools")
+    for body in (upstream_request or {}, request):  # a step without an upstream body: the client's
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            return list(messages), body.get("tools")
+    return None, None
