@@ -9,14 +9,16 @@ Modules:
   dependency that hands it over.
 - ``settings``: ``GatewaySettings`` (``TRAJGATE_*`` variables and CLI flags).
 - ``proxy``: the model-serving routes of every dialect (``add_dialect_routes``), forwarding a
-  call upstream with retries and relaying its answer or stream while capturing it
-  (``forward_call``, ``relay_stream``), and ``/v1/models``.
+  call upstream with retries (``forward_call``), and ``/v1/models``.
+- ``call``: one logical call (``Call``): its attempts, its commit to the pool (``commit``,
+  ``fail_call``) and the ``x-trajgate-*`` headers.
 - ``dialects/``: one module per API dialect behind ``gateway.dialects.base.Dialect`` (what to add
   upstream, where the IDs and logprobs are, what to strip for the client); ``DIALECTS``.
 - ``capture``: the dialect-independent checks of a captured call (``integrity_flags``,
   ``quality_flags``, ``check_against_usage``), exact JSON (``loads``, ``dumps``) and the re-send
   hash (``request_hash``).
-- ``streaming``: reading an upstream SSE stream (``sse_data``).
+- ``streaming``: reading an upstream SSE stream (``sse_data``) and relaying it to the client
+  while the dialect captures it (``first_event``, ``relay_stream``, ``record_stream``).
 - ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
   before any upstream call.
 - ``upstreams``: the vLLM replicas: choosing one per call, health checks, the token-ID probe

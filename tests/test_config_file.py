@@ -202,3 +202,32 @@ def test_every_entry_point_refuses_an_unknown_key_with_its_name(
     done = _run_with_config(entry_point, config, tmp_path)
     assert done.returncode != 0
     assert "unknown keys ['trainer.lora_rnak']" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "env", "field"),
+    [
+        (["serve", "--check-config"], {"TRAJGATE_ON_WRITE_FAILURE": "bogus"}, "on_write_failure"),
+        (
+            ["serve", "--check-config"],
+            {"TRAJGATE_DATABASE_LOCK_TIMEOUT_MS": "-1"},
+            "database_lock_timeout_ms",
+        ),
+    ],
+)
+def test_a_bad_setting_value_is_a_short_error_naming_the_field_not_a_traceback(
+    command: list[str], env: dict[str, str], field: str
+) -> None:
+    from tests_support import TRAJGATE
+
+    done = subprocess.run(
+        [TRAJGATE, *command],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: setting '{field}") and "TRAJGATE_CONFIG" in line

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -21,6 +21,7 @@ from trajgate import tinymodel, vllm_server
 from trajgate.config import ConfigFileError, describe, load_config_file
 
 KEEP_ALIVE_S = 75
+T = TypeVar("T")
 
 app = typer.Typer(
     help="trajgate: capture agent LLM calls token-exactly and train on them.", no_args_is_help=True
@@ -60,6 +61,24 @@ def check_config_file() -> None:
         raise typer.Exit(2) from exc
 
 
+def _settings(cls: type[T], **overrides: object) -> T:
+    """``cls(**overrides)``, or exit 2 with one line per invalid value (no traceback): a value
+    may come from a flag, a ``TRAJGATE_*`` variable or the ``TRAJGATE_CONFIG`` file."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"]) or cls.__name__
+            typer.echo(
+                f"error: setting {field!r}: {error['msg']} (got {error.get('input')!r}); fix the "
+                "flag, its TRAJGATE_* variable or the TRAJGATE_CONFIG file",
+                err=True,
+            )
+        raise typer.Exit(2) from exc
+
+
 def _require_extra(extra: str, *modules: str) -> None:
     """Exit with the install command when modules of the ``extra`` are not installed."""
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
@@ -91,7 +110,7 @@ def _pool_settings(database_url: str | None, data_dir: Path | None) -> PoolSetti
         overrides["database_url"] = database_url
     if data_dir:
         overrides["data_dir"] = data_dir
-    return PoolSettings(**overrides)  # type: ignore[arg-type]
+    return _settings(PoolSettings, **overrides)
 
 
 def _existing_pool(database_url: str | None, data_dir: Path | None) -> PoolSettings:
@@ -166,7 +185,7 @@ def serve(
     for key, value in (("upstream_url", upstream), ("host", host), ("port", port)):
         if value is not None:
             overrides[key] = value
-    settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+    settings = _settings(GatewaySettings, **overrides)
     pool = _pool_settings(database_url, data_dir)
     if check_config:
         typer.echo(json.dumps(describe(settings, pool, BatchSettings()), indent=2))
@@ -252,7 +271,7 @@ def train(
         Path | None,
         typer.Option(
             help="Base model directory (Hugging Face format); default TRAJGATE_TRAINER_MODEL_DIR "
-            "or [trainer] model_dir in TRAJGATE_CONFIG."
+            "or model_dir in the \\[trainer] table of TRAJGATE_CONFIG."
         ),
     ] = None,
     gateway_url: Annotated[str, typer.Option(help="Gateway base URL.")] = "http://127.0.0.1:8000",
@@ -281,7 +300,7 @@ def train(
 ) -> None:
     """Lease batches from the pool, train (LoRA or full), ack, and publish each update to vLLM
     and the gateway as the next policy version. The same command on a CPU or a GPU host.
-    Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's [trainer]."""
+    Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's \\[trainer] table."""
     from pydantic import ValidationError
 
     from trainer_bridge.settings import TrainerSettings
