@@ -39,6 +39,7 @@ from sqlalchemy import select
 
 from datapool.db import make_engine
 from datapool.models import Step
+from trajgate.bench.gateway import free_port
 
 TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
 
@@ -338,12 +339,14 @@ def bench_gateways(
     Upstream: the emulator in its own process (200-token prompts, 50-token answers, no delay),
     so the figure is the gateways' and the database's, not an engine's.
     """
+    # Over 80 lines on purpose: a benchmark reads as one script (processes, load, kill,
+    # counts) in the order it runs; pieces would hide what is timed.
     import uuid
 
     from datapool import db
 
     db.upgrade(database_url)
-    emulator_port = _free_port()
+    emulator_port = free_port()
     emulator = start_emulator(
         {
             "TRAJGATE_EMULATOR_HOST": "0.0.0.0",  # reached as 127.0.0.<replica>: see audit
@@ -356,7 +359,7 @@ def bench_gateways(
     runs: list[dict[str, Any]] = []
     try:
         for count in gateway_counts:
-            ports = [_free_port() for _ in range(count)]
+            ports = [free_port() for _ in range(count)]
             processes: list[subprocess.Popen[bytes]] = []
             balancer: Balancer | None = None
             try:
@@ -405,11 +408,3 @@ def bench_gateways(
         "lost": sum(run["lost"] for run in runs),
         "duplicated": sum(run["duplicated"] for run in runs),
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -66,6 +66,8 @@ def _rows(
     start: int, stop: int, steps_per_trajectory: int, t0: datetime, rng: np.random.Generator
 ) -> Iterator[tuple[Rows, Rows, Rows, Rows]]:
     """Rows of trajectories ``start..stop`` for each table, ``CHUNK_TRAJECTORIES`` at a time."""
+    # Over 80 lines on purpose: the bulk rows of every table in one place, in insert order, so
+    # the synthetic pool's shape is visible at a glance.
     for chunk in range(start, stop, CHUNK_TRAJECTORIES):
         trajectories, steps, payloads, rewards = [], [], [], []
         for n in range(chunk, min(stop, chunk + CHUNK_TRAJECTORIES)):
