@@ -3,8 +3,13 @@
 Owns: the exception classes every gateway route raises, the mapping of the pool's errors and of
 FastAPI's own (unknown route, wrong method, failed validation) onto them, and the rendering of an
 error as a response body or a stream event. Never: decides *whether* a request is an error (the
-routes and ``gateway.attribution`` do); never passes an upstream's own error body through (the
-proxy does that, unchanged, as vLLM sent it).
+routes and ``gateway.attribution`` do).
+
+An upstream's own error answer (vLLM's 4xx/5xx body) is read with ``read_upstream_error`` into
+an ``UpstreamErrorBody``: vLLM's ``message``, ``type`` and ``param`` kept as it wrote them, the
+``code`` a string from our table (``invalid_request`` for a 4xx, ``upstream_error`` for a 5xx;
+vLLM's own ``code`` is the HTTP status as a number). Each dialect renders it in its envelope
+(``upstream_envelope`` is OpenAI's); the step stores vLLM's body as sent.
 
 An error is five things: ``status_code`` (HTTP), ``error_type`` (the class's kind), ``code`` (a
 string a client can branch on: the class default unless the raiser names a finer one),
@@ -29,10 +34,12 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
      └── UpstreamError                  502     upstream_error         upstream_error
           └── UpstreamTimeoutError      504     upstream_timeout       upstream_timeout
 
-Finer codes named where raised: ``invalid_api_key``, ``missing_api_key``, ``invalid_admin_token``
-(401); ``cross_site`` (403); ``unknown_target`` (404); ``trajectory_closed``, ``nothing_ready``,
-``lease_lost`` (409); ``payload_missing`` (500); ``pool_<fault reason>`` (503, e.g.
-``pool_disk_full``, with Retry-After), ``no_capturing_upstream`` (503); ``upstream_unreachable``
+Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
+``previous_response_not_found`` (400, the translating dialects); ``invalid_api_key``,
+``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``
+(404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost`` (409); ``payload_missing``
+(500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
+``no_capturing_upstream`` (503); ``upstream_unreachable``
 (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:
@@ -46,6 +53,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -246,6 +254,67 @@ def sse_error_event(error: TrajgateError, render: ErrorRenderer = openai_envelop
     """The SSE event that ends a stream in ``error`` (after the status line went out as 200):
     ``data: <rendered body>`` and a blank line, the body the same as unstreamed."""
     return b"data: " + json.dumps(render(error)).encode() + b"\n\n"
+
+
+@dataclass(frozen=True)
+class UpstreamErrorBody:
+    """A non-200 upstream answer as read from its body.
+
+    ``message``, ``error_type`` and ``param`` are vLLM's (``error.message``, ``error.type``,
+    ``error.param``; a body that is not vLLM's envelope gives its ``message`` or its text, and
+    the type for the status from our table); ``is_json`` is False when the body was not a JSON
+    object (then it is best passed on as it came, with its own content type).
+    """
+
+    status_code: int
+    message: str
+    error_type: str
+    param: str | None
+    is_json: bool
+
+    @property
+    def code(self) -> str:
+        """Our string code: ``invalid_request`` for a 4xx (the engine refused the request as
+        sent), ``upstream_error`` for anything else."""
+        return "invalid_request" if self.status_code < 500 else "upstream_error"
+
+
+def read_upstream_error(status_code: int, content: bytes) -> UpstreamErrorBody:
+    """vLLM's error body ``{"error": {"message", "type", "param", "code"}}`` (or any other
+    body) read as an ``UpstreamErrorBody``. Never raises."""
+    try:
+        parsed = json.loads(content)
+    except ValueError:
+        parsed = None
+    outer = parsed if isinstance(parsed, dict) else {}
+    inner = outer.get("error")
+    fields = inner if isinstance(inner, dict) else outer
+    message = fields.get("message") or outer.get("message")
+    kind = fields.get("type")
+    param = fields.get("param")
+    default_type = "invalid_request_error" if status_code < 500 else "upstream_error"
+    return UpstreamErrorBody(
+        status_code=status_code,
+        message=str(message)
+        if message
+        else content.decode("utf-8", "replace") or f"upstream status {status_code}",
+        error_type=kind if isinstance(kind, str) and kind else default_type,
+        param=param if isinstance(param, str) else None,
+        is_json=isinstance(parsed, dict),
+    )
+
+
+def upstream_envelope(error: UpstreamErrorBody, param: str | None) -> dict[str, Any]:
+    """OpenAI's envelope for an upstream error: vLLM's message and type, ``param`` as the
+    dialect names it (vLLM's own for a dialect that passes the body through), our ``code``."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.error_type,
+            "param": param,
+            "code": error.code,
+        }
+    }
 
 
 def envelope(

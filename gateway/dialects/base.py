@@ -1,9 +1,10 @@
 """The interface every API dialect implements, and the shapes it hands the proxy.
 
-A dialect is one client-facing API (chat completions, completions; translating dialects such as
-the Responses and Messages APIs later). ``gateway.proxy`` runs every call the same way and asks
-the dialect, through ``Dialect`` and the per-stream ``DialectStream``, for everything that
-depends on the API:
+A dialect is one client-facing API: chat completions and completions pass through to vLLM's
+own endpoints (``gateway.dialects.choices``); the Responses and Messages APIs translate to chat
+completions (``gateway.dialects.translation``). ``gateway.proxy`` runs every call the same way
+and asks the dialect, through ``Dialect`` and the per-stream ``DialectStream``, for everything
+that depends on the API:
 
 =====================  =====================================================================
 client paths           ``client_paths`` under ``/v1``; the proxy serves each at ``/v1<path>``
@@ -25,6 +26,8 @@ client answer          ``client_answer``: returns the upstream answer object its
                        client sees it unchanged (then vLLM's own bytes are sent), else the
                        client's JSON (fields removed, or the answer rendered in the dialect)
 upstream errors        ``upstream_error_body``: a non-200 upstream body as the client sees it
+                       (``gateway.errors.read_upstream_error``: vLLM's message, type and param
+                       in the dialect's envelope, with our string ``code``)
 streams                ``open_stream`` gives a ``DialectStream``: it consumes each upstream SSE
                        ``data`` payload, accumulates the capture and returns the framed bytes
                        to send now (zero, one or several events), plus opening and closing
@@ -40,6 +43,7 @@ between one client API and the engine's answers.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -128,6 +132,13 @@ def sse_event(data: bytes, event: str | None = None) -> bytes:
     if event is None:
         return b"data: " + data + b"\n\n"
     return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def frame(event: dict[str, Any]) -> bytes:
+    """One named event as SSE: ``event: <type>\\ndata: <compact json>\\n\\n`` (the framing of
+    the Responses and Messages streams)."""
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+    return sse_event(data, str(event["type"]))
 
 
 class DialectStream(ABC):

@@ -59,7 +59,13 @@ from gateway.dialects.base import (
     Prepared,
     sse_event,
 )
-from gateway.errors import InvalidRequestError, TrajgateError, sse_error_event
+from gateway.errors import (
+    InvalidRequestError,
+    TrajgateError,
+    read_upstream_error,
+    sse_error_event,
+    upstream_envelope,
+)
 
 
 @dataclass
@@ -192,6 +198,14 @@ class ChoicesDialect(Dialect):
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
         return strip_for_client(answer, prepared.asked)
 
+    def upstream_error_body(self, status_code: int, content: bytes) -> bytes:
+        """vLLM's error body with its message, type and param as sent and our string ``code``
+        (vLLM's is the HTTP status as a number); a body that is no JSON object as it came."""
+        error = read_upstream_error(status_code, content)
+        if not error.is_json:
+            return content
+        return dumps(upstream_envelope(error, error.param))
+
     def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> ChoicesStream:
         return ChoicesStream(self, prepared, system_fingerprint)
 
@@ -268,6 +282,24 @@ class ChoicesCapture:
                 state.stop_reason = None if stop is None else str(stop)
         if chunk.get("usage") is not None and not chunk.get("choices"):
             self.usage = chunk["usage"]
+
+    def captured(
+        self,
+        abort_reason: str | None,
+        *,
+        error: dict[str, Any] | None = None,
+        system_fingerprint: str | None = None,
+    ) -> Captured:
+        """The capture so far (see ``DialectStream.captured`` for ``abort_reason``), with the
+        error object the upstream sent inside its stream, if any."""
+        return Captured(
+            self.prompt_ids,
+            self.choices(abort_reason),
+            self.prompt_tokens,
+            self.model,
+            error=error,
+            system_fingerprint=system_fingerprint,
+        )
 
     def all_finished(self) -> bool:
         finished = sum(1 for s in self.states.values() if s.finish_reason is not None)
@@ -355,14 +387,8 @@ class ChoicesStream(DialectStream):
         return sse_error_event(error)
 
     def captured(self, abort_reason: str | None) -> Captured:
-        capture = self.capture
-        return Captured(
-            capture.prompt_ids,
-            capture.choices(abort_reason),
-            capture.prompt_tokens,
-            capture.model,
-            error=self.error,
-            system_fingerprint=self.fingerprint,
+        return self.capture.captured(
+            abort_reason, error=self.error, system_fingerprint=self.fingerprint
         )
 
     def _release(self) -> list[bytes]:

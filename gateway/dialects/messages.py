@@ -33,10 +33,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.capture import dumps, loads
-from gateway.dialects.base import Captured, ClientAsked, Dialect, DialectStream, Prepared
-from gateway.dialects.chat_completions import ChatCompletions
-from gateway.dialects.choices import ChoicesCapture
+from gateway.capture import dumps
+from gateway.dialects.base import Prepared, frame
 from gateway.dialects.messages_render import (
     anthropic_envelope,
     error_type,
@@ -45,32 +43,31 @@ from gateway.dialects.messages_render import (
     upstream_error,
 )
 from gateway.dialects.messages_request import Translation, translate_request
-from gateway.dialects.messages_stream import MessagesEvents, frame
+from gateway.dialects.messages_stream import MessagesEvents
+from gateway.dialects.translation import (
+    TranslatedPrepared,
+    TranslatedStream,
+    TranslatingDialect,
+    client_asked,
+    with_capture_fields,
+)
 from gateway.errors import TrajgateError, UpstreamError
 
-# Where the chat answers keep their fields: the capture reads the upstream chat answer.
-_CHAT = ChatCompletions()
 Tokenize = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 @dataclass(frozen=True, kw_only=True)
-class MessagesPrepared(Prepared):
+class MessagesPrepared(TranslatedPrepared):
     """A prepared Messages call: the translation, and the message's id, fixed before the
     upstream call so a stream and the stored step agree."""
 
     translation: Translation
     message_id: str
 
-    def chat_prepared(self) -> Prepared:
-        """The same call as a chat call: the capture's quality flags read the chat body (tools,
-        tool_choice, response_format, chat_template_kwargs, continue_final_message)."""
-        return Prepared(self.upstream_body, self.upstream_body, self.asked)
 
-
-class Messages(Dialect):
+class Messages(TranslatingDialect):
     name = "messages"
     client_paths = ("/messages",)
-    upstream_path = "/v1/chat/completions"
 
     def check_body(self, body: dict[str, Any]) -> None:
         translate_request(body)
@@ -79,21 +76,13 @@ class Messages(Dialect):
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
         streaming, the usage chunk. Raises ``InvalidRequestError`` (``messages_request``)."""
         translation = translate_request(body)
-        upstream = dict(translation.chat_body)
-        upstream["return_token_ids"] = True
-        upstream["logprobs"] = True
-        if upstream.get("stream") is True:
-            upstream["stream_options"] = {"include_usage": True}
         return MessagesPrepared(
             body,
-            upstream,
-            ClientAsked(return_token_ids=False, logprobs=False),
+            with_capture_fields(translation.chat_body),
+            client_asked(logprobs=False),
             translation=translation,
             message_id=new_message_id(),
         )
-
-    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
-        return _CHAT.read_answer(_messages(prepared).chat_prepared(), answer)
 
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
         call = _messages(prepared)
@@ -115,48 +104,29 @@ def _messages(prepared: Prepared) -> MessagesPrepared:
     return prepared
 
 
-class MessagesStream(DialectStream):
+class MessagesStream(TranslatedStream):
     """One streamed Messages call: captures the upstream chat chunks (ids, logprobs, message)
     and sends each one's Messages events at once."""
 
     def __init__(self, prepared: MessagesPrepared) -> None:
-        self.capture = ChoicesCapture(_CHAT, prepared.upstream_body, 1)
+        super().__init__(prepared)
         self.events = MessagesEvents(prepared.client_body, message_id=prepared.message_id)
-        self.error: dict[str, Any] | None = None
 
-    def feed(self, data: bytes) -> list[bytes]:
-        chunk = loads(data)
-        if not isinstance(chunk, dict) or self.error is not None:
-            return []
-        if "error" in chunk and "choices" not in chunk:
-            # An error inside vLLM's stream ends the message here (an ``error`` event).
-            error = chunk["error"]
-            self.error = error if isinstance(error, dict) else {"message": str(error)}
-            code = self.error.get("code")
-            status = code if isinstance(code, int) else UpstreamError.status_code
-            message = str(self.error.get("message") or self.error)
-            return [frame(self.events.error(error_type(status), message))]
-        self.capture.add(chunk)
-        self.first_token_seen = self.capture.first_token_seen
-        return [frame(event) for event in self.events.feed(chunk)]
+    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.events.feed(chunk)
 
-    def closing(self) -> list[bytes]:
-        if self.error is not None:
-            return []  # the error event was the last one
-        return [frame(event) for event in self.events.closing()]
+    def closing_events(self) -> list[dict[str, Any]]:
+        return self.events.closing()
+
+    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+        # An error inside vLLM's stream ends the message here (an ``error`` event); vLLM's
+        # ``code`` is the HTTP status.
+        code = error.get("code")
+        status = code if isinstance(code, int) else UpstreamError.status_code
+        return self.events.error(error_type(status), str(error.get("message") or error))
 
     def error_event(self, error: TrajgateError) -> bytes:
         return frame(anthropic_envelope(error))
-
-    def captured(self, abort_reason: str | None) -> Captured:
-        capture = self.capture
-        return Captured(
-            capture.prompt_ids,
-            capture.choices(abort_reason),
-            capture.prompt_tokens,
-            capture.model,
-            error=self.error,
-        )
 
 
 async def count_tokens(body: dict[str, Any], tokenize: Tokenize) -> dict[str, int]:

@@ -38,7 +38,7 @@ import uuid
 from typing import Any
 
 from gateway.dialects.messages_request import tool_use_id
-from gateway.errors import TrajgateError
+from gateway.errors import TrajgateError, read_upstream_error
 
 # HTTP status → Anthropic error type (the SDK's ErrorObject union; the rest fall to the class).
 _ERROR_TYPES = {
@@ -79,20 +79,10 @@ def anthropic_envelope(error: TrajgateError) -> dict[str, Any]:
 
 
 def upstream_error(status_code: int, content: bytes) -> dict[str, Any]:
-    """vLLM's error body (OpenAI's ``{"error": {"message", ...}}``, or anything else) in
-    Anthropic's envelope, the message as vLLM wrote it."""
-    try:
-        parsed = json.loads(content)
-    except ValueError:
-        parsed = None
-    inner = parsed.get("error") if isinstance(parsed, dict) else None
-    if isinstance(inner, dict) and inner.get("message"):
-        message = str(inner["message"])
-    elif isinstance(parsed, dict) and parsed.get("message"):
-        message = str(parsed["message"])
-    else:
-        message = content.decode("utf-8", "replace") or f"upstream status {status_code}"
-    return error_body(error_type(status_code), message)
+    """vLLM's error body (``gateway.errors.read_upstream_error``) in Anthropic's envelope, the
+    message as vLLM wrote it; the type is Anthropic's for the status (the envelope has no
+    field for a ``param`` or a ``code``)."""
+    return error_body(error_type(status_code), read_upstream_error(status_code, content).message)
 
 
 def stop_of(

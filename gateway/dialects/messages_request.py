@@ -53,7 +53,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import InvalidRequestError
+from gateway.dialects.translation import (
+    Field,
+    FieldErrors,
+    copy_fields,
+    named_tool_choice,
+    translate_tools,
+)
 
 # Fields translated into the chat body; every other top-level field is accepted and ignored.
 TRANSLATED_FIELDS = frozenset(
@@ -84,6 +90,12 @@ _NOT_SERVED = {
     "document": "document blocks are not served: the model behind this gateway takes text only",
 }
 TOOL_USE_PREFIX = "toolu_"
+# Sampling fields copied as they are (``max_tokens`` and ``stop_sequences`` have own checks).
+SAMPLING = {
+    "temperature": Field("temperature", (int, float), "a number"),
+    "top_p": Field("top_p", (int, float), "a number"),
+    "top_k": Field("top_k", int, "an integer"),
+}
 
 
 @dataclass(frozen=True)
@@ -111,18 +123,10 @@ def chat_call_id(anthropic_id: str) -> str:
     return anthropic_id.removeprefix(TOOL_USE_PREFIX)
 
 
-def _fail(param: str, message: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{param}: {message}", param=param, code="invalid_value")
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _expect(value: Any, kind: type | tuple[type, ...], param: str, what: str) -> None:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _fail(param, f"must be {what}, got {_type_name(value)}")
+# Messages errors lead with the field's dotted path, as the message does: "model: must be ...".
+_FIELDS = FieldErrors(lambda param: f"{param}:")
+_fail = _FIELDS.fail
+_expect = _FIELDS.expect
 
 
 def translate_request(body: dict[str, Any], *, counting: bool = False) -> Translation:
@@ -150,7 +154,9 @@ def translate_request(body: dict[str, Any], *, counting: bool = False) -> Transl
         chat["add_generation_prompt"] = False
     if not counting:
         chat.update(_sampling(body))
-    tools, omitted = _tools(body.get("tools"))
+    tools, omitted = translate_tools(
+        body.get("tools"), lambda position: f"tools.{position}", _FIELDS, _tool
+    )
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
@@ -175,14 +181,7 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     _expect(max_tokens, int, "max_tokens", "an integer")
     if max_tokens < 1:
         raise _fail("max_tokens", f"must be at least 1, got {max_tokens}")
-    sampling: dict[str, Any] = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p"):
-        if body.get(name) is not None:
-            _expect(body[name], (int, float), name, "a number")
-            sampling[name] = body[name]
-    if body.get("top_k") is not None:
-        _expect(body["top_k"], int, "top_k", "an integer")
-        sampling["top_k"] = body["top_k"]
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, **copy_fields(body, SAMPLING, _FIELDS)}
     stops = body.get("stop_sequences")
     if stops is not None:
         _expect(stops, list, "stop_sequences", "a list of strings")
@@ -310,28 +309,19 @@ def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": chat_call_id(block["tool_use_id"]), "content": text}
 
 
-def _tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    if tools is None:
-        return [], []
-    _expect(tools, list, "tools", "a list")
-    chat_tools: list[dict[str, Any]] = []
-    omitted: list[str] = []
-    for position, tool in enumerate(tools):
-        param = f"tools.{position}"
-        _expect(tool, dict, param, "an object")
-        _expect(tool.get("name"), str, f"{param}.name", "a string")
-        if tool.get("type") not in (None, "custom") or tool.get("defer_loading") is True:
-            omitted.append(tool["name"])
-            continue
-        _expect(tool.get("input_schema"), dict, f"{param}.input_schema", "an object")
-        function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if tool.get("description") is not None:
-            _expect(tool["description"], str, f"{param}.description", "a string")
-            function["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            function["strict"] = tool["strict"]
-        chat_tools.append({"type": "function", "function": function})
-    return chat_tools, omitted
+def _tool(tool: dict[str, Any], param: str) -> dict[str, Any] | str:
+    """The chat tool for a custom tool; the name of a server or deferred tool (left out)."""
+    _expect(tool.get("name"), str, f"{param}.name", "a string")
+    if tool.get("type") not in (None, "custom") or tool.get("defer_loading") is True:
+        return str(tool["name"])
+    _expect(tool.get("input_schema"), dict, f"{param}.input_schema", "an object")
+    function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        _expect(tool["description"], str, f"{param}.description", "a string")
+        function["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
@@ -346,7 +336,7 @@ def _tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
     chat: dict[str, Any] = {}
     if kind == "tool":
         _expect(choice.get("name"), str, "tool_choice.name", "a string")
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        chat["tool_choice"] = named_tool_choice(choice["name"])
     else:
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
     if not has_tools:

@@ -1,10 +1,10 @@
 """A chat completion stream from vLLM, re-told as Anthropic Messages stream events, chunk by chunk.
 
-Owns: the order and shape of the events (``MessagesEvents``) and their SSE framing (``frame``:
-``event: <type>`` then ``data: <json>``, as Anthropic sends them). Each upstream chunk gives its
-events at once; only ``message_delta`` and ``message_stop`` wait for the end (the usage chunk
-brings ``output_tokens``, and the proxy sends them after the pool commit). Never: re-orders,
-merges or buffers upstream output; decodes or tokenizes.
+Owns: the order and shape of the events (``MessagesEvents``), framed as Anthropic sends them
+(``gateway.dialects.base.frame``: ``event: <type>`` then ``data: <json>``). Each upstream chunk
+gives its events at once; only ``message_delta`` and ``message_stop`` wait for the end (the
+usage chunk brings ``output_tokens``, and the proxy sends them after the pool commit). Never:
+re-orders, merges or buffers upstream output; decodes or tokenizes.
 
 For one answer the client sees::
 
@@ -28,10 +28,8 @@ answer does (``gateway.dialects.messages_render``). A stream that cannot end nor
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from gateway.dialects.base import sse_event
 from gateway.dialects.messages_render import (
     error_body,
     message_object,
@@ -40,12 +38,6 @@ from gateway.dialects.messages_render import (
     usage_object,
 )
 from gateway.dialects.messages_request import tool_use_id
-
-
-def frame(event: dict[str, Any]) -> bytes:
-    """One event as SSE: ``event: <type>\\ndata: <compact json>\\n\\n``."""
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
-    return sse_event(data, str(event["type"]))
 
 
 class MessagesEvents:

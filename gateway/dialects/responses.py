@@ -36,43 +36,36 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.capture import loads
-from gateway.dialects.base import (
-    Captured,
-    ClientAsked,
-    Dialect,
-    DialectStream,
-    Prepared,
-)
-from gateway.dialects.chat_completions import ChatCompletions
-from gateway.dialects.choices import ChoicesCapture
+from gateway.capture import dumps
+from gateway.dialects.base import Prepared, frame
 from gateway.dialects.responses_render import render_response
 from gateway.dialects.responses_request import (
+    CHAT_TO_CLIENT,
     EarlierResponse,
     Translation,
     previous_response_id,
     translate_request,
 )
-from gateway.dialects.responses_stream import ResponsesEvents, frame
-from gateway.errors import TrajgateError
-
-# Where the chat answers keep their fields: the capture reads the upstream chat answer.
-_CHAT = ChatCompletions()
+from gateway.dialects.responses_stream import ResponsesEvents
+from gateway.dialects.translation import (
+    TranslatedPrepared,
+    TranslatedStream,
+    TranslatingDialect,
+    client_asked,
+    client_param,
+    with_capture_fields,
+)
+from gateway.errors import TrajgateError, read_upstream_error, upstream_envelope
 
 
 @dataclass(frozen=True, kw_only=True)
-class ResponsesPrepared(Prepared):
+class ResponsesPrepared(TranslatedPrepared):
     """A prepared Responses call: the translation, and the response's id and creation time
     (Unix seconds), fixed before the upstream call so a stream and the stored step agree."""
 
     translation: Translation
     response_id: str
     created_at: int
-
-    def chat_prepared(self) -> Prepared:
-        """The same call as a chat call: the capture's quality flags read the chat body (tools,
-        tool_choice, response_format, chat_template_kwargs)."""
-        return Prepared(self.upstream_body, self.upstream_body, self.asked)
 
 
 def new_response_id() -> str:
@@ -100,10 +93,9 @@ def call_id_of(response_id: str) -> str | None:
         return None
 
 
-class Responses(Dialect):
+class Responses(TranslatingDialect):
     name = "responses"
     client_paths = ("/responses",)
-    upstream_path = "/v1/chat/completions"
 
     def check_body(self, body: dict[str, Any]) -> None:
         """The whole translation's checks, with any ``previous_response_id`` taken as known
@@ -136,22 +128,14 @@ class Responses(Dialect):
         ``previous_response_id``; raises ``InvalidRequestError`` when it has one and
         ``earlier`` is None. ``response_id``: the id to answer with (default: a fresh one)."""
         translation = translate_request(body, earlier)
-        upstream = dict(translation.chat_body)
-        upstream["return_token_ids"] = True
-        upstream["logprobs"] = True
-        if upstream.get("stream") is True:
-            upstream["stream_options"] = {"include_usage": True}
         return ResponsesPrepared(
             body,
-            upstream,
-            ClientAsked(return_token_ids=False, logprobs=translation.logprobs_asked),
+            with_capture_fields(translation.chat_body),
+            client_asked(logprobs=translation.logprobs_asked),
             translation=translation,
             response_id=response_id or new_response_id(),
             created_at=int(time.time()),
         )
-
-    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
-        return _CHAT.read_answer(_responses(prepared).chat_prepared(), answer)
 
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
         call = _responses(prepared)
@@ -164,6 +148,13 @@ class Responses(Dialect):
             logprobs_asked=call.translation.logprobs_asked,
         )
 
+    def upstream_error_body(self, status_code: int, content: bytes) -> bytes:
+        """vLLM's error in OpenAI's envelope with our string ``code``; its ``param`` names the
+        Responses field the chat field came from (``max_tokens`` → ``max_output_tokens``), or
+        is null when no client field maps to it."""
+        error = read_upstream_error(status_code, content)
+        return dumps(upstream_envelope(error, client_param(error.param, CHAT_TO_CLIENT)))
+
     def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> ResponsesStream:
         return ResponsesStream(_responses(prepared))
 
@@ -174,12 +165,12 @@ def _responses(prepared: Prepared) -> ResponsesPrepared:
     return prepared
 
 
-class ResponsesStream(DialectStream):
+class ResponsesStream(TranslatedStream):
     """One streamed Responses call: captures the upstream chat chunks (ids, logprobs, message)
     and sends each one's Responses events at once."""
 
     def __init__(self, prepared: ResponsesPrepared) -> None:
-        self.capture = ChoicesCapture(_CHAT, prepared.upstream_body, 1)
+        super().__init__(prepared)
         self.events = ResponsesEvents(
             prepared.client_body,
             prepared.upstream_body,
@@ -187,40 +178,20 @@ class ResponsesStream(DialectStream):
             created_at=prepared.created_at,
             logprobs_asked=prepared.translation.logprobs_asked,
         )
-        self.error: dict[str, Any] | None = None
 
     def opening(self) -> list[bytes]:
         return [frame(event) for event in self.events.opening()]
 
-    def feed(self, data: bytes) -> list[bytes]:
-        chunk = loads(data)
-        if not isinstance(chunk, dict) or self.error is not None:
-            return []
-        if "error" in chunk and "choices" not in chunk:
-            # An error inside vLLM's stream ends the response here (response.failed).
-            error = chunk["error"]
-            self.error = error if isinstance(error, dict) else {"message": str(error)}
-            code = self.error.get("code") or self.error.get("type") or "upstream_error"
-            message = str(self.error.get("message") or self.error)
-            return [frame(self.events.failed(str(code), message))]
-        self.capture.add(chunk)
-        self.first_token_seen = self.capture.first_token_seen
-        return [frame(event) for event in self.events.feed(chunk)]
+    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        return self.events.feed(chunk)
 
-    def closing(self) -> list[bytes]:
-        if self.error is not None:
-            return []  # response.failed was the last event
-        return [frame(event) for event in self.events.closing()]
+    def closing_events(self) -> list[dict[str, Any]]:
+        return self.events.closing()
+
+    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+        # An error inside vLLM's stream ends the response here (response.failed).
+        code = error.get("code") or error.get("type") or "upstream_error"
+        return self.events.failed(str(code), str(error.get("message") or error))
 
     def error_event(self, error: TrajgateError) -> bytes:
         return frame(self.events.failed(error.code or error.error_type, error.message))
-
-    def captured(self, abort_reason: str | None) -> Captured:
-        capture = self.capture
-        return Captured(
-            capture.prompt_ids,
-            capture.choices(abort_reason),
-            capture.prompt_tokens,
-            capture.model,
-            error=self.error,
-        )

@@ -38,6 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.dialects.base import EarlierCall
+from gateway.dialects.translation import (
+    Field,
+    FieldErrors,
+    copy_fields,
+    invalid_value,
+    named_tool_choice,
+    translate_tools,
+)
 from gateway.errors import InvalidRequestError
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -77,6 +85,26 @@ KNOWN_FIELDS = frozenset(
     )
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Sampling fields: the client's name → the chat field it becomes.
+SAMPLING = {
+    "max_output_tokens": Field("max_tokens", int, "an integer"),
+    "temperature": Field("temperature", (int, float), "a number"),
+    "top_p": Field("top_p", (int, float), "a number"),
+    "top_logprobs": Field("top_logprobs", int, "an integer"),
+}
+# The chat fields the translation writes → the Responses field each came from, for naming the
+# field of an upstream error in the client's terms (``messages`` is made of ``instructions``,
+# the earlier response and ``input`` at once: no one field; the capture fields none).
+CHAT_TO_CLIENT: dict[str, str | None] = {
+    "model": "model",
+    **{spec.chat_name: name for name, spec in SAMPLING.items()},
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+    "stream": "stream",
+}
 
 
 # What the pool holds of the call an earlier response came from: ``request`` is that call's
@@ -99,18 +127,9 @@ class Translation:
     omitted_tools: list[str] = field(default_factory=list)
 
 
-def _fail(message: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(message, param=param, code="invalid_value")
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _expect(value: Any, kind: type | tuple[type, ...], param: str, what: str) -> None:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _fail(f"'{param}' must be {what}, got {_type_name(value)}", param)
+# Responses errors quote the field first, as OpenAI's do: "'model' must be a string, got int".
+_FIELDS = FieldErrors(lambda param: f"'{param}'")
+_expect = _FIELDS.expect
 
 
 def previous_response_id(body: dict[str, Any]) -> str | None:
@@ -170,8 +189,10 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
         messages.extend(history_messages(earlier))
     messages.extend(input_messages(body.get("input")))
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
-    chat.update(_sampling(body))
-    tools, omitted = _tools(body.get("tools"))
+    chat.update(copy_fields(body, SAMPLING, _FIELDS))
+    tools, omitted = translate_tools(
+        body.get("tools"), lambda position: f"tools[{position}]", _FIELDS, _tool
+    )
     if tools:
         chat["tools"] = tools
     if "tool_choice" in body:
@@ -190,21 +211,6 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
         _expect(body["stream"], bool, "stream", "a boolean")
         chat["stream"] = body["stream"]
     return Translation(chat, LOGPROBS_INCLUDE in _include(body.get("include")), omitted)
-
-
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    sampling: dict[str, Any] = {}
-    if body.get("max_output_tokens") is not None:
-        _expect(body["max_output_tokens"], int, "max_output_tokens", "an integer")
-        sampling["max_tokens"] = body["max_output_tokens"]
-    for name in ("temperature", "top_p"):
-        if body.get(name) is not None:
-            _expect(body[name], (int, float), name, "a number")
-            sampling[name] = body[name]
-    if body.get("top_logprobs") is not None:
-        _expect(body["top_logprobs"], int, "top_logprobs", "an integer")
-        sampling["top_logprobs"] = body["top_logprobs"]
-    return sampling
 
 
 def _include(include: Any) -> list[str]:
@@ -255,11 +261,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             messages.append(_function_call_output(item, param))
         else:
-            raise InvalidRequestError(
+            raise invalid_value(
                 f"unsupported input item type {kind!r} at {param}; supported: message, "
                 "reasoning, function_call, function_call_output",
-                param=f"{param}.type",
-                code="invalid_value",
+                f"{param}.type",
             )
     if reasoning is not None:
         messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
@@ -269,7 +274,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
 def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in ROLES:
-        raise _fail(
+        raise invalid_value(
             f"'{param}.role' must be one of {', '.join(ROLES)}, got {role!r}", param + ".role"
         )
     content = item.get("content")
@@ -296,7 +301,7 @@ def _content_part(part: Any, param: str) -> dict[str, Any]:
         if part.get("detail") is not None:
             image["detail"] = part["detail"]
         return {"type": "image_url", "image_url": image}
-    raise _fail(
+    raise invalid_value(
         f"unsupported content part type {kind!r}; supported: input_text, output_text, input_image",
         param + ".type",
     )
@@ -322,7 +327,7 @@ def _texts(item: dict[str, Any], key: str, part_type: str, param: str) -> list[s
         where = f"{param}.{key}[{index}]"
         _expect(part, dict, where, "an object")
         if part.get("type") != part_type:
-            raise _fail(
+            raise invalid_value(
                 f"'{where}.type' must be {part_type!r}, got {part.get('type')!r}", where + ".type"
             )
         _expect(part.get("text"), str, where + ".text", "a string")
@@ -352,32 +357,23 @@ def _function_call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": item["call_id"], "content": content}
 
 
-def _tools(tools: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    if tools is None:
-        return [], []
-    _expect(tools, list, "tools", "a list")
-    chat_tools: list[dict[str, Any]] = []
-    omitted: list[str] = []
-    for position, tool in enumerate(tools):
-        param = f"tools[{position}]"
-        _expect(tool, dict, param, "an object")
-        _expect(tool.get("type"), str, f"{param}.type", "a string")
-        if tool["type"] != "function":
-            omitted.append(str(tool.get("name") or tool["type"]))
-            continue
-        _expect(tool.get("name"), str, f"{param}.name", "a string")
-        function = {"name": tool["name"]}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        chat_tools.append({"type": "function", "function": function})
-    return chat_tools, omitted
+def _tool(tool: dict[str, Any], param: str) -> dict[str, Any] | str:
+    """The chat tool for a function tool; the name of any other (hosted tools: left out)."""
+    _expect(tool.get("type"), str, f"{param}.type", "a string")
+    if tool["type"] != "function":
+        return str(tool.get("name") or tool["type"])
+    _expect(tool.get("name"), str, f"{param}.name", "a string")
+    function = {"name": tool["name"]}
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(choice: Any) -> Any:
     if isinstance(choice, str):
         if choice not in TOOL_CHOICE_MODES:
-            raise _fail(
+            raise invalid_value(
                 f"'tool_choice' must be one of {', '.join(TOOL_CHOICE_MODES)} or "
                 f'{{"type": "function", "name": ...}}, got {choice!r}',
                 "tool_choice",
@@ -385,13 +381,13 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     _expect(choice, dict, "tool_choice", "a string or an object")
     if choice.get("type") != "function":
-        raise _fail(
+        raise invalid_value(
             f"'tool_choice.type' must be 'function' (hosted tools are not served), "
             f"got {choice.get('type')!r}",
             "tool_choice.type",
         )
     _expect(choice.get("name"), str, "tool_choice.name", "a string")
-    return {"type": "function", "function": {"name": choice["name"]}}
+    return named_tool_choice(choice["name"])
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
@@ -414,7 +410,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
             key: fmt[key] for key in ("name", "schema", "description", "strict") if key in fmt
         }
         return {"type": "json_schema", "json_schema": schema}
-    raise _fail(
+    raise invalid_value(
         f"'text.format.type' must be text, json_object or json_schema, got {kind!r}",
         "text.format.type",
     )

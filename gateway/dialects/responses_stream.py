@@ -1,8 +1,8 @@
 """A chat completion stream from vLLM, re-told as Responses API stream events, chunk by chunk.
 
-Owns: the order and shape of the events (``ResponsesEvents``) and their SSE framing
-(``frame``). Each upstream chunk gives its events at once; nothing is held back except
-``response.completed``, which the proxy sends after the pool commit.
+Owns: the order and shape of the events (``ResponsesEvents``), framed by
+``gateway.dialects.base.frame`` (re-exported here). Each upstream chunk gives its events at once;
+nothing is held back except ``response.completed``, which the proxy sends after the pool commit.
 
 For one answer the client sees::
 
@@ -33,10 +33,10 @@ reasoning items back with their ``reasoning_text`` content, and function calls w
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.dialects.base import frame
 from gateway.dialects.responses_render import (
     echo_fields,
     function_call_item,
@@ -50,11 +50,7 @@ from gateway.dialects.responses_render import (
     usage_object,
 )
 
-
-def frame(event: dict[str, Any]) -> bytes:
-    """One event as SSE: ``event: <type>\\ndata: <compact json>\\n\\n``."""
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+__all__ = ["ResponsesEvents", "frame"]
 
 
 @dataclass

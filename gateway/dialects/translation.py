@@ -1,0 +1,222 @@
+"""What the translating dialects share: a client API re-told as a chat completions call.
+
+Owns: the field checks their request translations raise with (``FieldErrors``: a 400
+``invalid_value`` naming the field's path), the translation of the client's plain fields into
+chat fields by a table (``copy_fields``), the tool list walk (``translate_tools``), the prepared
+call (``TranslatedPrepared``: the chat body with the capture fields), the dialect half that
+captures the chat answer (``TranslatingDialect``), the stream half that captures chat chunks and
+hands them to the dialect's event writer (``TranslatedStream``), and vLLM's error bodies with
+their ``param`` named in the client's vocabulary (``client_param``). Used by
+``gateway.dialects.responses`` and ``gateway.dialects.messages``; each keeps its own vocabulary
+(field names, item and block types, event shapes, error envelope) in its own modules.
+
+Never: tokenizes, decodes or re-encodes text; the stored ids and logprobs are the ones vLLM sent
+for the chat call.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.capture import loads
+from gateway.dialects.base import (
+    Captured,
+    ClientAsked,
+    Dialect,
+    DialectStream,
+    Prepared,
+    frame,
+)
+from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.choices import ChoicesCapture
+from gateway.errors import InvalidRequestError
+
+# Where the chat answers keep their fields: the capture reads the upstream chat answer.
+CHAT = ChatCompletions()
+
+Kind = type | tuple[type, ...]
+
+
+def type_name(value: Any) -> str:
+    """``null`` for None (the JSON word a client wrote), else the Python type's name."""
+    return "null" if value is None else type(value).__name__
+
+
+def invalid_value(message: str, param: str) -> InvalidRequestError:
+    """The 400 a translation raises for a field it cannot translate (code ``invalid_value``)."""
+    return InvalidRequestError(message, param=param, code="invalid_value")
+
+
+@dataclass(frozen=True)
+class FieldErrors:
+    """How one dialect's 400s name a field: ``lead(param)`` starts the message, as the API's
+    own errors do (OpenAI quotes the field, ``'model' must be ...``; Anthropic leads with the
+    dotted path, ``model: must be ...``)."""
+
+    lead: Callable[[str], str]
+
+    def fail(self, param: str, problem: str) -> InvalidRequestError:
+        return invalid_value(f"{self.lead(param)} {problem}", param)
+
+    def expect(self, value: Any, kind: Kind, param: str, what: str) -> None:
+        """Raise ``fail`` unless ``value`` is of ``kind`` (a bool is no int here unless
+        ``kind`` names bool); ``what`` says what was expected (``a string``)."""
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise self.fail(param, f"must be {what}, got {type_name(value)}")
+
+
+@dataclass(frozen=True)
+class Field:
+    """A client field copied into the chat body: its chat name, the type it must have and how
+    a message names that type."""
+
+    chat_name: str
+    kind: Kind
+    what: str
+
+
+def copy_fields(
+    body: dict[str, Any], fields: Mapping[str, Field], errors: FieldErrors
+) -> dict[str, Any]:
+    """The chat fields for the client fields of ``fields`` that ``body`` sets (``null`` counts
+    as unset), each checked with ``errors.expect``."""
+    chat: dict[str, Any] = {}
+    for name, spec in fields.items():
+        if body.get(name) is not None:
+            errors.expect(body[name], spec.kind, name, spec.what)
+            chat[spec.chat_name] = body[name]
+    return chat
+
+
+def translate_tools(
+    tools: Any,
+    param_of: Callable[[int], str],
+    errors: FieldErrors,
+    translate: Callable[[dict[str, Any], str], dict[str, Any] | str],
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The chat tools for a client ``tools`` list, and the names of the tools chat cannot offer.
+
+    ``param_of(position)`` is the path of one tool in the client's notation; ``translate(tool,
+    param)`` returns the chat tool, or the tool's name when chat cannot offer it (it is then
+    left out of the upstream body). Raises ``InvalidRequestError`` for a list or tool of the
+    wrong type.
+    """
+    if tools is None:
+        return [], []
+    errors.expect(tools, list, "tools", "a list")
+    chat_tools: list[dict[str, Any]] = []
+    omitted: list[str] = []
+    for position, tool in enumerate(tools):
+        param = param_of(position)
+        errors.expect(tool, dict, param, "an object")
+        translated = translate(tool, param)
+        if isinstance(translated, str):
+            omitted.append(translated)
+        else:
+            chat_tools.append(translated)
+    return chat_tools, omitted
+
+
+def named_tool_choice(name: str) -> dict[str, Any]:
+    """The chat ``tool_choice`` that forces the function ``name``."""
+    return {"type": "function", "function": {"name": name}}
+
+
+def client_param(param: Any, client_names: Mapping[str, str | None]) -> str | None:
+    """An upstream error's ``param`` (vLLM names the chat body's field, ``max_tokens`` or
+    ``body.max_tokens``) as the client's field: its first path segment looked up in
+    ``client_names`` (chat field → the client field it came from, None when the client sent no
+    such field). An unknown field, or anything but a string, is None: the client never sent a
+    field by the chat name."""
+    if not isinstance(param, str) or not param:
+        return None
+    field_name = param.removeprefix("body.").split(".", 1)[0].split("[", 1)[0]
+    return client_names.get(field_name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TranslatedPrepared(Prepared):
+    """A call whose upstream body is a chat translation of the client's body."""
+
+    def chat_prepared(self) -> Prepared:
+        """The same call as a chat call: the capture's quality flags read the chat body (tools,
+        tool_choice, response_format, chat_template_kwargs, continue_final_message)."""
+        return Prepared(self.upstream_body, self.upstream_body, self.asked)
+
+
+def with_capture_fields(chat_body: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a translated ``chat_body`` asking vLLM for ``return_token_ids``, ``logprobs``
+    and, when streaming, the usage chunk (the client's API has no such fields)."""
+    upstream = dict(chat_body)
+    upstream["return_token_ids"] = True
+    upstream["logprobs"] = True
+    if upstream.get("stream") is True:
+        upstream["stream_options"] = {"include_usage": True}
+    return upstream
+
+
+def client_asked(logprobs: bool) -> ClientAsked:
+    """What a translated call's client asked of the capture fields: never the ids."""
+    return ClientAsked(return_token_ids=False, logprobs=logprobs)
+
+
+class TranslatingDialect(Dialect):
+    """A dialect whose upstream is vLLM's chat completions: the capture reads the chat answer."""
+
+    upstream_path = "/v1/chat/completions"
+
+    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
+        return CHAT.read_answer(translated(prepared).chat_prepared(), answer)
+
+
+def translated(prepared: Prepared) -> TranslatedPrepared:
+    if not isinstance(prepared, TranslatedPrepared):
+        raise TypeError(f"expected TranslatedPrepared, got {type(prepared).__name__}")
+    return prepared
+
+
+class TranslatedStream(DialectStream):
+    """One streamed translated call: captures the upstream chat chunks (ids, logprobs, message)
+    and sends each one's events in the client's API at once (``events_of``). An error object
+    inside vLLM's stream ends it with the dialect's error event (``upstream_failed``); events
+    after it are ignored."""
+
+    def __init__(self, prepared: TranslatedPrepared) -> None:
+        self.capture = ChoicesCapture(CHAT, prepared.upstream_body, 1)
+        self.error: dict[str, Any] | None = None
+
+    @abstractmethod
+    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The client's events for one chat chunk."""
+
+    @abstractmethod
+    def closing_events(self) -> list[dict[str, Any]]:
+        """The client's events that end a complete stream."""
+
+    @abstractmethod
+    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+        """The client's event that ends the stream at vLLM's in-stream ``error`` object."""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        chunk = loads(data)
+        if not isinstance(chunk, dict) or self.error is not None:
+            return []
+        if "error" in chunk and "choices" not in chunk:
+            error = chunk["error"]
+            self.error = error if isinstance(error, dict) else {"message": str(error)}
+            return [frame(self.upstream_failed(self.error))]
+        self.capture.add(chunk)
+        self.first_token_seen = self.capture.first_token_seen
+        return [frame(event) for event in self.events_of(chunk)]
+
+    def closing(self) -> list[bytes]:
+        if self.error is not None:
+            return []  # the error event was the last one
+        return [frame(event) for event in self.closing_events()]
+
+    def captured(self, abort_reason: str | None) -> Captured:
+        return self.capture.captured(abort_reason, error=self.error)
