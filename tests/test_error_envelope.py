@@ -572,3 +572,112 @@ def test_a_dialect_renders_the_same_error_in_its_own_shape() -> None:
         "type": "error",
         "error": {"type": "upstream_timeout", "message": "upstream did not answer within 0.3 s"},
     }
+
+
+# -- upstream errors: vLLM's own 4xx/5xx bodies -----------------------------------------------
+
+
+def _refusing_upstream(status: int, vllm_error: dict[str, Any]) -> httpx.MockTransport:
+    """A healthy upstream that answers every chat or completions call with ``status`` and vLLM's
+    error body (whose ``code`` is the HTTP status as a number)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(status, json={"error": vllm_error})
+
+    return httpx.MockTransport(handler)
+
+
+_TOO_MANY_TOKENS = {
+    "message": "max_tokens=99999 cannot be greater than max_model_len=2048.",
+    "type": "BadRequestError",
+    "param": "max_tokens",
+    "code": 400,
+}
+_ENGINE_DIED = {"message": "engine died", "type": "InternalServerError", "param": None, "code": 500}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "vllm_error", "expected"),
+    [
+        # Chat and completions: vLLM's message, type and param as it wrote them; the code is
+        # ours (a 4xx from the engine: invalid_request; a 5xx: upstream_error).
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999},
+            400,
+            _TOO_MANY_TOKENS,
+            {**_TOO_MANY_TOKENS, "code": "invalid_request"},
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "max_tokens": 99999},
+            400,
+            _TOO_MANY_TOKENS,
+            {**_TOO_MANY_TOKENS, "code": "invalid_request"},
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            500,
+            _ENGINE_DIED,
+            {**_ENGINE_DIED, "code": "upstream_error"},
+        ),
+        # Responses: the chat field max_tokens came from the client's max_output_tokens.
+        (
+            "/v1/responses",
+            {"model": "tiny", "input": "hi", "max_output_tokens": 99999},
+            400,
+            _TOO_MANY_TOKENS,
+            {**_TOO_MANY_TOKENS, "param": "max_output_tokens", "code": "invalid_request"},
+        ),
+        # ... and a chat field no Responses field became (the capture's own) is no param.
+        (
+            "/v1/responses",
+            {"model": "tiny", "input": "hi"},
+            400,
+            {**_TOO_MANY_TOKENS, "param": "body.return_token_ids"},
+            {**_TOO_MANY_TOKENS, "param": None, "code": "invalid_request"},
+        ),
+    ],
+)
+def test_an_upstream_error_keeps_vllms_message_type_and_param_with_our_string_code(
+    tmp_path: Path,
+    path: str,
+    body: dict[str, Any],
+    status: int,
+    vllm_error: dict[str, Any],
+    expected: dict[str, Any],
+) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    db.upgrade(url)
+    pool = PoolSettings(data_dir=tmp_path / "data", database_url=url)
+    settings = GatewaySettings(
+        upstream_url=UPSTREAM, health_check_interval_s=3600, upstream_max_attempts=1
+    )
+    app = create_app(settings, pool, upstream_transport=_refusing_upstream(status, vllm_error))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post(f"/t/refused{path.replace('/', '-')}{path}", json=body)
+    assert answer.status_code == status
+    assert answer.json() == {"error": expected}
+    assert _envelope_problems(answer.json()) == []
+
+
+def test_an_upstream_error_on_the_messages_api_is_in_anthropics_envelope(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    db.upgrade(url)
+    pool = PoolSettings(data_dir=tmp_path / "data", database_url=url)
+    settings = GatewaySettings(
+        upstream_url=UPSTREAM, health_check_interval_s=3600, upstream_max_attempts=1
+    )
+    app = create_app(settings, pool, upstream_transport=_refusing_upstream(500, _ENGINE_DIED))
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/t/refused-messages/v1/messages", json=body)
+    assert answer.status_code == 500
+    # Anthropic's type for a 500 is api_error; its envelope has no param or code field.
+    assert answer.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "engine died"},
+    }
