@@ -317,14 +317,6 @@ def upstream_envelope(error: UpstreamErrorBody, param: str | None) -> dict[str, 
     }
 
 
-def envelope(
-    message: str, error_type: str, *, param: str | None = None, code: str | int | None = None
-) -> dict[str, Any]:
-    """Deprecated: ``gateway.proxy`` builds its stream error events with it (``code`` may be a
-    number there); they move to ``sse_error_event``, and then this goes."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception FastAPI can raise through the one envelope.
 
