@@ -39,7 +39,13 @@ def sqlite_pool(tmp_path: Path) -> PoolSettings:
 
 @pytest.fixture
 def gw(vllm: VLLMServer, sqlite_pool: PoolSettings) -> Iterator[BackgroundServer]:
-    with gateway_with(sqlite_pool, free_port(), upstream_url=vllm.url) as server:
+    """Greedy unless a test's body says otherwise: the tiny model ends a sampled turn with
+    probability ~0.003 per token, so a 6-token call may end early; greedy it never does, and the
+    checks below expect every call to end at its token limit."""
+    greedy = {"*": {"temperature": 0.0}}
+    with gateway_with(
+        sqlite_pool, free_port(), upstream_url=vllm.url, sampling_defaults=greedy
+    ) as server:
         yield server
 
 
@@ -228,7 +234,7 @@ def test_an_unknown_previous_response_id_is_400_and_nothing_is_recorded(
 def test_previous_response_id_of_another_trajectory_is_not_found(
     gw: BackgroundServer, sqlite_pool: PoolSettings
 ) -> None:
-    one = _post(f"{gw.url}/t/resp-a/v1/responses", {"model": "tiny", "input": "x"})
+    one = _post(f"{gw.url}/t/resp-a/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 4})
     assert one.status_code == 200
     body = {"model": "tiny", "input": "y", "previous_response_id": one.json()["id"]}
     other = _post(f"{gw.url}/t/resp-b/v1/responses", body)
