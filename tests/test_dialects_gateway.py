@@ -234,7 +234,9 @@ def test_an_unknown_previous_response_id_is_400_and_nothing_is_recorded(
 def test_previous_response_id_of_another_trajectory_is_not_found(
     gw: BackgroundServer, sqlite_pool: PoolSettings
 ) -> None:
-    one = _post(f"{gw.url}/t/resp-a/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 4})
+    one = _post(
+        f"{gw.url}/t/resp-a/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 4}
+    )
     assert one.status_code == 200
     body = {"model": "tiny", "input": "y", "previous_response_id": one.json()["id"]}
     other = _post(f"{gw.url}/t/resp-b/v1/responses", body)
