@@ -37,7 +37,7 @@ def check_trajectory_id(trajectory_id: str) -> str:
 
 
 def _check_name(value: str, pattern: re.Pattern[str], what: str, most: int, param: str) -> str:
-    if not pattern.match(value):
+    if not pattern.fullmatch(value):  # `$` alone would match before a final newline
         raise InvalidRequestError(
             f"{what} must be 1-{most} characters of letters, digits, '.', '_', ':' or '-' "
             f"starting with a letter or digit; got {value[:80]!r}",

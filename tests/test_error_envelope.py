@@ -419,6 +419,42 @@ def test_an_unknown_path_gets_404_not_found_in_the_envelope(walked: Walked) -> N
     }
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("where", "bad_id"), [("path", "abc%0A"), ("header", "abc\n"), ("path", "abc%0Adef")]
+)
+def test_an_id_with_a_newline_is_refused_whole_not_up_to_the_newline(
+    walked: Walked, where: str, bad_id: str, stream: bool
+) -> None:
+    """A regex anchored with ``$`` matches before a final newline; ids are checked whole."""
+    before = _row_counts(walked.pool)
+    calls_before = len(walked.upstream_calls)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    if where == "path":
+        response = walked.client.post(f"/t/{bad_id}/v1/chat/completions", json=body)
+    else:
+        headers = {"X-Trajgate-Trajectory": bad_id}
+        response = walked.client.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "trajectory_id"
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert _row_counts(walked.pool) == before
+    assert len(walked.upstream_calls) == calls_before
+
+
+def test_an_id_with_a_newline_is_refused_in_pool_api_bodies_too(walked: Walked) -> None:
+    before = _row_counts(walked.pool)
+    for body in (
+        {"id": "abc\n"},
+        {"id": "abc", "group_id": "g\n"},
+        {"id": "abc", "channel": "c\n"},
+    ):
+        response = walked.client.post("/api/trajectories", json=body)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["code"] == "invalid_request"
+    assert _row_counts(walked.pool) == before
+
+
 # -- streamed and unstreamed: the same code ------------------------------------------------
 
 
