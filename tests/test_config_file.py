@@ -213,6 +213,12 @@ def test_every_entry_point_refuses_an_unknown_key_with_its_name(
             {"TRAJGATE_DATABASE_LOCK_TIMEOUT_MS": "-1"},
             "database_lock_timeout_ms",
         ),
+        # An unsafe start (beyond loopback without an admin token) is refused the same way.
+        (
+            ["serve", "--host", "0.0.0.0", "--check-config"],
+            {"TRAJGATE_ADMIN_TOKEN": ""},
+            "GatewaySettings",
+        ),
     ],
 )
 def test_a_bad_setting_value_is_a_short_error_naming_the_field_not_a_traceback(
