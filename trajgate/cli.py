@@ -301,8 +301,6 @@ def train(
     """Lease batches from the pool, train (LoRA or full), ack, and publish each update to vLLM
     and the gateway as the next policy version. The same command on a CPU or a GPU host.
     Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's \\[trainer] table."""
-    from pydantic import ValidationError
-
     from trainer_bridge.settings import TrainerSettings
 
     given: dict[str, Any] = {
@@ -311,12 +309,7 @@ def train(
         "learning_rate": learning_rate,
         "device": device,
     }
-    try:
-        settings = TrainerSettings(**{k: v for k, v in given.items() if v is not None})
-    except ValidationError as exc:
-        raise typer.BadParameter(
-            str(exc), param_hint="--model-dir / TRAJGATE_TRAINER_* / [trainer] in TRAJGATE_CONFIG"
-        ) from exc
+    settings = _settings(TrainerSettings, **{k: v for k, v in given.items() if v is not None})
     if check_config:
         typer.echo(json.dumps(describe(settings), indent=2))
         return
