@@ -97,6 +97,9 @@ class StepOutcome(enum.StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
     CLIENT_DISCONNECT = "client_disconnect"  # partial: kept for inspection, never trained on
+    # Still sampling when a full-weight reload began and past the gateway's drain limit: cut
+    # so that no step mixes two policies' tokens; kept for inspection, never trained on.
+    ABORTED_FOR_WEIGHT_UPDATE = "aborted_for_weight_update"
 
 
 class Trajectory(Base):
@@ -180,6 +183,9 @@ class Step(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     latency_ms: Mapped[float] = mapped_column(Float)
     ttft_ms: Mapped[float | None] = mapped_column(Float)
+    # How long the gateway held the call before sending it upstream because a full-weight
+    # reload was in progress (part of ``latency_ms``); None when it was not held.
+    held_ms: Mapped[float | None] = mapped_column(Float)
     stop_reason: Mapped[str | None] = mapped_column(String(200))
     flags: Mapped[list[Any]] = mapped_column(default=list)
     extends_parent: Mapped[bool | None] = mapped_column()

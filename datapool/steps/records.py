@@ -53,7 +53,8 @@ class CallRecord:
 
     ``prompt_token_ids`` is ``[P]``, the exact IDs the engine used, or None when missing.
     ``latency_ms`` is wall time from receiving the client's request to the upstream's full answer;
-    ``ttft_ms`` the time to the first streamed token (None when not streaming).
+    ``ttft_ms`` the time to the first streamed token (None when not streaming); ``held_ms`` how
+    long a full-weight reload held the call before it went upstream (None when not held).
     """
 
     request: dict[str, Any]
@@ -73,6 +74,7 @@ class CallRecord:
     request_hash: str | None = None
     idempotency_key: str | None = None
     ttft_ms: float | None = None
+    held_ms: float | None = None
     group_id: str | None = None
     channel: str | None = None
     # The upstream attempts of the call (retries included), committed in the same transaction as

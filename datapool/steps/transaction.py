@@ -180,6 +180,7 @@ class WriteBatch:
                     "completion_tokens": None if ids is None else len(ids),
                     "latency_ms": call.latency_ms,
                     "ttft_ms": call.ttft_ms,
+                    "held_ms": call.held_ms,
                     "flags": flags,
                     "extends_parent": lineage.extends_parent,
                     "divergence_offset": lineage.divergence_offset,

@@ -27,12 +27,13 @@ from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
 from datapool.rewards import values as rewards
 from datapool.steps.store import PoolStore
+from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.state import StateDep
 
-router = APIRouter(tags=["pool"])
+router = APIRouter(tags=["pool"], route_class=PoolRoute)
 
 
 # ---- schemas -------------------------------------------------------------------------------
@@ -110,6 +111,10 @@ class StepPublic(StepSummary):
     response_message: dict[str, Any] | None
     latency_ms: float
     ttft_ms: float | None
+    held_ms: float | None = Field(
+        default=None,
+        description="Milliseconds a full-weight reload held the call before it went upstream.",
+    )
     error: str | None
     prompt_token_ids: list[int] | None
     response_token_ids: list[int] | None
