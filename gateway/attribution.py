@@ -10,7 +10,9 @@ a body must hold to be captured is its dialect's check (``gateway.dialects``).
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,86 @@ def _refuse_constant(name: str) -> Any:
     raise InvalidRequestError(f"request body is not valid JSON: {name} is not a JSON number")
 
 
+def _finite_float(literal: str) -> float:
+    """A JSON number with a fraction or exponent as a float; one past a double's range
+    (``1e999``) would be read as infinity, which no JSON writer can write back."""
+    number = float(literal)
+    if not math.isfinite(number):
+        raise InvalidRequestError(
+            f"request body holds the number {literal[:40]}, beyond a 64-bit float "
+            f"(at most about {sys.float_info.max:.4g} in magnitude)"
+        )
+    return number
+
+
+# JSON nesting deeper than this is refused (400): real bodies (messages, content parts, tool
+# JSON schemas) nest a few dozen levels at most, while recursive code downstream (hashing,
+# serialising, translating) would fail near Python's recursion limit of 1000.
+MAX_JSON_DEPTH = 128
+# The escape of a UTF-16 surrogate (D800-DFFF); a raw surrogate cannot come in valid UTF-8.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_json(data: bytes, *, refuse_nul: bool = False) -> Any:
+    """``data`` parsed as strict JSON (RFC 8259) that every part behind the gateway can take.
+
+    Raises ``InvalidRequestError`` (400) when ``data`` is not UTF-8 or not JSON, holds ``NaN``
+    or ``Infinity``, a number past a 64-bit float (``1e999``), a string with a lone UTF-16
+    surrogate (``"\\ud800"``: not text, and not storable as UTF-8), nesting deeper than
+    ``MAX_JSON_DEPTH``, or, with ``refuse_nul``, a NUL character (``"\\u0000"``), which
+    PostgreSQL's text columns cannot hold. Surrogate pairs (``"\\ud83d\\ude00"``) are fine.
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid UTF-8: {exc}") from exc
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise _too_deep() from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    # Each check needs a walk only when the raw bytes say it might fail (rare in real bodies).
+    deep = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
+    surrogates = _SURROGATE_ESCAPE.search(data) is not None
+    nul = refuse_nul and b"\\u0000" in data
+    if deep or surrogates or nul:
+        _check_values(value, deep=deep, surrogates=surrogates, nul=nul)
+    return value
+
+
+def _too_deep() -> InvalidRequestError:
+    return InvalidRequestError(f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _check_values(value: Any, *, deep: bool, surrogates: bool, nul: bool) -> None:
+    """Walk ``value`` (iteratively: it may be deep) for what ``parse_json`` refuses."""
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            if deep and depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            todo.extend((key, depth) for key in item)
+            todo.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            if deep and depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            todo.extend((child, depth + 1) for child in item)
+        elif isinstance(item, str):
+            if surrogates and _SURROGATE.search(item):
+                raise InvalidRequestError(
+                    f"request body holds a lone UTF-16 surrogate in the string {item[:40]!r}: "
+                    "not text (a surrogate must be half of a pair)"
+                )
+            if nul and "\x00" in item:
+                raise InvalidRequestError(
+                    f"request body holds a NUL character (\\u0000) in the string {item[:40]!r}: "
+                    "the pool cannot store it"
+                )
+
+
 def check_group_id(group_id: str | None) -> str | None:
     """Raise ``InvalidRequestError`` unless the group id is None or 1-200 of
     ``[A-Za-z0-9._:-]`` starting with a letter or digit (it appears in URL paths)."""
@@ -69,7 +151,8 @@ def check_channel(channel: str | None) -> str | None:
 
 
 async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past ``max_body_bytes``, 400 when not an object."""
+    """The request body as a JSON object; 413 past ``max_body_bytes``, 400 when not an object
+    or not what ``parse_json`` takes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise PayloadTooLargeError(
@@ -86,12 +169,7 @@ async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, A
                 code="payload_too_large",
             )
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks).decode("utf-8"), parse_constant=_refuse_constant)
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid UTF-8: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    body = parse_json(b"".join(chunks))
     if not isinstance(body, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from gateway.api.bodies import PoolRoute
 from gateway.auth import check_admin_token
 from gateway.state import GatewayState
 
@@ -24,7 +25,7 @@ def _admin_state(request: Request) -> GatewayState:
 
 
 AdminDep = Annotated[GatewayState, Depends(_admin_state)]
-router = APIRouter(prefix="/admin", tags=["admin"])
+router = APIRouter(prefix="/admin", tags=["admin"], route_class=PoolRoute)
 
 
 class PolicyVersionCreate(BaseModel):

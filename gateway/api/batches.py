@@ -30,10 +30,11 @@ from datapool.db import Sessions
 from datapool.models import Batch, CurationRule, Label
 from datapool.queries.labels import current_label as current_label_of
 from datapool.queries.labels import label_history
+from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import BatchSettingsDep, SessionsDep, StoreDep
 from gateway.errors import ConflictError, InvalidRequestError
 
-router = APIRouter(tags=["curation and batches"])
+router = APIRouter(tags=["curation and batches"], route_class=PoolRoute)
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 
 

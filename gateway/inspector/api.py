@@ -27,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.queries import charts, groups, listing, steps
+from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.auth import check_admin_token
 from gateway.errors import (
@@ -61,7 +62,9 @@ def guard(request: Request) -> None:
         reject_cross_site(request)
 
 
-router = APIRouter(prefix="/api", tags=["inspector"], dependencies=[Depends(guard)])
+router = APIRouter(
+    prefix="/api", tags=["inspector"], dependencies=[Depends(guard)], route_class=PoolRoute
+)
 
 ListQueryDep = Annotated[listing.ListQuery, Query()]
 

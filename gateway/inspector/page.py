@@ -40,8 +40,8 @@ SECURITY_HEADERS = {
     "referrer-policy": "same-origin",
 }
 
-router = APIRouter(include_in_schema=False)
-router.include_router(inspector_api.router)
+router = APIRouter()
+router.include_router(inspector_api.router)  # JSON endpoints: in the OpenAPI document
 
 
 def _static(relative: str) -> Path | None:
@@ -51,7 +51,7 @@ def _static(relative: str) -> Path | None:
     return path
 
 
-@router.get("/inspector/static/{relative:path}")
+@router.get("/inspector/static/{relative:path}", include_in_schema=False)
 async def static_file(relative: str) -> Response:
     """The inspector's scripts, styles and vendored libraries."""
     path = _static(relative)
@@ -64,8 +64,8 @@ async def static_file(relative: str) -> Response:
     )
 
 
-@router.get("/inspector")
-@router.get("/inspector/{view:path}")
+@router.get("/inspector", include_in_schema=False)
+@router.get("/inspector/{view:path}", include_in_schema=False)
 async def page(view: str = "") -> Response:
     """The inspector's page (every view; the script reads the URL)."""
     return FileResponse(
