@@ -276,7 +276,8 @@ def test_discounted_rows_carry_their_share_of_reward_and_advantage() -> None:
     assert plan.share == [0.25, 0.5, 1.0] and plan.segment_index == [0, 1, 2]
     assert counts == {"steps_over_row_tokens": 0}
     scores = stages.score(groups, spec, {})
-    rows = stages.assemble_table(plan, groups, groups[0].members, scores).to_pylist()
+    credit = stages.credit_steps(plan, groups, groups[0].members, scores, spec)
+    rows = stages.assemble_table(plan, groups, groups[0].members, scores, credit, spec).to_pylist()
     assert [r["step_reward"] for r in rows] == [0.5, 1.0, 2.0]
     assert [r["advantage"] for r in rows] == [0.25, 0.5, 1.0]
     assert [r["reward"] for r in rows] == [2.0, 2.0, 2.0]

@@ -6,10 +6,13 @@
   ``step_lineage``, ``NothingToBatchError``).
 - ``stages``: the stages ``build_rows`` runs, one function each and testable alone
   (``select_candidates``, ``trainable_steps``, ``form_groups``, ``keep_groups``,
-  ``fit_token_budget``, ``score``, ``place_rewards``, ``shuffle_rows``, ``assemble_table``).
+  ``fit_token_budget``, ``score``, ``place_rewards``, ``shuffle_rows``, ``credit_steps``,
+  ``assemble_table``).
 - ``advantages``: the advantage estimators on numpy and ``ESTIMATORS``, the one registry of
   batch algorithms (``ALGORITHMS``, ``estimate_advantages``, ...): adding a
   batch algorithm means one function and one registry entry here.
+- ``step_advantages``: the step-level estimators (discounted step returns, GiGPO's anchor-state
+  grouping) and ``STEP_ESTIMATORS``, their registry (``BatchSpec.step_advantage``).
 - ``rows``: training rows assembled from stored steps into Arrow columns (``load_tokens``,
   ``segments``, ``assemble``).
 - ``leases``: batches to consumers exactly once each (``lease_next``, ``ack``, ``nack``,

@@ -74,7 +74,8 @@ def build_rows(store: PoolStore, spec: BatchSpec) -> tuple[pa.Table, dict[str, A
     if not plan.segments:
         raise NothingToBatchError(f"every step was dropped: {dict(counts)}")
     plan = stages.shuffle_rows(plan, spec.shuffle_seed)
-    table = stages.assemble_table(plan, groups, members, scores)
+    steps = stages.credit_steps(plan, groups, members, scores, spec)
+    table = stages.assemble_table(plan, groups, members, scores, steps, spec)
     counts.update(
         {
             "rows": table.num_rows,
@@ -85,6 +86,8 @@ def build_rows(store: PoolStore, spec: BatchSpec) -> tuple[pa.Table, dict[str, A
             "steps": sum(len(seg) for seg in plan.segments),
         }
     )
+    if "anchor" in steps.report:
+        counts["anchored_steps"] = steps.report["anchor"]["steps_in_subgroups"]
     versions = Counter(s.row.policy_version for seg in plan.segments for s in seg)
     manifest = {
         "counts": dict(counts),
@@ -93,6 +96,7 @@ def build_rows(store: PoolStore, spec: BatchSpec) -> tuple[pa.Table, dict[str, A
         "current_policy_version": candidates.current_policy_version,
         "policy_versions": {str(k): v for k, v in sorted(versions.items(), key=str)},
         "trajectory_ids": [m.trajectory_id for m in members],
+        "step_credit": steps.report,
     }
     return table, manifest
 

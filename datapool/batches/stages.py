@@ -13,7 +13,10 @@ Owns the steps between "which trajectories" and "an Arrow table of rows":
 5. ``fit_token_budget``: whole groups, in order, until the batch's token budget.
 6. ``score``: rewards, advantages (the spec's estimator) and group statistics.
 7. ``place_rewards``: each member cut into rows, and the share of ``R`` and ``A`` each row gets.
-8. ``shuffle_rows`` and ``assemble_table``: the rows in order, as a table in ``ROW_SCHEMA``.
+8. ``shuffle_rows``: the rows in order.
+9. ``credit_steps``: step rewards, and the spec's step-level estimator
+   (``datapool.batches.step_advantages``) with its anchor sub-groups, per row.
+10. ``assemble_table``: the rows as a table in ``ROW_SCHEMA``.
 
 Every stage that drops something counts it in ``counts`` (the manifest's counts) under a named
 key. Never: writes to the pool or to files (``build.materialise`` does); never lets an unrewarded
@@ -29,18 +32,21 @@ Rewards reach rows as follows. A trajectory's reward ``R`` is ``sum_i w_i r_i`` 
 members' ``R`` ``[N]``. ``reward_to_steps`` then decides what each row gets: ``broadcast`` (every
 row: ``R`` and ``A``), ``final_step`` (only the trajectory's last row is kept), ``discounted``
 (the k-th of S rows gets ``gamma^(S-1-k)`` times ``R`` and ``A``; per_step only). A ``merged``
-row holds several steps and one advantage, so merged needs ``broadcast``.
+row holds several steps and one advantage, so merged needs ``broadcast``. With step credit
+(``step_reward_names``, ``step_advantage``; per_step only) a row's advantage is
+``episode_advantage_weight * A^E + step_advantage_weight * A^S_k``.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -51,7 +57,8 @@ from sqlalchemy.orm import Session
 
 from datapool.batches.advantages import discounted_returns, estimate_advantages, estimator
 from datapool.batches.rows import StepTokens, assemble, load_tokens, segment_tokens, segments
-from datapool.batches.spec import REWARD_TO_STEPS, BatchSpec
+from datapool.batches.spec import ANCHOR_KEYS, REWARD_TO_STEPS, BatchSpec
+from datapool.batches.step_advantages import StepParams, StepRows, step_estimator
 from datapool.curation.readiness import Verdict, assess
 from datapool.curation.rules import GroupVerdict, active_policy_version, judge_group
 from datapool.curation.selection import select_trajectory_ids
@@ -59,6 +66,7 @@ from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError
 from datapool.models import Batch, BatchRow, Step, Trajectory
 from datapool.rewards.group_stats import FloatArray, GroupStats, group_stats
+from datapool.steps.messages import engine_chat, expand_requests
 from datapool.steps.store import PoolStore
 
 Segment = list[StepTokens]  # the steps of one row, in order
@@ -87,6 +95,13 @@ ROW_SCHEMA = pa.schema(
         ("group_reward_mean", pa.float64()),
         ("group_reward_std", pa.float64()),
         ("group_degenerate", pa.bool_()),
+        ("step_rewards_json", pa.string()),
+        ("process_reward", pa.float64()),
+        ("step_return", pa.float64()),
+        ("episode_advantage", pa.float64()),
+        ("step_advantage", pa.float64()),
+        ("anchor_key", pa.string()),
+        ("anchor_group_size", pa.int32()),
     ]
 )
 
@@ -133,8 +148,16 @@ def select_candidates(store: PoolStore, spec: BatchSpec, counts: Counter[str]) -
                 .order_by(Step.trajectory_id, Step.step_index, Step.choice_index)
             )
         ]
-        verdicts = assess(session, trajectories, spec.reward_names, steps)
+        verdicts = assess(
+            session,
+            trajectories,
+            spec.reward_names,
+            steps,
+            required_step_rewards=spec.step_reward_names,
+        )
         ready_ids = {t.id for t in trajectories if verdicts[t.id].ready}
+        if spec.step_advantage == "anchor_state" and spec.anchor_key == "last_observation":
+            expand_requests(session, [s for s in steps if s.trajectory_id in ready_ids])
         current_version = (
             spec.current_policy_version
             if spec.current_policy_version is not None
@@ -221,6 +244,8 @@ class Member:
     steps: list[StepTokens]  # trainable, in step order
     reward: float  # R = sum_i w_i r_i; NaN without reward names (sft)
     rewards: dict[str, float]  # every current trajectory reward, by name
+    # {step id: {name: value}} of the spec's step_reward_names
+    step_rewards: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -251,7 +276,8 @@ def form_groups(
         current = candidates.verdicts[t.id].rewards
         reward = sum(w * current[name] for name, w in weights.items()) if weights else math.nan
         key = t.group_id or f"\x00{t.id}"  # a key no group id has: the trajectory alone
-        groups.setdefault(key, []).append(Member(t.id, steps, reward, current))
+        step_rewards = candidates.verdicts[t.id].step_rewards
+        groups.setdefault(key, []).append(Member(t.id, steps, reward, current, step_rewards))
     return [Group(None if key.startswith("\x00") else key, m) for key, m in groups.items()]
 
 
@@ -267,7 +293,7 @@ def keep_groups(
     ``drop_degenerate_groups`` is false) and ungrouped trajectories
     (``ungrouped_trajectories_dropped``).
     """
-    group_relative = estimator(spec.algorithm).group_relative
+    group_relative = needs_groups(spec)
     order = list(groups)
     if spec.shuffle_seed is not None:
         np.random.default_rng(spec.shuffle_seed).shuffle(order)
@@ -298,6 +324,16 @@ def keep_groups(
             continue
         kept.append(Group(group.group_id, members))
     return kept, report
+
+
+def needs_groups(spec: BatchSpec) -> bool:
+    """Whether ``spec`` compares rollouts of one task: a group-relative algorithm, anchor
+    grouping, or step rewards normalised within the group."""
+    return (
+        estimator(spec.algorithm).group_relative
+        or spec.step_advantage == "anchor_state"
+        or (spec.step_advantage == "step_returns" and spec.step_normalisation != "none")
+    )
 
 
 def _group_report(group_id: str, verdict: GroupVerdict) -> dict[str, Any]:
@@ -434,7 +470,7 @@ def reward_shares(rows: Sequence[T], reward_to_steps: str, gamma: float) -> list
     )
 
 
-# ---- 8. rows ------------------------------------------------------------------------------
+# ---- 8. row order --------------------------------------------------------------------------
 
 
 def shuffle_rows(plan: RowPlan, seed: int | None) -> RowPlan:
@@ -450,16 +486,213 @@ def shuffle_rows(plan: RowPlan, seed: int | None) -> RowPlan:
     )
 
 
+# ---- 9. step credit ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepScores:
+    """Step credit of the rows ``[B]`` (NaN / null / 0 where the spec asks for none)."""
+
+    step_rewards_json: list[str | None]  # the named step rewards the row used
+    process_reward: FloatArray  # [B] r_k = sum_j w_j r_{k,j}
+    step_return: FloatArray  # [B] G_k the step estimator compared
+    step_advantage: FloatArray  # [B] A^S_k
+    anchor_key: list[str | None]  # [B] hash of the row's state (anchor_state only)
+    anchor_group_size: npt.NDArray[np.int32]  # [B] steps of the group sharing it; 0 = none
+    report: dict[str, Any]  # the manifest's ``step_credit``
+
+
+def credit_steps(
+    plan: RowPlan,
+    groups: Sequence[Group],
+    members: Sequence[Member],
+    scores: Scores,
+    spec: BatchSpec,
+) -> StepScores:
+    """Per row: the named step rewards of its step and their weighted sum ``r_k``, then the
+    spec's step-level estimator (``step_advantage``) with its anchors; the report says how many
+    steps found an anchor sub-group and the sub-groups' sizes (the manifest's ``step_credit``).
+    """
+    b = len(plan.segments)
+    weights = spec.resolved_step_reward_weights()
+    member = np.asarray(plan.member, dtype=np.int64)  # [B]
+    process = np.full(b, np.nan, dtype=np.float64)  # [B]
+    used: list[str | None] = [None] * b
+    if weights:
+        for i, (segment, n) in enumerate(zip(plan.segments, plan.member, strict=True)):
+            values = members[n].step_rewards.get(segment[-1].row.id, {})
+            used[i] = json.dumps(values)
+            if set(values) >= set(weights):  # readiness guarantees it; missing stays NaN
+                process[i] = sum(w * values[name] for name, w in weights.items())
+    report: dict[str, Any] = {
+        "step_reward_names": list(spec.step_reward_names),
+        "step_advantage": spec.step_advantage,
+        "steps": b,
+    }
+    nothing = np.full(b, np.nan, dtype=np.float64)  # [B]
+    if spec.step_advantage == "none":
+        zero = np.zeros(b, dtype=np.int32)
+        return StepScores(used, process, nothing, nothing.copy(), [None] * b, zero, report)
+    chosen = step_estimator(spec.step_advantage)
+    keys: list[str | None] = [None] * b
+    codes = np.zeros(b, dtype=np.int64)  # [B]
+    if chosen.needs_anchors:
+        keys = anchor_keys(plan, scores, spec.anchor_key)
+        index: dict[str, int] = {}
+        # a row without a key (no observation) is a sub-group of its own
+        codes = np.array(
+            [index.setdefault(k or f"\x00{i}", len(index)) for i, k in enumerate(keys)],
+            dtype=np.int64,
+        )  # [B]
+    rows = StepRows(
+        trajectory=member,
+        position=np.asarray(plan.segment_index, dtype=np.int64),
+        group=scores.group_index[member],
+        step_reward=process,
+        outcome=scores.reward[member],
+        anchor=codes,
+    )
+    credit = chosen.credit(
+        rows,
+        StepParams(spec.gamma, spec.step_normalisation, spec.scale_by_std, spec.advantage_eps),
+    )
+    if chosen.needs_anchors:
+        report["anchor"] = anchor_report(
+            plan, [g.group_id for g in groups], members, scores, keys, credit.anchor_group_size
+        )
+        report["anchor"]["key"] = spec.anchor_key
+    return StepScores(
+        used,
+        process,
+        credit.step_return,
+        credit.step_advantage,
+        keys if chosen.needs_anchors else [None] * b,
+        credit.anchor_group_size,
+        report,
+    )
+
+
+def anchor_keys(plan: RowPlan, scores: Scores, anchor_key: str) -> list[str | None]:
+    """The state key of each row's step ``[B]`` (16 hex digits of a BLAKE2b hash):
+
+    - ``prompt_after_task_prefix``: the exact prompt token ids after the group's *task prefix*,
+      the longest common prefix of the prompts of its members' first rows (a prompt that does
+      not start with it, after a rewritten history, is hashed whole, marked apart);
+    - ``last_observation``: the role and text of the last message of the step's request that
+      the agent did not write (not ``assistant``, not ``system``); None (a sub-group of its
+      own) when there is none.
+
+    Raises ``InvalidPoolRequestError`` for any other ``anchor_key``.
+    """
+    if anchor_key == "prompt_after_task_prefix":
+        prefix: dict[int, npt.NDArray[np.int32]] = {}
+        for segment, n, k in zip(plan.segments, plan.member, plan.segment_index, strict=True):
+            if k == 0:
+                g = int(scores.group_index[n])
+                prompt = segment[0].prompt
+                prefix[g] = prompt if g not in prefix else _common_prefix(prefix[g], prompt)
+        keys: list[str | None] = []
+        for segment, n in zip(plan.segments, plan.member, strict=True):
+            head = prefix.get(int(scores.group_index[n]), np.zeros(0, np.int32))
+            prompt = segment[-1].prompt
+            if len(prompt) >= len(head) and np.array_equal(prompt[: len(head)], head):
+                keys.append(_digest(b"after:" + prompt[len(head) :].astype(np.int32).tobytes()))
+            else:
+                keys.append(_digest(b"whole:" + prompt.astype(np.int32).tobytes()))
+        return keys
+    if anchor_key == "last_observation":
+        result: list[str | None] = []
+        for segment in plan.segments:
+            step = segment[-1].row
+            messages, _tools = engine_chat(step.request, step.upstream_request)
+            observed = [
+                m
+                for m in messages or []
+                if isinstance(m, dict) and m.get("role") not in ("assistant", "system")
+            ]
+            last = observed[-1] if observed else None
+            text = None if last is None else json.dumps([last.get("role"), last.get("content")])
+            result.append(None if text is None else _digest(text.encode()))
+        return result
+    raise InvalidPoolRequestError(f"anchor_key must be one of {ANCHOR_KEYS}, got {anchor_key!r}")
+
+
+def _common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return a[: int(differ[0]) if len(differ) else n]
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+MANIFEST_SUBGROUPS = 1000  # sub-groups listed with their steps in the manifest (all are counted)
+
+
+def anchor_report(
+    plan: RowPlan,
+    group_names: Sequence[str | None],
+    members: Sequence[Member],
+    scores: Scores,
+    keys: Sequence[str | None],
+    sizes: npt.NDArray[np.int32],
+) -> dict[str, Any]:
+    """How many steps found an anchor sub-group (shared their state with another step of the
+    group), the number of sub-groups by size, and the first ``MANIFEST_SUBGROUPS`` sub-groups of
+    two or more steps with their steps (trajectory, position, step id)."""
+    shared: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for i, key in enumerate(keys):
+        if key is None or sizes[i] < 2:
+            continue
+        n = plan.member[i]
+        shared.setdefault((int(scores.group_index[n]), key), []).append(
+            {
+                "trajectory_id": members[n].trajectory_id,
+                "position": plan.segment_index[i],
+                "step_id": plan.segments[i][-1].row.id,
+            }
+        )
+    size_counts = Counter(int(s) for s in sizes)  # {size: steps}
+    listed = list(shared.items())[:MANIFEST_SUBGROUPS]
+    return {
+        "steps_in_subgroups": int((sizes >= 2).sum()),
+        "steps_alone": int((sizes < 2).sum()),
+        "subgroups": len(shared),
+        "subgroup_sizes": {str(k): v // k for k, v in sorted(size_counts.items()) if k >= 2},
+        "subgroups_listed": [
+            {"group_id": group_names[g], "anchor_key": key, "steps": steps}
+            for (g, key), steps in listed
+        ],
+    }
+
+
+# ---- 10. rows -------------------------------------------------------------------------------
+
+
 def assemble_table(
-    plan: RowPlan, groups: Sequence[Group], members: Sequence[Member], scores: Scores
+    plan: RowPlan,
+    groups: Sequence[Group],
+    members: Sequence[Member],
+    scores: Scores,
+    steps: StepScores,
+    spec: BatchSpec,
 ) -> pa.Table:
     """The rows of ``plan`` as a table in ``ROW_SCHEMA``: token columns from the stored arrays
-    (``rows.assemble``), and per row its member's and group's numbers times the row's share."""
+    (``rows.assemble``), per row its member's and group's numbers times the row's share, and its
+    step credit (``steps``); ``advantage`` combines them by the spec's weights."""
     columns = assemble(plan.segments)
     member = np.asarray(plan.member, dtype=np.int64)  # [B]
     share = np.asarray(plan.share, dtype=np.float64)  # [B]
     group = scores.group_index[member]  # [B]
     group_names = [g.group_id for g in groups]  # [G]
+    episode = scores.advantage[member] * share  # [B]
+    advantage = (
+        episode
+        if spec.step_advantage == "none"
+        else spec.episode_advantage_weight * episode
+        + spec.step_advantage_weight * steps.step_advantage
+    )  # [B]
     return pa.table(
         {
             "input_ids": columns.input_ids,
@@ -477,12 +710,19 @@ def assemble_table(
             "reward": scores.reward[member],
             "step_reward": scores.reward[member] * share,
             "rewards_json": [json.dumps(members[n].rewards) for n in member],
-            "advantage": scores.advantage[member] * share,
+            "advantage": advantage,
             "group_size": scores.group_size[group],
             "scored_group_size": scores.stats.scored_size.astype(np.int32)[group],
             "group_reward_mean": scores.stats.mean[group],
             "group_reward_std": scores.stats.std[group],
             "group_degenerate": scores.stats.degenerate[group],
+            "step_rewards_json": steps.step_rewards_json,
+            "process_reward": steps.process_reward,
+            "step_return": steps.step_return,
+            "episode_advantage": episode,
+            "step_advantage": steps.step_advantage,
+            "anchor_key": steps.anchor_key,
+            "anchor_group_size": steps.anchor_group_size,
         },
         schema=ROW_SCHEMA,
     )

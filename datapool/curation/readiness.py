@@ -11,13 +11,15 @@ A trajectory is ready when it is ``complete``, not flagged ``empty``/``incomplet
 every reward a batch spec requires (missing is never 0), not excluded (itself or its group), its
 group has no open member, and at least one of its steps is neither integrity-flagged (or not
 ``ok``) nor excluded. Excluded steps of a ready trajectory stay out of rows (``excluded_steps``).
+A spec naming step rewards also needs every such trainable step to have each of them
+(``unrewarded_steps`` lists the steps that lack one; missing is never 0).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import func, select
@@ -46,6 +48,8 @@ class Verdict:
 
     ``reasons`` say why not (empty when ready); ``notes`` list non-blocking facts (flag marks);
     ``excluded_steps`` maps step id to why it is kept out of rows (the rest may still train).
+    ``step_rewards``: the current step rewards required (``{step id: {name: value}}``);
+    ``unrewarded_steps``: the trainable steps lacking one (``{step id: [missing names]}``).
     """
 
     trajectory_id: str
@@ -56,6 +60,8 @@ class Verdict:
     notes: list[str]
     rewards: dict[str, float]
     excluded_steps: dict[str, str]
+    step_rewards: dict[str, dict[str, float]] = field(default_factory=dict)
+    unrewarded_steps: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _excluded(
@@ -110,11 +116,13 @@ def assess(
     trajectories: Sequence[Trajectory],
     required_rewards: Sequence[str],
     step_rows: Sequence[Any] | None = None,
+    required_step_rewards: Sequence[str] = (),
 ) -> dict[str, Verdict]:
     """Readiness of each trajectory: complete, not empty/incomplete, rewarded by every name in
     ``required_rewards``, not excluded (itself or its group), with at least one step that is
-    neither integrity-flagged nor excluded. ``step_rows`` (``Step`` rows of these trajectories)
-    avoids a second read when the caller has them."""
+    neither integrity-flagged nor excluded, and each such step rewarded by every name in
+    ``required_step_rewards``. ``step_rows`` (``Step`` rows of these trajectories) avoids a
+    second read when the caller has them."""
     ids = [t.id for t in trajectories]
     groups = sorted({t.group_id for t in trajectories if t.group_id is not None})
     if step_rows is None:
@@ -130,6 +138,9 @@ def assess(
     labels = labels_of_trajectories(session, ids)
     group_labels = current_labels(session, "group", groups)
     rewards = current_rewards(session, "trajectory", ids)
+    step_rewards = (
+        current_rewards(session, "step", [s.id for s in step_rows]) if required_step_rewards else {}
+    )
     open_members: dict[str, int] = defaultdict(int)
     for chunk in chunks(groups):
         for group_id, count in session.execute(
@@ -179,24 +190,69 @@ def assess(
             reasons.append(f"no trainable step: all {len(steps)} are flagged or excluded")
         elif not steps and EMPTY not in (t.flags or []):
             reasons.append("no steps")
+        used, unrewarded = _step_rewards_of(
+            steps, excluded_steps, step_rewards, required_step_rewards
+        )
+        reasons += [
+            f"unrewarded step: {step_id} has no current step reward {name!r} (missing is not 0)"
+            for step_id, names in unrewarded.items()
+            for name in names
+        ]
         result[t.id] = Verdict(
-            t.id, t.group_id, t.status, not reasons, reasons, notes, current, excluded_steps
+            t.id,
+            t.group_id,
+            t.status,
+            not reasons,
+            reasons,
+            notes,
+            current,
+            excluded_steps,
+            used,
+            unrewarded,
         )
     return result
 
 
+def _step_rewards_of(
+    steps: Sequence[Any],
+    excluded_steps: dict[str, str],
+    current: dict[str, dict[str, float]],
+    required: Sequence[str],
+) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
+    """``(required step rewards of each step, missing names of each trainable step)``."""
+    used: dict[str, dict[str, float]] = {}
+    missing: dict[str, list[str]] = {}
+    if not required:
+        return used, missing
+    for step in steps:
+        have = current.get(step.id, {})
+        used[step.id] = {name: have[name] for name in required if name in have}
+        lacking = [name for name in required if name not in have]
+        if lacking and step.id not in excluded_steps:
+            missing[step.id] = lacking
+    return used, missing
+
+
 def trajectory_readiness(
-    sessions: sessionmaker[Session], trajectory_id: str, required_rewards: Sequence[str]
+    sessions: sessionmaker[Session],
+    trajectory_id: str,
+    required_rewards: Sequence[str],
+    required_step_rewards: Sequence[str] = (),
 ) -> Verdict:
     with sessions() as session:
         trajectory = session.get(Trajectory, trajectory_id)
         if trajectory is None:
             raise UnknownTargetError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
-        return assess(session, [trajectory], required_rewards)[trajectory_id]
+        return assess(
+            session, [trajectory], required_rewards, required_step_rewards=required_step_rewards
+        )[trajectory_id]
 
 
 def group_readiness(
-    sessions: sessionmaker[Session], group_id: str, required_rewards: Sequence[str]
+    sessions: sessionmaker[Session],
+    group_id: str,
+    required_rewards: Sequence[str],
+    required_step_rewards: Sequence[str] = (),
 ) -> tuple[bool, list[str], list[Verdict]]:
     """``(ready, reasons, member verdicts)``: ready when every member is ready."""
     with sessions() as session:
@@ -210,7 +266,11 @@ def group_readiness(
         if not members and session.get(TrajectoryGroup, group_id) is None:
             raise UnknownTargetError(f"no group {group_id!r}", param="group_id")
         group = session.get(TrajectoryGroup, group_id)
-        verdicts = list(assess(session, members, required_rewards).values())
+        verdicts = list(
+            assess(
+                session, members, required_rewards, required_step_rewards=required_step_rewards
+            ).values()
+        )
     reasons = [f"member {v.trajectory_id}: {r}" for v in verdicts for r in v.reasons]
     if not members:
         reasons.append("no members")
