@@ -1,14 +1,15 @@
 """What every request handler of one gateway app shares, and the dependency that hands it over.
 
 Owns: ``GatewayState`` (settings, the pool and its writer, the upstream pool, the policy
-registry, keys, metrics, completion hooks) and ``StateDep``, the dependency alias routes declare
-to receive it. Never: builds the state (the app's lifespan does, in ``gateway.app``) or serves a
-route; modules that need the state import it from here, never from ``gateway.app``.
+registry, keys, metrics, completion hooks, the served models' tokenizers) and ``StateDep``, the
+dependency alias routes declare to receive it. Never: builds the state (the app's lifespan does,
+in ``gateway.app``) or serves a route; modules that need the state import it from here, never
+from ``gateway.app``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import httpx
@@ -24,6 +25,7 @@ from gateway.errors import from_pool_error
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
+from gateway.tokenizer_dirs import TokenizerDirs
 from gateway.upstreams import UpstreamPool
 
 
@@ -41,6 +43,8 @@ class GatewayState:
     pending_writes: int = 0
     writer: PoolWriter | None = None
     hooks: CompletionHooks | None = None
+    # each served model's tokenizer, learnt from vLLM for the inspector's token view
+    tokenizer_dirs: TokenizerDirs = field(default_factory=TokenizerDirs)
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
         """Make one call durable (its steps and its attempts, one group-commit transaction);

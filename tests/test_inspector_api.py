@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
 from fastapi.testclient import TestClient
+from tests_support import free_port
 
 from datapool.settings import PoolSettings
 from gateway.app import create_app
@@ -67,18 +68,21 @@ def test_list_filters_pages_and_counts_steps_and_tokens(client: TestClient) -> N
     assert [row["id"] for row in unrewarded["data"]] == ["d"]
 
 
-def test_step_tokens_are_the_stored_ids_with_mask_and_logprobs(client: TestClient) -> None:
-    view = client.get("/api/inspector/trajectories/a").json()
-    second = view["steps"][1]
+def test_step_tokens_are_the_stored_ids_with_mask_and_logprobs(pool: PoolSettings) -> None:
+    # No vLLM answers on the upstream port, so no tokenizer is learnt: ids only, and why.
+    with client_for(pool, upstream_url=f"http://127.0.0.1:{free_port()}") as client:
+        view = client.get("/api/inspector/trajectories/a").json()
+        second = view["steps"][1]
+        tokens = client.get(f"/api/steps/{second['id']}/tokens").json()
     assert second["extends_parent"] is True
-    tokens = client.get(f"/api/steps/{second['id']}/tokens").json()
     (p0, r0), (p1, r1) = agent_turns(0, 2)
     assert tokens["prompt_token_ids"] == p1
     assert tokens["response_token_ids"] == r1
     assert tokens["response_logprobs"] == logprobs_of(r1)
     assert tokens["loss_mask"] == [0] * len(p1) + [1] * len(r1)
     assert tokens["prompt_base_tokens"] == len(p0) + len(r0)  # the parent's prompt + response
-    assert tokens["token_texts"] is None  # no tokenizer configured: ids only
+    assert tokens["token_texts"] is None and tokens["tokenizer"] is None
+    assert "TRAJGATE_TOKENIZER_DIR" in tokens["tokenizer_note"]
 
 
 def test_group_rollouts_carry_grpo_advantages(client: TestClient) -> None:
@@ -106,8 +110,86 @@ def test_charts_count_every_step_once(client: TestClient) -> None:
     assert sum(b["steps"] for b in charts["steps_over_time"]) == 8  # 4 trajectories x 2 turns
     assert sum(charts["completion_tokens_histogram"]["counts"]) == 8
     (version,) = charts["reward_by_version"]
-    # rewarded: 1.0, 0.0, 0.5 -> mean 0.5 over n = 3 (d is unrewarded, not 0)
-    assert (version["mean"], version["n"]) == (0.5, 3)
+    # rewarded: 1.0, 0.0, 0.5 -> mean 0.5 over n = 3 (d is unrewarded, not 0); sample variance
+    # (0.25 + 0.25 + 0) / 2 = 0.25, standard error sqrt(0.25 / 3) = 0.288675
+    assert (version["channel"], version["mean"], version["n"]) == ("train", 0.5, 3)
+    assert version["stderr"] == pytest.approx(0.288675, abs=1e-6)
+    assert (charts["reward_name"], charts["reward_names"]) == ("final", ["final"])
+
+
+def test_charts_default_to_the_reward_recorded_last_with_channels_side_by_side(
+    pool: PoolSettings, client: TestClient
+) -> None:
+    # a second name, on a (1.0) and b (0.0), recorded after 'final'
+    judge = [
+        {"target": "trajectory", "target_id": t, "name": "judge", "value": v}
+        for t, v in (("a", 1.0), ("b", 0.0))
+    ]
+    assert client.post("/api/rewards", json={"rewards": judge}).status_code == 201
+    charts = client.get("/api/charts").json()
+    assert (charts["reward_name"], charts["reward_names"]) == ("judge", ["judge", "final"])
+    (version,) = charts["reward_by_version"]
+    # 1.0 and 0.0: mean 0.5, sample variance 0.5, standard error sqrt(0.5 / 2) = 0.5
+    assert (version["mean"], version["n"], version["stderr"]) == (0.5, 2, 0.5)
+    # A 'control' trajectory with judge 1.0: its own row beside 'train' (n = 1, no SE).
+    client.post("/api/trajectories", json={"id": "e", "channel": "control"}).raise_for_status()
+    store = make_store(pool)
+    write_trajectory(store, "e", agent_turns(4, 1), reward=None)
+    store.engine.dispose()
+    one = [{"target": "trajectory", "target_id": "e", "name": "judge", "value": 1.0}]
+    assert client.post("/api/rewards", json={"rewards": one}).status_code == 201
+    rows = client.get("/api/charts").json()["reward_by_version"]
+    assert [(r["channel"], r["n"], r["mean"], r["stderr"]) for r in rows] == [
+        ("control", 1, 1.0, None),
+        ("train", 2, 0.5, 0.5),
+    ]
+    chosen = client.get("/api/charts", params={"reward_name": "final"}).json()
+    assert chosen["reward_name"] == "final"
+    assert [(r["channel"], r["n"]) for r in chosen["reward_by_version"]] == [("train", 3)]
+
+
+def test_readiness_names_the_spec_it_is_judged_against(client: TestClient) -> None:
+    # No batch yet: the pool's newest reward name ('final', the only one), which a carries.
+    view = client.get("/api/inspector/trajectories/a").json()
+    spec = view["readiness"]["spec"]
+    assert (spec["source"], spec["reward_names"]) == ("pool", ["final"])
+    assert view["readiness"]["ready"] is True
+    # A batch of channel 'train' requiring 'judge': now readiness is judged against its spec.
+    body = {
+        "name": "needs-judge",
+        "reward_names": ["judge"],
+        "drop_degenerate_groups": False,
+        "filters": {"trajectory_ids": ["a", "b", "c"]},
+    }
+    judge = [
+        {"target": "trajectory", "target_id": t, "name": "judge", "value": 1.0}
+        for t in ("a", "b", "c")
+    ]
+    client.post("/api/rewards", json={"rewards": judge})
+    made = client.post("/api/batches", json=body)
+    assert made.status_code == 201, made.text
+    view = client.get("/api/inspector/trajectories/d").json()
+    spec = view["readiness"]["spec"]
+    assert (spec["source"], spec["name"], spec["reward_names"]) == (
+        "batch",
+        "needs-judge",
+        ["judge"],
+    )
+    assert spec["batch_id"] == made.json()["id"]
+    assert (
+        "unrewarded: no current reward 'judge' (missing is not 0)" in view["readiness"]["reasons"]
+    )
+    assert [s["name"] for s in view["readiness"]["specs"]] == ["needs-judge"]
+    # A chosen reward name, and a chosen batch by id; an unknown batch is a 404.
+    chosen = client.get("/api/inspector/trajectories/a", params={"reward_name": "nope"}).json()
+    assert chosen["readiness"]["spec"]["source"] == "chosen"
+    assert (
+        "unrewarded: no current reward 'nope' (missing is not 0)" in chosen["readiness"]["reasons"]
+    )
+    by_id = client.get("/api/inspector/trajectories/a", params={"batch_id": spec["batch_id"]})
+    assert by_id.json()["readiness"]["spec"]["name"] == "needs-judge"
+    missing = client.get("/api/inspector/trajectories/a", params={"batch_id": "no-such"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "batch_id"
 
 
 def test_cross_site_writes_are_refused_and_same_origin_ones_pass(client: TestClient) -> None:

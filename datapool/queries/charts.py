@@ -1,18 +1,19 @@
 """Aggregates for the inspector's charts, and the trainer's metrics (append-only).
 
-Owns: reward by policy version over time, steps and tokens per time bucket, length histograms,
-flag rates per policy version, and ``training_metrics`` rows. Never: samples or estimates; every
-number is an exact SQL aggregate over the window asked for (``since``), so a chart of a large
-pool costs one scan of the window's steps.
+Owns: reward by policy version (mean, standard error and n per channel), steps and tokens per
+time bucket, length histograms, flag rates per policy version, and ``training_metrics`` rows.
+Never: samples or estimates; every number is an exact SQL aggregate over the window asked for
+(``since``), so a chart of a large pool costs one scan of the window's steps.
 
 A trajectory's policy version here is the newest version among its steps (the weights that
-finished it); its reward is the current value of ``reward_name`` (unrewarded ones are left out
-of means, never counted as 0).
+finished it); its reward is the current value of ``reward_name`` (by default the trajectory
+reward recorded last; unrewarded ones are left out of means, never counted as 0).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from datetime import datetime
@@ -23,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from datapool.db import Sessions
 from datapool.models import Step, TrainingMetric, Trajectory
+from datapool.queries.rewards import reward_names
 from datapool.rewards.values import current_rewards_query
 
 HISTOGRAM_BINS = 30
@@ -38,15 +40,22 @@ def _bucket(column: Any, bucket_s: int, dialect: str) -> Any:
 
 
 def charts(
-    sessions: Sessions, *, since: datetime | None, bucket_s: int, reward_name: str
+    sessions: Sessions, *, since: datetime | None, bucket_s: int, reward_name: str | None
 ) -> dict[str, Any]:
     """Every chart's series, read in one session; see the module docstring for what each
-    number means."""
+    number means. ``reward_name`` None: the trajectory reward recorded last (``reward_names``
+    lists every one present, that one first)."""
     with sessions() as session:
         dialect = session.get_bind().dialect.name
+        names = reward_names(session)
+        chosen = reward_name if reward_name is not None else (names[0] if names else None)
         return {
             "bucket_s": bucket_s,
-            "reward_by_version": _reward_by_version(session, since, bucket_s, reward_name, dialect),
+            "reward_names": names,
+            "reward_name": chosen,
+            "reward_by_version": []
+            if chosen is None
+            else _reward_by_version(session, since, chosen),
             "steps_over_time": _steps_over_time(session, since, bucket_s, dialect),
             "prompt_tokens_histogram": _histogram(session, Step.prompt_tokens, since),
             "completion_tokens_histogram": _histogram(session, Step.completion_tokens, since),
@@ -55,9 +64,12 @@ def charts(
 
 
 def _reward_by_version(
-    session: Session, since: datetime | None, bucket_s: int, reward_name: str, dialect: str
+    session: Session, since: datetime | None, reward_name: str
 ) -> list[dict[str, Any]]:
-    """``[{policy_version, t, mean, n}]`` over trajectories completed in each bucket."""
+    """``[{channel, policy_version, n, mean, stderr}]`` per channel and version, over the
+    rewarded trajectories with a step since ``since``; ``stderr`` is the standard error of the
+    mean, ``sqrt(s^2 / n)`` with the sample variance ``s^2 = n / (n - 1) * (mean(v^2) -
+    mean(v)^2)`` (None when ``n < 2``)."""
     versions = select(
         Step.trajectory_id.label("trajectory_id"),
         func.max(Step.policy_version).label("version"),
@@ -66,20 +78,33 @@ def _reward_by_version(
         versions = versions.where(Step.created_at >= since)
     by_trajectory = versions.subquery()
     reward = current_rewards_query("trajectory", reward_name)
-    at = func.coalesce(Trajectory.completed_at, Trajectory.created_at)
-    t = _bucket(at, bucket_s, dialect).label("t")
+    value = reward.c.value
     query = (
-        select(by_trajectory.c.version, t, func.avg(reward.c.value), func.count())
+        select(
+            Trajectory.channel,
+            by_trajectory.c.version,
+            func.count(value),
+            func.avg(value),
+            func.avg(value * value),
+        )
         .select_from(Trajectory)
         .join(by_trajectory, by_trajectory.c.trajectory_id == Trajectory.id)
         .join(reward, reward.c.target_id == Trajectory.id)
-        .group_by(by_trajectory.c.version, t)
-        .order_by(t)
+        .where(value.is_not(None))
+        .group_by(Trajectory.channel, by_trajectory.c.version)
+        .order_by(Trajectory.channel, by_trajectory.c.version)
     )
-    return [
-        {"policy_version": v, "t": int(b), "mean": float(mean), "n": int(n)}
-        for v, b, mean, n in session.execute(query)
-    ]
+    out = []
+    for channel, version, n, mean, mean_sq in session.execute(query):
+        n, mean = int(n), float(mean)
+        stderr = None
+        if n > 1:
+            variance = max(0.0, n / (n - 1) * (float(mean_sq) - mean * mean))
+            stderr = math.sqrt(variance / n)
+        out.append(
+            {"channel": channel, "policy_version": version, "n": n, "mean": mean, "stderr": stderr}
+        )
+    return out
 
 
 def _steps_over_time(

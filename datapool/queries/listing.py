@@ -25,6 +25,7 @@ from datapool.curation.readiness import trajectory_readiness
 from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
 from datapool.db import Sessions, chunks
 from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
+from datapool.queries.specs import channel_specs, judged_spec
 from datapool.rewards.values import current_rewards
 from datapool.steps.messages import expand_requests
 
@@ -297,20 +298,33 @@ STEP_COLUMNS = (
 
 
 def trajectory_view(
-    sessions: Sessions, trajectory_id: str, reward_name: str
+    sessions: Sessions,
+    trajectory_id: str,
+    *,
+    batch_id: str | None = None,
+    chosen_rewards: Sequence[str] = (),
 ) -> dict[str, Any] | None:
     """A trajectory, its steps in order (no token payloads), their rewards, labels and marks,
-    and ``readiness`` for a batch requiring ``reward_name``; None for an unknown id."""
+    and ``readiness`` for a batch: judged against ``readiness.spec`` (see
+    ``datapool.queries.specs.judged_spec``; the newest batch spec of the trajectory's channel
+    unless ``batch_id`` or ``chosen_rewards`` choose), with ``readiness.specs`` the channel's
+    recent specs to choose from; None for an unknown id."""
     with sessions() as session:
         row = _view(session, trajectory_id)
-    if row is None:
-        return None
-    verdict = trajectory_readiness(sessions, trajectory_id, [reward_name])
+        if row is None:
+            return None
+        spec = judged_spec(
+            session, row["channel"], batch_id=batch_id, chosen_rewards=chosen_rewards
+        )
+        choices = channel_specs(session, row["channel"])
+    verdict = trajectory_readiness(sessions, trajectory_id, spec["reward_names"])
     row["readiness"] = {
         "ready": verdict.ready,
         "reasons": verdict.reasons,
         "notes": verdict.notes,
         "excluded_steps": verdict.excluded_steps,
+        "spec": spec,
+        "specs": choices,
     }
     return row
 

@@ -1,18 +1,21 @@
 """One step as the pool API and the inspector's token view show it.
 
 Owns: a stored step with its current rewards and, when a tokenizer is configured, its decoded
-text (``GET /api/steps/{id}``), and the token view (``GET /api/steps/{id}/tokens``: IDs,
-behaviour logprobs, loss mask, where the prompt stops repeating the parent). Never: encodes text
-into token IDs; IDs are the stored ones (see ``datapool.queries.token_text``).
+text (``GET /api/steps/{id}``), and the token view (``GET /api/steps/{id}/tokens``: IDs, their
+text with the tokenizer the caller chose for the step's model, behaviour logprobs, loss mask,
+where the prompt stops repeating the parent). Never: encodes text into token IDs; IDs are the
+stored ones (see ``datapool.queries.token_text``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from datapool.queries.token_text import decode, decode_each
+from datapool.queries.token_text import decode, decode_each, special_ids
 from datapool.rewards.values import current_rewards
 from datapool.steps.store import PoolStore, StoredStep
 
@@ -45,25 +48,41 @@ def step_view(store: PoolStore, step_id: str) -> StepView | None:
     return StepView(step, rewards, prompt_text, response_text)
 
 
-def step_tokens(store: PoolStore, step_id: str) -> dict[str, Any] | None:
+def step_tokens(
+    store: PoolStore,
+    step_id: str,
+    choose: Callable[[str | None], tuple[Path, str] | None] | None = None,
+) -> dict[str, Any] | None:
     """The token view of a step (None for an unknown id): prompt and response IDs, behaviour
     logprobs (non-finite ones as None, which JSON can carry), ``loss_mask`` (0 per prompt token,
-    1 per sampled token), ``prompt_base_tokens`` and ``token_texts`` (each ID decoded alone, only
-    with a tokenizer)."""
+    1 per sampled token), ``prompt_base_tokens``, and with a tokenizer ``token_texts`` (each ID
+    decoded alone), ``special_token_ids`` (the added tokens among them) and ``tokenizer``
+    (``{path, source}``). ``choose`` maps the step's ``model`` to ``(directory, source)``;
+    without it, ``TRAJGATE_TOKENIZER_DIR`` is the only tokenizer."""
     step = store.get_step(step_id)
     if step is None:
         return None
     prompt = step.prompt_token_ids or []
     response = step.response_token_ids or []
+    if choose is not None:
+        chosen = choose(step.model)
+    elif store.settings.tokenizer_dir is not None:
+        chosen = (store.settings.tokenizer_dir, "TRAJGATE_TOKENIZER_DIR")
+    else:
+        chosen = None
     texts: list[str] | None = None
-    if store.settings.tokenizer_dir is not None:
-        texts = decode_each(store.settings.tokenizer_dir, [*prompt, *response])
+    special: list[int] = []
+    if chosen is not None:
+        ids = [*prompt, *response]
+        texts = decode_each(chosen[0], ids)
+        special = sorted(special_ids(chosen[0]) & set(ids))
     logprobs = step.response_logprobs
     return {
         "step_id": step.id,
         "trajectory_id": step.trajectory_id,
         "step_index": step.step_index,
         "policy_version": step.policy_version,
+        "model": step.model,
         "flags": list(step.flags or []),
         "prompt_token_ids": step.prompt_token_ids,
         "response_token_ids": step.response_token_ids,
@@ -74,4 +93,6 @@ def step_tokens(store: PoolStore, step_id: str) -> dict[str, Any] | None:
         "prompt_base_tokens": step.prompt_base_tokens or 0,
         "divergence_offset": step.divergence_offset,
         "token_texts": texts,
+        "special_token_ids": special,
+        "tokenizer": None if chosen is None else {"path": str(chosen[0]), "source": chosen[1]},
     }

@@ -1,7 +1,8 @@
 """Stored token IDs turned back into text for people to read (the pool API and the inspector).
 
-Owns: loading the tokenizer named by ``TRAJGATE_TOKENIZER_DIR`` (``PoolSettings.tokenizer_dir``,
-its ``tokenizer.json``; the last few loaded stay cached) and decoding with it. Never: encodes text
+Owns: loading a tokenizer directory's ``tokenizer.json`` (``TRAJGATE_TOKENIZER_DIR``, or the one
+the gateway learnt from vLLM for the step's model; the last few loaded stay cached), decoding
+with it, and naming its special tokens. Never: encodes text
 into token IDs; the IDs a trainer sees are always the ones the engine reported.
 """
 
@@ -32,3 +33,10 @@ def decode_each(tokenizer_dir: Path, ids: Sequence[int]) -> list[str]:
         [[i] for i in ids], skip_special_tokens=False
     )
     return texts
+
+
+def special_ids(tokenizer_dir: Path) -> frozenset[int]:
+    """IDs of the tokenizer's added tokens (chat markers such as ``<|im_start|>``,
+    ``<tool_call>``): never produced by splitting text, so the token view marks them."""
+    added = _tokenizer(str(tokenizer_dir)).get_added_tokens_decoder()
+    return frozenset(int(i) for i in added)

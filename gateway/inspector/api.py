@@ -5,8 +5,9 @@ group's rollouts with advantages, curation marks, batch previews, chart aggregat
 trainer's metrics (each endpoint one call to ``datapool.queries`` or ``datapool.batches``); and
 the inspector's guard: the admin token (when one is set) on every endpoint here, and a
 same-origin check on every write. Never: runs SQL or opens a session; encodes text into token IDs
-(the token view decodes stored IDs one by one, only with ``TRAJGATE_TOKENIZER_DIR``); writes
-labels or batches itself (the inspector calls ``/api/labels`` and ``/api/batches`` for that).
+(the token view decodes stored IDs one by one with the tokenizer vLLM serves the step's model
+with, ``gateway.tokenizer_dirs``); writes labels or batches itself (the inspector calls
+``/api/labels`` and ``/api/batches`` for that).
 
 Cross-site writes: a browser page on another origin can send a form POST; it cannot set a
 custom header or a JSON content type without a CORS preflight, which this gateway never grants.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
+from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
@@ -26,6 +28,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
+from datapool.errors import UnknownTargetError
 from datapool.queries import charts, groups, listing, steps
 from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
@@ -36,6 +39,7 @@ from gateway.errors import (
     NotFoundError,
     PermissionDeniedError,
 )
+from gateway.state import StateDep
 
 MAX_IDS = 100_000
 
@@ -106,24 +110,52 @@ async def trajectory_ids(sessions: SessionsDep, where: ListQueryDep) -> IdList:
 
 @router.get("/inspector/trajectories/{trajectory_id}")
 async def trajectory_view(
-    trajectory_id: str, sessions: SessionsDep, reward_name: str = "final"
+    trajectory_id: str,
+    sessions: SessionsDep,
+    batch_id: str | None = None,
+    reward_name: Annotated[list[str], Query()] = [],  # noqa: B006 (FastAPI copies defaults)
 ) -> dict[str, Any]:
     """One trajectory and its steps in order (messages, tools, response, rewards, labels, rule
-    marks, lineage and prefix-break windows; no token IDs), with its batch readiness."""
-    view = await run_in_threadpool(listing.trajectory_view, sessions, trajectory_id, reward_name)
+    marks, lineage and prefix-break windows; no token IDs), with its batch readiness judged
+    against ``readiness.spec``: ``batch_id``'s spec, else a spec requiring the ``reward_name``
+    values, else the newest batch spec of the trajectory's channel (else the pool's newest
+    reward name)."""
+
+    def run() -> dict[str, Any] | None:
+        try:
+            return listing.trajectory_view(
+                sessions, trajectory_id, batch_id=batch_id, chosen_rewards=reward_name
+            )
+        except UnknownTargetError as exc:
+            raise NotFoundError(exc.message, param="batch_id") from exc
+
+    view = await run_in_threadpool(run)
     if view is None:
         raise NotFoundError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
     return view
 
 
 @router.get("/steps/{step_id}/tokens")
-async def step_tokens(step_id: str, store: StoreDep) -> dict[str, Any]:
+async def step_tokens(step_id: str, state: StateDep) -> dict[str, Any]:
     """A step's exact prompt and response IDs with behaviour logprobs, the loss mask (1 on
     sampled tokens), where the prompt stops repeating the parent's prompt + response
-    (``prompt_base_tokens``), and each ID's text decoded alone when a tokenizer is set."""
-    view = await run_in_threadpool(steps.step_tokens, store, step_id)
+    (``prompt_base_tokens``), and each ID's text decoded alone with the step's model's tokenizer
+    (learnt from vLLM's ``/v1/models``, or ``TRAJGATE_TOKENIZER_DIR``); without one,
+    ``token_texts`` is null and ``tokenizer_note`` says why."""
+    dirs = state.tokenizer_dirs
+    override = state.store.settings.tokenizer_dir
+    if override is None:
+        urls = [replica.url for replica in state.upstreams.replicas]
+        await dirs.learn(state.client, urls, state.settings.upstream_connect_timeout_s)
+
+    def choose(model: str | None) -> tuple[Path, str] | None:
+        chosen = dirs.choose(model, override)
+        return None if chosen is None else (chosen.directory, chosen.source)
+
+    view = await run_in_threadpool(steps.step_tokens, state.store, step_id, choose)
     if view is None:
         raise NotFoundError(f"no step {step_id!r}", param="step_id")
+    view["tokenizer_note"] = None if view["tokenizer"] else dirs.note(view["model"])
     return view
 
 
@@ -203,10 +235,12 @@ async def chart_data(
     sessions: SessionsDep,
     since: datetime | None = None,
     bucket_s: Annotated[int, Query(ge=1)] = 60,
-    reward_name: str = "final",
+    reward_name: str | None = None,
 ) -> dict[str, Any]:
-    """Reward by policy version over time, steps and tokens per bucket, length histograms and
-    flag rates per policy version (exact aggregates over steps created since ``since``)."""
+    """Reward by policy version and channel (mean, standard error, n) of ``reward_name`` (by
+    default the trajectory reward recorded last; ``reward_names`` lists those present), steps and
+    tokens per bucket, length histograms and flag rates per policy version (exact aggregates over
+    steps created since ``since``)."""
     return await run_in_threadpool(
         lambda: charts.charts(sessions, since=since, bucket_s=bucket_s, reward_name=reward_name)
     )

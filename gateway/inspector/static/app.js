@@ -9,6 +9,7 @@ const LIST_KEYS = ["status", "channel", "group_id", "tag", "flag", "reward_name"
   "order", "offset", "limit"];
 const MULTI = ["status", "tag", "flag"];
 const LIVE_INTERVAL_MS = 2000;
+const CHARTS_INTERVAL_MS = 5000;
 
 function emptyFilter() {
   return { status: [], channel: "", group_id: "", tag: "", flag: "", reward_name: "final",
@@ -75,10 +76,13 @@ document.addEventListener("alpine:init", () => {
     ],
     // trajectory / tokens / group
     traj: null,
+    readinessBatch: "",
     stepOrder: [],
     isTree: false,
     tok: null,
     tokenList: [],
+    tokenMode: "text",
+    tokenModeChosen: false,
     hoverText: "",
     group: null,
     groupReward: "final",
@@ -96,9 +100,17 @@ document.addEventListener("alpine:init", () => {
     batch: null,
     // charts
     chartBucket: "60",
-    chartReward: "final",
+    chartReward: "",
+    rewardNames: [],
+    rewardRows: [],
+    chartMetric: "",
+    metricNames: [],
+    chartData: null,
+    trainingRows: [],
+    chartsLoading: false,
     plots: [],
     timer: null,
+    chartTimer: null,
 
     init() {
       this.route();
@@ -107,6 +119,11 @@ document.addEventListener("alpine:init", () => {
           this.loadList();
         }
       }, LIVE_INTERVAL_MS);
+      this.chartTimer = setInterval(() => {
+        if (this.live && this.view === "charts" && !this.needToken && !document.hidden) {
+          this.loadCharts();
+        }
+      }, CHARTS_INTERVAL_MS);
     },
 
     // ---- plumbing ------------------------------------------------------------------------
@@ -350,8 +367,9 @@ document.addEventListener("alpine:init", () => {
     async showTrajectory(id, keepView = false) {
       if (!keepView) { this.view = "trajectory"; this.traj = null; }
       try {
-        const reward = this.f.reward_name || "final";
-        const traj = await this.api(`/api/inspector/trajectories/${encodeURIComponent(id)}?reward_name=${encodeURIComponent(reward)}`);
+        // Readiness is judged against the newest batch spec of the channel unless one is chosen.
+        const chosen = this.readinessBatch ? `?batch_id=${encodeURIComponent(this.readinessBatch)}` : "";
+        const traj = await this.api(`/api/inspector/trajectories/${encodeURIComponent(id)}${chosen}`);
         this.layoutSteps(traj.steps);
         this.traj = traj;
       } catch (err) { this.fail(err); }
@@ -401,38 +419,55 @@ document.addEventListener("alpine:init", () => {
     },
 
     // ---- tokens --------------------------------------------------------------------------
+    // The token view's own functions (step rewards and other step facts go elsewhere).
     async showTokens(stepId) {
       this.view = "tokens";
       this.tok = null;
       this.hoverText = "";
       try {
         const tok = await this.api(`/api/steps/${encodeURIComponent(stepId)}/tokens`);
-        const prompt = tok.prompt_token_ids || [];
-        const response = tok.response_token_ids || [];
-        const texts = tok.token_texts;
-        const list = [];
-        [...prompt, ...response].forEach((id, i) => {
-          const inResponse = i >= prompt.length;
-          const r = i - prompt.length;
-          const lp = inResponse && tok.response_logprobs ? tok.response_logprobs[r] : null;
-          const text = texts ? texts[i] : String(id);
-          const cls = ["tk"];
-          if (!inResponse) { cls.push("prompt"); if (i < tok.prompt_base_tokens) cls.push("history"); }
-          if (tok.loss_mask[i]) cls.push("masked");
-          if (i === prompt.length) cls.push("boundary");
-          list.push({
-            i, cls: cls.join(" "),
-            style: inResponse ? logprobColour(lp) : "",
-            text: showable(text),
-            boundary: i === prompt.length,
-            title: `#${i} ${inResponse ? "response" : "prompt"} · id ${id} · text ${JSON.stringify(text)}`
-              + (inResponse ? ` · logprob ${lp === null ? "n/a" : lp.toFixed(4)}` : "")
-              + ` · loss mask ${tok.loss_mask[i]}`,
-          });
-        });
-        this.tokenList = list;
+        this.tokenList = this.tokenItems(tok);
+        if (!tok.token_texts) this.tokenMode = "ids";
+        else if (this.tokenMode === "ids" && !this.tokenModeChosen) this.tokenMode = "text";
         this.tok = tok;
       } catch (err) { this.fail(err); }
+    },
+    // One item per prompt and response token: its classes, logprob colour and hover text.
+    tokenItems(tok) {
+      const prompt = tok.prompt_token_ids || [];
+      const response = tok.response_token_ids || [];
+      const texts = tok.token_texts;
+      const special = new Set(tok.special_token_ids || []);
+      return [...prompt, ...response].map((id, i) => {
+        const inResponse = i >= prompt.length;
+        const r = i - prompt.length;
+        const lp = inResponse && tok.response_logprobs ? tok.response_logprobs[r] : null;
+        const text = texts ? texts[i] : null;
+        const cls = ["tk"];
+        if (!inResponse) { cls.push("prompt"); if (i < tok.prompt_base_tokens) cls.push("history"); }
+        if (tok.loss_mask[i]) cls.push("masked");
+        if (i === prompt.length) cls.push("boundary");
+        if (special.has(id)) cls.push("special");
+        return {
+          i, id, cls: cls.join(" "),
+          style: inResponse ? logprobColour(lp) : "",
+          text: text === null ? String(id) : showable(text),
+          special: special.has(id),
+          boundary: i === prompt.length,
+          title: `#${i} ${inResponse ? "response" : "prompt"} · id ${id}`
+            + (text === null ? "" : ` · text ${JSON.stringify(text)}`)
+            + (special.has(id) ? " · special" : "")
+            + (inResponse ? ` · logprob ${lp === null ? "n/a" : lp.toFixed(4)}` : "")
+            + ` · loss mask ${tok.loss_mask[i]}`,
+        };
+      });
+    },
+    tokenShown(t) {
+      return this.tokenMode === "ids" ? `${t.id} ` : t.text;
+    },
+    setTokenMode(mode) {
+      this.tokenMode = mode;
+      this.tokenModeChosen = true;
     },
 
     // ---- group ---------------------------------------------------------------------------
@@ -542,19 +577,37 @@ document.addEventListener("alpine:init", () => {
       await this.$nextTick();
       await this.loadCharts();
     },
+    // Live like the list: re-read while the charts are open and visible (training metrics grow
+    // while the trainer runs). One load at a time.
     async loadCharts() {
+      if (this.chartsLoading) return;
+      this.chartsLoading = true;
       try {
-        const data = await this.api(`/api/charts?bucket_s=${this.chartBucket}&reward_name=${encodeURIComponent(this.chartReward)}`);
+        const reward = this.chartReward ? `&reward_name=${encodeURIComponent(this.chartReward)}` : "";
+        const data = await this.api(`/api/charts?bucket_s=${this.chartBucket}${reward}`);
         const metrics = await this.api("/api/training-metrics?limit=100000");
-        this.plots.forEach((p) => p.destroy());
-        this.plots = [];
-        this.drawReward(data.reward_by_version);
-        this.drawSteps(data.steps_over_time);
-        this.drawHistogram("chart-completion", data.completion_tokens_histogram, "steps");
-        this.drawHistogram("chart-prompt", data.prompt_tokens_histogram, "steps");
-        this.drawFlags(data.flag_rates);
-        this.drawTraining(metrics);
-      } catch (err) { this.fail(err); }
+        this.chartData = data;
+        this.rewardNames = data.reward_names;
+        this.chartReward = data.reward_name || "";
+        this.rewardRows = data.reward_by_version;
+        this.metricNames = [...new Set(metrics.flatMap((r) => Object.keys(r.metrics)))].sort();
+        if (!this.metricNames.includes(this.chartMetric)) {
+          this.chartMetric = this.metricNames.includes("loss") ? "loss" : (this.metricNames[0] || "");
+        }
+        this.trainingRows = metrics;
+        this.drawCharts();
+      } catch (err) { this.fail(err); } finally { this.chartsLoading = false; }
+    },
+    drawCharts() {
+      const data = this.chartData;
+      this.plots.forEach((p) => p.destroy());
+      this.plots = [];
+      this.drawReward(data.reward_by_version);
+      this.drawSteps(data.steps_over_time);
+      this.drawHistogram("chart-completion", data.completion_tokens_histogram, "steps");
+      this.drawHistogram("chart-prompt", data.prompt_tokens_histogram, "steps");
+      this.drawFlags(data.flag_rates);
+      this.drawTraining(this.trainingRows);
     },
     plot(id, opts, data) {
       const el = document.getElementById(id);
@@ -568,20 +621,42 @@ document.addEventListener("alpine:init", () => {
       const pad = Number(this.chartBucket);
       return (u, min, max) => (min === max ? [min - pad, max + pad] : [min, max]);
     },
+    // An axis of counts (policy versions, optimiser steps, tokens): ticks at whole numbers only.
+    integerAxis(label) {
+      return { label, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000],
+        values: (u, ticks) => ticks.map((v) => String(Math.round(v))) };
+    },
+    integerScale() {
+      return { time: false, range: (u, min, max) => (min === max ? [min - 1, max + 1] : [min, max]) };
+    },
     palette(k) {
       return ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"][k % 7];
     },
+    // Mean reward per policy version, one line per channel (trained and control side by side),
+    // a band of ± one standard error around each; n per point in the table below the chart.
     drawReward(points) {
-      const times = [...new Set(points.map((p) => p.t))].sort((a, b) => a - b);
-      const versions = [...new Set(points.map((p) => p.policy_version))].sort((a, b) => (a ?? -1) - (b ?? -1));
-      const series = versions.map((v) => times.map((t) => {
-        const p = points.find((q) => q.t === t && q.policy_version === v);
-        return p ? p.mean : null;
-      }));
+      const versions = [...new Set(points.map((p) => p.policy_version ?? -1))].sort((a, b) => a - b);
+      const channels = [...new Set(points.map((p) => p.channel))].sort();
+      const at = (c, v) => points.find((p) => p.channel === c && (p.policy_version ?? -1) === v);
+      const series = [{ label: "policy v" }];
+      const columns = [versions];
+      const bands = [];
+      channels.forEach((c, k) => {
+        const colour = this.palette(k);
+        const mean = versions.map((v) => (at(c, v) ? at(c, v).mean : null));
+        const se = versions.map((v) => (at(c, v) ? at(c, v).stderr ?? 0 : null));
+        const base = columns.length;
+        columns.push(mean, mean.map((m, i) => (m === null ? null : m + se[i])), mean.map((m, i) => (m === null ? null : m - se[i])));
+        series.push({ label: `${c} mean`, stroke: colour, width: 2, spanGaps: true, points: { show: true, size: 6 } },
+          { label: `${c} +1 SE`, stroke: colour + "55", width: 1, dash: [4, 4], spanGaps: true, points: { show: false } },
+          { label: `${c} −1 SE`, stroke: colour + "55", width: 1, dash: [4, 4], spanGaps: true, points: { show: false } });
+        bands.push({ series: [base + 1, base + 2], fill: colour + "22" });
+      });
       this.plot("chart-reward", {
-        scales: { x: { range: this.timeRange() } },
-        series: [{}, ...versions.map((v, k) => ({ label: `policy v${v}`, stroke: this.palette(k), width: 2, spanGaps: true, points: { show: true } }))],
-      }, [times, ...series]);
+        scales: { x: this.integerScale() },
+        axes: [this.integerAxis("policy version"), { label: this.chartReward }],
+        series, bands,
+      }, columns);
     },
     drawSteps(points) {
       this.plot("chart-steps", {
@@ -596,22 +671,42 @@ document.addEventListener("alpine:init", () => {
       const bars = window.uPlot.paths.bars({ size: [0.9, 40] });
       this.plot(id, {
         scales: { x: { time: false } },
+        axes: [this.integerAxis("tokens ≥"), {}],
         series: [{ label: "tokens ≥" }, { label, stroke: "#2ca02c", fill: "#2ca02c88", paths: bars, points: { show: false } }],
       }, [xs, hist.counts]);
     },
     drawFlags(rates) {
       const xs = rates.versions.map((v) => v.policy_version ?? -1);
       this.plot("chart-flags", {
-        scales: { x: { time: false, range: (u, min, max) => (min === max ? [min - 1, max + 1] : [min, max]) } },
+        scales: { x: this.integerScale() },
+        axes: [this.integerAxis("policy version"), {}],
         series: [{ label: "policy v" }, ...rates.flags.map((f, k) => ({ label: f, stroke: this.palette(k), width: 2, points: { show: true } }))],
       }, [xs, ...rates.flags.map((f) => rates.versions.map((v) => v.rates[f]))]);
     },
+    // One metric at a time (their scales differ by orders of magnitude), one line per run.
     drawTraining(rows) {
-      const names = [...new Set(rows.flatMap((r) => Object.keys(r.metrics)))].sort();
+      const name = this.chartMetric;
+      const mine = rows.filter((r) => r.metrics[name] !== undefined);
+      const steps = [...new Set(mine.map((r) => r.step))].sort((a, b) => a - b);
+      const runs = [...new Set(mine.map((r) => r.run))].sort();
+      const latest = new Map(mine.map((r) => [`${r.run}|${r.step}`, r.metrics[name]]));
       this.plot("chart-training", {
-        scales: { x: { time: false } },
-        series: [{ label: "step" }, ...names.map((n, k) => ({ label: n, stroke: this.palette(k), width: 2, points: { show: true } }))],
-      }, [rows.map((r) => r.step), ...names.map((n) => rows.map((r) => r.metrics[n] ?? null))]);
+        scales: { x: this.integerScale() },
+        axes: [this.integerAxis("optimiser step"), { label: name }],
+        series: [{ label: "step" }, ...runs.map((run, k) => ({ label: `${run} ${name}`, stroke: this.palette(k), width: 2, spanGaps: true, points: { show: true } }))],
+      }, [steps, ...runs.map((run) => steps.map((st) => latest.get(`${run}|${st}`) ?? null))]);
+    },
+    fmtSe(value) {
+      return value === null || value === undefined ? "—" : `± ${Number(value).toFixed(3)}`;
+    },
+
+    specText(spec) {
+      const needs = `requires ${spec.reward_names.join(", ")}`;
+      if (spec.source === "batch") {
+        return `judged against the spec of batch ${spec.name || spec.batch_id} (channel ${spec.channel}, ${this.fmtTime(spec.created_at)}): ${needs}`;
+      }
+      if (spec.source === "chosen") return `judged against a chosen spec: ${needs}`;
+      return `no batch of channel ${spec.channel} yet: judged against the pool's newest reward name: ${needs}`;
     },
 
     // ---- formatting ----------------------------------------------------------------------
