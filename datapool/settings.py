@@ -20,6 +20,10 @@ WriteFailureMode = Literal["refuse", "serve"]
 HTTP_REWARD_MODEL_NAMES = frozenset(
     {"http_reward_model", "datapool.rewards.functions:http_reward_model"}
 )
+# ... and under which step_reward_functions can run http_step_reward_model (step_reward_model_url).
+HTTP_STEP_REWARD_MODEL_NAMES = frozenset(
+    {"http_step_reward_model", "datapool.rewards.functions:http_step_reward_model"}
+)
 
 
 class PoolSettings(ConfigFileSettings):
@@ -151,6 +155,23 @@ class PoolSettings(ConfigFileSettings):
             "reward_functions names http_reward_model."
         ),
     )
+    step_reward_functions: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Step reward functions run once per ok step of every completed trajectory (process "
+            "rewards, after the reward_functions): names of entry points in the group "
+            "'trajgate.step_rewards' or module paths 'pkg.mod:fn'."
+        ),
+    )
+    step_reward_model_url: str | None = Field(
+        default=None,
+        description=(
+            "Where the built-in step reward function http_step_reward_model POSTs each ok step "
+            "(a process reward model or judge service; one request per step) and reads "
+            '{"reward": number} or {"rewards": {name: number}} back. Required when '
+            "step_reward_functions names http_step_reward_model; waits reward_model_timeout_s."
+        ),
+    )
     reward_model_timeout_s: float = Field(
         default=30.0,
         gt=0,
@@ -202,6 +223,20 @@ class PoolSettings(ConfigFileSettings):
             raise ValueError(
                 "reward_model_url must start with http:// or https://, "
                 f"got {self.reward_model_url!r}"
+            )
+        if self.step_reward_model_url is not None and not self.step_reward_model_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                "step_reward_model_url must start with http:// or https://, "
+                f"got {self.step_reward_model_url!r}"
+            )
+        if HTTP_STEP_REWARD_MODEL_NAMES & set(self.step_reward_functions) and (
+            self.step_reward_model_url is None
+        ):
+            raise ValueError(
+                "step_reward_functions names http_step_reward_model but step_reward_model_url "
+                "is unset: set TRAJGATE_STEP_REWARD_MODEL_URL to the service's URL"
             )
         if not HTTP_REWARD_MODEL_NAMES & set(self.reward_functions):
             return self

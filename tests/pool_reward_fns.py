@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from datapool.rewards.step_rewards import StepRewardContext
 from datapool.rewards.values import RewardContext
 
 
@@ -28,3 +29,17 @@ async def never_returns(context: RewardContext) -> float:
 
 def not_a_number(context: RewardContext) -> float:
     return float("nan")  # a broken scorer: recorded as a failure, never stored as a value
+
+
+def step_position(context: StepRewardContext) -> float:
+    """A step reward function: 0.25 per step index (step 0 -> 0.0, step 2 -> 0.5)."""
+    return 0.25 * context.step.step_index
+
+
+def judges_only_the_first_step(context: StepRewardContext) -> float | None:
+    """Judges step 0, has nothing to judge on step 1 (None), cannot judge later steps (raises)."""
+    if context.step.step_index == 0:
+        return 1.0
+    if context.step.step_index == 1:
+        return None
+    raise ValueError(f"cannot judge step {context.step.step_index}: no reference solution")

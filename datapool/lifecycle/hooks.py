@@ -1,7 +1,9 @@
 """Completion hooks: the reward functions, then the curation rules, of every completed trajectory.
 
 Owns: running each complete trajectory's hooks once (``PoolSettings.reward_functions`` through
-``rewards.run_reward_functions``, then ``curation.apply_on_completion``), whichever way it
+``rewards.run_reward_functions``, then ``PoolSettings.step_reward_functions`` once per ok step
+through ``rewards.step_rewards.run_step_reward_functions``, then
+``curation.apply_on_completion``), whichever way it
 completed (``POST /api/trajectories/{id}/complete``, the idle timeout in the writer's upkeep, or
 a direct ``lifecycle.close_trajectory``), in whichever gateway process, surviving crashes; and
 the counters that say how that went (``HookStats``). Never: decides that a trajectory is
@@ -50,6 +52,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.curation import rules as curation
 from datapool.models import Trajectory, utc_now
+from datapool.rewards import step_rewards
 from datapool.rewards import values as rewards
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
@@ -191,6 +194,13 @@ class CompletionHooks:
                     self.store,
                     trajectory_id,
                     self.settings.reward_functions,
+                    on_outcome=self.stats.count_reward_function,
+                )
+            if self.settings.step_reward_functions:
+                await step_rewards.run_step_reward_functions(
+                    self.store,
+                    trajectory_id,
+                    self.settings.step_reward_functions,
                     on_outcome=self.stats.count_reward_function,
                 )
             # After the reward functions: rules such as reward_threshold read their rewards.

@@ -7,8 +7,12 @@
   ``ENTRY_POINT_GROUP``).
 - ``group_stats``: mean, std, scored size and degeneracy of rewards within groups
   (``group_stats``, ``GroupStats``), shared by curation and the advantage estimators.
+- ``step_rewards``: step reward functions, run once per ok step of a completed trajectory
+  (``StepRewardContext``, ``run_step_reward_functions``; entry-point group
+  ``STEP_ENTRY_POINT_GROUP``).
 - ``functions``: the built-in reward functions ``exact_match``, ``tool_call_format`` and
-  ``http_reward_model``.
+  ``http_reward_model``, and step reward functions ``step_tool_call_format`` and
+  ``http_step_reward_model``.
 
 Three outcomes, never confused: a number is a reward; None (no record) is *unrewarded*, never
 0.0; a function that raised is recorded as a failed reward. Never: overwrites or deletes a record

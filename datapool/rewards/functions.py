@@ -1,16 +1,25 @@
-"""Built-in reward functions: exact match of the final answer, tool-call format, a reward model.
+"""Built-in reward functions: exact match of the final answer, tool-call format, a reward model,
+and per step: tool-call format, a process reward model or judge.
 
 Owns: three functions with the ``rewards.RewardFunction`` contract, registered as entry points of
 the group ``trajgate.rewards`` (pyproject.toml), so
 ``TRAJGATE_REWARD_FUNCTIONS='["exact_match", "tool_call_format", "http_reward_model"]'`` runs
-them on every completed trajectory. Never: writes to the pool (``rewards.run_reward_functions``
-records what they return) or answers a number for a trajectory it could not judge.
+them on every completed trajectory; and two step reward functions
+(``rewards.step_rewards.StepRewardFunction``) in the group ``trajgate.step_rewards``, run once
+per ok step by ``TRAJGATE_STEP_REWARD_FUNCTIONS='["tool_call_format", "http_step_reward_model"]'``.
+Never: writes to the pool (``rewards.run_reward_functions`` and
+``rewards.step_rewards.run_step_reward_functions`` record what they return) or answers a number
+for a trajectory or step it could not judge.
 
 - ``exact_match``: 1.0 when the final answer equals ``metadata["answer"]`` (normalised), else 0.0.
 - ``tool_call_format``: the share of generated tool calls that are well-formed, in [0, 1]; None
   when there is none.
 - ``http_reward_model`` (async): what a reward model served over HTTP answers, any finite
   numbers, under its own name or the names the model returns.
+- ``step_tool_call_format`` (entry point ``tool_call_format`` of ``trajgate.step_rewards``): the
+  share of one step's tool calls that are well-formed; None when it made none.
+- ``http_step_reward_model`` (async): what a process reward model or judge served over HTTP
+  answers for one step.
 
 Three outcomes, never confused (case C16): a number is the reward; None means nothing to judge
 (no record: the trajectory stays unrewarded); an exception means the trajectory lacks an input
@@ -39,7 +48,9 @@ from typing import Any
 
 import httpx
 
+from datapool.rewards.step_rewards import StepRewardContext
 from datapool.rewards.values import RewardContext
+from datapool.steps.messages import engine_chat
 from datapool.steps.store import StoredStep
 
 REWARD_MODEL_BODY = '{"reward": number} or {"rewards": {"name": number, ...}}'
@@ -141,6 +152,61 @@ async def http_reward_model(context: RewardContext) -> float | dict[str, float]:
         "metadata": context.metadata,
         "messages": [*step.request.get("messages", []), step.response_message],
     }
+    return await _ask_reward_model(url, timeout_s, body)
+
+
+def step_tool_call_format(context: StepRewardContext) -> float | None:
+    """The share of the step's generated tool calls that are well-formed, in [0, 1] (the rules
+    of ``tool_call_format``, on one step); None (unrewarded) when the step made no tool call."""
+    step = context.step
+    calls = (step.response_message or {}).get("tool_calls") or []
+    if not calls:
+        return None
+    offered = _offered_tools(step.request)
+    return sum(_well_formed(call, offered) for call in calls) / len(calls)
+
+
+async def http_step_reward_model(context: StepRewardContext) -> float | dict[str, float]:
+    """The reward a process reward model or judge served over HTTP gives one step.
+
+    POSTs ``{"trajectory_id", "group_id", "channel", "metadata", "step_id", "step_index",
+    "messages"}`` as JSON to ``step_reward_model_url`` (``TRAJGATE_STEP_REWARD_MODEL_URL``), one
+    request per ok step; ``messages`` are the chat messages the engine saw (every dialect's, as
+    in exports) followed by its generated
+    message (``{"role": "assistant"}`` with no content when it generated none). Answers as for
+    ``http_reward_model``: ``{"reward": number}`` or ``{"rewards": {name: number}}``, within
+    ``reward_model_timeout_s``.
+
+    Raises ``RewardModelError`` (unreachable, slow, not 2xx, no finite reward in the answer) and
+    ``RewardInputError`` (no ``step_reward_model_url``): the step's reward is recorded as
+    failed, never as 0.0.
+    """
+    trajectory, step = context.trajectory, context.step
+    settings = trajectory.settings
+    if settings is None or settings.step_reward_model_url is None:
+        raise RewardInputError(
+            "http_step_reward_model: no step reward model URL in the pool settings; set "
+            "TRAJGATE_STEP_REWARD_MODEL_URL"
+        )
+    body = {
+        "trajectory_id": trajectory.trajectory_id,
+        "group_id": trajectory.group_id,
+        "channel": trajectory.channel,
+        "metadata": trajectory.metadata,
+        "step_id": step.id,
+        "step_index": step.step_index,
+        "messages": [
+            *(engine_chat(step.request, step.upstream_request)[0] or []),
+            step.response_message or {"role": "assistant"},
+        ],
+    }
+    return await _ask_reward_model(
+        settings.step_reward_model_url, settings.reward_model_timeout_s, body
+    )
+
+
+async def _ask_reward_model(url: str, timeout_s: float, body: Any) -> float | dict[str, float]:
+    """POST ``body`` to a reward model and read its reward; raises ``RewardModelError``."""
     try:
         # httpx's timeout bounds each read; asyncio's bounds the whole answer.
         async with asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s) as client:

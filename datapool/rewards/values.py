@@ -274,8 +274,9 @@ class RewardContext:
 RewardFunction = Callable[[RewardContext], Any]
 
 
-def resolve_reward_function(name: str) -> RewardFunction:
-    """``pkg.mod:fn`` by import, else an entry point called ``name`` in ``trajgate.rewards``.
+def resolve_reward_function(name: str, group: str = ENTRY_POINT_GROUP) -> RewardFunction:
+    """``pkg.mod:fn`` by import, else an entry point called ``name`` in ``group``
+    (``trajgate.rewards``; step reward functions: ``trajgate.step_rewards``).
 
     Raises ``InvalidPoolRequestError`` when neither finds a callable.
     """
@@ -288,11 +289,11 @@ def resolve_reward_function(name: str) -> RewardFunction:
                 f"reward function {name!r} cannot be imported: {exc}"
             ) from exc
     else:
-        points = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        points = [ep for ep in metadata.entry_points(group=group) if ep.name == name]
         if not points:
             raise InvalidPoolRequestError(
                 f"no reward function {name!r}: expected an entry point in group "
-                f"{ENTRY_POINT_GROUP!r} or a module path 'pkg.mod:fn'"
+                f"{group!r} or a module path 'pkg.mod:fn'"
             )
         target = points[0].load()
     if not callable(target):
@@ -301,7 +302,8 @@ def resolve_reward_function(name: str) -> RewardFunction:
     return fn
 
 
-def _reward_name(name: str) -> str:
+def reward_label(name: str) -> str:
+    """The reward name a function's records carry: ``fn`` of ``pkg.mod:fn``, else ``name``."""
     return name.rpartition(":")[2] if ":" in name else name
 
 
@@ -332,7 +334,7 @@ async def run_reward_functions(
     )
     records: list[RewardIn] = []
     for name in names:
-        label = _reward_name(name)
+        label = reward_label(name)
         try:
             fn = resolve_reward_function(name)
             value = (
@@ -340,7 +342,7 @@ async def run_reward_functions(
                 if inspect.iscoroutinefunction(fn)
                 else await asyncio.to_thread(fn, context)
             )
-            records.extend(_records_of(trajectory_id, label, value))
+            records.extend(records_of("trajectory", trajectory_id, label, value))
         except Exception as exc:  # recorded as a failed reward, never as a value
             records.append(
                 RewardIn("trajectory", trajectory_id, label, None, "rule", "reward_fn", repr(exc))
@@ -355,11 +357,20 @@ async def run_reward_functions(
     return await asyncio.to_thread(add_rewards, store.sessions, records)
 
 
-def _records_of(trajectory_id: str, label: str, value: Any) -> list[RewardIn]:
+def records_of(
+    target_kind: str, target_id: str, label: str, value: Any, author: str = "reward_fn"
+) -> list[RewardIn]:
+    """The records of what a reward function returned for one target: none for None, one per
+    key of a mapping, else one; raises TypeError/ValueError for anything but finite numbers
+    (the caller records that as the function's failure)."""
     if value is None:
         return []
     if isinstance(value, Mapping):
-        return [r for key, v in value.items() for r in _records_of(trajectory_id, str(key), v)]
+        return [
+            r
+            for key, v in value.items()
+            for r in records_of(target_kind, target_id, str(key), v, author)
+        ]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"reward function returned {type(value).__name__}, expected a number")
     # Checked here, not only in add_rewards: there one bad value would fail the whole batch, so
@@ -370,4 +381,4 @@ def _records_of(trajectory_id: str, label: str, value: Any) -> list[RewardIn]:
         )
     if not 1 <= len(label) <= 100:
         raise ValueError(f"reward name must be 1-100 characters, got {label!r}")
-    return [RewardIn("trajectory", trajectory_id, label, float(value), "rule", "reward_fn")]
+    return [RewardIn(target_kind, target_id, label, float(value), "rule", author)]
