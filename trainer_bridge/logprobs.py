@@ -17,27 +17,39 @@ from torch import Tensor
 def token_logprobs(
     model: Any,
     input_ids: Tensor,
-    attention_mask: Tensor,
+    attention_mask: Tensor | None,
     *,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities ``[B, T]`` (and entropies ``[B, T]``) of ``input_ids`` under ``model``.
 
     ``temperature`` divides the logits first; vLLM's behaviour logprobs are raw (temperature 1)
     by default (``--logprobs-mode raw_logprobs``), so compare at 1.0.
+
+    Packed rows (``trainer_bridge.packing``): ``attention_mask`` None and ``position_ids [1, N]``
+    restarting at 0 on each row; a row's first token then holds 0, as unpacked. The forward
+    never uses a KV cache: with one, transformers skips the packed-row masking.
     """
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
+    if position_ids is None:
+        if attention_mask is None:
+            raise ValueError("token_logprobs needs an attention_mask or packed position_ids")
+        position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, T]
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
     ).logits  # [B, T, V]
     logits = logits[:, :-1, :].float() / temperature  # predicts tokens 1..T-1: [B, T-1, V]
     log_softmax = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
     picked = log_softmax.gather(-1, targets).squeeze(-1)  # [B, T-1]
     zeros = torch.zeros_like(picked[:, :1])  # [B, 1]
-    logprobs = torch.cat([zeros, picked], dim=1)  # [B, T]
+    starts = position_ids == 0  # [B, T]: a row's first token, predicted by nothing of its own
+    logprobs = torch.cat([zeros, picked], dim=1).masked_fill(starts, 0.0)  # [B, T]
     if not with_entropy:
         return logprobs, None
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)  # [B, T-1]
-    return logprobs, torch.cat([zeros, entropy], dim=1)  # [B, T]
+    return logprobs, torch.cat([zeros, entropy], dim=1).masked_fill(starts, 0.0)  # [B, T]

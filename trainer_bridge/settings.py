@@ -19,6 +19,8 @@ from trajgate.config import ConfigFileSettings
 
 # How per-token losses are averaged; each variant's normaliser and source: trainer_bridge/losses.py
 Aggregation = Literal["token_mean", "seq_mean", "seq_sum_token_mean"]
+# How the ranks under torchrun hold the model: trainer_bridge/sharding.py
+Sharding = Literal["replicated", "fsdp2"]
 
 
 class TrainerSettings(ConfigFileSettings):
@@ -44,6 +46,25 @@ class TrainerSettings(ConfigFileSettings):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     micro_batch_rows: int = Field(
         default=8, ge=1, description="Rows per forward/backward; gradients accumulate over them."
+    )
+    micro_batch_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Pack rows end to end into forward passes of at most this many tokens (no "
+        "padding; attention kept within each row); unset: padded micro-batches of "
+        "micro_batch_rows rows. A longer row gets a pass of its own.",
+    )
+    sharding: Sharding = Field(
+        default="replicated",
+        description="'replicated': every rank holds the whole model, gradients all-reduced once "
+        "per update (cheap for LoRA); 'fsdp2': parameters, gradients and AdamW state sharded "
+        "over the ranks with FSDP2 (full fine-tuning of models that do not fit one GPU; under "
+        "torchrun only).",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each decoder layer's activations in the backward pass: less "
+        "memory for long rows, about one more forward pass of compute.",
     )
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     clip_low: float = Field(default=0.2, ge=0, description="PPO clip below 1.")
@@ -107,4 +128,15 @@ class DistributedSettings(ConfigFileSettings):
     )
     first_version: int = Field(
         default=1, ge=1, description="Policy version of the first published update."
+    )
+    checkpoint_dir: Path | None = Field(
+        default=None,
+        description="Where the ranks save model and optimizer state (sharded, "
+        "torch.distributed.checkpoint) and resume from after a crash; unset: no checkpoints.",
+    )
+    checkpoint_every_updates: int = Field(
+        default=1,
+        ge=1,
+        description="Checkpoint every N updates. Leases are acknowledged only once a checkpoint "
+        "holds their update, so lease_s must outlast N updates; a crash retrains at most N.",
     )

@@ -1,10 +1,19 @@
 """The torch trainer: one RL update of a Hugging Face causal LM (LoRA via peft, or full weights).
 
 Owns: the model and optimiser, the reference policy of the KL penalty, micro-batching with
-gradient accumulation, gradient clipping, bf16 autocast on GPU, the update's metrics, and saving
-what vLLM loads (a peft adapter directory or full safetensors). Shape legend: ``B`` rows, ``T``
-tokens. Never: talks HTTP (``sync`` and ``client`` do), or computes advantages (the pool does,
-before the batch gets here).
+gradient accumulation (padded groups of rows, or rows packed into token budgets:
+``trainer_bridge.packing``), gradient clipping, bf16 autocast on GPU, FSDP2 sharding
+(``trainer_bridge.sharding``) or a replicated model, the update's metrics, and saving what vLLM
+loads (a peft adapter directory or full safetensors). Shape legend: ``B`` rows, ``T`` tokens.
+Never: talks HTTP (``sync`` and ``client`` do), or computes advantages (the pool does, before
+the batch gets here).
+
+Sharded (``sharding = "fsdp2"``, under ``torchrun`` only): every forward and backward pass is a
+collective (each layer's weights are gathered for it), so every rank runs the same number of
+them: a rank with fewer micro-batches than its peers runs empty ones (a two-token forward whose
+loss is multiplied by 0). Gradients arrive reduce-scattered and summed; nothing else changes:
+the micro-batch weights, the loss, clipping (over the sharded gradients' global norm) and the
+step are those of the replicated path.
 
 The reference policy (only when ``kl_coef > 0``; the estimator is in ``losses``): with LoRA it is
 the same model with the adapter switched off (peft's ``disable_adapter()`` context), so it costs
@@ -23,11 +32,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from trainer_bridge.logprobs import token_logprobs
 from trainer_bridge.losses import LossConfig, policy_loss
+from trainer_bridge.packing import fed_tokens, pack, plan_micro_batches, unpack
 from trainer_bridge.settings import TrainerSettings
+from trainer_bridge.sharding import full, gather_trainable, save_full_safetensors, shard_model
 
 
 @dataclass(frozen=True)
@@ -44,13 +56,22 @@ class TrainBatch:
     def rows(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def slice(self, start: int, stop: int) -> TrainBatch:
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each row (its attention mask's ones)."""
+        return [int(n) for n in self.attention_mask.sum(dim=1).tolist()]
+
+    def select(self, indices: list[int]) -> TrainBatch:
+        """The rows ``indices``, cut to the longest of them: ``[b, T_b]``."""
+        index = torch.tensor(indices, dtype=torch.long)
+        width = max(int(n) for n in self.attention_mask[index].sum(dim=1).tolist())
+        advantages = self.advantages[index]
         return TrainBatch(
-            self.input_ids[start:stop],
-            self.attention_mask[start:stop],
-            self.loss_mask[start:stop],
-            self.behaviour_logprobs[start:stop],
-            self.advantages[start:stop],
+            self.input_ids[index, :width],
+            self.attention_mask[index, :width],
+            self.loss_mask[index, :width],
+            self.behaviour_logprobs[index, :width],
+            advantages[:, :width] if advantages.ndim == 2 else advantages,
         )
 
     def to(self, device: torch.device) -> TrainBatch:
@@ -74,7 +95,8 @@ class UpdateMetrics:
     sampled tokens before the update (the sampler/trainer mismatch, in nats). ``kl``: the k3
     estimate of KL(policy || reference) in nats per token, aggregated like the loss; None when
     ``kl_coef`` is 0 (no reference is evaluated). ``step``: optimiser steps taken so far,
-    this one included (1 after the first update)."""
+    this one included (1 after the first update). ``padding_fraction``: share of the tokens fed
+    to the model in the update's forward passes that were padding (0 when rows are packed)."""
 
     loss: float
     clip_fraction: float
@@ -87,6 +109,7 @@ class UpdateMetrics:
     logprob_gap_mean_abs: float
     logprob_gap_max_abs: float
     step: int
+    padding_fraction: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Every metric as a float; ``kl`` left out when it was not measured."""
@@ -135,6 +158,28 @@ class PolicyTrainer:
         self.reference: Any = None
         if settings.kl_coef > 0 and settings.lora_rank == 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.sharded = settings.sharding == "fsdp2"
+        if self.sharded:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(
+                    "sharding 'fsdp2' needs torch.distributed initialised: run "
+                    "`torchrun -m trainer_bridge.distributed`, or set sharding 'replicated'"
+                )
+            with torch.no_grad():  # LoRA's initial adapters: rank 0's on every rank
+                for parameter in self.model.parameters():
+                    if parameter.requires_grad:
+                        dist.broadcast(parameter.data, src=0)
+            shard_model(
+                self.model,
+                self.device,
+                activation_checkpointing=settings.activation_checkpointing,
+            )
+            if self.reference is not None:
+                shard_model(self.reference, self.device, activation_checkpointing=False)
+        elif settings.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.steps = 0
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -152,21 +197,62 @@ class PolicyTrainer:
         enabled = self.device.type == "cuda"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    @torch.no_grad()
-    def _logprobs_of(self, model: Any, batch: TrainBatch) -> Tensor:
-        chunks = []
-        for start in range(0, batch.rows, self.settings.micro_batch_rows):
-            micro = batch.slice(start, start + self.settings.micro_batch_rows).to(self.device)
+    def _plan(self, batch: TrainBatch, world: World | None) -> list[list[int]]:
+        """Row indices of each micro-batch; sharded, padded with empty ones (``[]``) to the
+        largest count of any rank (module doc)."""
+        plan = plan_micro_batches(
+            batch.lengths,
+            rows=self.settings.micro_batch_rows,
+            tokens=self.settings.micro_batch_tokens,
+        )
+        if self.sharded:
+            if world is None:
+                raise ValueError("a sharded trainer needs the world of its ranks (World)")
+            plan += [[] for _ in range(int(world.max(len(plan))) - len(plan))]
+        return plan
+
+    def _forward(
+        self, model: Any, micro: TrainBatch | None, *, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logprobs (and entropies) ``[b, T_b]`` of a micro-batch on the device, padded or packed
+        by the settings; ``None``: an empty micro-batch's two-token forward (``[1, 2]``)."""
+        if micro is None:
+            ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)  # [1, 2]
             with self._autocast():
-                values, _ = token_logprobs(model, micro.input_ids, micro.attention_mask)
-            chunks.append(values.float().cpu())
-        return torch.cat(chunks, dim=0)  # [B, T]
+                return token_logprobs(model, ids, torch.ones_like(ids))
+        if self.settings.micro_batch_tokens is None:
+            with self._autocast():
+                return token_logprobs(
+                    model, micro.input_ids, micro.attention_mask, with_entropy=with_entropy
+                )
+        lengths = micro.lengths
+        ids, positions = pack(micro.input_ids, lengths)  # [1, N] each
+        with self._autocast():
+            values, entropy = token_logprobs(
+                model, ids, None, with_entropy=with_entropy, position_ids=positions
+            )
+        width = int(micro.input_ids.shape[1])
+        return (
+            unpack(values, lengths, width),  # [b, T_b]
+            None if entropy is None else unpack(entropy, lengths, width),
+        )
 
-    def logprobs(self, batch: TrainBatch) -> Tensor:
-        """The current policy's logprobs ``[B, T]`` of the batch's tokens (no gradient)."""
-        return self._logprobs_of(self.model, batch)
+    @torch.no_grad()
+    def _logprobs_of(self, model: Any, batch: TrainBatch, world: World | None) -> Tensor:
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)  # [B, T]
+        for group in self._plan(batch, world):
+            micro = batch.select(group).to(self.device) if group else None
+            values, _ = self._forward(model, micro)
+            if group:
+                out[torch.tensor(group), : values.shape[1]] = values.float().cpu()
+        return out
 
-    def reference_logprobs(self, batch: TrainBatch) -> Tensor:
+    def logprobs(self, batch: TrainBatch, world: World | None = None) -> Tensor:
+        """The current policy's logprobs ``[B, T]`` of the batch's tokens (no gradient);
+        sharded, every rank calls it with its ``world``."""
+        return self._logprobs_of(self.model, batch, world)
+
+    def reference_logprobs(self, batch: TrainBatch, world: World | None = None) -> Tensor:
         """The reference policy's logprobs ``[B, T]`` (no gradient): the base model with the
         LoRA adapter disabled, or the frozen copy under full fine-tuning.
 
@@ -175,12 +261,12 @@ class PolicyTrainer:
         """
         if self.settings.lora_rank > 0:
             with self.model.disable_adapter():
-                return self._logprobs_of(self.model, batch)
+                return self._logprobs_of(self.model, batch, world)
         if self.reference is None:
             raise ValueError(
                 "full fine-tuning keeps a reference copy only when kl_coef > 0; got kl_coef 0"
             )
-        return self._logprobs_of(self.reference, batch)
+        return self._logprobs_of(self.reference, batch, world)
 
     def update(self, batch: TrainBatch, world: World | None = None) -> UpdateMetrics:
         """One optimiser step over the whole batch, accumulated over micro-batches.
@@ -201,35 +287,40 @@ class PolicyTrainer:
         total_rows = int(world.sum(batch.rows)) if world else batch.rows
         if total_tokens == 0:
             raise ValueError("batch has no sampled token (loss_mask is all 0)")
-        old = self.logprobs(batch)  # [B, T], before the update
-        ref = self.reference_logprobs(batch) if self.loss_config.kl_coef > 0 else None  # [B, T]
+        old = self.logprobs(batch, world)  # [B, T], before the update
+        ref = (
+            self.reference_logprobs(batch, world) if self.loss_config.kl_coef > 0 else None
+        )  # [B, T]
         mask = batch.loss_mask.bool()
         gap = (old - batch.behaviour_logprobs).abs()[mask]
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
-        step = self.settings.micro_batch_rows
-        for start in range(0, batch.rows, step):
-            micro = batch.slice(start, start + step).to(self.device)
-            micro_tokens = int(micro.loss_mask.sum())
-            if micro_tokens == 0:
+        plan = self._plan(batch, world)
+        lengths = batch.lengths
+        fed = fed_tokens(lengths, plan, packed=self.settings.micro_batch_tokens is not None)
+        for group in plan:
+            micro = batch.select(group).to(self.device) if group else None
+            micro_tokens = 0 if micro is None else int(micro.loss_mask.sum())
+            if micro is None or micro_tokens == 0:
+                if self.sharded:  # the peers' collectives need this rank's passes too
+                    values, _ = self._forward(self.model, None)
+                    (values.sum() * 0.0).backward()  # type: ignore[no-untyped-call]
                 continue
             share = (
                 micro_tokens / total_tokens
                 if self.loss_config.aggregation == "token_mean"
                 else micro.rows / total_rows
             )
-            with self._autocast():
-                logprobs, entropy = token_logprobs(
-                    self.model, micro.input_ids, micro.attention_mask, with_entropy=True
-                )
+            logprobs, entropy = self._forward(self.model, micro, with_entropy=True)
+            index, width = torch.tensor(group), int(micro.input_ids.shape[1])
             out = policy_loss(
                 logprobs.float(),
                 micro.behaviour_logprobs.float(),
                 micro.advantages.float(),
                 micro.loss_mask,
                 self.loss_config,
-                old_logprobs=old[start : start + step].to(self.device),
-                ref_logprobs=None if ref is None else ref[start : start + step].to(self.device),
+                old_logprobs=old[index, :width].to(self.device),
+                ref_logprobs=None if ref is None else ref[index, :width].to(self.device),
             )
             (out.loss * share).backward()  # type: ignore[no-untyped-call]
             token_share = micro_tokens / total_tokens
@@ -240,11 +331,16 @@ class PolicyTrainer:
             assert entropy is not None
             sums["entropy"] += float(entropy.detach()[micro.loss_mask.bool()].mean()) * token_share
         gap_sum, gap_max = float(gap.sum()), float(gap.max()) if gap.numel() else 0.0
+        real, fed_total = float(sum(lengths)), float(fed)
         if world is not None:
-            world.sum_gradients(self.parameters)
+            if not self.sharded:  # sharded: FSDP2 reduce-scattered them in the backward
+                world.sum_gradients(self.parameters)
             sums = {key: world.sum(value) for key, value in sums.items()}
             gap_sum, gap_max = world.sum(gap_sum), world.max(gap_max)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.max_grad_norm)
+            real, fed_total = world.sum(real), world.sum(fed_total)
+        grad_norm = full(
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.settings.max_grad_norm)
+        )
         self.optimizer.step()
         self.steps += 1
         elapsed = max(time.perf_counter() - started, 1e-9)  # finite: the pool refuses inf
@@ -260,10 +356,24 @@ class PolicyTrainer:
             logprob_gap_mean_abs=gap_sum / total_tokens,
             logprob_gap_max_abs=gap_max,
             step=self.steps,
+            padding_fraction=1.0 - real / fed_total if fed_total else 0.0,
         )
 
     def save_for_vllm(self, directory: Path) -> Path:
-        """Write what vLLM loads: a peft adapter (LoRA) or full safetensors; returns the dir."""
-        directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """Write what vLLM loads: a peft adapter (LoRA) or full safetensors; returns the dir.
+
+        Sharded, every rank calls it and rank 0 writes: the adapters gathered whole, or the full
+        weights gathered one tensor at a time into safetensors files (``sharding``).
+        """
+        if not self.sharded:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(directory, safe_serialization=True)
+            return directory
+        rank = dist.get_rank()
+        if self.settings.lora_rank == 0:
+            return save_full_safetensors(self.model, directory, rank=rank)
+        adapters = gather_trainable(self.model)
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(directory, state_dict=adapters, safe_serialization=True)
         return directory
