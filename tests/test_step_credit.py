@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from pathlib import Path
 from typing import get_args
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from batch_helpers import agent_turns, make_store, write_trajectory
 from pydantic import ValidationError
 
 from datapool.batches import stages
-from datapool.batches.build import NothingToBatchError, build_rows
+from datapool.batches.build import NothingToBatchError, build_rows, materialise, read_rows
+from datapool.batches.exports import export_batch
 from datapool.batches.rows import StepTokens
+from datapool.batches.settings import BatchSettings
 from datapool.batches.spec import BatchSpec
 from datapool.batches.stages import Group, Member
 from datapool.batches.step_advantages import (
@@ -246,4 +250,44 @@ def test_a_trajectory_with_an_unrewarded_step_is_not_ready_until_its_step_reward
     assert by_step[ids[0]]["advantage"] == pytest.approx(0.5 / math.sqrt(0.5) + 1.5, rel=1e-5)
     assert by_step[other[1]]["advantage"] == pytest.approx(-0.5 / math.sqrt(0.5), rel=1e-5)
     assert manifest["step_credit"]["step_reward_names"] == ["prm"]
+    store.engine.dispose()
+
+
+def test_exports_carry_each_steps_rewards_and_both_advantages(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = make_store(pool_settings)
+    # one task prompt, two different first answers: the first steps share a state
+    turns_a = [([1, 2, 3], [10, 11]), ([1, 2, 3, 10, 11, 7], [12, 13])]
+    turns_b = [([1, 2, 3], [20, 21]), ([1, 2, 3, 20, 21, 7], [22, 23])]
+    a = write_trajectory(store, "a", turns_a, group_id="g", reward=1.0)
+    b = write_trajectory(store, "b", turns_b, group_id="g", reward=0.0)
+    add_rewards(
+        store.sessions,
+        [
+            RewardIn("step", s, "prm", v)
+            for s, v in zip([*a, *b], [0.5, 1.0, 0.0, 0.25], strict=True)
+        ],
+    )
+    spec = BatchSpec(step_reward_names=["prm"], step_advantage="anchor_state", name="x")
+    batch = materialise(store, spec, BatchSettings(batch_uri=str(tmp_path / "batches")))
+    table = read_rows(batch)
+    out = tmp_path / "rows.parquet"
+    export_batch(store, batch, table, out, "parquet")
+    rows = {r["step_ids"][0]: r for r in pq.read_table(out).to_pylist()}
+    # the step reward sits on the row's last sampled token (2 response tokens): [0, r]
+    assert rows[a[1]]["response_token_rewards"] == [0.0, 1.0]
+    assert rows[b[1]]["process_reward"] == 0.25
+    assert rows[a[0]]["advantage"] == pytest.approx(
+        rows[a[0]]["episode_advantage"] + rows[a[0]]["step_advantage"]
+    )
+    jsonl = tmp_path / "rows.jsonl"
+    export_batch(store, batch, table, jsonl, "messages")
+    records = {r["step_ids"][0]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    assert records[a[1]]["step_rewards"] == {"prm": 1.0}
+    assert records[a[1]]["step_advantage"] == rows[a[1]]["step_advantage"]
+    assert records[a[1]]["anchor_key"] == rows[a[1]]["anchor_key"]
+    # first steps share the task state: one sub-group of 2; second steps differ
+    assert rows[a[0]]["anchor_group_size"] == 2 and rows[a[1]]["anchor_group_size"] == 1
+    assert batch.manifest["step_credit"]["anchor"]["subgroup_sizes"] == {"2": 1}
     store.engine.dispose()

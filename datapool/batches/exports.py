@@ -8,12 +8,15 @@ columns are slices of the stored IDs, and ``messages`` are the requests and repl
 Split columns (per row, ``p`` = ``prompt_tokens``, the tokens before the first sampled token):
 ``prompt_ids = input_ids[:p]``, ``response_ids = input_ids[p:]``, ``response_mask =
 loss_mask[p:]`` (0 on environment tokens inside a merged row), ``response_logprobs =
-behaviour_logprobs[p:]``.
+behaviour_logprobs[p:]``, and ``response_token_rewards``: the row's step reward
+(``process_reward``) on its last sampled token and 0.0 on the others, the token-level reward
+layout of verl's ``token_level_rewards``; null for a row without a step reward (never zeros).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -58,9 +61,27 @@ def with_split_columns(table: pa.Table) -> pa.Table:
         ("response_ids", response_ids),
         ("response_mask", response_mask),
         ("response_logprobs", response_logprobs),
+        ("response_token_rewards", _token_rewards(response_mask, table["process_reward"])),
     ):
         table = table.append_column(name, column)
     return table
+
+
+def _token_rewards(response_mask: pa.ListArray, process_reward: pa.ChunkedArray) -> pa.Array:
+    """Per row ``[R]`` float64: ``process_reward`` on the last token whose mask is 1, else 0;
+    null where the row has no step reward (NaN)."""
+    rewards = process_reward.to_numpy()  # [B]
+    result: list[list[float] | None] = []
+    for mask, reward in zip(response_mask.to_pylist(), rewards.tolist(), strict=True):
+        if math.isnan(reward):
+            result.append(None)
+            continue
+        row = [0.0] * len(mask)
+        sampled = [i for i, m in enumerate(mask) if m]
+        if sampled:
+            row[sampled[-1]] = reward
+        result.append(row)
+    return pa.array(result, pa.list_(pa.float64()))
 
 
 def export_batch(
@@ -95,6 +116,11 @@ def export_batch(
                     "step_ids": table["step_ids"][i].as_py(),
                     "reward": _finite(table["reward"][i].as_py()),
                     "advantage": _finite(table["advantage"][i].as_py()),
+                    "step_rewards": json.loads(table["step_rewards_json"][i].as_py() or "null"),
+                    "process_reward": _finite(table["process_reward"][i].as_py()),
+                    "episode_advantage": _finite(table["episode_advantage"][i].as_py()),
+                    "step_advantage": _finite(table["step_advantage"][i].as_py()),
+                    "anchor_key": table["anchor_key"][i].as_py(),
                 }
                 sink.write(json.dumps(record) + "\n")
         return len(last_steps)
