@@ -67,8 +67,9 @@ class GatewayMetrics:
         )
         self.step_flags = Counter(
             "trajgate_step_flags",
-            "Steps by integrity or quality flag (ids_missing, "
-            "ids_incomplete, aborted, truncated, prefix_break, ...).",
+            "Steps by the flags the gateway set (ids_missing, ids_incomplete, aborted, "
+            "truncated, resend, ...); prefix breaks, found at commit, are "
+            "trajgate_pool_prefix_breaks_total.",
             ["flag"],
             registry=r,
         )
@@ -186,6 +187,15 @@ class PoolWriterCollector(Collector):
         )
         for name, documentation, value in simple:
             yield CounterMetricFamily(name, documentation, value=value)
+        breaks = CounterMetricFamily(
+            "trajgate_pool_prefix_breaks",
+            "Committed steps whose prompt does not extend the trajectory's latest step (flag "
+            "prefix_break), by divergence_kind; a re-send or retry of the same prompt is no break.",
+            labels=["kind"],
+        )
+        for kind, count in sorted(self.writer.store.prefix_breaks.items()):
+            breaks.add_metric([kind], count)
+        yield breaks
         yield GaugeMetricFamily(
             "trajgate_pool_writable",
             "1 while the pool takes writes; 0 from a failed commit until the next good one.",

@@ -146,6 +146,45 @@ def test_c02_thinking_dropped_from_history_is_a_prefix_break_of_its_own_kind(
     assert step2.prompt_token_ids is not None and step2.response_token_ids
 
 
+def test_c02_reasoning_dropped_after_a_plain_turn_is_a_break_from_the_latest_step(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # Turn 0 plain, turn 1 "<think>...</think>answer", turn 2 plain. The template drops turn 1's
+    # reasoning, so P_2 leaves S_1 but still extends S_0: the parent is turn 0 (P_2 extends it),
+    # and the step also says it diverges from turn 1, where, and why (issue 17 item 13).
+    url = f"{gateway.url}/t/c02h/v1/chat/completions"
+    history: list[dict[str, Any]] = []
+    for turn, regex in enumerate(["[a-z]{2,6}", "<think>[a-z]{2,6}</think>[a-z]{2,6}", None]):
+        history.append({"role": "user", "content": f"Turn {turn}: answer briefly."})
+        body: dict[str, Any] = {"model": "tiny", "messages": history, "max_tokens": 40}
+        body["temperature"] = 0
+        if regex is not None:
+            body["structured_outputs"] = {"regex": regex}
+        else:
+            body["max_tokens"] = 4
+        response = _post(url, body)
+        assert response.status_code == 200, response.text
+        answer = response.json()["choices"][0]["message"]["content"]
+        history = [*history, {"role": "assistant", "content": answer}]
+    turn0, turn1, turn2 = steps_of(pool_settings, "c02h")
+    assert "<think>" not in turn0.response_message["content"]
+    assert "</think>" in turn1.response_message["content"]
+    s0 = [*turn0.prompt_token_ids, *turn0.response_token_ids]
+    s1 = [*turn1.prompt_token_ids, *turn1.response_token_ids]
+    p2 = turn2.prompt_token_ids
+    assert turn1.parent_step_id == turn0.id and turn1.extends_parent is True
+    assert p2[: len(s0)] == s0 and p2[: len(s1)] != s1  # extends turn 0, leaves turn 1
+    assert turn2.parent_step_id == turn0.id and turn2.extends_parent is True
+    offset = turn2.divergence_offset
+    assert p2[:offset] == s1[:offset] and p2[offset] != s1[offset]
+    assert "prefix_break" in turn2.flags
+    assert turn2.divergence_kind == "thinking_stripped"
+    detail = turn2.divergence_detail
+    assert detail["step_id"] == turn1.id and detail["offset"] == offset
+    start = detail["window_start"]
+    assert detail["parent_ids"] == s1[start : start + len(detail["parent_ids"])]
+
+
 @pytest.mark.parametrize("tool_turns", [1, 2, 5])
 def test_c03_stored_prompt_ids_are_the_templates_rendering_for_tool_turns(
     vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tool_turns: int
@@ -541,6 +580,12 @@ def test_c13_identical_resend_is_linked_to_the_earlier_call(
     steps = steps_of(pool_settings, "c13r")
     assert "resend" not in steps[0].flags and "resend" in steps[1].flags
     assert steps[0].call_id == steps[1].call_id
+    # A fork at the same prompt, not a rewritten history (issue 17 item 14): the re-send is the
+    # first step's sibling (both roots here), and no prefix break is recorded or counted.
+    assert "prefix_break" not in steps[1].flags
+    assert steps[1].parent_step_id == steps[0].parent_step_id is None
+    assert steps[1].extends_parent is steps[0].extends_parent is None
+    assert steps[1].divergence_offset is None and steps[1].divergence_kind is None
 
 
 def _attempts(pool_settings: PoolSettings, call_id: str | None) -> list[dict[str, Any]]:

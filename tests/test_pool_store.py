@@ -130,8 +130,11 @@ def test_fast_lineage_agrees_with_prefix_choose_parent() -> None:
             response = [rng.randint(0, 3) for _ in range(rng.randint(0, 2))]
             lineage = tokens.choose_parent(encode_ids(prompt) or b"")
             assert lineage == choose_parent(candidates, prompt)
-            tokens.add(f"s{k}", lineage, encode_ids(prompt) or b"", encode_ids(response) or b"")
-            candidates.append(Candidate(f"s{k}", [*prompt, *response]))
+            call = rng.choice([None, k, k - 1]) if k else None  # sometimes choices of one call
+            tokens.add(
+                f"s{k}", lineage, encode_ids(prompt) or b"", encode_ids(response) or b"", call=call
+            )
+            candidates.append(Candidate(f"s{k}", [*prompt, *response], len(prompt), call, lineage))
         probe = [rng.randint(0, 3) for _ in range(rng.randint(0, 9))]
         assert tokens.choose_parent(encode_ids(probe) or b"") == choose_parent(candidates, probe)
     assert Lineage(None, None, None) == TrajectoryTokens().choose_parent(b"")

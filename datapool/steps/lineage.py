@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,12 @@ class _Candidate:
     # ``datapool.steps.messages``), strings shared with its parent's; None: no messages list.
     message_keys: list[str] | None = None
     has_response: bool = False  # whether the last message key is its response message
+    prompt_length_bytes: int = -1  # ``len(P)`` in bytes; -1: unknown (never a fork's twin)
+    call: int = -1  # the call it answered: choices of one call share it
+    # Its own place, repeated by a fork at the same prompt (``prefix.choose_parent`` rule 2).
+    lineage: Lineage = field(default_factory=lambda: Lineage(None, None, None))
+    divergence_kind: str | None = None
+    divergence_detail: dict[str, Any] | None = None
 
 
 @dataclass
@@ -77,18 +83,35 @@ class TrajectoryTokens:
             key=lambda i: (self.candidates[i].length_bytes, i),
             reverse=True,
         )
-        for i in order:
-            candidate = self.candidates[i]
-            n = candidate.length_bytes
-            if n <= len(prompt) and prompt.startswith(candidate.buffer[:n]):
-                return Lineage(candidate.step_id, True, None)
+        best = next((self.candidates[i] for i in order if self._extends(prompt, i)), None)
         latest = self.candidates[-1]
+        if best is not None and (best.call == latest.call or self._extends_call(prompt, latest)):
+            return Lineage(best.step_id, True, None)
+        for candidate in reversed(self.candidates):
+            n = candidate.prompt_length_bytes
+            if n == len(prompt) and candidate.buffer[:n] == prompt:
+                return replace(candidate.lineage, fork_of=candidate.step_id)
         sequence = np.frombuffer(bytes(latest.buffer[: latest.length_bytes]), dtype="<i4")
         ids = np.frombuffer(prompt, dtype="<i4")
         shared = min(len(sequence), len(ids))
         differ = np.flatnonzero(sequence[:shared] != ids[:shared])
         offset = int(differ[0]) if differ.size else shared
+        if best is not None:
+            return Lineage(best.step_id, True, offset, latest.step_id)
         return Lineage(latest.step_id, False, offset)
+
+    def _extends_call(self, prompt: bytes, latest: _Candidate) -> bool:
+        """Whether ``prompt`` extends any candidate of ``latest``'s call (its choices)."""
+        return any(
+            self._extends(prompt, i)
+            for i in range(len(self.candidates) - 1, -1, -1)
+            if self.candidates[i].call == latest.call
+        )
+
+    def _extends(self, prompt: bytes, i: int) -> bool:
+        candidate = self.candidates[i]
+        n = candidate.length_bytes
+        return n <= len(prompt) and prompt.startswith(candidate.buffer[:n])
 
     def sequence_of(self, step_id: str) -> bytes:
         candidate = self._candidate(step_id)
@@ -125,7 +148,11 @@ class TrajectoryTokens:
             kind, detail = None, None
         else:
             lineage = self.choose_parent(prompt)
-            kind, detail = self._divergence(call, lineage)
+            if lineage.fork_of is not None:  # the twin's own break facts, if it had any
+                twin = self._candidate(lineage.fork_of)
+                kind, detail = twin.divergence_kind, twin.divergence_detail
+            else:
+                kind, detail = self._divergence(call, lineage)
         parent = lineage.parent_step_id
         # Only a candidate's keys are known, so a failed or token-less parent gets None and the
         # messages are stored whole.
@@ -140,15 +167,17 @@ class TrajectoryTokens:
     def _divergence(
         self, call: CallRecord, lineage: Lineage
     ) -> tuple[str | None, dict[str, Any] | None]:
-        """For a prefix break: its kind (from the messages) and a window of both sides.
+        """For a prefix break: its kind (from the messages) and a window of both sides, with
+        ``step_id`` the step compared (the parent, or at a hidden break the latest step).
 
-        The parent's full messages and response come from its message keys here (a parent is
+        The compared step's full messages and response come from its message keys here (it is
         always a candidate), not from its stored delta.
         """
-        if lineage.extends_parent is not False or lineage.divergence_offset is None:
+        if not lineage.is_break or lineage.divergence_offset is None:
             return None, None
-        assert lineage.parent_step_id is not None and call.prompt_token_ids is not None
-        keys, has_response = self.message_keys_of(lineage.parent_step_id)
+        compared = lineage.diverges_from or lineage.parent_step_id
+        assert compared is not None and call.prompt_token_ids is not None
+        keys, has_response = self.message_keys_of(compared)
         new_messages = history_of(call.request)
         if keys is None or new_messages is None:
             # Either side has no history list (a completions prompt, a Responses ``input``
@@ -159,11 +188,11 @@ class TrajectoryTokens:
             parent_messages = [json.loads(key) for key in request_keys]
             parent_response = json.loads(keys[-1]) if has_response else None
             kind = classify_divergence(parent_messages, parent_response, new_messages)
-        sequence = np.frombuffer(self.sequence_of(lineage.parent_step_id), dtype="<i4")
+        sequence = np.frombuffer(self.sequence_of(compared), dtype="<i4")
         detail = divergence_window(
             sequence.tolist(), call.prompt_token_ids, lineage.divergence_offset
         )
-        return kind, detail
+        return kind, {"step_id": compared, **detail}
 
     def remember(
         self,
@@ -190,7 +219,17 @@ class TrajectoryTokens:
                     )
                     # Without a history list there are no keys, so no response key either.
                     answered = keys is not None and choice.response_message is not None
-                    self.add(step_id, placement.lineage, prompt, response, keys, answered)
+                    self.add(
+                        step_id,
+                        placement.lineage,
+                        prompt,
+                        response,
+                        keys,
+                        answered,
+                        call=self.call_count,
+                        kind=placement.divergence_kind,
+                        detail=placement.divergence_detail,
+                    )
         if step_ids:
             self.latest_step_id = step_ids[0]
 
@@ -202,21 +241,41 @@ class TrajectoryTokens:
         response: bytes,
         message_keys: list[str] | None = None,
         has_response: bool = False,
+        *,
+        call: int | None = None,
+        kind: str | None = None,
+        detail: dict[str, Any] | None = None,
     ) -> None:
-        """Remember step ``step_id`` with sequence ``prompt + response`` (int32 bytes) and
-        its message keys (``datapool.steps.messages.history_keys``)."""
+        """Remember step ``step_id`` placed at ``parent`` with sequence ``prompt + response``
+        (int32 bytes), its message keys (``datapool.steps.messages.history_keys``), the call it
+        answered (its ``step_index``; choices of one call share it, None: a call of its own)
+        and its break facts (``kind``, ``detail``)."""
+        buffer = None
         if parent.extends_parent and parent.parent_step_id is not None:
             base = self._candidate(parent.parent_step_id)
             if len(base.buffer) == base.length_bytes:  # the parent is its buffer's tip
                 base.buffer += prompt[base.length_bytes :]
                 base.buffer += response
-                self.candidates.append(
-                    _Candidate(step_id, base.buffer, len(base.buffer), message_keys, has_response)
-                )
-                return
-        buffer = bytearray(prompt)
-        buffer += response
-        self.candidates.append(_Candidate(step_id, buffer, len(buffer), message_keys, has_response))
+                buffer = base.buffer
+        if buffer is None:
+            buffer = bytearray(prompt)
+            buffer += response
+        if call is None:  # a call of its own: below every step_index
+            call = -1 - len(self.candidates)
+        self.candidates.append(
+            _Candidate(
+                step_id,
+                buffer,
+                len(buffer),
+                message_keys,
+                has_response,
+                len(prompt),
+                call,
+                parent,
+                kind,
+                detail,
+            )
+        )
 
 
 def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> TrajectoryTokens:
@@ -241,7 +300,11 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
             and payload.prompt_token_ids is not None
             and payload.response_token_ids is not None
         ):
-            lineage = Lineage(row.parent_step_id, row.extends_parent, row.divergence_offset)
+            detail = row.divergence_detail
+            hidden = None  # the latest step a hidden break left (``prefix.Lineage``)
+            if row.extends_parent and detail is not None:
+                hidden = detail.get("step_id")
+            lineage = Lineage(row.parent_step_id, row.extends_parent, row.divergence_offset, hidden)
             known = {c.step_id for c in tokens.candidates}
             if row.parent_step_id not in known:
                 lineage = Lineage(None, None, None)
@@ -258,6 +321,9 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
                 pack_ids(payload.response_token_ids),
                 keys,
                 keys is not None and row.response_message is not None,
+                call=row.step_index,
+                kind=row.divergence_kind,
+                detail=detail,
             )
     return tokens
 

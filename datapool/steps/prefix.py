@@ -8,13 +8,23 @@ step k *extends* into the new one when ``P[:len(S_k)] == S_k``. The parent is th
 with the longest such ``S_k`` (so retries and forks form a tree); when none extends, the parent is
 the latest step and the first offset where ``P`` and its ``S`` differ is the divergence offset.
 
+Two refinements keep a break from hiding or being invented (issue 17):
+
+- A *hidden break*: ``P`` extends an earlier step but none of the latest call's steps (turn 1's
+  reasoning, stripped from history by the template, leaves turn 2 extending turn 0). The parent
+  is still the earlier step it extends, and the lineage also says which latest step it diverges
+  from and where (``diverges_from``, ``divergence_offset``): a break, flagged like any other.
+- A *fork at the same prompt*: ``P`` equals an earlier step's prompt (an identical re-send, a
+  retry, another sample). It is that step's sibling (same parent, same lineage, ``fork_of``),
+  never a break of its own.
+
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -31,25 +41,52 @@ def first_divergence(sequence: Sequence[int], prompt: Sequence[int]) -> int | No
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """An earlier step's id and its full sequence ``prompt_ids + response_ids``."""
-
-    step_id: str
-    sequence: Sequence[int]
-
-
-@dataclass(frozen=True)
 class Lineage:
+    """Where a new step hangs: ``parent_step_id`` (None: a root), whether its prompt extends
+    the parent's ``S`` (None: not compared), and at a prefix break the first offset where the
+    prompt leaves the compared step's ``S``: the parent's, or at a hidden break (the prompt
+    extends the parent but not the latest step) that of ``diverges_from``, the latest step.
+    ``fork_of``: the earlier step with the very same prompt whose lineage this one repeats (a
+    re-send or retry: never a break of its own)."""
+
     parent_step_id: str | None
     extends_parent: bool | None
     divergence_offset: int | None
+    diverges_from: str | None = None
+    fork_of: str | None = None
+
+    @property
+    def is_break(self) -> bool:
+        """Whether this step starts a prefix break of its own (flag ``prefix_break``)."""
+        return self.fork_of is None and (
+            self.extends_parent is False or self.diverges_from is not None
+        )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An earlier step: its id, its full sequence ``prompt_ids + response_ids``, how many of
+    those are its prompt (None: unknown, never a fork's twin), the call it answered (choices of
+    one call share it; None: a call of its own) and its own lineage."""
+
+    step_id: str
+    sequence: Sequence[int]
+    prompt_length: int | None = None
+    call: int | None = None
+    lineage: Lineage | None = None
 
 
 def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lineage:
     """Pick the parent of a new step with ``prompt`` among ``candidates`` (oldest first).
 
-    No candidates: a root step (parent None, extends None). Otherwise the longest extending
-    candidate, or, if none extends, the latest candidate with the divergence offset.
+    No candidates: a root step (parent None, extends None). Otherwise, in order:
+
+    1. the longest extending candidate, when the prompt extends one of the latest call's
+       candidates (the usual next turn) → ``Lineage(k, True, None)``;
+    2. the latest candidate whose prompt is exactly ``prompt`` → its lineage, ``fork_of`` it;
+    3. the longest extending candidate, diverging from the latest candidate → a hidden break
+       ``Lineage(k, True, offset, diverges_from=latest)``;
+    4. none extends → ``Lineage(latest, False, offset)`` (the parent is the step compared).
     """
     if not candidates:
         return Lineage(None, None, None)
@@ -59,10 +96,27 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
             best is None or len(candidate.sequence) >= len(best.sequence)
         ):
             best = candidate
-    if best is not None:
-        return Lineage(best.step_id, True, None)
     latest = candidates[-1]
-    return Lineage(latest.step_id, False, first_divergence(latest.sequence, prompt))
+    latest_call = [c for c in candidates if _same_call(c, latest)]
+    if best is not None and any(first_divergence(c.sequence, prompt) is None for c in latest_call):
+        return Lineage(best.step_id, True, None)
+    for candidate in reversed(candidates):
+        if candidate.prompt_length is not None and list(
+            candidate.sequence[: candidate.prompt_length]
+        ) == list(prompt):
+            return replace(
+                candidate.lineage or Lineage(None, None, None), fork_of=candidate.step_id
+            )
+    offset = first_divergence(latest.sequence, prompt)
+    if best is not None:
+        return Lineage(best.step_id, True, offset, latest.step_id)
+    return Lineage(latest.step_id, False, offset)
+
+
+def _same_call(candidate: Candidate, latest: Candidate) -> bool:
+    if latest.call is None:
+        return candidate is latest
+    return candidate.call == latest.call
 
 
 # Kinds of prefix break, from the most to the least specific explanation.

@@ -17,6 +17,7 @@ back into this module.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,6 +77,9 @@ class PoolStore:
         self._lineage = LineageCache(self.settings.lineage_cache_trajectories)
         self._write_lock = threading.Lock()
         self._inserts = Inserts()
+        # Committed steps that start a prefix break, by ``divergence_kind`` (the gateway's
+        # ``trajgate_pool_prefix_breaks_total``); re-sends and retries are never counted.
+        self.prefix_breaks: Counter[str] = Counter()
 
     # ---- writing ---------------------------------------------------------------------------
 
@@ -116,7 +120,9 @@ class PoolStore:
             trajectory_ids = list(dict.fromkeys(p.trajectory_id for p in pending))
             try:
                 with self.sessions.begin() as session:
-                    return self._record_in(session, pending, trajectory_ids, writer_id)
+                    results, breaks = self._record_in(session, pending, trajectory_ids, writer_id)
+                self.prefix_breaks.update(breaks)
+                return results
             except BaseException:
                 for trajectory_id in trajectory_ids:
                     self._lineage.forget(trajectory_id)
@@ -128,9 +134,10 @@ class PoolStore:
         pending: Sequence[PendingCall],
         trajectory_ids: list[str],
         writer_id: str | None,
-    ) -> list[CallResult]:
+    ) -> tuple[list[CallResult], list[str]]:
         """The transaction of ``record_calls``: lock (or create) the trajectories, bring their
-        lineage memory up to date, turn each call of an open trajectory into rows, write them."""
+        lineage memory up to date, turn each call of an open trajectory into rows, write them.
+        Returns each call's result and the kind of each prefix break written."""
         connection = session.connection()
         if connection.dialect.name == "sqlite":
             # Take the write lock before reading the trajectories' state, so nothing can close
@@ -155,7 +162,7 @@ class PoolStore:
                 batch.reject(p.trajectory_id)
                 results.append(TrajectoryClosedError(p.trajectory_id, status))
         batch.write(connection, self._inserts, writer_id)
-        return results
+        return results, batch.prefix_breaks
 
     @staticmethod
     def _steps_of_call(p: PendingCall, tokens: TrajectoryTokens, batch: WriteBatch) -> list[str]:

@@ -120,6 +120,8 @@ class WriteBatch:
         self._steps: list[dict[str, Any]] = []
         self._payloads: list[dict[str, Any]] = []
         self._attempts: list[dict[str, Any]] = []
+        # The kind of each step that starts a prefix break ("unknown" when none was found).
+        self.prefix_breaks: list[str] = []
 
     def reject(self, trajectory_id: str) -> None:
         """Count a call refused because its trajectory is not open."""
@@ -150,8 +152,9 @@ class WriteBatch:
         ):
             step_id = choice.step_id or str(uuid.uuid4())
             flags = list(choice.flags)
-            if lineage.extends_parent is False:
+            if lineage.is_break:  # not at a fork at the same prompt (a re-send, a retry)
                 flags.append("prefix_break")
+                self.prefix_breaks.append(placement.divergence_kind or "unknown")
             ids = choice.response_token_ids
             self._steps.append(
                 {
