@@ -68,6 +68,10 @@ def _as_utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+# The largest value of an Integer column on PostgreSQL (INTEGER: 32 bits; SQLite's hold 64). Every
+# integer the API accepts for such a column, or compares with one, is bounded by it at the edge.
+INTEGER_MAX = 2**31 - 1
+
 # none_as_null: a Python None is SQL NULL ("missing"), never the JSON literal null.
 JSONColumn = JSON(none_as_null=True)
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from datapool.batches.advantages import Algorithm
 from datapool.batches.step_advantages import StepAlgorithm, StepNormalisation, step_estimator
 from datapool.curation.selection import TrajectoryFilter
+from datapool.models import INTEGER_MAX
 
 Layout = Literal["per_step", "merged"]
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)
@@ -35,7 +36,10 @@ class BatchSpec(BaseModel):
     algorithm: Algorithm = "grpo"
     layout: Layout = "per_step"
     group_size: int | None = Field(
-        default=None, ge=1, description="Members per group (the oldest ready ones are taken)."
+        default=None,
+        ge=1,
+        le=INTEGER_MAX,
+        description="Members per group (the oldest ready ones are taken).",
     )
     short_groups: ShortGroups = Field(
         default="drop", description="A group with fewer ready members than group_size."
@@ -73,13 +77,16 @@ class BatchSpec(BaseModel):
         default="prompt_after_task_prefix",
         description="anchor_state: what makes two steps' states identical.",
     )
-    max_tokens_per_row: int | None = Field(default=None, ge=1)
-    max_tokens_per_batch: int | None = Field(default=None, ge=1)
-    max_staleness_versions: int | None = Field(default=None, ge=0)
+    max_tokens_per_row: int | None = Field(default=None, ge=1, le=INTEGER_MAX)
+    max_tokens_per_batch: int | None = Field(default=None, ge=1, le=INTEGER_MAX)
+    max_staleness_versions: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
     current_policy_version: int | None = Field(
-        default=None, description="Staleness reference; default the active policy version."
+        default=None,
+        ge=0,
+        le=INTEGER_MAX,
+        description="Staleness reference; default the active policy version.",
     )
-    shuffle_seed: int | None = None
+    shuffle_seed: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
     exclude_batched: bool = Field(
         default=True, description="Skip trajectories already in a batch (not failed)."
     )

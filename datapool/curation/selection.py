@@ -17,7 +17,7 @@ from sqlalchemy import Text, cast, exists, select
 from sqlalchemy.orm import Session
 
 from datapool.curation.labels import Quality, current_labels
-from datapool.models import Step, Trajectory
+from datapool.models import INTEGER_MAX, Step, Trajectory
 from datapool.rewards.values import current_rewards_query
 
 
@@ -36,13 +36,17 @@ class TrajectoryFilter(BaseModel):
     reward_min: float | None = None
     reward_max: float | None = None
     rewarded: bool | None = Field(default=None, description="Has reward_name (true) or not.")
-    policy_version: int | None = Field(default=None, description="Has a step of this version.")
+    policy_version: int | None = Field(
+        default=None, ge=0, le=INTEGER_MAX, description="Has a step of this version."
+    )
     created_after: datetime | None = None
     created_before: datetime | None = None
     quality: list[Quality] | None = Field(
         default=None, description="Current quality label of the trajectory is one of these."
     )
-    limit: int | None = Field(default=None, ge=1, description="Oldest first, at most this many.")
+    limit: int | None = Field(
+        default=None, ge=1, le=INTEGER_MAX, description="Oldest first, at most this many."
+    )
 
 
 _LIKE_ESCAPE = "\\"

@@ -24,7 +24,7 @@ from datapool.curation.labels import current_labels, labels_of_trajectories
 from datapool.curation.readiness import trajectory_readiness
 from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
 from datapool.db import Sessions, chunks
-from datapool.models import CurationMark, CurationRule, Reward, Step, Trajectory
+from datapool.models import INTEGER_MAX, CurationMark, CurationRule, Reward, Step, Trajectory
 from datapool.queries.specs import channel_specs, judged_spec
 from datapool.rewards.values import current_rewards
 from datapool.steps.messages import expand_requests
@@ -47,7 +47,7 @@ class ListQuery(BaseModel):
     reward_min: float | None = None
     reward_max: float | None = None
     rewarded: bool | None = None
-    policy_version: int | None = None
+    policy_version: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
     created_after: datetime | None = None
     created_before: datetime | None = None
     q: str | None = Field(
@@ -55,7 +55,7 @@ class ListQuery(BaseModel):
     )
     sort: SortKey = "created_at"
     order: Literal["asc", "desc"] = "desc"
-    offset: int = Field(default=0, ge=0)
+    offset: int = Field(default=0, ge=0, le=INTEGER_MAX)
     limit: int = Field(default=50, ge=1, le=500)
 
     def to_filter(self, trajectory_ids: list[str] | None = None) -> TrajectoryFilter:

@@ -9,10 +9,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
 from gateway.auth import check_admin_token
 from gateway.state import GatewayState
@@ -29,7 +30,9 @@ router = APIRouter(prefix="/admin", tags=["admin"], route_class=PoolRoute)
 
 
 class PolicyVersionCreate(BaseModel):
-    version: int = Field(ge=0, description="Integer id of the weights; bumps on each sync.")
+    version: int = Field(
+        ge=0, le=INTEGER_MAX, description="Integer id of the weights; bumps on each sync."
+    )
     model_name: str = Field(
         min_length=1, description="Upstream model name serving it (base model or LoRA adapter)."
     )
@@ -90,7 +93,9 @@ async def register_policy_version(
 
 
 @router.post("/policy-versions/{version}/activate")
-async def activate_policy_version(version: int, state: AdminDep) -> PolicyVersionPublic:
+async def activate_policy_version(
+    version: Annotated[int, Path(ge=0, le=INTEGER_MAX)], state: AdminDep
+) -> PolicyVersionPublic:
     return _public(await run_in_threadpool(state.policy.activate, version))
 
 

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import pyarrow as pa
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -27,7 +27,7 @@ from datapool.curation import bulk_labels, labels, readiness
 from datapool.curation import rules as curation
 from datapool.curation.selection import TrajectoryFilter
 from datapool.db import Sessions
-from datapool.models import Batch, CurationRule, Label
+from datapool.models import INTEGER_MAX, Batch, CurationRule, Label
 from datapool.queries.labels import current_label as current_label_of
 from datapool.queries.labels import label_history
 from gateway.api.bodies import PoolRoute
@@ -215,7 +215,9 @@ class RuleCreated(RulePublic):
 
 
 class ApplyRequest(BaseModel):
-    rule_ids: list[int] | None = Field(default=None, description="Default: every enabled rule.")
+    rule_ids: list[Annotated[int, Field(ge=1, le=INTEGER_MAX)]] | None = Field(
+        default=None, description="Default: every enabled rule."
+    )
     trajectory_ids: list[str] | None = Field(default=None, description="Default: whole pool.")
 
 
@@ -256,7 +258,9 @@ async def list_rules(sessions: SessionsDep) -> list[RulePublic]:
 
 
 @router.delete("/curation/rules/{rule_id}", status_code=204)
-async def delete_rule(rule_id: int, sessions: SessionsDep) -> Response:
+async def delete_rule(
+    rule_id: Annotated[int, Path(ge=1, le=INTEGER_MAX)], sessions: SessionsDep
+) -> Response:
     """Delete a rule and its marks (what it excluded becomes eligible again)."""
     await run_in_threadpool(curation.delete_rule, sessions, rule_id)
     return Response(status_code=204)
@@ -382,7 +386,7 @@ class LeasePublic(BaseModel):
 class AckRequest(BaseModel):
     consumer: str
     lease_id: str
-    policy_version_trained: int | None = None
+    policy_version_trained: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
 
 
 class NackRequest(BaseModel):

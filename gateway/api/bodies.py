@@ -2,8 +2,9 @@
 
 Owns: ``PoolRoute``, the route class of those routers, which reads a JSON body with the
 gateway's strict parser (``gateway.attribution.parse_json``, NUL refused) and refuses a NUL
-character in a query or path parameter; and ``MAX_INTEGER``, the bound of every integer field
-and parameter there. Never: checks a field's meaning (the route's schema does).
+character in a query or path parameter. Every integer field and parameter there is bounded by
+``datapool.models.INTEGER_MAX`` in its route's schema. Never: checks a field's meaning (the
+route's schema does).
 
 Why: a value the pool cannot store would otherwise reach the database and come back as a 500.
 PostgreSQL's ``INTEGER`` columns hold at most 2^31 - 1 (SQLite's 2^63 - 1), its text columns no
@@ -21,9 +22,6 @@ from fastapi.routing import APIRoute
 
 from gateway.attribution import parse_json
 from gateway.errors import InvalidRequestError
-
-# PostgreSQL's INTEGER, the narrowest integer column of the pool (SQLite's holds 2^63 - 1).
-MAX_INTEGER = 2**31 - 1
 
 
 class _StrictJSONRequest(Request):

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.db import Sessions
 from datapool.lifecycle import transitions as lifecycle
-from datapool.models import Step, Trajectory, TrajectoryStatus
+from datapool.models import INTEGER_MAX, Step, Trajectory, TrajectoryStatus
 from datapool.queries import groups, steps, trajectories
 from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
@@ -155,7 +155,7 @@ class RewardIds(BaseModel):
 
 
 class GroupUpdate(BaseModel):
-    expected_size: int | None = Field(default=None, ge=1)
+    expected_size: int | None = Field(default=None, ge=1, le=INTEGER_MAX)
 
 
 class GroupPublic(BaseModel):
@@ -239,7 +239,9 @@ async def list_trajectories(
     reward_min: float | None = None,
     reward_max: float | None = None,
     rewarded: Annotated[bool | None, Query(description="Has reward_name (true) or not.")] = None,
-    policy_version: Annotated[int | None, Query(description="Has a step of this version.")] = None,
+    policy_version: Annotated[
+        int | None, Query(ge=0, le=INTEGER_MAX, description="Has a step of this version.")
+    ] = None,
     created_after: datetime | None = None,
     created_before: datetime | None = None,
     q: Annotated[
@@ -408,11 +410,12 @@ async def get_group(group_id: str, sessions: SessionsDep) -> GroupPublic:
 @router.get("/steps/stale", response_model=list[StaleStep])
 async def stale_steps(
     sessions: SessionsDep,
-    current_version: Annotated[int, Query(ge=0)],
-    max_versions_behind: Annotated[int, Query(ge=0)] = 0,
+    current_version: Annotated[int, Query(ge=0, le=INTEGER_MAX)],
+    max_versions_behind: Annotated[int, Query(ge=0, le=INTEGER_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     after_version: Annotated[
-        int | None, Query(description="Page after this row: its policy_version...")
+        int | None,
+        Query(ge=0, le=INTEGER_MAX, description="Page after this row: its policy_version..."),
     ] = None,
     after_step_id: Annotated[str | None, Query(description="...and its step_id.")] = None,
 ) -> list[StaleStep]:

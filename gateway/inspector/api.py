@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.errors import UnknownTargetError
+from datapool.models import INTEGER_MAX
 from datapool.queries import charts, groups, listing, steps
 from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
@@ -185,7 +186,7 @@ async def group_rollouts(
 @router.get("/curation/marks")
 async def curation_marks(
     sessions: SessionsDep,
-    rule_id: int | None = None,
+    rule_id: Annotated[int | None, Query(ge=1, le=INTEGER_MAX)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
 ) -> list[dict[str, Any]]:
     """What curation rules marked (excluded or flagged), newest first, with each reason."""
@@ -234,7 +235,7 @@ async def preview_batch(spec: batches.BatchSpec, store: StoreDep) -> dict[str, A
 async def chart_data(
     sessions: SessionsDep,
     since: datetime | None = None,
-    bucket_s: Annotated[int, Query(ge=1)] = 60,
+    bucket_s: Annotated[int, Query(ge=1, le=INTEGER_MAX)] = 60,
     reward_name: str | None = None,
 ) -> dict[str, Any]:
     """Reward by policy version and channel (mean, standard error, n) of ``reward_name`` (by
@@ -248,8 +249,8 @@ async def chart_data(
 
 class TrainingMetricIn(BaseModel):
     run: str = Field(default="default", min_length=1, max_length=200)
-    policy_version: int | None = Field(default=None, ge=0)
-    step: int = Field(ge=0, description="The trainer's optimiser step.")
+    policy_version: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
+    step: int = Field(ge=0, le=INTEGER_MAX, description="The trainer's optimiser step.")
     metrics: dict[str, float] = Field(description="Name to value, e.g. loss, kl, grad_norm.")
 
 
@@ -278,7 +279,7 @@ async def post_training_metrics(body: TrainingMetricBatch, sessions: SessionsDep
 async def get_training_metrics(
     sessions: SessionsDep,
     run: str | None = None,
-    after_id: Annotated[int, Query(ge=0)] = 0,
+    after_id: Annotated[int, Query(ge=0, le=INTEGER_MAX)] = 0,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> list[TrainingMetricPublic]:
     """Trainer metric rows oldest first; ``after_id`` returns only newer rows (polling)."""
