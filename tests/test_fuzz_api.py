@@ -15,7 +15,10 @@ reads and writes meet real rows as well as unknown ids. The upstream is an
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
+import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -92,3 +95,48 @@ def test_fuzzing_every_operation_finds_no_server_error(pool_settings: PoolSettin
 
             call()
     assert server_errors == []
+
+
+# Each value one past what PostgreSQL stores (INTEGER: 2^31 - 1; no NUL in text), where the
+# issue met a 500: a 400 naming the field, on both backends, and nothing written.
+PAST_THE_BOUND = 2**31
+PAST_WHAT_IS_STORED = [
+    ("POST", "/admin/policy-versions", {"version": PAST_THE_BOUND, "model_name": "m"}, "version"),
+    ("POST", f"/admin/policy-versions/{PAST_THE_BOUND}/activate", None, "version"),
+    ("DELETE", f"/api/curation/rules/{PAST_THE_BOUND}", None, "rule_id"),
+    ("PUT", "/api/groups/g1", {"expected_size": PAST_THE_BOUND}, "expected_size"),
+    ("GET", f"/api/inspector/trajectories?offset={PAST_THE_BOUND}", None, "offset"),
+    ("GET", f"/api/charts?bucket_s={PAST_THE_BOUND}", None, "bucket_s"),
+    ("GET", f"/api/steps/stale?current_version={PAST_THE_BOUND}", None, "current_version"),
+    ("GET", f"/api/training-metrics?after_id={2**63}", None, "after_id"),
+    ("POST", "/api/training-metrics", {"rows": [{"step": PAST_THE_BOUND, "metrics": {}}]}, "rows"),
+    ("POST", "/api/labels", {"target": "trajectory", "target_id": "t1", "note": "a\u0000b"}, None),
+    ("GET", "/api/trajectories?channel=a%00b", None, "channel"),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "param"),
+    PAST_WHAT_IS_STORED,
+    ids=[f"{m} {p.split('?')[0]}" for m, p, _, _ in PAST_WHAT_IS_STORED],
+)
+def test_a_value_the_pool_cannot_store_is_refused_at_the_edge(
+    pool_settings: PoolSettings, method: str, path: str, body: Any, param: str | None
+) -> None:
+    app = create_app(
+        GatewaySettings(upstream_url=UPSTREAM, health_check_interval_s=3600),
+        pool_settings,
+        upstream_transport=httpx.MockTransport(_upstream),
+    )
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as client:
+        _seed_pool(client)
+        before = client.get("/api/summary").json()
+        answer = client.request(method, path, json=body)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_request"
+        if param is not None:
+            assert error["param"].split(".")[0] == param
+        if "NUL" not in error["message"]:  # the bound is named: "less than or equal to 2147483647"
+            assert str(2**31 - 1) in error["message"] or str(2**63 - 1) in error["message"]
+        assert client.get("/api/summary").json() == before
