@@ -71,6 +71,17 @@ def test_revisited_states_of_real_rollouts_form_anchor_sub_groups_and_the_rows_t
             assert done.status_code == 200, done.text
         for i in range(3):
             wait_for_step_rewards(api, f"w-{i}", steps=3)
+        ready = api.get(
+            "/api/trajectories/w-0/readiness", params={"step_reward_name": "step_position"}
+        ).json()
+        assert ready["ready"] is True and len(ready["step_rewards"]) == 3
+        waiting = api.get(
+            "/api/groups/weather/readiness", params={"step_reward_name": "judge"}
+        ).json()
+        assert waiting["ready"] is False  # nobody posted 'judge': missing is not 0
+        assert all(len(m["unrewarded_steps"]) == 3 for m in waiting["members"])
+        lacking = [v for m in waiting["members"] for v in m["unrewarded_steps"].values()]
+        assert lacking == [["judge"]] * 9
         created = api.post(
             "/api/batches",
             json={

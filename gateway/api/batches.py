@@ -289,6 +289,12 @@ class ReadinessPublic(BaseModel):
     notes: list[str] = Field(description="Non-blocking facts: flag marks, overridden rules.")
     rewards: dict[str, float]
     excluded_steps: dict[str, str] = Field(description="Steps kept out of rows, and why.")
+    step_rewards: dict[str, dict[str, float]] = Field(
+        description="The required step rewards of each step: {step id: {name: value}}."
+    )
+    unrewarded_steps: dict[str, list[str]] = Field(
+        description="Trainable steps lacking a required step reward, and the names they lack."
+    )
 
 
 class GroupReadinessPublic(BaseModel):
@@ -301,6 +307,10 @@ class GroupReadinessPublic(BaseModel):
 RewardNamesQuery = Annotated[
     list[str] | None, Query(description="Rewards a batch would require (repeat; default final).")
 ]
+StepRewardNamesQuery = Annotated[
+    list[str] | None,
+    Query(description="Step rewards a batch would require on every trainable step (repeat)."),
+]
 
 
 def _readiness_public(v: readiness.Verdict) -> ReadinessPublic:
@@ -309,22 +319,36 @@ def _readiness_public(v: readiness.Verdict) -> ReadinessPublic:
 
 @router.get("/trajectories/{trajectory_id}/readiness", response_model=ReadinessPublic)
 async def trajectory_readiness(
-    trajectory_id: str, sessions: SessionsDep, reward_name: RewardNamesQuery = None
+    trajectory_id: str,
+    sessions: SessionsDep,
+    reward_name: RewardNamesQuery = None,
+    step_reward_name: StepRewardNamesQuery = None,
 ) -> ReadinessPublic:
     """Whether the trajectory is ready for a batch requiring ``reward_name``s, and why not."""
     verdict = await run_in_threadpool(
-        readiness.trajectory_readiness, sessions, trajectory_id, reward_name or ["final"]
+        readiness.trajectory_readiness,
+        sessions,
+        trajectory_id,
+        reward_name or ["final"],
+        step_reward_name or [],
     )
     return _readiness_public(verdict)
 
 
 @router.get("/groups/{group_id}/readiness", response_model=GroupReadinessPublic)
 async def group_readiness(
-    group_id: str, sessions: SessionsDep, reward_name: RewardNamesQuery = None
+    group_id: str,
+    sessions: SessionsDep,
+    reward_name: RewardNamesQuery = None,
+    step_reward_name: StepRewardNamesQuery = None,
 ) -> GroupReadinessPublic:
     """Whether every member of the group is ready, and each member's reasons."""
     ready, reasons, members = await run_in_threadpool(
-        readiness.group_readiness, sessions, group_id, reward_name or ["final"]
+        readiness.group_readiness,
+        sessions,
+        group_id,
+        reward_name or ["final"],
+        step_reward_name or [],
     )
     return GroupReadinessPublic(
         group_id=group_id,

@@ -196,12 +196,22 @@ async def curation_marks(
 # ---- batches -------------------------------------------------------------------------------
 
 PREVIEW_ROWS = 50
+# Step-level credit of each previewed row (floats first: NaN is shown as null), and the
+# manifest's step_credit (anchor sub-groups: which steps of which rollouts share a state).
+STEP_CREDIT_COLUMNS = [
+    "process_reward",
+    "episode_advantage",
+    "step_advantage",
+    "anchor_key",
+    "anchor_group_size",
+]
 
 
 @router.post("/batches/preview")
 async def preview_batch(spec: batches.BatchSpec, store: StoreDep) -> dict[str, Any]:
     """What ``POST /api/batches`` would build from ``spec``, without writing anything: counts,
-    rows, tokens and the first 50 rows (rules are not re-applied; materialising does)."""
+    rows, tokens, the first 50 rows with their step credit, and ``step_credit`` (step rewards,
+    estimator, anchor sub-groups) (rules are not re-applied; materialising does)."""
 
     def run() -> dict[str, Any]:
         try:
@@ -218,12 +228,18 @@ async def preview_batch(spec: batches.BatchSpec, store: StoreDep) -> dict[str, A
             "advantage",
             "policy_version",
         ]
+        columns += STEP_CREDIT_COLUMNS
         head = table.slice(0, PREVIEW_ROWS).select(columns).to_pylist()
         for row in head:
-            for key in ("reward", "advantage"):
+            for key in ("reward", "advantage", *STEP_CREDIT_COLUMNS[:3]):
                 if row[key] is not None and math.isnan(row[key]):
                     row[key] = None
-        return {"rows": table.num_rows, "counts": manifest["counts"], "head": head}
+        return {
+            "rows": table.num_rows,
+            "counts": manifest["counts"],
+            "head": head,
+            "step_credit": manifest["step_credit"],
+        }
 
     return await run_in_threadpool(run)
 

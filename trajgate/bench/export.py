@@ -11,6 +11,9 @@ payloads, score groups, compute advantages, assemble the Arrow columns) after on
 per_step moves more tokens than merged for the same steps) and ``merge_ratio`` (tokens in
 per_step rows ÷ tokens in merged rows). ``materialise_s`` adds writing the Parquet file and the
 lineage rows. ``compacted`` repeats the read after compaction into Parquet payload files.
+``anchor_state`` repeats the per_step build from SQL payloads with GiGPO's anchor-state grouping
+(``step_advantage: anchor_state``: a state key hashed per step, sub-groups, step returns), so
+its ``rows_per_s`` beside the plain per_step figure is the extra cost of anchor grouping.
 """
 
 from __future__ import annotations
@@ -107,11 +110,26 @@ def bench_export(
                     "tokens_per_s": round(tokens / seconds),
                 }
             report[phase] = figures
+            if phase == "sql_payloads":
+                anchored = base.model_copy(update={"step_advantage": "anchor_state"})
+                seconds, rows, tokens = _measure(store, anchored, repeats)
+                _table, manifest = build_rows(store, anchored)
+                report["anchor_state"] = {
+                    "rows": rows,
+                    "seconds": round(seconds, 4),
+                    "rows_per_s": round(rows / seconds),
+                    "tokens_per_s": round(tokens / seconds),
+                    "steps_in_subgroups": manifest["step_credit"]["anchor"]["steps_in_subgroups"],
+                }
         sql = report["sql_payloads"]
         report["rows_per_s"] = sql["per_step"]["rows_per_s"]
         report["tokens_per_s"] = sql["per_step"]["tokens_per_s"]
         report["merged_tokens_per_s"] = sql["merged"]["tokens_per_s"]
         report["merge_ratio"] = round(sql["per_step"]["tokens"] / sql["merged"]["tokens"], 2)
+        report["anchor_rows_per_s"] = report["anchor_state"]["rows_per_s"]
+        report["anchor_cost_ratio"] = round(
+            report["anchor_state"]["seconds"] / sql["per_step"]["seconds"], 3
+        )
         started = time.perf_counter()
         materialise(store, base, BatchSettings(batch_uri=str(Path(tmp) / "batches")))
         report["materialise_per_step_s"] = round(time.perf_counter() - started, 3)

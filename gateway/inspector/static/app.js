@@ -93,7 +93,8 @@ document.addEventListener("alpine:init", () => {
     newRule: { name: "", kind: "length", action: "exclude", params: "" },
     // batches
     spec: { name: "", channel: "train", algorithm: "grpo", layout: "per_step", group_size: "",
-      reward_names: "final", drop_degenerate_groups: true, exclude_batched: true },
+      reward_names: "final", drop_degenerate_groups: true, exclude_batched: true,
+      step_reward_names: "", step_advantage: "none" },
     specFilters: {},
     preview: null,
     batchList: [],
@@ -535,7 +536,25 @@ document.addEventListener("alpine:init", () => {
       if (s.group_size !== "") body.group_size = Number(s.group_size);
       const names = splitList(s.reward_names);
       body.reward_names = names;
-      return body;
+      return Object.assign(body, this.stepCreditSpec());
+    },
+    // Step-level credit of the spec (docs/batches.md#step-level-credit): only what was chosen.
+    stepCreditSpec() {
+      const out = {};
+      const names = splitList(this.spec.step_reward_names);
+      if (names.length) out.step_reward_names = names;
+      if (this.spec.step_advantage !== "none") out.step_advantage = this.spec.step_advantage;
+      return out;
+    },
+    // The preview's anchor sub-groups as lines: "group g · state abcd1234: t1 step 0, t2 step 0".
+    anchorLines(preview) {
+      const anchor = preview && preview.step_credit && preview.step_credit.anchor;
+      if (!anchor) return [];
+      return anchor.subgroups_listed.map((g) => `group ${g.group_id} · state ${g.anchor_key}: `
+        + g.steps.map((x) => `${x.trajectory_id} step ${x.position}`).join(", "));
+    },
+    fmtAdvantage(value) {
+      return value === null || value === undefined ? "—" : value.toFixed(3);
     },
     async previewBatch() {
       try {
