@@ -33,6 +33,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -455,3 +456,22 @@ Index("ix_trajectories_created_at", Trajectory.created_at)
 Index("ix_trajectories_last_step_at", Trajectory.last_step_at)
 Index("ix_steps_created_at", Step.created_at)
 Index("ix_rewards_kind_name_target", Reward.target_kind, Reward.name, Reward.target_id, Reward.id)
+
+# The inspector's charts read these narrow indexes instead of every step row (migration 0009):
+# each trajectory's newest version, the step aggregates (covering), and the flagged steps alone.
+# FLAGGED_STEP is the partial index's predicate; a query repeats it verbatim to use the index.
+FLAGGED_STEP = "flags IS NOT NULL AND CAST(flags AS TEXT) != '[]'"
+Index("ix_steps_trajectory_version", Step.trajectory_id, Step.policy_version)
+Index(
+    "ix_steps_charts",
+    Step.created_at,
+    Step.policy_version,
+    Step.prompt_tokens,
+    Step.completion_tokens,
+)
+Index(
+    "ix_steps_flagged",
+    Step.policy_version,
+    sqlite_where=text(FLAGGED_STEP),
+    postgresql_where=text(FLAGGED_STEP),
+)

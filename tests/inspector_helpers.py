@@ -40,12 +40,18 @@ def run_episode(
     tags: list[str] | None = None,
     reward: float | None = None,
     complete: bool = True,
+    channel: str = "train",
 ) -> dict[str, Any]:
     """Register, run the agent (2 real vLLM calls), complete with ``reward``; the detail."""
     with httpx.Client(base_url=base_url, timeout=60) as client:
         created = client.post(
             "/api/trajectories",
-            json={"id": trajectory_id, "group_id": group_id, "tags": tags or []},
+            json={
+                "id": trajectory_id,
+                "group_id": group_id,
+                "tags": tags or [],
+                "channel": channel,
+            },
         )
         created.raise_for_status()
         openai_tool_agent.run(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
+from batch_helpers import agent_turns, call, logprobs_of, make_store, write_trajectory
 from fastapi.testclient import TestClient
 from tests_support import free_port
 
@@ -29,7 +29,9 @@ def pool(pool_settings: PoolSettings) -> PoolSettings:
 
 
 def client_for(pool: PoolSettings, **gateway: object) -> TestClient:
-    return TestClient(create_app(GatewaySettings(**gateway), pool))  # type: ignore[arg-type]
+    # TestClient's Host, "testserver", is not one of the gateway's names by default.
+    settings = GatewaySettings(allowed_hosts=["testserver"], **gateway)  # type: ignore[arg-type]
+    return TestClient(create_app(settings, pool))
 
 
 @pytest.fixture
@@ -146,6 +148,29 @@ def test_charts_default_to_the_reward_recorded_last_with_channels_side_by_side(
     chosen = client.get("/api/charts", params={"reward_name": "final"}).json()
     assert chosen["reward_name"] == "final"
     assert [(r["channel"], r["n"]) for r in chosen["reward_by_version"]] == [("train", 3)]
+
+
+def test_flag_rates_count_flagged_steps_per_version(pool: PoolSettings, client: TestClient) -> None:
+    # 8 unflagged steps at version 0 (the fixture); at version 1: one 'truncated', one
+    # 'truncated' + 'prefix_break', one unflagged. Version 1: truncated 2/3, prefix_break 1/3.
+    store = make_store(pool)
+    for k, flags in enumerate([["truncated"], ["truncated", "prefix_break"], []]):
+        prompt, response = agent_turns(10 + k, 1)[0]
+        store.record_call(f"f{k}", call(prompt, response, flags=flags, policy_version=1))
+    store.engine.dispose()
+    rates = client.get("/api/charts").json()["flag_rates"]
+    assert rates["flags"] == ["prefix_break", "truncated"]
+    by_version = {v["policy_version"]: v for v in rates["versions"]}
+    assert by_version[0] == {
+        "policy_version": 0,
+        "steps": 8,
+        "rates": {"prefix_break": 0.0, "truncated": 0.0},
+    }
+    assert by_version[1]["steps"] == 3
+    assert by_version[1]["rates"] == {
+        "prefix_break": pytest.approx(1 / 3),
+        "truncated": pytest.approx(2 / 3),
+    }
 
 
 def test_readiness_names_the_spec_it_is_judged_against(client: TestClient) -> None:

@@ -22,7 +22,8 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
-from trajgate import vllm_server
+from trainer_bridge.client import PoolClient
+from trainer_bridge.trainer import UpdateMetrics
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "inspector"
 
@@ -32,9 +33,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pool decodes stored IDs with the tiny model's tokenizer (never encodes text)."""
-    monkeypatch.setenv("TRAJGATE_TOKENIZER_DIR", str(vllm_server.default_model_dir()))
+def _no_tokenizer_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TRAJGATE_TOKENIZER_DIR: the gateway learns the tokenizer from vLLM's /v1/models."""
+    monkeypatch.delenv("TRAJGATE_TOKENIZER_DIR", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def backend_of(pool_settings: PoolSettings) -> str:
 def test_inspector_views_curation_and_batches_in_a_real_browser(
     gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
 ) -> None:
-    assert os.environ["TRAJGATE_TOKENIZER_DIR"]
+    assert "TRAJGATE_TOKENIZER_DIR" not in os.environ
     base = gateway.url
     backend = backend_of(pool_settings)
     made = populate(base)
@@ -105,23 +106,42 @@ def test_inspector_views_curation_and_batches_in_a_real_browser(
     expect(steps.nth(0)).to_contain_text("policy v0")
     expect(steps.nth(0)).to_contain_text("rewards format=0.250")
     expect(page.get_by_test_id("trajectory-rewards")).to_have_text("final=1.000")
+    # No batch yet: readiness is judged against the pool's newest reward name, which it carries.
+    expect(page.get_by_test_id("readiness-spec")).to_contain_text("requires final")
+    expect(page.get_by_test_id("readiness")).to_contain_text("ready for a batch")
     if any(s["extends_parent"] is False for s in made["paris-0"]["steps"]):
         expect(page.get_by_test_id("prefix-break").first).to_contain_text("prefix break at token")
     shot(page, "trajectory", backend)
 
-    # ---- token view: every prompt and response token, the boundary, hover text.
+    # ---- token view: every prompt and response token as text, decoded with the tokenizer the
+    # gateway learnt from vLLM (no setting), the boundary, special tokens, hover, ids on demand.
     step = made["paris-0"]["steps"][-1]
     page.get_by_test_id("open-tokens").last.click()
     tokens = page.get_by_test_id("tokens").locator("span")
     expect(tokens).to_have_count(step["prompt_tokens"] + step["completion_tokens"])
+    expect(page.get_by_test_id("tokenizer")).to_contain_text("vLLM /v1/models root of 'tiny'")
+    strip = page.get_by_test_id("tokens")
+    expect(strip).to_contain_text("What is the weather in Paris?")  # the prompt, as text
+    expect(strip.locator(".special").first).to_have_text("<|im_start|>")
     boundary = page.locator("[data-boundary=response-start]")
     expect(boundary).to_have_count(1)
     boundary.hover()
     hover = page.get_by_test_id("token-hover")
     expect(hover).to_contain_text(f"#{step['prompt_tokens']} response")
+    expect(hover).to_contain_text("text ")
     expect(hover).to_contain_text("logprob -")
     expect(hover).to_contain_text("loss mask 1")
+    # Long prompts wrap inside the page: the strip is no wider than its box.
+    assert strip.evaluate("e => e.scrollWidth <= e.clientWidth")
     shot(page, "tokens", backend)
+    page.get_by_test_id("token-mode-ids").click()
+    expect(strip).not_to_contain_text("What is the weather")
+    first_id = httpx.get(f"{base}/api/steps/{step['id']}/tokens").json()["prompt_token_ids"][0]
+    expect(tokens.first).to_have_text(f"{first_id} ")
+    assert strip.evaluate("e => e.scrollWidth <= e.clientWidth")
+    shot(page, "tokens-ids", backend)
+    page.get_by_test_id("token-mode-text").click()
+    expect(strip).to_contain_text("What is the weather in Paris?")
 
     # ---- group view: rollouts side by side with GRPO advantages.
     # paris rewards 1, 0, 1: mean 2/3, unbiased std sqrt(1/3) = 0.5774;
@@ -178,6 +198,8 @@ def test_inspector_views_curation_and_batches_in_a_real_browser(
         page.get_by_test_id(f"download-{batch_id}").click()
     table = pq.read_table(io.BytesIO(Path(download_info.value.path()).read_bytes()))
     assert set(table["trajectory_id"].to_pylist()) == {"paris-0", "paris-2"}
+    page.goto(f"{base}/inspector/trajectories/paris-0")  # now judged against that batch's spec
+    expect(page.get_by_test_id("readiness-spec")).to_contain_text("batch paris-batch")
 
     # ---- curation page: a rule, what it marked and why.
     page.goto(f"{base}/inspector/curation")
@@ -195,6 +217,83 @@ def test_inspector_views_curation_and_batches_in_a_real_browser(
     expect(page.locator("#chart-reward canvas")).to_have_count(1)
     expect(page.locator("#chart-completion canvas")).to_have_count(1)
     shot(page, "charts", backend)
+
+
+def _update(step: int, loss: float) -> UpdateMetrics:
+    return UpdateMetrics(
+        loss=loss,
+        clip_fraction=0.0,
+        ratio_mean=1.0,
+        kl=None,
+        entropy_mean=2.0,
+        grad_norm=0.5,
+        tokens=100,
+        tokens_per_s=50.0,
+        logprob_gap_mean_abs=0.01,
+        logprob_gap_max_abs=0.1,
+        step=step,
+    )
+
+
+def _axis_ticks(page: Page, chart: str) -> list[float]:
+    """The x-axis tick values uPlot drew in ``chart`` (its ``_splits``)."""
+    ticks: list[float] = page.evaluate(
+        """(id) => {
+            const data = window.Alpine.$data(document.querySelector("[x-data]"));
+            const plot = data.plots.find((p) => p.root.parentElement.id === id);
+            return plot.axes[0]._splits;
+        }""",
+        chart,
+    )
+    return ticks
+
+
+def test_charts_show_the_pools_reward_name_and_the_trainers_metrics_live(
+    gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
+) -> None:
+    """Rewards under a name other than 'final' (as the demo's ``numeric_answer``), on real
+    agent trajectories in two channels, and the metrics the trainer's client posts."""
+    base = gateway.url
+    backend = backend_of(pool_settings)
+    rewards = []
+    for channel, values in (("train", [1.0, 0.0, 1.0]), ("control", [0.0, 1.0])):
+        for k, value in enumerate(values):
+            tid = f"{channel}-{k}"
+            run_episode(base, tid, seed=k, channel=channel)
+            rewards.append(
+                {"target": "trajectory", "target_id": tid, "name": "numeric_answer", "value": value}
+            )
+    httpx.post(f"{base}/api/rewards", json={"rewards": rewards}).raise_for_status()
+    with PoolClient(base) as pool:
+        for step in (1, 2):
+            pool.post_training_metrics("train", step, _update(step, 1.0 / step))
+
+    page.goto(f"{base}/inspector/charts")
+    expect(page.get_by_test_id("chart-reward-name")).to_have_value("numeric_answer")
+    # train: 1, 0, 1 -> mean 2/3, sample variance 1/3, SE sqrt(1/9) = 0.333, n 3 (policy v0);
+    # control: 0, 1 -> mean 0.5, sample variance 0.5, SE sqrt(0.25) = 0.5, n 2.
+    rows = page.get_by_test_id("reward-row")
+    expect(rows).to_have_count(2)
+    expect(rows.nth(0)).to_have_text("control00.500± 0.5002")
+    expect(rows.nth(1)).to_have_text("train00.667± 0.3333")
+    expect(page.locator("#chart-reward canvas")).to_have_count(1)
+    expect(page.get_by_test_id("chart-metric")).to_have_value("loss")
+    training = page.get_by_test_id("chart-training")
+    expect(training.locator("canvas")).to_have_count(1)
+    expect(training).to_contain_text("train loss")  # the legend: one line per run
+    shot(page, "charts-reward-and-training", backend)
+    # Integer axes: policy versions and optimiser steps are ticked at whole numbers only.
+    for chart in ("chart-reward", "chart-flags", "chart-training"):
+        ticks = _axis_ticks(page, chart)
+        assert ticks and all(float(t).is_integer() for t in ticks), (chart, ticks)
+
+    # Live: a new run's metrics appear while the page is open, without a reload.
+    with PoolClient(base) as pool:
+        pool.post_training_metrics("second-run", 3, _update(3, 0.2))
+    expect(training).to_contain_text("second-run loss", timeout=15_000)
+    page.get_by_test_id("chart-metric").select_option("grad_norm")
+    expect(training).to_contain_text("train grad_norm")
+    shot(page, "charts-live", backend)
 
 
 def test_inspector_renders_captured_script_as_text_and_updates_live(

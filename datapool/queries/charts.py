@@ -3,7 +3,9 @@
 Owns: reward by policy version (mean, standard error and n per channel), steps and tokens per
 time bucket, length histograms, flag rates per policy version, and ``training_metrics`` rows.
 Never: samples or estimates; every number is an exact SQL aggregate over the window asked for
-(``since``), so a chart of a large pool costs one scan of the window's steps.
+(``since``). Each reads a narrow index of ``steps`` rather than the rows with their requests
+(migration 0009: ``ix_steps_trajectory_version``, ``ix_steps_charts``, ``ix_steps_flagged``), so
+a chart of a large pool costs a few index scans of the window's steps.
 
 A trajectory's policy version here is the newest version among its steps (the weights that
 finished it); its reward is the current value of ``reward_name`` (by default the trajectory
@@ -19,11 +21,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, Integer, Text, cast, func, select
+from sqlalchemy import Float, Integer, Text, cast, func, select, text
 from sqlalchemy.orm import Session
 
 from datapool.db import Sessions
-from datapool.models import Step, TrainingMetric, Trajectory
+from datapool.models import FLAGGED_STEP, Step, TrainingMetric, Trajectory
 from datapool.queries.rewards import reward_names
 from datapool.rewards.values import current_rewards_query
 
@@ -57,8 +59,7 @@ def charts(
             if chosen is None
             else _reward_by_version(session, since, chosen),
             "steps_over_time": _steps_over_time(session, since, bucket_s, dialect),
-            "prompt_tokens_histogram": _histogram(session, Step.prompt_tokens, since),
-            "completion_tokens_histogram": _histogram(session, Step.completion_tokens, since),
+            **{f"{name}_histogram": h for name, h in _histograms(session, since).items()},
             "flag_rates": _flag_rates(session, since),
         }
 
@@ -125,33 +126,44 @@ def _steps_over_time(
     ]
 
 
-def _histogram(session: Session, column: Any, since: datetime | None) -> dict[str, Any]:
-    """``HISTOGRAM_BINS`` equal-width bins from 0 to the maximum: ``{width, counts}``."""
-    where = [column.is_not(None)]
-    if since is not None:
-        where.append(Step.created_at >= since)
-    top = session.scalar(select(func.max(column)).where(*where)) or 0
-    width = max(1, -(-int(top + 1) // HISTOGRAM_BINS))  # ceil((top + 1) / bins)
-    b = cast(cast(column, Float) / width, Integer).label("b")
-    counts = [0] * HISTOGRAM_BINS
-    for index, n in session.execute(select(b, func.count()).where(*where).group_by(b)):
-        counts[min(int(index), HISTOGRAM_BINS - 1)] += int(n)
-    return {"width": width, "counts": counts}
+def _histograms(session: Session, since: datetime | None) -> dict[str, dict[str, Any]]:
+    """Prompt and response lengths in ``HISTOGRAM_BINS`` equal-width bins from 0 to each
+    maximum: ``{prompt_tokens: {width, counts}, completion_tokens: {width, counts}}``."""
+    columns = {"prompt_tokens": Step.prompt_tokens, "completion_tokens": Step.completion_tokens}
+    where = [] if since is None else [Step.created_at >= since]
+    # both maxima in one pass over ix_steps_charts
+    tops = session.execute(select(*(func.max(c) for c in columns.values())).where(*where)).one()
+    out = {}
+    for (name, column), top in zip(columns.items(), tops, strict=True):
+        width = max(1, -(-int((top or 0) + 1) // HISTOGRAM_BINS))  # ceil((top + 1) / bins)
+        b = cast(cast(column, Float) / width, Integer).label("b")
+        counts = [0] * HISTOGRAM_BINS
+        query = select(b, func.count()).where(column.is_not(None), *where).group_by(b)
+        for index, n in session.execute(query):
+            counts[min(int(index), HISTOGRAM_BINS - 1)] += int(n)
+        out[name] = {"width": width, "counts": counts}
+    return out
 
 
 def _flag_rates(session: Session, since: datetime | None) -> dict[str, Any]:
-    """Per policy version: steps, and the share of them carrying each flag."""
+    """Per policy version: steps, and the share of them carrying each flag. Steps per version
+    come from ``ix_steps_charts``; the flags only from the flagged steps (``ix_steps_flagged``,
+    whose predicate the query repeats verbatim)."""
+    where = [] if since is None else [Step.created_at >= since]
+    totals: dict[int | None, int] = defaultdict(int)
+    for version, n in session.execute(
+        select(Step.policy_version, func.count()).where(*where).group_by(Step.policy_version)
+    ):
+        totals[version] += int(n)
     # Grouped by the JSON text: PostgreSQL's json type has no equality operator.
     flags_text = cast(Step.flags, Text)
-    query = select(Step.policy_version, flags_text, func.count()).group_by(
-        Step.policy_version, flags_text
+    query = (
+        select(Step.policy_version, flags_text, func.count())
+        .where(text(FLAGGED_STEP), *where)
+        .group_by(Step.policy_version, flags_text)
     )
-    if since is not None:
-        query = query.where(Step.created_at >= since)
-    totals: dict[int | None, int] = defaultdict(int)
     flagged: dict[int | None, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for version, flags, n in session.execute(query):
-        totals[version] += int(n)
         for flag in json.loads(flags) if flags else []:
             flagged[version][str(flag)] += int(n)
     names = sorted({f for counts in flagged.values() for f in counts})

@@ -645,8 +645,12 @@ document.addEventListener("alpine:init", () => {
       return { label, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000],
         values: (u, ticks) => ticks.map((v) => String(Math.round(v))) };
     },
-    integerScale() {
-      return { time: false, range: (u, min, max) => (min === max ? [min - 1, max + 1] : [min, max]) };
+    // A fixed range around the values (uPlot's own range spans 0-100 around a single point).
+    integerScale(values) {
+      if (!values.length) return { time: false };
+      const lo = Math.min(...values);
+      const hi = Math.max(...values);
+      return { time: false, range: lo === hi ? [lo - 1, hi + 1] : [lo, hi] };
     },
     palette(k) {
       return ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"][k % 7];
@@ -672,7 +676,7 @@ document.addEventListener("alpine:init", () => {
         bands.push({ series: [base + 1, base + 2], fill: colour + "22" });
       });
       this.plot("chart-reward", {
-        scales: { x: this.integerScale() },
+        scales: { x: this.integerScale(versions) },
         axes: [this.integerAxis("policy version"), { label: this.chartReward }],
         series, bands,
       }, columns);
@@ -697,7 +701,7 @@ document.addEventListener("alpine:init", () => {
     drawFlags(rates) {
       const xs = rates.versions.map((v) => v.policy_version ?? -1);
       this.plot("chart-flags", {
-        scales: { x: this.integerScale() },
+        scales: { x: this.integerScale(xs) },
         axes: [this.integerAxis("policy version"), {}],
         series: [{ label: "policy v" }, ...rates.flags.map((f, k) => ({ label: f, stroke: this.palette(k), width: 2, points: { show: true } }))],
       }, [xs, ...rates.flags.map((f) => rates.versions.map((v) => v.rates[f]))]);
@@ -710,7 +714,7 @@ document.addEventListener("alpine:init", () => {
       const runs = [...new Set(mine.map((r) => r.run))].sort();
       const latest = new Map(mine.map((r) => [`${r.run}|${r.step}`, r.metrics[name]]));
       this.plot("chart-training", {
-        scales: { x: this.integerScale() },
+        scales: { x: this.integerScale(steps) },
         axes: [this.integerAxis("optimiser step"), { label: name }],
         series: [{ label: "step" }, ...runs.map((run, k) => ({ label: `${run} ${name}`, stroke: this.palette(k), width: 2, spanGaps: true, points: { show: true } }))],
       }, [steps, ...runs.map((run) => steps.map((st) => latest.get(`${run}|${st}`) ?? null))]);
