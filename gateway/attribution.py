@@ -94,6 +94,8 @@ def parse_json(data: bytes, *, refuse_nul: bool = False) -> Any:
         raise _too_deep() from exc
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer of more than 4300 digits (sys.int_info)
+        raise InvalidRequestError(f"request body holds a number too long to read: {exc}") from exc
     # Each check needs a walk only when the raw bytes say it might fail (rare in real bodies).
     deep = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
     surrogates = _SURROGATE_ESCAPE.search(data) is not None

@@ -30,7 +30,7 @@ from datapool.steps.faults import is_storage_fault
 from gateway.attribution import Attribution, attribute, check_trajectory_id, read_json_object
 from gateway.call import Call, commit, fail_call, failed_choice
 from gateway.capture import loads, request_hash
-from gateway.dialects import DIALECTS, Dialect, EarlierCall, with_sampling_defaults
+from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
 from gateway.dialects.messages import Messages, count_tokens
 from gateway.dialects.messages_render import upstream_error
 from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
@@ -261,6 +261,7 @@ async def new_call(
         dialect.prepare_call(client_body, call_id, earlier),
         state.settings.sampling_defaults_for(attribution.channel),
     )
+    check_limits(dialect, prepared, state.settings.generation_limits)
     return Call(
         dialect=dialect,
         attribution=attribution,

@@ -141,6 +141,32 @@ class GatewaySettings(ConfigFileSettings):
         gt=0,
         description="Largest request body accepted; larger ones get 413 and nothing is recorded.",
     )
+    max_choices: int = Field(
+        default=128,
+        ge=1,
+        description=(
+            "Most choices one call may ask for (n, best_of): each is a sampled sequence and a "
+            "step. Larger values get 400 before vLLM is asked."
+        ),
+    )
+    max_output_tokens: int = Field(
+        default=262_144,
+        ge=1,
+        description=(
+            "Most tokens one call may ask to sample (max_tokens, max_completion_tokens, "
+            "min_tokens; the Responses API's max_output_tokens). vLLM still refuses what "
+            "exceeds the model's context; this refuses absurd values (10**30) before it is asked."
+        ),
+    )
+    max_top_logprobs: int = Field(
+        default=20,
+        ge=0,
+        description=(
+            "Most alternatives per token a call may ask for (top_logprobs, prompt_logprobs, "
+            "completions' integer logprobs); 20 is OpenAI's limit and vLLM's default "
+            "max_logprobs."
+        ),
+    )
     admin_token: str | None = Field(
         default=None,
         description="Bearer token for /admin endpoints. Required when bound beyond loopback.",
@@ -183,6 +209,35 @@ class GatewaySettings(ConfigFileSettings):
                 except ValueError as exc:
                     raise ValueError(f"sampling_defaults[{channel!r}]: {exc}") from exc
         return value
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> GatewaySettings:
+        limits = self.generation_limits
+        for channel, fields in self.sampling_defaults.items():
+            for name, value in fields.items():
+                if name in limits and value > limits[name][0]:
+                    raise ValueError(
+                        f"sampling_defaults[{channel!r}]: {name} {value} exceeds "
+                        f"{limits[name][1]} {limits[name][0]}"
+                    )
+        return self
+
+    @property
+    def generation_limits(self) -> dict[str, tuple[int, str]]:
+        """Upstream (chat or completions) field → (the most a call may ask for, the setting)."""
+        choices = (self.max_choices, "max_choices")
+        tokens = (self.max_output_tokens, "max_output_tokens")
+        alternatives = (self.max_top_logprobs, "max_top_logprobs")
+        return {
+            "n": choices,
+            "best_of": choices,
+            "max_tokens": tokens,
+            "max_completion_tokens": tokens,
+            "min_tokens": tokens,
+            "top_logprobs": alternatives,
+            "prompt_logprobs": alternatives,
+            "logprobs": alternatives,  # completions' integer; chat's boolean is not a count
+        }
 
     def sampling_defaults_for(self, channel: str | None) -> dict[str, Any]:
         """The defaults of a call on ``channel`` (None: the pool's default channel 'train'):

@@ -60,6 +60,8 @@ from gateway.errors import (
 from gateway.settings import GatewaySettings
 
 UPSTREAM = "http://upstream.test"
+# The gateway answers only its own host names (gateway.guard): not TestClient's "testserver".
+LOOPBACK = "http://127.0.0.1"
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
 # The gateway bounds trajectory, group and API-key ids to 200 characters.
 OVER_LONG_ID = "z" * 201
@@ -76,6 +78,7 @@ HOSTILE_JSON = {
     "a number that overflows a float": b'{"temperature": 1e999, "value": 1e999, '
     + _VALID_FIELDS.replace(b'"value": 1.0', b'"x": -1e999')
     + b"}",
+    "an integer of 5000 digits": b'{"max_tokens": ' + b"9" * 5000 + b", " + _VALID_FIELDS + b"}",
     "JSON nested 1000 levels deep": b'{"metadata": {"a": '
     + b"[" * 1000
     + b"]" * 1000
@@ -327,7 +330,8 @@ def walked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Walked]:
     calls: list[str] = []
 
     def upstream(request: httpx.Request) -> httpx.Response:
-        if request.url.path != "/health":
+        # Health checks and the gateway's own model list (tokenizer directories) are not calls.
+        if request.url.path not in ("/health", "/v1/models"):
             calls.append(f"{request.method} {request.url.path}")
         return httpx.Response(503)
 
@@ -336,7 +340,7 @@ def walked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Walked]:
         pool,
         upstream_transport=httpx.MockTransport(upstream),
     )
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, base_url=LOOPBACK, raise_server_exceptions=False) as client:
         yield Walked(client, pool, calls)
 
 
@@ -478,6 +482,50 @@ def test_an_id_with_a_newline_is_refused_in_pool_api_bodies_too(walked: Walked) 
     assert _row_counts(walked.pool) == before
 
 
+# -- generation limits: refused before vLLM is asked, in every dialect ----------------------
+
+_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+_HUGE = 10**30
+# (path, body, the client's field, the gateway setting bounding it: defaults 128, 262144, 20)
+OVER_THE_LIMIT = [
+    ("/v1/chat/completions", {**_CHAT, "n": _HUGE}, "n"),
+    ("/v1/chat/completions", {**_CHAT, "n": 129}, "n"),
+    ("/v1/chat/completions", {**_CHAT, "max_tokens": _HUGE}, "max_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "max_completion_tokens": 262_145}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**_CHAT, "min_tokens": _HUGE}, "min_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": _HUGE}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": _HUGE}, "max_tokens"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "max_completion_tokens": _HUGE},
+        "max_completion_tokens",
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    (
+        "/v1/responses",
+        {"model": "tiny", "input": "hi", "max_output_tokens": _HUGE},
+        "max_output_tokens",
+    ),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/messages", {**_CHAT, "max_tokens": _HUGE}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), OVER_THE_LIMIT)
+def test_a_generation_field_past_the_gateways_limit_is_refused_before_vllm_is_asked(
+    walked: Walked, path: str, body: dict[str, Any], param: str
+) -> None:
+    before = _row_counts(walked.pool)
+    calls_before = len(walked.upstream_calls)
+    answer = walked.client.post(f"/t/limits{path}", json=body)
+    assert answer.status_code == 400, answer.text
+    assert _refusal_problems(answer.status_code, answer.text, param, path) == []
+    assert "at most" in answer.text
+    assert _row_counts(walked.pool) == before
+    assert len(walked.upstream_calls) == calls_before
+
+
 # -- streamed and unstreamed: the same code ------------------------------------------------
 
 
@@ -553,7 +601,7 @@ def test_a_streamed_error_event_carries_the_same_string_code_as_the_unstreamed_a
     )
     app = create_app(settings, pool, upstream_transport=_faulty_upstream(fault))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, base_url=LOOPBACK, raise_server_exceptions=False) as client:
         unstreamed = client.post("/t/unary/v1/chat/completions", json=body)
         streamed = client.post("/t/streamed/v1/chat/completions", json={**body, "stream": True})
     assert unstreamed.status_code == status
@@ -716,7 +764,7 @@ def test_an_upstream_error_keeps_vllms_message_type_and_param_with_our_string_co
         upstream_url=UPSTREAM, health_check_interval_s=3600, upstream_max_attempts=1
     )
     app = create_app(settings, pool, upstream_transport=_refusing_upstream(status, vllm_error))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, base_url=LOOPBACK, raise_server_exceptions=False) as client:
         answer = client.post(f"/t/refused{path.replace('/', '-')}{path}", json=body)
     assert answer.status_code == status
     assert answer.json() == {"error": expected}
@@ -732,7 +780,7 @@ def test_an_upstream_error_on_the_messages_api_is_in_anthropics_envelope(tmp_pat
     )
     app = create_app(settings, pool, upstream_transport=_refusing_upstream(500, _ENGINE_DIED))
     body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, base_url=LOOPBACK, raise_server_exceptions=False) as client:
         answer = client.post("/t/refused-messages/v1/messages", json=body)
     assert answer.status_code == 500
     # Anthropic's type for a 500 is api_error; its envelope has no param or code field.

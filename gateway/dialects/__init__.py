@@ -2,7 +2,7 @@
 
 Adding a dialect is one module (a ``Dialect`` subclass) plus one line in ``DIALECTS``; the proxy
 generates its routes and runs its calls. Offers: ``DIALECTS``, ``Dialect``, ``DialectStream``,
-``Prepared``, ``Captured``, ``ClientAsked``.
+``Prepared``, ``Captured``, ``ClientAsked``, ``with_sampling_defaults``, ``check_limits``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from gateway.dialects.base import (
     DialectStream,
     EarlierCall,
     Prepared,
+    check_limits,
     with_sampling_defaults,
 )
 from gateway.dialects.chat_completions import ChatCompletions
@@ -36,5 +37,6 @@ __all__ = [
     "DialectStream",
     "EarlierCall",
     "Prepared",
+    "check_limits",
     "with_sampling_defaults",
 ]

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from fastapi import APIRouter
 
 from datapool.steps.records import ChoiceRecord
-from gateway.errors import TrajgateError, openai_envelope
+from gateway.errors import InvalidRequestError, TrajgateError, openai_envelope
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,27 @@ def with_sampling_defaults(prepared: Prepared, defaults: dict[str, Any]) -> Prep
     if not missing:
         return prepared
     return replace(prepared, upstream_body={**upstream, **missing})
+
+
+def check_limits(
+    dialect: Dialect, prepared: Prepared, limits: Mapping[str, tuple[int, str]]
+) -> None:
+    """Raise ``InvalidRequestError`` (400, naming the client's field) when the upstream body
+    asks for more than ``limits`` allow: upstream field → (most, the gateway setting). Checked on
+    the upstream body, where every dialect's fields have their chat or completions names; a
+    boolean (chat's ``logprobs: true``) or a non-number is left to the engine to judge."""
+    for name, (most, setting) in limits.items():
+        value = prepared.upstream_body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= most:
+            continue
+        field_name = dialect.client_field(name)
+        digits = str(value)
+        shown = digits if len(digits) <= 24 else f"{digits[:8]}... ({len(digits)} digits)"
+        raise InvalidRequestError(
+            f"'{field_name}' must be at most {most} (the gateway's {setting} setting), got {shown}",
+            param=field_name,
+            code="invalid_value",
+        )
 
 
 @dataclass(frozen=True)
@@ -195,6 +217,10 @@ class Dialect(ABC):
     @abstractmethod
     def prepare(self, body: dict[str, Any]) -> Prepared:
         """The upstream body for the client's ``body`` (never mutated) and what it asked for."""
+
+    def client_field(self, upstream_field: str) -> str:
+        """The client's name of a field of the upstream body (default: the same name)."""
+        return upstream_field
 
     def earlier_call_id(self, body: dict[str, Any]) -> str | None:
         """The id of the earlier call of the same trajectory that ``body`` continues (None:

@@ -148,6 +148,9 @@ class Responses(TranslatingDialect):
             logprobs_asked=call.translation.logprobs_asked,
         )
 
+    def client_field(self, upstream_field: str) -> str:
+        return CHAT_TO_CLIENT.get(upstream_field) or upstream_field
+
     def upstream_error_body(self, status_code: int, content: bytes) -> bytes:
         """vLLM's error in OpenAI's envelope with our string ``code``; its ``param`` names the
         Responses field the chat field came from (``max_tokens`` → ``max_output_tokens``), or
