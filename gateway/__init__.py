@@ -26,6 +26,8 @@ Modules:
 - ``policy``: ``PolicyRegistry``, which policy version the alias serves and which one produced a
   step.
 - ``auth``: agents' API keys (``KeyRing``) and the admin token (``check_admin_token``).
+- ``guard``: ``EdgeGuard``, the raw ASGI middleware every request passes before a route reads its
+  body: host names, cross-site writes, JSON content types, the admin token, the body limit.
 - ``errors``: the exception tree and the one OpenAI-style error envelope, streamed or not
   (``TrajgateError`` and subclasses, ``install_error_handlers``, ``sse_error_event``).
 - ``metrics``: ``GatewayMetrics``, Prometheus metrics on the app's own registry.

@@ -34,6 +34,7 @@ from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
 from gateway.errors import install_error_handlers
+from gateway.guard import EdgeGuard
 from gateway.inspector import page as inspector
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
@@ -71,6 +72,9 @@ def create_app(
 
     app = FastAPI(title="trajgate gateway", lifespan=lifespan)
     install_error_handlers(app)
+    # Host names, cross-site writes, content types, the admin token and the body limit, before
+    # any route reads a body (gateway.guard).
+    app.add_middleware(EdgeGuard, settings=settings)
     app.include_router(proxy.router)
     app.include_router(admin.router)
     # The pool API manages data: behind the admin token whenever one is set (always beyond

@@ -182,6 +182,8 @@ class Attribution:
     trajectory_id: str
     group_id: str | None
     channel: str | None
+    # The channel the call's API key is bound to: it may write only into that channel.
+    key_channel: str | None = None
 
 
 def attribute(state: GatewayState, request: Request, url_trajectory_id: str | None) -> Attribution:
@@ -214,4 +216,5 @@ def attribute(state: GatewayState, request: Request, url_trajectory_id: str | No
     # Checked before vLLM samples anything: a value the pool cannot store would otherwise
     # surface only at the commit, after the tokens were paid for.
     group_id = check_group_id(request.headers.get("x-trajgate-group"))
-    return Attribution(trajectory_id, group_id, check_channel(channel))
+    key_channel = grant.channel if grant else None
+    return Attribution(trajectory_id, group_id, check_channel(channel), key_channel)

@@ -5,7 +5,9 @@ Owns: issuing keys (shown once, stored as SHA-256 hashes), reading an agent's ke
 trajectory/channel a key is bound to. Keys are 32 random bytes: a fast hash is the
 standard for high-entropy tokens (a slow password hash such as argon2 adds nothing against
 guessing 256-bit secrets and would cost milliseconds per call). Comparison of the admin token is
-constant-time. Never: stores or logs a key in clear.
+constant-time. Verified keys and failed lookups are cached for ``CACHE_TTL_S``, at most
+``CACHE_MAX_ENTRIES`` of them (least recently used out first): random keys tried cannot grow
+memory. Never: stores or logs a key in clear.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hmac
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -26,6 +29,7 @@ from gateway.errors import AuthenticationError, NotFoundError
 
 KEY_PREFIX = "tg-"
 CACHE_TTL_S = 5.0  # how long a revoked key may still pass on a gateway that checked it recently
+CACHE_MAX_ENTRIES = 10_000  # keys (good or bad) remembered; about 2 MB at most
 
 
 @dataclass(frozen=True)
@@ -60,11 +64,17 @@ def api_key(request: Request) -> str | None:
 
 
 class KeyRing:
-    """API keys in the pool's database, with a short in-process cache of verified keys."""
+    """API keys in the pool's database, with a short, bounded in-process cache of lookups."""
 
-    def __init__(self, sessions: Sessions) -> None:
+    def __init__(self, sessions: Sessions, cache_max_entries: int = CACHE_MAX_ENTRIES) -> None:
         self._sessions = sessions
-        self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
+        self._cache_max_entries = cache_max_entries
+        self._cache: OrderedDict[str, tuple[float, KeyGrant | None]] = OrderedDict()
+
+    @property
+    def cached_entries(self) -> int:
+        """Lookups (valid keys and failed ones) the cache holds now."""
+        return len(self._cache)
 
     def issue(self, name: str, trajectory_id: str | None, channel: str | None) -> tuple[str, str]:
         """Create a key; returns ``(key_id, key)``. The key itself is never stored."""
@@ -89,12 +99,16 @@ class KeyRing:
         now = time.monotonic()
         if cached is not None and now - cached[0] < CACHE_TTL_S:
             grant = cached[1]
+            self._cache.move_to_end(digest)
         else:
             row = api_keys.active_key(self._sessions, digest)
             grant = (
                 None if row is None else KeyGrant(row.id, row.name, row.trajectory_id, row.channel)
             )
             self._cache[digest] = (now, grant)
+            self._cache.move_to_end(digest)
+            while len(self._cache) > self._cache_max_entries:
+                self._cache.popitem(last=False)
         if grant is None:
             raise AuthenticationError("invalid or revoked API key", code="invalid_api_key")
         return grant

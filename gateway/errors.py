@@ -25,6 +25,7 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
     TrajgateError                       500     internal_error         internal_error
      ├── InvalidRequestError            400     invalid_request_error  invalid_request
      │    ├── PayloadTooLargeError      413     invalid_request_error  payload_too_large
+     │    ├── UnsupportedMediaTypeError 415     invalid_request_error  unsupported_media_type
      │    └── MethodNotAllowedError     405     invalid_request_error  method_not_allowed
      ├── AuthenticationError            401     authentication_error   unauthenticated
      ├── PermissionDeniedError          403     permission_error       permission_denied
@@ -35,12 +36,14 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
           └── UpstreamTimeoutError      504     upstream_timeout       upstream_timeout
 
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
-``previous_response_not_found`` (400, the translating dialects); ``invalid_api_key``,
+``previous_response_not_found`` (400, the translating dialects); ``host_not_allowed`` (400,
+``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``
 (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost`` (409); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
-``no_capturing_upstream`` (503); ``upstream_unreachable``
-(504 when the connection timed out, else 502 ``upstream_error``).
+``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still
+sampling when a full-weight update's drain limit ran out, ``gateway.weight_update``);
+``upstream_unreachable`` (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:
 TrajectoryClosedError → 409, UnknownTargetError → 404, InvalidPoolRequestError → 400,
@@ -106,6 +109,13 @@ class InvalidRequestError(TrajgateError):
 class PayloadTooLargeError(InvalidRequestError):
     status_code = 413
     default_code = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A write whose ``Content-Type`` is not JSON (``gateway.guard``)."""
+
+    status_code = 415
+    default_code = "unsupported_media_type"
 
 
 class MethodNotAllowedError(InvalidRequestError):
@@ -190,6 +200,7 @@ _HTTP_ERRORS: dict[int, type[TrajgateError]] = {
     405: MethodNotAllowedError,
     409: ConflictError,
     413: PayloadTooLargeError,
+    415: UnsupportedMediaTypeError,
     503: ServiceUnavailableError,
 }
 

@@ -33,7 +33,12 @@ from gateway.capture import loads, request_hash
 from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
 from gateway.dialects.messages import Messages, count_tokens
 from gateway.dialects.messages_render import upstream_error
-from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
+from gateway.errors import (
+    PermissionDeniedError,
+    ServiceUnavailableError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
 from gateway.state import GatewayState, StateDep
 from gateway.streaming import first_event, relay_stream
 from gateway.upstreams import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
@@ -164,6 +169,7 @@ async def proxy_call(
     body = await read_json_object(request, state.settings.max_body_bytes)
     dialect.check_body(body)
     attribution = attribute(state, request, url_trajectory_id)
+    await refuse_other_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
     writer.check_accepting()
@@ -332,6 +338,22 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
         media_type=response.headers.get("content-type"),
         headers=call.headers(step_ids),
     )
+
+
+async def refuse_other_channel(state: GatewayState, attribution: Attribution) -> None:
+    """A key bound to a channel writes only into trajectories of that channel (a new one is
+    created in it): raises ``PermissionDeniedError`` (403) for an existing trajectory of
+    another, before anything goes upstream. One pool read, only for channel-bound keys."""
+    if attribution.key_channel is None:
+        return
+    trajectory = await pool_lookup(
+        state, state.store.get_trajectory, attribution.trajectory_id, needed=True
+    )
+    if trajectory is not None and trajectory.channel != attribution.key_channel:
+        raise PermissionDeniedError(
+            f"this API key is bound to channel {attribution.key_channel!r}; trajectory "
+            f"{attribution.trajectory_id!r} is in channel {trajectory.channel!r}"
+        )
 
 
 async def pool_lookup(

@@ -2,8 +2,8 @@
 
 Owns: how the proxy reaches its upstreams, its time limits, its security posture and the
 sampling defaults per channel, validated at start-up. Never: holds state. Binding beyond
-loopback without an admin token is refused; a sampling default vLLM would refuse is refused
-here first.
+loopback without an admin token, or with a weak one (``check_admin_token_strength``), is
+refused; a sampling default vLLM would refuse is refused here first.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from typing import Any
+import string
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from trajgate.config import ConfigFileSettings
 
@@ -26,6 +27,49 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+# An admin token beyond loopback: at least this long, this many different characters, and this
+# many bits by the size of the character classes it uses (``check_admin_token_strength``).
+ADMIN_TOKEN_MIN_CHARS = 16
+ADMIN_TOKEN_MIN_DISTINCT = 8
+ADMIN_TOKEN_MIN_BITS = 80
+_CHARACTER_CLASSES = (string.ascii_lowercase, string.ascii_uppercase, string.digits)
+
+
+def check_admin_token_strength(token: str) -> None:
+    """Raise ``ValueError`` unless ``token`` could be a random secret: no whitespace, at least
+    ``ADMIN_TOKEN_MIN_CHARS`` characters, ``ADMIN_TOKEN_MIN_DISTINCT`` different ones, and
+    ``len × log2(alphabet) >= ADMIN_TOKEN_MIN_BITS``, where the alphabet is the sum of the
+    classes used (26 lower, 26 upper, 10 digits, 33 other printable ASCII characters).
+
+    Examples: ``secrets.token_urlsafe(32)`` (43 characters, about 256 bits) and
+    ``openssl rand -hex 16`` (32 characters of 16: the estimate says 165 bits) pass; ``"s3cret"``,
+    32 times ``"a"`` and anything with a space fail. A floor against mistakes, not a judge of
+    chosen passwords: a long dictionary phrase without spaces passes it.
+    """
+    problem = None
+    if any(c.isspace() for c in token):
+        problem = "it contains whitespace"
+    elif len(token) < ADMIN_TOKEN_MIN_CHARS:
+        problem = f"it has {len(token)} characters, fewer than {ADMIN_TOKEN_MIN_CHARS}"
+    elif len(set(token)) < ADMIN_TOKEN_MIN_DISTINCT:
+        problem = (
+            f"it has {len(set(token))} different characters, fewer than {ADMIN_TOKEN_MIN_DISTINCT}"
+        )
+    else:
+        alphabet = sum(len(c) for c in _CHARACTER_CLASSES if any(ch in c for ch in token))
+        alphabet += 33 if any(not any(ch in c for c in _CHARACTER_CLASSES) for ch in token) else 0
+        bits = len(token) * math.log2(alphabet)
+        if bits < ADMIN_TOKEN_MIN_BITS:
+            problem = f"it holds about {bits:.0f} bits, fewer than {ADMIN_TOKEN_MIN_BITS}"
+    if problem is not None:
+        raise ValueError(
+            f"TRAJGATE_ADMIN_TOKEN is too weak for binding beyond loopback: {problem}; "
+            "use a random one, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
 
 
 # Sampling fields a default may set, with the values vLLM 0.32 accepts for each (its
@@ -169,7 +213,20 @@ class GatewaySettings(ConfigFileSettings):
     )
     admin_token: str | None = Field(
         default=None,
-        description="Bearer token for /admin endpoints. Required when bound beyond loopback.",
+        description=(
+            "Bearer token for /admin and /api. Required when bound beyond loopback, and then "
+            f"random-looking: no whitespace, at least {ADMIN_TOKEN_MIN_CHARS} characters, "
+            f"{ADMIN_TOKEN_MIN_DISTINCT} different ones, about {ADMIN_TOKEN_MIN_BITS} bits."
+        ),
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Host names the gateway answers (the Host header, port ignored), comma-separated; "
+            "'*' for any. Always added: localhost, 127.0.0.1, ::1 and the bound host. Bound to "
+            "a wildcard address (0.0.0.0, ::) and left empty: any name (the admin token and "
+            "API keys guard it). A foreign name gets 400: DNS-rebinding defence."
+        ),
     )
     require_api_key: bool | None = Field(
         default=None,
@@ -202,6 +259,13 @@ class GatewaySettings(ConfigFileSettings):
                 raise ValueError(
                     f"sampling_defaults: channel {channel!r} must be '*' or 1-100 of letters, "
                     "digits, '.', '_', ':' or '-' starting with a letter or digit"
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_allowed_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
                 )
             for name, field_value in fields.items():
                 try:
@@ -264,9 +328,20 @@ class GatewaySettings(ConfigFileSettings):
     @property
     def upstream_urls(self) -> list[str]:
         return [url.strip().rstrip("/") for url in self.upstream_url.split(",") if url.strip()]
+            check_admin_token_strength(self.admin_token)
 
     @property
     def api_key_required(self) -> bool:
         if self.require_api_key is None:
             return not is_loopback(self.host)
         return self.require_api_key
+
+
+def allowed_host_names(settings: GatewaySettings) -> frozenset[str] | None:
+    """The lower-case host names the gateway answers (``allowed_hosts``, the loopback names and
+    the bound host), or None for any: ``'*'`` listed, or a wildcard bind with none listed."""
+    listed = {name.rstrip(".").lower() for name in settings.allowed_hosts}
+    if "*" in listed or (settings.host in WILDCARD_HOSTS and not listed):
+        return None
+    bound = settings.host.strip("[]").lower()
+    return frozenset(listed | LOOPBACK_NAMES | ({bound} - WILDCARD_HOSTS))

@@ -223,7 +223,7 @@ def test_api_keys_are_required_bound_and_revocable(
 def test_binding_beyond_loopback_without_an_admin_token_is_refused() -> None:
     with pytest.raises(ValueError, match="requires TRAJGATE_ADMIN_TOKEN"):
         GatewaySettings(host="0.0.0.0")
-    exposed = GatewaySettings(host="0.0.0.0", admin_token="t")
+    exposed = GatewaySettings(host="0.0.0.0", admin_token="Zq8-rT2vXw_LmN4pKc7yHb1sUe5o")
     assert exposed.api_key_required and not GatewaySettings().api_key_required
 
 

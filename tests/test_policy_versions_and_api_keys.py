@@ -19,7 +19,7 @@ from gateway.settings import GatewaySettings
 @pytest.fixture
 def admin(pool_settings: PoolSettings) -> Iterator[TestClient]:
     app = create_app(GatewaySettings(upstream_url="http://127.0.0.1:9"), pool_settings)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         yield client
 
 

@@ -39,7 +39,8 @@ def store(pool_settings: PoolSettings) -> Iterator[PoolStore]:
 
 @pytest.fixture
 def client(store: PoolStore, pool_settings: PoolSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(GatewaySettings(), pool_settings)) as test_client:
+    app = create_app(GatewaySettings(), pool_settings)
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
         yield test_client
 
 

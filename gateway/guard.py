@@ -1,0 +1,202 @@
+"""The edge guard: what every HTTP request must pass before any route runs or reads its body.
+
+Owns: ``EdgeGuard``, a raw ASGI middleware (one pass over the request's headers, no per-request
+objects on the path of an accepted call), which refuses, in this order:
+
+=====  ==========================  =============================================================
+400    ``host_not_allowed``        a ``Host`` that is not one of this gateway's names
+                                   (``allowed_hosts``: DNS rebinding would let a web page read
+                                   the pool through a name the attacker controls)
+403    ``cross_site``              a write (POST, PUT, PATCH, DELETE) a browser sent for another
+                                   site's page: ``Sec-Fetch-Site`` ``cross-site``/``same-site``,
+                                   or an ``Origin`` that is not this gateway's own
+415    ``unsupported_media_type``  a write whose ``Content-Type`` is not JSON (``application/json``
+                                   or ``application/*+json``): the types a page may send without
+                                   a CORS preflight (``text/plain``, forms) are never JSON
+401    ``invalid_admin_token``     ``/api`` and ``/admin`` without the admin token (when one is
+                                   set), before a byte of the body is read
+413    ``payload_too_large``       a declared ``Content-Length`` over ``max_body_bytes``; a body
+                                   sent without a length is counted as it is read and cut there
+=====  ==========================  =============================================================
+
+Errors are rendered in the envelope of the dialect whose path was asked (Anthropic's for
+``/v1/messages``), OpenAI's everywhere else. Never: reads or buffers a body; decides what a
+route does with one (a route still checks its own body, and its own token, behind this).
+
+A request without ``Content-Type`` or without ``Host`` passes those two checks: browsers always
+send both on the requests this guards against, and the SDKs always send JSON. The same-origin
+check compares ``Origin`` with ``Host``, so a reverse proxy in front must pass ``Host`` through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.auth import check_admin_token
+from gateway.dialects import DIALECTS
+from gateway.errors import (
+    AuthenticationError,
+    ErrorRenderer,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    TrajgateError,
+    UnsupportedMediaTypeError,
+    error_response,
+    openai_envelope,
+)
+from gateway.settings import GatewaySettings, allowed_host_names
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+ADMIN_PREFIXES = ("/api", "/admin")
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a body without a declared length passes the limit: an
+    ``HTTPException`` so FastAPI's body reader lets it through to the app's error handlers,
+    which render it in the route's envelope as ``payload_too_large``."""
+
+    def __init__(self, max_body_bytes: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+
+
+class EdgeGuard:
+    """The checks of the module docstring, configured once from ``settings``."""
+
+    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+        self.app = app
+        self.max_body_bytes = settings.max_body_bytes
+        self.admin_token = settings.admin_token
+        self.host_names = allowed_host_names(settings)  # None: any host name
+        # Longest first, so "/v1/messages/count_tokens" finds the Messages dialect.
+        self.renderers: list[tuple[str, ErrorRenderer]] = sorted(
+            (
+                (f"/v1{path}", dialect.render_error)
+                for dialect in DIALECTS
+                for path in dialect.client_paths
+            ),
+            key=lambda entry: -len(entry[0]),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = origin = fetch_site = content_type = content_length = None
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name == b"content-length":
+                content_length = value
+            elif name == b"content-type":
+                content_type = value.decode("latin-1")
+            elif name == b"origin":
+                origin = value.decode("latin-1")
+            elif name == b"sec-fetch-site":
+                fetch_site = value.decode("latin-1")
+            elif name == b"transfer-encoding":
+                chunked = True
+        error = self._refusal(scope, host, origin, fetch_site, content_type, content_length)
+        if error is not None:
+            await error_response(error, self._renderer(scope["path"]))(scope, receive, send)
+            return
+        if chunked and content_length is None:
+            receive = self._counted(receive)
+        await self.app(scope, receive, send)
+
+    def _refusal(
+        self,
+        scope: Scope,
+        host: str | None,
+        origin: str | None,
+        fetch_site: str | None,
+        content_type: str | None,
+        content_length: bytes | None,
+    ) -> TrajgateError | None:
+        """The first check ``scope`` fails, or None."""
+        names = self.host_names
+        if host is not None and names is not None and host_name(host) not in names:
+            return InvalidRequestError(
+                f"host {host[:100]!r} is not one of this gateway's names "
+                f"({', '.join(sorted(names))}); set TRAJGATE_ALLOWED_HOSTS",
+                code="host_not_allowed",
+            )
+        if scope["method"] not in SAFE_METHODS:
+            if fetch_site in ("cross-site", "same-site"):
+                return PermissionDeniedError(
+                    f"cross-site write refused (Sec-Fetch-Site: {fetch_site})", code="cross_site"
+                )
+            if origin is not None and urlsplit(origin).netloc != host:
+                return PermissionDeniedError(
+                    f"cross-site write refused: Origin {origin[:100]!r} is not {host!r}",
+                    code="cross_site",
+                )
+            if content_type is not None and not is_json_media_type(content_type):
+                return UnsupportedMediaTypeError(
+                    f"request body must be JSON (Content-Type: application/json), "
+                    f"got {content_type[:100]!r}"
+                )
+        path: str = scope["path"]
+        if self.admin_token is not None and _is_under(path, ADMIN_PREFIXES):
+            try:
+                check_admin_token(Request(scope), self.admin_token)
+            except AuthenticationError as refused:
+                return refused
+        declared = int(content_length) if content_length and content_length.isdigit() else 0
+        if declared > self.max_body_bytes:
+            return PayloadTooLargeError(
+                f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"
+            )
+        return None
+
+    def _counted(self, receive: Receive) -> Receive:
+        """``receive`` that raises ``_BodyTooLarge`` once the body passes the limit."""
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _BodyTooLarge(self.max_body_bytes)
+            return message
+
+        return counted
+
+    def _renderer(self, path: str) -> ErrorRenderer:
+        if path.startswith("/t/"):  # /t/<trajectory_id>/v1/...: the dialect's own envelope
+            path = path[path.find("/", 3) :] if path.find("/", 3) > 0 else path
+        for prefix, render in self.renderers:
+            if path.startswith(prefix):
+                return render
+        return openai_envelope
+
+
+def host_name(host: str) -> str:
+    """The name in a ``Host`` header, lower-case, without port or final dot:
+    ``"LocalHost.:8000"`` → ``"localhost"``, ``"[::1]:8000"`` → ``"::1"``."""
+    if host.startswith("["):
+        name = host[1 : host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:
+        name = host.split(":", 1)[0]
+    else:
+        name = host
+    return name.rstrip(".").lower()
+
+
+def is_json_media_type(content_type: str) -> bool:
+    """``application/json`` or ``application/<x>+json``, any parameters (``; charset=utf-8``)."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _is_under(path: str, prefixes: Iterable[str]) -> bool:
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in prefixes)
