@@ -249,6 +249,13 @@ class GatewaySettings(ConfigFileSettings):
         ),
     )
 
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_allowed_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
     @field_validator("sampling_defaults")
     @classmethod
     def _check_sampling_defaults(
@@ -259,13 +266,6 @@ class GatewaySettings(ConfigFileSettings):
                 raise ValueError(
                     f"sampling_defaults: channel {channel!r} must be '*' or 1-100 of letters, "
                     "digits, '.', '_', ':' or '-' starting with a letter or digit"
-    @field_validator("allowed_hosts", mode="before")
-    @classmethod
-    def _split_allowed_hosts(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [name.strip() for name in value.split(",") if name.strip()]
-        return value
-
                 )
             for name, field_value in fields.items():
                 try:
@@ -318,6 +318,7 @@ class GatewaySettings(ConfigFileSettings):
                 raise ValueError(
                     f"binding to {self.host} (not loopback) requires TRAJGATE_ADMIN_TOKEN"
                 )
+            check_admin_token_strength(self.admin_token)
             if self.require_api_key is False:
                 raise ValueError(
                     f"binding to {self.host} (not loopback) requires agent API keys; "
@@ -328,7 +329,6 @@ class GatewaySettings(ConfigFileSettings):
     @property
     def upstream_urls(self) -> list[str]:
         return [url.strip().rstrip("/") for url in self.upstream_url.split(",") if url.strip()]
-            check_admin_token_strength(self.admin_token)
 
     @property
     def api_key_required(self) -> bool:
