@@ -33,18 +33,22 @@ Shape legend: ``B`` rows of the whole batch, ``B_r`` rows of rank r's share, ``T
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from trainer_bridge.client import LeasedBatch, PoolClient, rows_from_table
+from trainer_bridge.checkpoint import Lineage, latest, load, save
+from trainer_bridge.client import LeasedBatch, LeaseLostError, PoolClient, rows_from_table
 from trainer_bridge.collate import Row, collate
 from trainer_bridge.settings import DistributedSettings, TrainerSettings
+from trainer_bridge.sharding import local_numel
 from trainer_bridge.sync import WeightSync
 from trainer_bridge.trainer import PolicyTrainer, UpdateMetrics
 
@@ -96,17 +100,97 @@ def _broadcast(value: Any) -> Any:
 
 @dataclass
 class RankReport:
-    """What one rank did: the metrics of each update and the batches it trained on."""
+    """What one rank did: the metrics of each update (with its batch and policy version), the
+    batches it acknowledged without training because its checkpoint already held them
+    (``recovered``), and how many parameter elements it holds of how many."""
 
     rank: int
     updates: list[dict[str, Any]]
+    recovered: list[dict[str, Any]] = field(default_factory=list)
+    parameters_held: int = 0
+    parameters_total: int = 0
+
+
+class _Leases:
+    """Rank 0's leases whose updates no checkpoint holds yet (acked once one does), mirrored in
+    ``<checkpoint_dir>/leases.json`` so a restarted trainer can settle them at once: ack those its
+    checkpoint holds, nack the others (instead of waiting for them to expire)."""
+
+    def __init__(self, pool: PoolClient, checkpoint_dir: Path | None) -> None:
+        self.pool = pool
+        self.file = None if checkpoint_dir is None else checkpoint_dir / "leases.json"
+        self.held: list[tuple[LeasedBatch, int | None]] = []  # (lease, version trained or None)
+
+    def _write(self) -> None:
+        if self.file is not None:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            staged = self.file.with_suffix(".tmp")
+            staged.write_text(json.dumps([[asdict(lease), v] for lease, v in self.held]))
+            staged.replace(self.file)
+
+    def add(self, lease: LeasedBatch) -> None:
+        self.held.append((lease, None))
+        self._write()
+
+    def trained(self, lease: LeasedBatch, version: int) -> None:
+        self.held = [(h, version if h == lease else v) for h, v in self.held]
+        self._write()
+
+    def drop(self, lease: LeasedBatch) -> None:
+        self.held = [(h, v) for h, v in self.held if h != lease]
+        self._write()
+
+    def ack_trained(self) -> None:
+        """Ack every lease whose update is trained (and, with checkpoints, checkpointed)."""
+        for lease, version in list(self.held):
+            if version is not None:
+                self.pool.ack(lease, policy_version_trained=version)
+                self.drop(lease)
+
+    def settle_previous(self, lineage: Lineage) -> None:
+        """After a restart: ack the leases the checkpoint holds, nack the rest. A lease that
+        expired meanwhile is left alone: its batch comes back and is acked (held) or trained."""
+        if self.file is None or not self.file.exists():
+            return
+        for data, _ in json.loads(self.file.read_text()):
+            lease = LeasedBatch(**data)
+            version = lineage.version_of(lease.batch_id)
+            try:
+                if version is None:
+                    self.pool.nack(lease, reason="trainer restarted before checkpointing it")
+                else:
+                    self.pool.ack(lease, policy_version_trained=version)
+            except LeaseLostError:
+                pass
+        self._write()
+
+
+def _crash_point(stage: str, updates: int) -> None:
+    """Fault injection for tests/test_distributed.py: ``TRAJGATE_TRAINER_CRASH_AT=<stage>:<n>``
+    ends rank 0 at once (exit status 3) at ``stage`` (``trained``: after the update, before its
+    checkpoint; ``checkpointed``: after the checkpoint, before the ack) of this process's
+    ``n``-th update."""
+    crash_at = os.environ.get("TRAJGATE_TRAINER_CRASH_AT")
+    if crash_at == f"{stage}:{updates}" and dist.get_rank() == 0:
+        os._exit(3)
 
 
 def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> RankReport:
-    """The training loop of one rank; ``torch.distributed`` must be initialised."""
+    """The training loop of one rank; ``torch.distributed`` must be initialised.
+
+    With ``checkpoint_dir``: resumes from the newest checkpoint (weights, optimizer, policy
+    version, the batches trained), acks a leased batch the checkpoint already holds instead of
+    training it again, and acks each update only after a checkpoint holds it (module doc).
+    """
     trainer = PolicyTrainer(trainer_settings)
     world = GlooWorld(trainer.device if dist.get_backend() == "nccl" else torch.device("cpu"))
-    world.broadcast_parameters(trainer.parameters)
+    if not trainer.sharded:  # sharded: PolicyTrainer broadcast them before sharding
+        world.broadcast_parameters(trainer.parameters)
+    lineage = Lineage(policy_version=settings.first_version - 1)
+    checkpoint_dir = settings.checkpoint_dir
+    if checkpoint_dir is not None and (path := latest(checkpoint_dir)) is not None:
+        lineage = load(path, trainer.model, trainer.optimizer)
+        trainer.steps = lineage.steps
     sync = (
         WeightSync(
             [url.strip() for url in settings.vllm_urls.split(",") if url.strip()],
@@ -116,11 +200,17 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
         if world.rank == 0 and settings.vllm_urls.strip()
         else None
     )
-    version = settings.first_version
-    report = RankReport(world.rank, [])
+    report = RankReport(
+        world.rank,
+        [],
+        parameters_held=sum(local_numel(p) for p in trainer.model.parameters()),
+        parameters_total=sum(p.numel() for p in trainer.model.parameters()),
+    )
     idle_since = time.monotonic()
     headers = {"Authorization": f"Bearer {settings.admin_token}"} if settings.admin_token else None
     with PoolClient(settings.pool_url, headers=headers) as pool:
+        leases = _Leases(pool, checkpoint_dir if world.rank == 0 else None)
+        leases.settle_previous(lineage)
         while settings.max_updates is None or len(report.updates) < settings.max_updates:
             lease: LeasedBatch | None = None
             if world.rank == 0:
@@ -132,12 +222,37 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
                     break
                 time.sleep(settings.idle_wait_s)
                 continue
-            metrics = _update_on_share(trainer, world, pool, lease, settings, sync, version)
+            idle_since = time.monotonic()
+            held = lineage.version_of(lease.batch_id)
+            if held is not None:  # trained into the checkpoint, its ack lost in a crash
+                if world.rank == 0:
+                    pool.ack(lease, policy_version_trained=held)
+                report.recovered.append({"batch_id": lease.batch_id, "policy_version": held})
+                continue
+            version = lineage.policy_version + 1
+            if world.rank == 0:
+                leases.add(lease)
+            metrics = _update_on_share(trainer, world, pool, lease, settings, leases)
+            lineage.policy_version, lineage.steps = version, trainer.steps
+            lineage.batches.append((lease.batch_id, version))
             report.updates.append(
                 {"batch_id": lease.batch_id, "policy_version": version, **metrics.as_dict()}
             )
-            version += 1
-            idle_since = time.monotonic()
+            if world.rank == 0:
+                leases.trained(lease, version)
+            _crash_point("trained", len(report.updates))
+            since = len(lineage.batches) % settings.checkpoint_every_updates
+            if checkpoint_dir is not None and since == 0:
+                save(checkpoint_dir, trainer.model, trainer.optimizer, lineage)
+            _crash_point("checkpointed", len(report.updates))
+            if world.rank == 0 and (checkpoint_dir is None or since == 0):
+                leases.ack_trained()
+            _publish(trainer, world, pool, settings, sync, version, metrics)
+        unsaved = world.rank == 0 and any(v is not None for _, v in leases.held)
+        if checkpoint_dir is not None and _broadcast(unsaved):  # stopping between checkpoints
+            save(checkpoint_dir, trainer.model, trainer.optimizer, lineage)
+            if world.rank == 0:
+                leases.ack_trained()
     if sync is not None:
         sync.close()
     return report
@@ -149,10 +264,9 @@ def _update_on_share(
     pool: PoolClient,
     lease: LeasedBatch,
     settings: DistributedSettings,
-    sync: WeightSync | None,
-    version: int,
+    leases: _Leases,
 ) -> UpdateMetrics:
-    """One update of every rank on its share of ``lease``'s batch; rank 0 acks and publishes."""
+    """One update of every rank on its share of ``lease``'s batch; a failure nacks it."""
     try:
         table: pa.Table = pool.rows(lease.batch_id)
         share = shard_rows(rows_from_table(table), world.rank, world.size)
@@ -161,19 +275,31 @@ def _update_on_share(
                 f"batch {lease.batch_id} has {table.num_rows} rows for {world.size} ranks; "
                 "every rank needs at least one (make batches larger or use fewer ranks)"
             )
-        metrics = trainer.update(collate(share, settings.pad_token_id), world)
+        return trainer.update(collate(share, settings.pad_token_id), world)
     except BaseException:
         if world.rank == 0:
             pool.nack(lease, reason="distributed update failed")
+            leases.drop(lease)
         raise
+
+
+def _publish(
+    trainer: PolicyTrainer,
+    world: GlooWorld,
+    pool: PoolClient,
+    settings: DistributedSettings,
+    sync: WeightSync | None,
+    version: int,
+    metrics: UpdateMetrics,
+) -> None:
+    """Save ``version``'s weights (every rank joins a sharded model's gathers; rank 0 writes),
+    load them into vLLM and the gateway, and post the update's metrics."""
+    weights = trainer.save_for_vllm(settings.weights_dir / f"policy-v{version}")
     if world.rank == 0:
-        pool.ack(lease, policy_version_trained=version)
-        weights = trainer.save_for_vllm(settings.weights_dir / f"policy-v{version}")
         if sync is not None:
             sync.publish(version, weights, "lora" if trainer.settings.lora_rank else "full")
         pool.post_training_metrics(settings.consumer, version, metrics)
-    dist.barrier()  # no rank leases the next batch before rank 0 has acked this one
-    return metrics
+    dist.barrier()  # no rank leases the next batch before rank 0 has acked and published
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,7 +309,6 @@ def main(argv: list[str] | None = None) -> None:
     prints them as one JSON object, secrets hidden, and exits before joining the process group.
     """
     import argparse
-    import json
 
     from trajgate.config import describe
 
@@ -210,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend)
     try:
         report = run(settings, trainer_settings)
-        print(json.dumps({"rank": report.rank, "updates": report.updates}), flush=True)
+        print(json.dumps(asdict(report)), flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -62,7 +62,7 @@ def shard_model(model: Any, device: torch.device, *, activation_checkpointing: b
     adapters are initialised from the same seed; ``PolicyTrainer`` broadcasts them anyway).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,9 +75,11 @@ def shard_model(model: Any, device: torch.device, *, activation_checkpointing: b
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.set_gradient_divide_factor(1.0)
-    if device.type != "cuda":
-        model.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
+    for module in model.modules():  # each sharded module reduces its own parameter group
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if device.type != "cuda":
+                module.set_force_sum_reduction_for_comms(True)  # gloo: no PREMUL_SUM
     return model
 
 
