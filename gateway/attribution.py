@@ -136,6 +136,24 @@ def _check_values(value: Any, *, deep: bool, surrogates: bool, nul: bool) -> Non
                 )
 
 
+# The length of the steps' and call attempts' ``idempotency_key`` columns (String(200)).
+IDEMPOTENCY_KEY_MAX_CHARS = 200
+
+
+def check_idempotency_key(key: str | None) -> str | None:
+    """The ``Idempotency-Key`` header as stored (None when absent or empty); raise
+    ``InvalidRequestError`` past ``IDEMPOTENCY_KEY_MAX_CHARS`` characters, before vLLM is asked
+    (PostgreSQL would refuse it at the commit, after the tokens were sampled; SQLite would
+    keep it whole: one answer on both)."""
+    if key and len(key) > IDEMPOTENCY_KEY_MAX_CHARS:
+        raise InvalidRequestError(
+            f"Idempotency-Key must be at most {IDEMPOTENCY_KEY_MAX_CHARS} characters, got "
+            f"{len(key)}",
+            param="Idempotency-Key",
+        )
+    return key or None
+
+
 def check_group_id(group_id: str | None) -> str | None:
     """Raise ``InvalidRequestError`` unless the group id is None or 1-200 of
     ``[A-Za-z0-9._:-]`` starting with a letter or digit (it appears in URL paths)."""

@@ -27,7 +27,13 @@ from starlette.concurrency import run_in_threadpool
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
-from gateway.attribution import Attribution, attribute, check_trajectory_id, read_json_object
+from gateway.attribution import (
+    Attribution,
+    attribute,
+    check_idempotency_key,
+    check_trajectory_id,
+    read_json_object,
+)
 from gateway.call import Call, commit, fail_call, failed_choice
 from gateway.capture import loads, request_hash
 from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
@@ -196,7 +202,7 @@ async def forward_call(
     attribution: Attribution,
 ) -> Response:
     """``proxy_call`` once the call is attributed and counted in flight."""
-    idempotency_key = request.headers.get("idempotency-key")
+    idempotency_key = check_idempotency_key(request.headers.get("idempotency-key"))
     if idempotency_key:
         replay = await replayed_answer(state, attribution, idempotency_key)
         if replay is not None:

@@ -570,6 +570,54 @@ def test_c13_same_idempotency_key_is_replayed_not_sampled_again(
     assert len(steps_of(pool_settings, "c13k")) == 1
 
 
+def test_an_over_long_idempotency_key_is_refused_up_front_on_both_backends(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    """The key is stored in a 200-character column: 201 characters are a 400 before vLLM is
+    asked (PostgreSQL used to fail the commit with a 503 after sampling; SQLite stored it)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = _post(
+        f"{gateway.url}/t/longkey/v1/chat/completions",
+        body,
+        headers={"Idempotency-Key": "k" * 201},
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "Idempotency-Key"
+    assert "200" in refused.json()["error"]["message"]
+    assert steps_of(pool_settings, "longkey") == []
+    # 200 characters fit, and replay as any key does.
+    headers = {"Idempotency-Key": "k" * 200}
+    first = _post(f"{gateway.url}/t/longkey/v1/chat/completions", body, headers=headers)
+    again = _post(f"{gateway.url}/t/longkey/v1/chat/completions", body, headers=headers)
+    assert first.status_code == again.status_code == 200, first.text
+    assert again.headers["x-trajgate-replayed"] == "true"
+    assert len(steps_of(pool_settings, "longkey")) == 1
+
+
+def test_max_completion_tokens_on_completions_is_honoured_as_max_tokens(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    """vLLM's completions endpoint ignores ``max_completion_tokens`` (its default is 16
+    tokens); the gateway sends it as ``max_tokens`` when that is absent, and records it."""
+    body = {
+        "model": "tiny",
+        "prompt": "hi",
+        "max_completion_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    answer = _post(f"{gateway.url}/t/mct/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 20  # not vLLM's default 16
+    (step,) = steps_of(pool_settings, "mct")
+    assert step.upstream_request is not None
+    assert step.upstream_request["max_tokens"] == 20
+    assert "max_completion_tokens" not in step.upstream_request
+    # max_tokens, when sent, is the limit (both sent: max_tokens wins, as vLLM reads it).
+    both = _post(f"{gateway.url}/t/mct2/v1/completions", {**body, "max_tokens": 3})
+    assert both.json()["usage"]["completion_tokens"] == 3
+
+
 def test_c13_identical_resend_is_linked_to_the_earlier_call(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:

@@ -1,15 +1,20 @@
 """The completions dialect: ``POST /v1/completions``, passed through to vLLM's own.
 
-Owns: the one-prompt rule (a batch of prompts is refused, so every prompt is its own step) and
-where completions answers keep their fields (prompt IDs per choice, logprobs under
-``logprobs.token_logprobs``, the message as ``{"text": ...}``). Never: changes what the client
-receives beyond hiding the capture fields it did not ask for (``gateway.dialects.choices``).
+Owns: the one-prompt rule (a batch of prompts is refused, so every prompt is its own step),
+``max_completion_tokens`` honoured (vLLM's completions endpoint ignores it and samples its
+default 16 tokens: it goes upstream as ``max_tokens`` when the client sent none, and the step
+records that upstream body) and where completions answers keep their fields (prompt IDs per
+choice, logprobs under ``logprobs.token_logprobs``, the message as ``{"text": ...}``). Never:
+changes what the client receives beyond hiding the capture fields it did not ask for
+(``gateway.dialects.choices``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from gateway.dialects.base import Prepared
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
 from gateway.errors import InvalidRequestError
 
@@ -31,6 +36,19 @@ class Completions(ChoicesDialect):
                 "request per prompt, so each becomes its own step)",
                 param="prompt",
             )
+
+    def prepare(self, body: dict[str, Any]) -> Prepared:
+        """The shared upstream body, with the client's ``max_completion_tokens`` as
+        ``max_tokens`` (the field vLLM's completions endpoint reads) unless ``max_tokens`` was
+        sent too, which then wins as vLLM would have it."""
+        prepared = super().prepare(body)
+        if "max_completion_tokens" not in body:
+            return prepared
+        upstream = dict(prepared.upstream_body)
+        limit = upstream.pop("max_completion_tokens")
+        if upstream.get("max_tokens") is None:
+            upstream["max_tokens"] = limit
+        return replace(prepared, upstream_body=upstream)
 
     def upstream_logprobs(self, body: dict[str, Any]) -> tuple[bool, Any]:
         # ``logprobs: <int>`` asks for that many alternatives; the sampled token's logprob comes
