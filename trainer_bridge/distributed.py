@@ -302,6 +302,22 @@ def _publish(
     dist.barrier()  # no rank leases the next batch before rank 0 has acked and published
 
 
+def join_ranks(trainer_settings: TrainerSettings) -> TrainerSettings:
+    """Join torchrun's process group: on CUDA (``device`` cuda, or auto with a GPU) NCCL with GPU
+    ``LOCAL_RANK``, else gloo on CPU. Returns the settings with this rank's device."""
+    if trainer_settings.device == "cuda" or (
+        trainer_settings.device == "auto" and torch.cuda.is_available()
+    ):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        trainer_settings = trainer_settings.model_copy(
+            update={"device": f"cuda:{torch.cuda.current_device()}"}
+        )
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return trainer_settings
+
+
 def main(argv: list[str] | None = None) -> None:
     """``torchrun -m trainer_bridge.distributed [--check-config]``: one process per rank.
 
@@ -322,17 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     if arguments.check_config:
         print(json.dumps(describe(trainer_settings, settings)), flush=True)
         return
-    if trainer_settings.device == "cuda" or (
-        trainer_settings.device == "auto" and torch.cuda.is_available()
-    ):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        trainer_settings = trainer_settings.model_copy(
-            update={"device": f"cuda:{torch.cuda.current_device()}"}
-        )
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend)
+    trainer_settings = join_ranks(trainer_settings)
     try:
         report = run(settings, trainer_settings)
         print(json.dumps(asdict(report)), flush=True)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The trainer at scale on this host: a few GRPO updates of a randomly initialised Qwen2-shaped
+# model of 494M parameters, FSDP2, full weights and LoRA, bf16 on GPUs; prints tokens/s, MFU, peak
+# memory, padding fraction and the bf16-vs-fp32 logprob difference as one JSON line per mode.
+# Needs torch (CUDA build on a GPU host), transformers and peft; no vLLM, no network.
+#
+#   scripts/gpu_check.sh                    # every GPU of this host (one rank each)
+#   NPROC=2 scripts/gpu_check.sh --tiny     # CPU (gloo): the tests' tiny model, small rows
+#
+# Flags (scripts/gpu_check.py --help): --modes full,lora --updates N --groups G --group-size S
+# --prompt-tokens P --response-tokens R --micro-batch-tokens B --lora-rank R
+# --activation-checkpointing. GPU_CHECK_PEAK_TFLOPS sets the bf16 peak of an unlisted GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=python3
+if [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+nproc=${NPROC:-$(( gpus > 0 ? gpus : 2 ))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$python" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+  scripts/gpu_check.py "$@"

@@ -1,0 +1,39 @@
+"""scripts/gpu_check.sh in its reduced mode on the CPU (2 gloo ranks, the tiny model): both modes
+train, and it reports every figure docs/benchmarks.md quotes from a GPU host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_reduced_mode_trains_full_and_lora_and_reports_every_figure() -> None:
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--updates", "2"],
+        env={**os.environ, "NPROC": "2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reports = {
+        r["mode"]: r
+        for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    }
+    assert sorted(reports) == ["full", "lora"]
+    for report in reports.values():
+        assert (report["device"], report["world_size"], report["updates"]) == ("cpu", 2, 2)
+        assert report["tokens_per_s"] > 0
+        assert report["mfu"] is None  # no bf16 peak for a CPU
+        assert report["peak_memory_gib"] > 0
+        assert report["padding_fraction"] == 0.0  # packed
+        assert 0 < report["padding_fraction_unpacked"] < 1  # rows of different lengths
+        # fp32 on both sides on the CPU: only summation order differs
+        assert report["logprob_diff_max_abs"] < 1e-4
+        assert report["grad_norm"] > 0
+    # LoRA adds its adapters to the same base: 656,512 parameters of the tiny model
+    assert reports["full"]["parameters"] == 656_512 < reports["lora"]["parameters"]
