@@ -2,7 +2,8 @@
 
 Owns: the synthetic data (10-turn tool-use trajectories from ``trajgate.bench.pool``, written
 through
-``PoolStore.record_call``, completed with rewards, in groups) and the measurement. Never: used by
+``PoolStore.record_call``, completed with rewards, in groups whose rollouts share the task
+prompt) and the measurement. Never: used by
 the gateway.
 
 Measured, per layout, the wall time of ``build_rows`` (select ready trajectories, read the exact
@@ -68,9 +69,12 @@ def bench_export(
         for i in range(trajectories):
             trajectory_id = f"bench-{i}"
             group_id = f"task-{i // group_size}"
-            for k, (prompt, response, logprobs) in enumerate(
-                synthetic_trajectory(rng, turns, response_tokens=150, tool_tokens=300)
-            ):
+            calls = synthetic_trajectory(rng, turns, response_tokens=150, tool_tokens=300)
+            if i % group_size == 0:
+                task = calls[0][0]  # the group's task: system prompt and task tokens
+            # every rollout of a task starts from its prompt (anchor grouping finds the first steps)
+            calls = [([*task, *p[len(task) :]], r, lp) for p, r, lp in calls]
+            for k, (prompt, response, logprobs) in enumerate(calls):
                 store.record_call(
                     trajectory_id,
                     synthetic_call(trajectory_id, prompt, response, logprobs, k),
