@@ -6,6 +6,8 @@ Shape legend: ``B`` batch rows, ``T`` tokens per row.
 - ``client``: ``PoolClient`` leases a batch, reads its rows, acks or nacks (``train_batch`` does
   one lease → update → ack; ``LeaseLostError``).
 - ``collate``: batch rows to padded tensors ``[B, T]`` (``Row``, ``row_from_step``, ``collate``).
+- ``packing``: which rows go into each forward pass, padded or packed end to end into token
+  budgets (``plan_micro_batches``, ``pack``, ``unpack``).
 - ``logprobs``: per-token log-probabilities and entropies of a model over given sequences
   (``token_logprobs``).
 - ``losses``: policy-gradient losses over sampled tokens (``LossConfig``, ``policy_loss``,
@@ -15,8 +17,13 @@ Shape legend: ``B`` batch rows, ``T`` tokens per row.
 - ``sync``: ``WeightSync`` loads new weights into vLLM and registers them with the gateway as the
   next policy version.
 - ``loop``: the trainer against running services: lease → train → ack → publish (``run_loop``).
+- ``sharding``: FSDP2 over the ranks (``shard_model``) and gathering sharded weights into the
+  files vLLM loads (``save_full_safetensors``, ``gather_trainable``).
+- ``checkpoint``: sharded model and optimizer checkpoints with the lineage of batches trained
+  (``save``, ``load``, ``latest``, ``Lineage``).
 - ``distributed``: the entry point under ``torchrun`` (``python -m trainer_bridge.distributed``):
-  data-parallel updates, each rank on its share of one batch (``shard_rows``, ``run``, ``main``).
+  data-parallel updates, each rank on its share of one batch, replicated or FSDP2-sharded,
+  resumed from checkpoints after a crash (``shard_rows``, ``run``, ``join_ranks``, ``main``).
 - ``settings``: ``TrainerSettings`` and ``DistributedSettings`` (no torch import, so config
   checks run without it).
 

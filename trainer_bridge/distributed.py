@@ -8,25 +8,37 @@ configured by ``TRAJGATE_TRAINER_*`` variables (``trainer_bridge.settings``: ``T
 and ``DistributedSettings``, docs/deployment.md) or a ``TRAJGATE_CONFIG`` file; ``--check-config``
 prints the settings and exits.
 
-Owns: the lease protocol across ranks and the gradient reduction. Rank 0 alone talks to the
-pool's lease API: it leases the next batch and broadcasts the lease to every rank; each rank
-fetches the batch's rows, orders them longest first and keeps rows ``rank, rank + W, ...`` (so
-the ranks' token counts differ by at most one row); ``PolicyTrainer.update(shard, world)``
-weighs each micro-batch by its share of the *whole* batch and sums gradients over the ranks
-before clipping, so every rank applies exactly the update one process would apply to the whole
-batch (tests/test_distributed.py checks it within float tolerance). After the update rank 0 acks,
-saves the weights, publishes them (vLLM, then the gateway's policy registry) and posts the
-update's metrics to the pool's training metrics (run = the consumer id); a failed update
-on rank 0 nacks, and a crashed rank lets the lease expire, so the batch comes back either way.
+Owns: the lease protocol across ranks, the gradient reduction of the replicated model, and
+resuming after a crash. Rank 0 alone talks to the pool's lease API: it leases the next batch and
+broadcasts the lease to every rank; each rank fetches the batch's rows, orders them longest
+first and keeps rows ``rank, rank + W, ...`` (so the ranks' token counts differ by at most one
+row); ``PolicyTrainer.update(shard, world)`` weighs each micro-batch by its share of the *whole*
+batch and sums gradients over the ranks before clipping, so every rank applies exactly the
+update one process would apply to the whole batch (tests/test_distributed.py checks it within
+float tolerance). After the update rank 0 acks, every rank joins in saving the weights (a
+sharded model's are gathered), rank 0 publishes them (vLLM, then the gateway's policy registry)
+and posts the update's metrics to the pool's training metrics (run = the consumer id); a failed
+update on rank 0 nacks, and a crashed rank lets the lease expire, so the batch comes back either
+way.
 
-Deliberately different from torch's ``DistributedDataParallel`` wrapper: the gradients are
-all-reduced once per update, after gradient accumulation over micro-batches (what DDP does with
-``no_sync`` on every micro-batch but the last), without DDP's bucketing that overlaps the
-reduction with the backward pass. For LoRA's few megabytes of gradients that overlap buys
-nothing, and no rank can hang waiting for a peer's extra backward pass when the shards split
-into different numbers of micro-batches. Full fine-tuning of a model that does not fit one GPU
-needs FSDP2 (``torch.distributed.fsdp.fully_shard`` per decoder layer, then on the model) in
-place of the replicated model here: documented in docs/deployment.md, not built.
+Two ways to hold the model (``TRAJGATE_TRAINER_SHARDING``): ``replicated``, every rank the whole
+model, gradients all-reduced once per update after accumulation (what DDP does with ``no_sync``
+on every micro-batch but the last, without DDP's bucketed overlap, which buys nothing for LoRA's
+few megabytes); ``fsdp2``, parameters, gradients and optimizer state sharded over the ranks
+(``trainer_bridge.sharding``), for full fine-tuning of models that do not fit one GPU. The same
+command runs either, on CPU (gloo) or GPUs (NCCL).
+
+Resuming (``checkpoint_dir``, ``trainer_bridge.checkpoint``): every ``checkpoint_every_updates``
+updates the ranks save model and optimizer state with the lineage (policy version, the batches
+trained), and only then does rank 0 ack those updates' leases, so an acked batch is always in a
+checkpoint. A restarted trainer loads the newest checkpoint and continues at the version after
+it. The leases it held are in ``<checkpoint_dir>/leases.json``: it acks those the checkpoint
+holds (crash between checkpoint and ack) and nacks the rest (crash before the checkpoint: the
+batch is trained again, from the checkpointed weights, so no batch is trained twice into one
+lineage); a leased batch the lineage already holds is acked without training. With N > 1 a crash
+loses up to N updates, and the versions published since the checkpoint were served from weights
+that are gone: their numbers are published again, from the retrained weights (the gateway keeps
+the first registration's row; vLLM's adapter or weights are replaced in place).
 
 Shape legend: ``B`` rows of the whole batch, ``B_r`` rows of rank r's share, ``T`` tokens.
 """
