@@ -172,9 +172,10 @@ async def proxy_call(
     request.state.render_error = dialect.render_error
     if url_trajectory_id is not None:
         check_trajectory_id(url_trajectory_id)
+    # The key first: an unauthenticated client never gets its body read.
+    attribution = attribute(state, request, url_trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
     dialect.check_body(body)
-    attribution = attribute(state, request, url_trajectory_id)
     await refuse_other_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"

@@ -212,6 +212,22 @@ def test_an_unauthenticated_body_is_refused_before_it_is_read(pool_settings: Poo
         assert (status, body["error"]["code"]) == (413, "payload_too_large")
 
 
+def test_a_model_call_without_its_api_key_is_refused_before_its_body_is_read(
+    pool_settings: PoolSettings,
+) -> None:
+    port = free_port()
+    with gateway_with(pool_settings, port, require_api_key=True):
+        for path in ("/v1/chat/completions", "/t/nokey/v1/messages"):
+            raw = _raw_request(
+                port,
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
+            )
+            status, body = _status_and_body(raw)
+            assert status == 401, path
+            assert "API key" in body["error"]["message"]
+
+
 def test_a_body_without_a_length_is_cut_at_the_limit_on_pool_and_admin_routes(
     pool_settings: PoolSettings,
 ) -> None:
