@@ -85,12 +85,15 @@ class TokenizerDirs:
 
     def choose(self, model: str | None, override: Path | None) -> TokenizerChoice | None:
         """The tokenizer for IDs produced by ``model``: ``override`` when set; the learnt
-        directory of ``model``; else the one directory every learnt model shares (an adapter
-        unloaded since keeps its base model's tokenizer); else None."""
+        directory of ``model``; None for a listed model whose root is not on this disk; else the
+        one directory every learnt model shares (an adapter unloaded since keeps its base
+        model's tokenizer); else None."""
         if override is not None:
             return TokenizerChoice(override, "TRAJGATE_TOKENIZER_DIR")
         if model is not None and model in self.directories:
             return TokenizerChoice(self.directories[model], f"vLLM /v1/models root of {model!r}")
+        if model is not None and model in self.missing:
+            return None  # served from elsewhere: another model's tokenizer would misread it
         shared = set(self.directories.values())
         if len(shared) == 1:
             (directory,) = shared

@@ -4,8 +4,11 @@ the refusal of cross-site writes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 from batch_helpers import agent_turns, call, logprobs_of, make_store, write_trajectory
 from fastapi.testclient import TestClient
@@ -14,6 +17,7 @@ from tests_support import free_port
 from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from gateway.tokenizer_dirs import TokenizerChoice, TokenizerDirs
 
 
 @pytest.fixture
@@ -250,3 +254,44 @@ def test_inspector_page_forbids_inline_script(client: TestClient) -> None:
     assert "script-src 'self' 'unsafe-eval'" in csp and "unsafe-inline" not in csp.split(";")[1]
     assert client.get("/inspector/static/..%2Finspector.py").status_code == 404  # no traversal
     assert client.get("/inspector/static/vendor/alpinejs-3.17.5.min.js").status_code == 200
+
+
+def test_tokenizer_dirs_follow_vllm_roots_and_adapter_parents(tmp_path: Path) -> None:
+    """vLLM's /v1/models (the upstream edge, faked with MockTransport): a base model whose root
+    holds tokenizer.json, a LoRA adapter without one (its parent's is used), and a model served
+    from a path that is not on this machine (no tokenizer, and the note says which path)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_text("{}")
+    listed = [
+        {"id": "base", "root": str(base), "parent": None},
+        {"id": "policy-v3", "root": str(tmp_path / "adapters" / "v3"), "parent": "base"},
+        {"id": "remote", "root": "/models/elsewhere", "parent": None},
+    ]
+    calls = []
+
+    def models(request: httpx.Request) -> httpx.Response:
+        calls.append(str(request.url))
+        return httpx.Response(200, json={"object": "list", "data": listed})
+
+    dirs = TokenizerDirs(refresh_s=60)
+
+    async def learn_twice() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(models)) as client:
+            await dirs.learn(client, ["http://vllm"], 1.0)
+            await dirs.learn(client, ["http://vllm"], 1.0)  # within refresh_s: not asked again
+
+    asyncio.run(learn_twice())
+    assert calls == ["http://vllm/v1/models"]
+    assert dirs.choose("base", None) == TokenizerChoice(base, "vLLM /v1/models root of 'base'")
+    assert dirs.choose("policy-v3", None) == TokenizerChoice(
+        base, "vLLM /v1/models root of 'policy-v3'"
+    )
+    assert dirs.choose("remote", None) is None
+    assert "'/models/elsewhere'" in dirs.note("remote")
+    # an adapter unloaded since: the one directory every listed model shares
+    assert dirs.choose("policy-v1", None) == TokenizerChoice(
+        base, "vLLM /v1/models root of the only served model"
+    )
+    override = tmp_path / "mine"
+    assert dirs.choose("base", override) == TokenizerChoice(override, "TRAJGATE_TOKENIZER_DIR")
