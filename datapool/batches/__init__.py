@@ -13,6 +13,8 @@
   batch algorithm means one function and one registry entry here.
 - ``step_advantages``: the step-level estimators (discounted step returns, GiGPO's anchor-state
   grouping) and ``STEP_ESTIMATORS``, their registry (``BatchSpec.step_advantage``).
+- ``step_credit``: step rewards and the step-level estimator on a batch's rows (``credit_rows``,
+  ``StepScores``); ``anchors``: the state key of each step and the sub-group report.
 - ``rows``: training rows assembled from stored steps into Arrow columns (``load_tokens``,
   ``segments``, ``assemble``).
 - ``leases``: batches to consumers exactly once each (``lease_next``, ``ack``, ``nack``,

@@ -41,7 +41,6 @@ Case codes (Cnn) are defined in docs/capture-cases.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections import Counter
@@ -57,8 +56,8 @@ from sqlalchemy.orm import Session
 
 from datapool.batches.advantages import discounted_returns, estimate_advantages, estimator
 from datapool.batches.rows import StepTokens, assemble, load_tokens, segment_tokens, segments
-from datapool.batches.spec import ANCHOR_KEYS, REWARD_TO_STEPS, BatchSpec
-from datapool.batches.step_advantages import StepParams, StepRows, step_estimator
+from datapool.batches.spec import REWARD_TO_STEPS, BatchSpec
+from datapool.batches.step_credit import StepScores, credit_rows
 from datapool.curation.readiness import Verdict, assess
 from datapool.curation.rules import GroupVerdict, active_policy_version, judge_group
 from datapool.curation.selection import select_trajectory_ids
@@ -66,7 +65,7 @@ from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError
 from datapool.models import Batch, BatchRow, Step, Trajectory
 from datapool.rewards.group_stats import FloatArray, GroupStats, group_stats
-from datapool.steps.messages import engine_chat, expand_requests
+from datapool.steps.messages import expand_requests
 from datapool.steps.store import PoolStore
 
 Segment = list[StepTokens]  # the steps of one row, in order
@@ -489,19 +488,6 @@ def shuffle_rows(plan: RowPlan, seed: int | None) -> RowPlan:
 # ---- 9. step credit ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepScores:
-    """Step credit of the rows ``[B]`` (NaN / null / 0 where the spec asks for none)."""
-
-    step_rewards_json: list[str | None]  # the named step rewards the row used
-    process_reward: FloatArray  # [B] r_k = sum_j w_j r_{k,j}
-    step_return: FloatArray  # [B] G_k the step estimator compared
-    step_advantage: FloatArray  # [B] A^S_k
-    anchor_key: list[str | None]  # [B] hash of the row's state (anchor_state only)
-    anchor_group_size: npt.NDArray[np.int32]  # [B] steps of the group sharing it; 0 = none
-    report: dict[str, Any]  # the manifest's ``step_credit``
-
-
 def credit_steps(
     plan: RowPlan,
     groups: Sequence[Group],
@@ -509,162 +495,24 @@ def credit_steps(
     scores: Scores,
     spec: BatchSpec,
 ) -> StepScores:
-    """Per row: the named step rewards of its step and their weighted sum ``r_k``, then the
-    spec's step-level estimator (``step_advantage``) with its anchors; the report says how many
-    steps found an anchor sub-group and the sub-groups' sizes (the manifest's ``step_credit``).
-    """
-    b = len(plan.segments)
-    weights = spec.resolved_step_reward_weights()
+    """Step credit of the rows of ``plan`` (``step_credit.credit_rows``): each row's step, its
+    trajectory, position, group, outcome ``R`` and named step rewards."""
     member = np.asarray(plan.member, dtype=np.int64)  # [B]
-    process = np.full(b, np.nan, dtype=np.float64)  # [B]
-    used: list[str | None] = [None] * b
-    if weights:
-        for i, (segment, n) in enumerate(zip(plan.segments, plan.member, strict=True)):
-            values = members[n].step_rewards.get(segment[-1].row.id, {})
-            used[i] = json.dumps(values)
-            if set(values) >= set(weights):  # readiness guarantees it; missing stays NaN
-                process[i] = sum(w * values[name] for name, w in weights.items())
-    report: dict[str, Any] = {
-        "step_reward_names": list(spec.step_reward_names),
-        "step_advantage": spec.step_advantage,
-        "steps": b,
-    }
-    nothing = np.full(b, np.nan, dtype=np.float64)  # [B]
-    if spec.step_advantage == "none":
-        zero = np.zeros(b, dtype=np.int32)
-        return StepScores(used, process, nothing, nothing.copy(), [None] * b, zero, report)
-    chosen = step_estimator(spec.step_advantage)
-    keys: list[str | None] = [None] * b
-    codes = np.zeros(b, dtype=np.int64)  # [B]
-    if chosen.needs_anchors:
-        keys = anchor_keys(plan, scores, spec.anchor_key)
-        index: dict[str, int] = {}
-        # a row without a key (no observation) is a sub-group of its own
-        codes = np.array(
-            [index.setdefault(k or f"\x00{i}", len(index)) for i, k in enumerate(keys)],
-            dtype=np.int64,
-        )  # [B]
-    rows = StepRows(
-        trajectory=member,
-        position=np.asarray(plan.segment_index, dtype=np.int64),
-        group=scores.group_index[member],
-        step_reward=process,
-        outcome=scores.reward[member],
-        anchor=codes,
-    )
-    credit = chosen.credit(
-        rows,
-        StepParams(spec.gamma, spec.step_normalisation, spec.scale_by_std, spec.advantage_eps),
-    )
-    if chosen.needs_anchors:
-        report["anchor"] = anchor_report(
-            plan, [g.group_id for g in groups], members, scores, keys, credit.anchor_group_size
-        )
-        report["anchor"]["key"] = spec.anchor_key
-    return StepScores(
-        used,
-        process,
-        credit.step_return,
-        credit.step_advantage,
-        keys if chosen.needs_anchors else [None] * b,
-        credit.anchor_group_size,
-        report,
-    )
-
-
-def anchor_keys(plan: RowPlan, scores: Scores, anchor_key: str) -> list[str | None]:
-    """The state key of each row's step ``[B]`` (16 hex digits of a BLAKE2b hash):
-
-    - ``prompt_after_task_prefix``: the exact prompt token ids after the group's *task prefix*,
-      the longest common prefix of the prompts of its members' first rows (a prompt that does
-      not start with it, after a rewritten history, is hashed whole, marked apart);
-    - ``last_observation``: the role and text of the last message of the step's request that
-      the agent did not write (not ``assistant``, not ``system``); None (a sub-group of its
-      own) when there is none.
-
-    Raises ``InvalidPoolRequestError`` for any other ``anchor_key``.
-    """
-    if anchor_key == "prompt_after_task_prefix":
-        prefix: dict[int, npt.NDArray[np.int32]] = {}
-        for segment, n, k in zip(plan.segments, plan.member, plan.segment_index, strict=True):
-            if k == 0:
-                g = int(scores.group_index[n])
-                prompt = segment[0].prompt
-                prefix[g] = prompt if g not in prefix else _common_prefix(prefix[g], prompt)
-        keys: list[str | None] = []
-        for segment, n in zip(plan.segments, plan.member, strict=True):
-            head = prefix.get(int(scores.group_index[n]), np.zeros(0, np.int32))
-            prompt = segment[-1].prompt
-            if len(prompt) >= len(head) and np.array_equal(prompt[: len(head)], head):
-                keys.append(_digest(b"after:" + prompt[len(head) :].astype(np.int32).tobytes()))
-            else:
-                keys.append(_digest(b"whole:" + prompt.astype(np.int32).tobytes()))
-        return keys
-    if anchor_key == "last_observation":
-        result: list[str | None] = []
-        for segment in plan.segments:
-            step = segment[-1].row
-            messages, _tools = engine_chat(step.request, step.upstream_request)
-            observed = [
-                m
-                for m in messages or []
-                if isinstance(m, dict) and m.get("role") not in ("assistant", "system")
-            ]
-            last = observed[-1] if observed else None
-            text = None if last is None else json.dumps([last.get("role"), last.get("content")])
-            result.append(None if text is None else _digest(text.encode()))
-        return result
-    raise InvalidPoolRequestError(f"anchor_key must be one of {ANCHOR_KEYS}, got {anchor_key!r}")
-
-
-def _common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return a[: int(differ[0]) if len(differ) else n]
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-MANIFEST_SUBGROUPS = 1000  # sub-groups listed with their steps in the manifest (all are counted)
-
-
-def anchor_report(
-    plan: RowPlan,
-    group_names: Sequence[str | None],
-    members: Sequence[Member],
-    scores: Scores,
-    keys: Sequence[str | None],
-    sizes: npt.NDArray[np.int32],
-) -> dict[str, Any]:
-    """How many steps found an anchor sub-group (shared their state with another step of the
-    group), the number of sub-groups by size, and the first ``MANIFEST_SUBGROUPS`` sub-groups of
-    two or more steps with their steps (trajectory, position, step id)."""
-    shared: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for i, key in enumerate(keys):
-        if key is None or sizes[i] < 2:
-            continue
-        n = plan.member[i]
-        shared.setdefault((int(scores.group_index[n]), key), []).append(
-            {
-                "trajectory_id": members[n].trajectory_id,
-                "position": plan.segment_index[i],
-                "step_id": plan.segments[i][-1].row.id,
-            }
-        )
-    size_counts = Counter(int(s) for s in sizes)  # {size: steps}
-    listed = list(shared.items())[:MANIFEST_SUBGROUPS]
-    return {
-        "steps_in_subgroups": int((sizes >= 2).sum()),
-        "steps_alone": int((sizes < 2).sum()),
-        "subgroups": len(shared),
-        "subgroup_sizes": {str(k): v // k for k, v in sorted(size_counts.items()) if k >= 2},
-        "subgroups_listed": [
-            {"group_id": group_names[g], "anchor_key": key, "steps": steps}
-            for (g, key), steps in listed
+    group = scores.group_index[member]  # [B]
+    return credit_rows(
+        [seg[-1] for seg in plan.segments],
+        member,
+        np.asarray(plan.segment_index, dtype=np.int64),
+        group,
+        scores.reward[member],
+        [
+            members[n].step_rewards.get(seg[-1].row.id, {})
+            for seg, n in zip(plan.segments, plan.member, strict=True)
         ],
-    }
+        [groups[g].group_id for g in group.tolist()],
+        [members[n].trajectory_id for n in plan.member],
+        spec,
+    )
 
 
 # ---- 10. rows -------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ step; a row's advantage is ``episode_advantage_weight * A^E + step_advantage_wei
 
 Adding a step-level estimator: write its function here (arrays in, ``StepCredit`` out, paper
 and equation in the docstring), add its name to ``StepAlgorithm`` and one entry to
-``STEP_ESTIMATORS``; ``datapool.batches.stages.credit_steps`` calls it.
+``STEP_ESTIMATORS``; ``datapool.batches.step_credit.credit_rows`` calls it.
 """
 
 from __future__ import annotations
