@@ -4,6 +4,7 @@ Every expected value is derived by hand in the comment beside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -13,7 +14,7 @@ from typing import get_args
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import agent_turns, make_store, write_trajectory
+from batch_helpers import agent_turns, call, make_store, write_trajectory
 from pydantic import ValidationError
 
 from datapool.batches import stages
@@ -33,7 +34,8 @@ from datapool.batches.step_advantages import (
     step_return_advantages,
 )
 from datapool.curation.readiness import trajectory_readiness
-from datapool.models import Step
+from datapool.lifecycle.transitions import close_trajectory
+from datapool.models import Step, TrajectoryStatus
 from datapool.rewards.values import RewardIn, add_rewards
 from datapool.settings import PoolSettings
 
@@ -290,4 +292,38 @@ def test_exports_carry_each_steps_rewards_and_both_advantages(
     # first steps share the task state: one sub-group of 2; second steps differ
     assert rows[a[0]]["anchor_group_size"] == 2 and rows[a[1]]["anchor_group_size"] == 1
     assert batch.manifest["step_credit"]["anchor"]["subgroup_sizes"] == {"2": 1}
+    store.engine.dispose()
+
+
+def test_last_observation_anchors_steps_whose_histories_differ_only_in_earlier_turns(
+    pool_settings: PoolSettings,
+) -> None:
+    # a and b answer the task differently (x, y) and then both see the tool say "sunny": their
+    # second prompts differ (the answers are in them), their last observations do not
+    store = make_store(pool_settings)
+    task = {"role": "user", "content": "weather?"}
+    for trajectory_id, answer, reward in (("a", 10, 1.0), ("b", 20, 0.0)):
+        said = {"role": "assistant", "content": f"answer {answer}"}
+        for prompt, response, messages in (
+            ([1, 2, 3], [answer], [task]),
+            (
+                [1, 2, 3, answer, 7],
+                [answer + 1],
+                [task, said, {"role": "tool", "content": "sunny"}],
+            ),
+        ):
+            record = dataclasses.replace(call(prompt, response), request={"messages": messages})
+            store.record_call(trajectory_id, record, group_id="g")
+        close_trajectory(
+            store.sessions, trajectory_id, TrajectoryStatus.COMPLETE, final_reward=reward
+        )
+    spec = BatchSpec(step_advantage="anchor_state", exclude_batched=False)
+    _table, by_prompt = build_rows(store, spec)
+    assert by_prompt["step_credit"]["anchor"]["subgroup_sizes"] == {"2": 1}  # the first steps
+    table, by_observation = build_rows(
+        store, spec.model_copy(update={"anchor_key": "last_observation"})
+    )
+    assert by_observation["step_credit"]["anchor"]["subgroup_sizes"] == {"2": 2}
+    assert by_observation["step_credit"]["anchor"]["key"] == "last_observation"
+    assert set(table["anchor_group_size"].to_pylist()) == {2}
     store.engine.dispose()
