@@ -213,6 +213,14 @@ def test_rows_of_rollouts_that_revisit_a_state_share_an_anchor_and_combine_both_
     assert anchor["subgroups"] == 2 and anchor["subgroup_sizes"] == {"2": 1, "3": 1}
     listed = {len(s["steps"]) for s in anchor["subgroups_listed"]}
     assert listed == {2, 3} and anchor["subgroups_listed"][0]["group_id"] == "task"
+    # step-level alone, doubled: A = 0 * A^E + 2 * A^S (t0's second step: 2 * 0.5 = 1.0)
+    alone = spec.model_copy(update={"episode_advantage_weight": 0.0, "step_advantage_weight": 2.0})
+    credit = stages.credit_steps(plan, groups, members, scores, alone)
+    table = stages.assemble_table(plan, groups, members, scores, credit, alone).to_pylist()
+    assert [r["advantage"] for r in table] == pytest.approx(
+        [2 * r["step_advantage"] for r in table]
+    )
+    assert {r["step_ids"][0]: r["advantage"] for r in table}["t0-1"] == pytest.approx(1.0)
 
 
 def test_a_trajectory_with_an_unrewarded_step_is_not_ready_until_its_step_reward_arrives(
