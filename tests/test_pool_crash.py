@@ -1,14 +1,16 @@
 """C14 with real processes: ``trajgate serve`` in front of the emulator, 200 concurrent agents,
 ``kill -9`` mid-load, restart; every step whose response was delivered is present exactly once,
-completed trajectories stay complete, in-flight ones are flagged ``incomplete``. Two rounds, on
-SQLite and PostgreSQL."""
+completed trajectories stay complete, only those with a call in flight are flagged ``incomplete``,
+and an agent that carries on lifts the flag. Two rounds, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,9 @@ from tests_support import TRAJGATE, free_port
 from datapool.db import make_engine
 from datapool.models import Step, Trajectory
 from datapool.settings import PoolSettings
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
 from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 
 AGENTS = 200
@@ -29,8 +34,9 @@ CALLS_PER_AGENT = 3
 
 @pytest.fixture
 def emulator() -> Iterator[EmulatorThread]:
+    # 8 tokens 25 ms apart: each call is in flight for 0.2 s, so the kill can cut one.
     settings = EmulatorSettings(
-        port=free_port(), prompt_tokens=50, response_tokens=8, inter_token_ms=2.0
+        port=free_port(), prompt_tokens=50, response_tokens=8, inter_token_ms=25.0
     )
     server = EmulatorThread(settings).start()
     yield server
@@ -70,8 +76,12 @@ def start_gateway(
     raise RuntimeError("gateway did not come up")
 
 
-async def run_agents(url: str, round_id: int, delivered: dict[str, str], done: set[str]) -> None:
-    """Each agent: up to 3 calls, then complete. Records step ids of delivered responses."""
+async def run_agents(
+    url: str, round_id: int, delivered: dict[str, str], done: set[str], cut: set[str]
+) -> None:
+    """Each agent: up to 3 calls, then complete. Records step ids of delivered responses, and
+    in ``cut`` the trajectories whose call was sent and got no answer (not those refused a
+    connection: the gateway was already dead)."""
     limits = httpx.Limits(max_connections=AGENTS)
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
 
@@ -79,7 +89,15 @@ async def run_agents(url: str, round_id: int, delivered: dict[str, str], done: s
             trajectory_id = f"r{round_id}-a{i}"
             for k in range(CALLS_PER_AGENT):
                 body = {"model": "emulated", "messages": [{"role": "user", "content": f"{k}"}]}
-                response = await client.post(f"/t/{trajectory_id}/v1/chat/completions", json=body)
+                try:
+                    response = await client.post(
+                        f"/t/{trajectory_id}/v1/chat/completions", json=body
+                    )
+                except httpx.ConnectError:
+                    return
+                except httpx.HTTPError:
+                    cut.add(trajectory_id)
+                    return
                 if response.status_code != 200:
                     return
                 delivered[response.headers["x-trajgate-step-id"]] = trajectory_id
@@ -96,12 +114,26 @@ async def load_then_kill(
     round_id: int,
     delivered: dict[str, str],
     done: set[str],
+    cut: set[str],
 ) -> None:
-    """Start the agents; once a third of all calls were answered, ``kill -9`` the gateway."""
-    task = asyncio.create_task(run_agents(url, round_id, delivered, done))
-    while len(delivered) < AGENTS:
-        await asyncio.sleep(0.02)
-    gateway.send_signal(signal.SIGKILL)
+    """Start the agents; once a third of all calls were answered, ``kill -9`` the gateway while
+    one more agent (``r<round>-held``, one call answered before) is inside a streamed call: the
+    first chunk came, so the gateway had started the call, and the rest had not (0.2 s). The
+    agents' own calls may or may not be in flight at that instant."""
+    task = asyncio.create_task(run_agents(url, round_id, delivered, done, cut))
+    held = f"r{round_id}-held"
+    body = {"model": "emulated", "messages": [{"role": "user", "content": "0"}]}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        answered = await client.post(f"/t/{held}/v1/chat/completions", json=body)
+        delivered[answered.headers["x-trajgate-step-id"]] = held
+        while len(delivered) < AGENTS:
+            await asyncio.sleep(0.02)
+        stream = {**body, "stream": True}
+        async with client.stream("POST", f"/t/{held}/v1/chat/completions", json=stream) as response:
+            async for _chunk in response.aiter_raw():
+                break
+            gateway.send_signal(signal.SIGKILL)
+            cut.add(held)
     await task
 
 
@@ -114,8 +146,9 @@ def test_kill_9_mid_load_loses_no_delivered_step_and_flags_in_flight_trajectorie
         gateway = start_gateway(emulator.url, pool_settings, port, tmp_path / "gateway.log")
         delivered: dict[str, str] = {}
         done: set[str] = set()
-
-        asyncio.run(load_then_kill(gateway, f"http://127.0.0.1:{port}", round_id, delivered, done))
+        cut: set[str] = set()
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(load_then_kill(gateway, url, round_id, delivered, done, cut))
         gateway.wait()  # reaped, so the restart sees its pid is gone
         assert AGENTS <= len(delivered) < AGENTS * CALLS_PER_AGENT
 
@@ -133,13 +166,120 @@ def test_kill_9_mid_load_loses_no_delivered_step_and_flags_in_flight_trajectorie
                     )
                 ).all()
             assert {step_id for step_id, n in stored if n == 1} == set(delivered)
+            flagged = {t for t, _status, flags in trajectories if "incomplete" in flags}
             for trajectory_id, status, flags in trajectories:
                 if trajectory_id in done:
                     assert status == "complete" and "incomplete" not in flags
-                elif status == "open":
-                    assert "incomplete" in flags, trajectory_id
-            assert any(status == "open" for _, status, _ in trajectories)  # some were in flight
+            # Only a call in flight is a cut (an agent between calls was not; issue 17 item 16).
+            # A sent call the gateway had not yet started is not flagged: nothing was sampled.
+            assert f"r{round_id}-held" in flagged and flagged <= cut, sorted(flagged - cut)
+            assert any(t not in cut and s == "open" for t, s, _ in trajectories)
+            # An agent that carries on is judged on its own steps: the flag goes.
+            again = f"r{round_id}-held"
+            body = {"model": "emulated", "messages": [{"role": "user", "content": "again"}]}
+            assert httpx.post(f"{url}/t/{again}/v1/chat/completions", json=body).is_success
+            assert httpx.post(f"{url}/api/trajectories/{again}/complete").is_success
+            with engine.connect() as conn:
+                status, flags = conn.execute(
+                    select(Trajectory.status, Trajectory.flags).where(Trajectory.id == again)
+                ).one()
+            assert (status, flags) == ("complete", [])
         finally:
             restarted.terminate()
             restarted.wait(timeout=30)
     engine.dispose()
+
+
+# -- what a crash actually cut (issue 17 item 16) -------------------------------------------
+
+_CRASHING_WRITER = """
+import os, socket, sys, time
+from pathlib import Path
+from datapool.steps.crashes import CallJournal
+writer_id = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+journal = CallJournal(Path(sys.argv[1]), writer_id)
+journal.started("cut")        # in flight at the crash
+journal.started("cut-other")  # in flight, though another writer wrote its last step
+journal.started("finished")   # answered and committed before the crash
+journal.ended("finished")
+print(writer_id, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def _crashed_writer(journal_dir: Path) -> str:
+    """The id of a writer process that journaled three calls and died of ``kill -9``."""
+    process = subprocess.run(
+        [sys.executable, "-c", _CRASHING_WRITER, str(journal_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert process.returncode == -signal.SIGKILL, process.stderr
+    return process.stdout.strip()
+
+
+def _dead_writer_without_journal() -> str:
+    process = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return f"{socket.gethostname()}:{process.stdout.strip()}:1"
+
+
+def _one_call(prompt: list[int]) -> CallRecord:
+    return CallRecord(
+        request={"messages": [{"role": "user", "content": "x"}]},
+        upstream_request={},
+        model="tiny",
+        upstream="http://up",
+        policy_version=0,
+        latency_ms=1.0,
+        prompt_token_ids=prompt,
+        prompt_tokens=len(prompt),
+        choices=[ChoiceRecord(0, [7], [-0.5], {"role": "assistant", "content": "a"}, "stop")],
+    )
+
+
+def test_a_crash_flags_only_the_calls_it_cut_and_an_agent_that_carries_on_lifts_the_flag(
+    pool_settings: PoolSettings,
+) -> None:
+    journal_dir = pool_settings.data_dir / "calls"
+    dead = _crashed_writer(journal_dir)
+    legacy = _dead_writer_without_journal()  # a writer of a version without a journal
+    alive = f"{socket.gethostname()}:{os.getppid()}:1"  # our parent lives: never judged dead
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    for trajectory_id, writer_id in [
+        ("cut", dead),
+        ("finished", dead),  # its call committed; no call in flight at the crash
+        ("idle", dead),  # the agent was thinking between calls
+        ("cut-other", alive),
+        ("legacy", legacy),
+    ]:
+        store.record_call(trajectory_id, _one_call([1, 2]), writer_id=writer_id)
+
+    writer = PoolWriter(store, pool_settings).start()
+    try:
+        flags = {
+            t: store.get_trajectory(t).flags
+            for t in ("cut", "finished", "idle", "cut-other", "legacy")
+        }  # type: ignore[union-attr]
+        assert flags == {
+            "cut": ["incomplete"],
+            "finished": [],
+            "idle": [],
+            "cut-other": ["incomplete"],
+            "legacy": ["incomplete"],  # nothing says which were cut: all, as before
+        }
+        assert not (journal_dir / Path(dead.replace(":", "_") + ".calls")).exists()
+        assert store.get_trajectory("idle").writer_id is None  # type: ignore[union-attr]
+        # The agent of "cut" carries on (its retry lands after the restart): it is judged on its
+        # own steps again; "cut-other" never came back and stays flagged.
+        store.record_call("cut", _one_call([1, 2, 7, 3]), writer_id=writer.writer_id)
+        assert store.get_trajectory("cut").flags == []  # type: ignore[union-attr]
+        assert store.get_trajectory("cut-other").flags == ["incomplete"]  # type: ignore[union-attr]
+    finally:
+        writer.close()
+    store.engine.dispose()

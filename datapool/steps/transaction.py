@@ -30,6 +30,7 @@ from datapool.models import (
     TrajectoryStatus,
 )
 from datapool.steps.calls import attempt_rows
+from datapool.steps.crashes import came_back
 from datapool.steps.lineage import Placement
 from datapool.steps.messages import RequestDelta
 from datapool.steps.payloads import CallPayload
@@ -231,6 +232,11 @@ class WriteBatch:
                     writer_id=bindparam("b_writer"),
                 ),
                 counts,
+            )
+            # A crash-cut trajectory whose agent carried on is judged on its own steps.
+            came_back(
+                connection,
+                [tid for tid, n in self._counts.items() if n != self._counts_before[tid]],
             )
         if self._rejected:
             connection.execute(

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from datapool.errors import PoolUnavailableError, TrajectoryClosedError
 from datapool.settings import PoolSettings
-from datapool.steps.crashes import mark_interrupted, release_writer
+from datapool.steps.crashes import CallJournal, mark_interrupted, release_writer
 from datapool.steps.faults import fault_reason
 from datapool.steps.payloads import CompactionRaceError
 from datapool.steps.records import CallRecord
@@ -112,12 +112,18 @@ class PoolWriter:
         # at commit). Other gateways' calls are not visible here.
         self._calls_in_flight: Counter[str] = Counter()
         self._calls_lock = threading.Lock()
+        # The same calls in a file, so a restart after a crash knows which trajectories it cut
+        # (``datapool.steps.crashes``); opened by ``start``.
+        self._journal: CallJournal | None = None
 
     def start(self) -> PoolWriter:
-        """Mark trajectories left open by dead writers on this host, then start the threads."""
-        interrupted = mark_interrupted(self.store.sessions, self.writer_id)
+        """Flag the trajectories whose calls dead writers on this host cut, open this writer's
+        call journal, then start the threads."""
+        journal_dir = self.settings.data_dir / "calls"
+        interrupted = mark_interrupted(self.store.sessions, self.writer_id, journal_dir)
         if interrupted:
-            log.warning("marked %d trajectories of crashed writers incomplete", interrupted)
+            log.warning("marked %d trajectories cut by crashed writers incomplete", interrupted)
+        self._journal = CallJournal(journal_dir, self.writer_id)
         self._thread.start()
         self._upkeep.start()
         self._started = True
@@ -133,6 +139,9 @@ class PoolWriter:
         self._upkeep_stop.set()
         self._upkeep.join(timeout=60)
         release_writer(self.store.sessions, self.writer_id)
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         self._started = False
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
@@ -163,6 +172,8 @@ class PoolWriter:
         """Count a call of ``trajectory_id`` in flight (the gateway, before going upstream)."""
         with self._calls_lock:
             self._calls_in_flight[trajectory_id] += 1
+            if self._journal is not None:
+                self._journal.started(trajectory_id)
 
     def call_ended(self, trajectory_id: str) -> None:
         """Once per ``call_started``, after the call's commit ended (committed or not)."""
@@ -170,6 +181,8 @@ class PoolWriter:
             self._calls_in_flight[trajectory_id] -= 1
             if self._calls_in_flight[trajectory_id] <= 0:
                 del self._calls_in_flight[trajectory_id]
+            if self._journal is not None:
+                self._journal.ended(trajectory_id)
 
     def trajectories_in_flight(self) -> frozenset[str]:
         """Trajectories with a call of this process between its start and its commit."""
@@ -357,6 +370,9 @@ class PoolWriter:
             if file is None:
                 break
             self.stats.compacted_steps += file.steps
+        with self._calls_lock:
+            if self._journal is not None:
+                self._journal.rewrite_if_large(self._calls_in_flight)
         deleted = self.store.payloads.delete_orphans(self.settings.orphan_payload_min_age_s)
         if deleted:
             self.stats.orphan_files_deleted += len(deleted)
