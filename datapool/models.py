@@ -450,11 +450,10 @@ class TrainingMetric(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
-# Sort keys of the inspector's trajectory list, the time axis of its step charts, and the
-# current-reward subquery (kind, name -> latest record per target).
+# Sort keys of the inspector's trajectory list and the current-reward subquery (kind, name ->
+# latest record per target).
 Index("ix_trajectories_created_at", Trajectory.created_at)
 Index("ix_trajectories_last_step_at", Trajectory.last_step_at)
-Index("ix_steps_created_at", Step.created_at)
 Index("ix_rewards_kind_name_target", Reward.target_kind, Reward.name, Reward.target_id, Reward.id)
 
 # The inspector's charts read these narrow indexes instead of every step row (migration 0009):
@@ -462,6 +461,8 @@ Index("ix_rewards_kind_name_target", Reward.target_kind, Reward.name, Reward.tar
 # FLAGGED_STEP is the partial index's predicate; a query repeats it verbatim to use the index.
 FLAGGED_STEP = "flags IS NOT NULL AND CAST(flags AS TEXT) != '[]'"
 Index("ix_steps_trajectory_version", Step.trajectory_id, Step.policy_version)
+Index("ix_steps_prompt_tokens", Step.prompt_tokens, Step.created_at)
+Index("ix_steps_completion_tokens", Step.completion_tokens, Step.created_at)
 Index(
     "ix_steps_charts",
     Step.created_at,

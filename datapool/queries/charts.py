@@ -18,10 +18,10 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Float, Integer, Text, cast, func, select, text
+from sqlalchemy import Text, bindparam, cast, func, select, text
 from sqlalchemy.orm import Session
 
 from datapool.db import Sessions
@@ -30,15 +30,7 @@ from datapool.queries.rewards import reward_names
 from datapool.rewards.values import current_rewards_query
 
 HISTOGRAM_BINS = 30
-
-
-def _bucket(column: Any, bucket_s: int, dialect: str) -> Any:
-    """Seconds since the epoch, floored to ``bucket_s``, as an SQL expression."""
-    if dialect == "sqlite":
-        seconds = cast(func.strftime("%s", column), Integer)
-    else:
-        seconds = cast(func.extract("epoch", column), Integer)
-    return cast(seconds / bucket_s, Integer) * bucket_s
+MAX_BUCKETS = 500
 
 
 def charts(
@@ -48,9 +40,9 @@ def charts(
     number means. ``reward_name`` None: the trajectory reward recorded last (``reward_names``
     lists every one present, that one first)."""
     with sessions() as session:
-        dialect = session.get_bind().dialect.name
         names = reward_names(session)
         chosen = reward_name if reward_name is not None else (names[0] if names else None)
+        bucket_s, steps_over_time = _steps_over_time(session, since, bucket_s)
         return {
             "bucket_s": bucket_s,
             "reward_names": names,
@@ -58,7 +50,7 @@ def charts(
             "reward_by_version": []
             if chosen is None
             else _reward_by_version(session, since, chosen),
-            "steps_over_time": _steps_over_time(session, since, bucket_s, dialect),
+            "steps_over_time": steps_over_time,
             **{f"{name}_histogram": h for name, h in _histograms(session, since).items()},
             "flag_rates": _flag_rates(session, since),
         }
@@ -109,38 +101,63 @@ def _reward_by_version(
 
 
 def _steps_over_time(
-    session: Session, since: datetime | None, bucket_s: int, dialect: str
-) -> list[dict[str, Any]]:
-    t = _bucket(Step.created_at, bucket_s, dialect).label("t")
+    session: Session, since: datetime | None, bucket_s: int
+) -> tuple[int, list[dict[str, Any]]]:
+    """``(bucket_s, [{t, steps, prompt_tokens, completion_tokens}])``: one range sum over
+    ``ix_steps_charts`` per bucket with steps (``t``: the bucket's start, epoch seconds).
+    ``bucket_s`` is widened to a multiple of itself when the window would need more than
+    ``MAX_BUCKETS`` buckets (a chart is narrower than that)."""
+    where = [] if since is None else [Step.created_at >= since]
+    first, last = session.execute(
+        select(func.min(Step.created_at), func.max(Step.created_at)).where(*where)
+    ).one()
+    if first is None or last is None:
+        return bucket_s, []
+    start = int(first.timestamp()) // bucket_s * bucket_s
+    buckets = (int(last.timestamp()) - start) // bucket_s + 1
+    if buckets > MAX_BUCKETS:
+        bucket_s *= -(-buckets // MAX_BUCKETS)  # ceil: at most MAX_BUCKETS buckets
+        start = int(first.timestamp()) // bucket_s * bucket_s
+    lo, hi = bindparam("lo"), bindparam("hi")
+    # A range per bucket instead of GROUP BY a time expression: the index is already in time
+    # order, and grouping by an expression would compute it per step and sort them all.
     query = select(
-        t,
         func.count(),
         func.coalesce(func.sum(Step.prompt_tokens), 0),
         func.coalesce(func.sum(Step.completion_tokens), 0),
-    ).group_by(t)
-    if since is not None:
-        query = query.where(Step.created_at >= since)
-    return [
-        {"t": int(b), "steps": int(n), "prompt_tokens": int(p), "completion_tokens": int(c)}
-        for b, n, p, c in session.execute(query.order_by(t))
-    ]
+    ).where(Step.created_at >= lo, Step.created_at < hi)
+    out = []
+    t = start
+    while t <= last.timestamp():
+        lower = (
+            max(datetime.fromtimestamp(t, UTC), since) if since else datetime.fromtimestamp(t, UTC)
+        )
+        upper = datetime.fromtimestamp(t + bucket_s, UTC)
+        n, p, c = session.execute(query, {"lo": lower, "hi": upper}).one()
+        if n:
+            out.append(
+                {"t": t, "steps": int(n), "prompt_tokens": int(p), "completion_tokens": int(c)}
+            )
+        t += bucket_s
+    return bucket_s, out
 
 
 def _histograms(session: Session, since: datetime | None) -> dict[str, dict[str, Any]]:
     """Prompt and response lengths in ``HISTOGRAM_BINS`` equal-width bins from 0 to each
-    maximum: ``{prompt_tokens: {width, counts}, completion_tokens: {width, counts}}``."""
+    maximum: ``{prompt_tokens: {width, counts}, completion_tokens: {width, counts}}``. Counted
+    per distinct length over that length's index (``ix_steps_prompt_tokens``,
+    ``ix_steps_completion_tokens``: in order, so no sort), then binned here."""
     columns = {"prompt_tokens": Step.prompt_tokens, "completion_tokens": Step.completion_tokens}
     where = [] if since is None else [Step.created_at >= since]
-    # both maxima in one pass over ix_steps_charts
-    tops = session.execute(select(*(func.max(c) for c in columns.values())).where(*where)).one()
     out = {}
-    for (name, column), top in zip(columns.items(), tops, strict=True):
-        width = max(1, -(-int((top or 0) + 1) // HISTOGRAM_BINS))  # ceil((top + 1) / bins)
-        b = cast(cast(column, Float) / width, Integer).label("b")
+    for name, column in columns.items():
+        query = select(column, func.count()).where(column.is_not(None), *where).group_by(column)
+        lengths = [(int(length), int(n)) for length, n in session.execute(query)]
+        top = max((length for length, _ in lengths), default=0)
+        width = max(1, -(-(top + 1) // HISTOGRAM_BINS))  # ceil((top + 1) / bins)
         counts = [0] * HISTOGRAM_BINS
-        query = select(b, func.count()).where(column.is_not(None), *where).group_by(b)
-        for index, n in session.execute(query):
-            counts[min(int(index), HISTOGRAM_BINS - 1)] += int(n)
+        for length, n in lengths:
+            counts[min(length // width, HISTOGRAM_BINS - 1)] += n
         out[name] = {"width": width, "counts": counts}
     return out
 
