@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 from batch_helpers import agent_turns, call, logprobs_of, make_store, write_trajectory
 from fastapi.testclient import TestClient
+from sqlalchemy import select, update
 from tests_support import free_port
 
+from datapool.models import Step
 from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -295,3 +298,22 @@ def test_tokenizer_dirs_follow_vllm_roots_and_adapter_parents(tmp_path: Path) ->
     )
     override = tmp_path / "mine"
     assert dirs.choose("base", override) == TokenizerChoice(override, "TRAJGATE_TOKENIZER_DIR")
+
+
+def test_steps_over_time_widens_buckets_past_500(pool: PoolSettings, client: TestClient) -> None:
+    # The fixture's 8 steps moved 200 s apart from 2026-01-01 00:00:00 UTC: 1400 s span, so
+    # 1 s buckets would be 1401 > 500; widened to ceil(1401 / 500) = 3 s, one step per bucket.
+    store = make_store(pool)
+    with store.sessions.begin() as session:
+        ids = list(session.scalars(select(Step.id).order_by(Step.created_at, Step.id)))
+        for k, step_id in enumerate(ids):
+            at = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=200 * k)
+            session.execute(update(Step).where(Step.id == step_id).values(created_at=at))
+    store.engine.dispose()
+    charts = client.get("/api/charts", params={"bucket_s": 1}).json()
+    assert charts["bucket_s"] == 3
+    start = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp())  # a multiple of 3
+    assert [b["t"] - start for b in charts["steps_over_time"]] == [
+        200 * k // 3 * 3 for k in range(8)
+    ]
+    assert [b["steps"] for b in charts["steps_over_time"]] == [1] * 8

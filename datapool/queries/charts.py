@@ -118,7 +118,10 @@ def _steps_over_time(
     if buckets > MAX_BUCKETS:
         bucket_s *= -(-buckets // MAX_BUCKETS)  # ceil: at most MAX_BUCKETS buckets
         start = int(first.timestamp()) // bucket_s * bucket_s
-    lo, hi = bindparam("lo"), bindparam("hi")
+    lo, hi = (
+        bindparam("lo", type_=Step.created_at.type),
+        bindparam("hi", type_=Step.created_at.type),
+    )
     # A range per bucket instead of GROUP BY a time expression: the index is already in time
     # order, and grouping by an expression would compute it per step and sort them all.
     query = select(
@@ -136,7 +139,7 @@ def _steps_over_time(
         n, p, c = session.execute(query, {"lo": lower, "hi": upper}).one()
         if n:
             out.append(
-                {"t": t, "steps": int(n), "prompt_tokens": int(p), "completion_tokens": int(c)}
+                {"t": t, "steps": n, "prompt_tokens": int(p or 0), "completion_tokens": int(c or 0)}
             )
         t += bucket_s
     return bucket_s, out
@@ -147,7 +150,10 @@ def _histograms(session: Session, since: datetime | None) -> dict[str, dict[str,
     maximum: ``{prompt_tokens: {width, counts}, completion_tokens: {width, counts}}``. Counted
     per distinct length over that length's index (``ix_steps_prompt_tokens``,
     ``ix_steps_completion_tokens``: in order, so no sort), then binned here."""
-    columns = {"prompt_tokens": Step.prompt_tokens, "completion_tokens": Step.completion_tokens}
+    columns: dict[str, Any] = {
+        "prompt_tokens": Step.prompt_tokens,
+        "completion_tokens": Step.completion_tokens,
+    }
     where = [] if since is None else [Step.created_at >= since]
     out = {}
     for name, column in columns.items():
