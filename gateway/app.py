@@ -36,6 +36,7 @@ from gateway.auth import KeyRing, check_admin_token
 from gateway.errors import install_error_handlers
 from gateway.guard import EdgeGuard
 from gateway.inspector import page as inspector
+from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
@@ -118,6 +119,12 @@ async def _running_state(
         )
         state.writer = writer
         state.hooks = hooks
+        # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
+        # the start before any task runs.
+        heartbeat = Heartbeat()
+        liveness = None
+        if settings.liveness_port:
+            liveness = LivenessServer(settings.host, settings.liveness_port, heartbeat).start()
         tasks = [
             asyncio.create_task(
                 upstreams.health_loop(
@@ -126,10 +133,13 @@ async def _running_state(
             ),
             asyncio.create_task(_refresh_loop(policy, settings.policy_refresh_s)),
             asyncio.create_task(hooks.run_forever()),
+            asyncio.create_task(heartbeat.beat()),
         ]
         try:
             yield state
         finally:
+            if liveness is not None:
+                liveness.stop()
             for task in tasks:
                 task.cancel()
             for task in tasks:

@@ -124,6 +124,17 @@ class GatewaySettings(ConfigFileSettings):
     )
     host: str = Field(default="127.0.0.1", description="Address the gateway binds to.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port the gateway binds to.")
+    liveness_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of a second GET /health, on the same host, answered by a thread from the event "
+            "loop's heartbeat: prompt however busy the loop is (the main port's /health waits "
+            "behind every stream), 503 once the loop has not turned for 30 s. Point liveness "
+            "probes here. 0: off."
+        ),
+    )
     policy_version: int = Field(
         default=0,
         ge=0,
