@@ -79,10 +79,12 @@ def test_completion_hooks_run_each_step_reward_function_once_per_step(
 
 class ProcessRewardModel:
     """A process reward model on a local port: ``/score`` gives 0.5 + 0.1 * step_index,
-    ``/crash`` fails; keeps the bodies it got."""
+    ``/slow`` answers 1.0 after 1.5 s (counting requests in flight), ``/crash`` fails; keeps
+    the bodies it got."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.in_flight = self.most_in_flight = 0
         app = FastAPI()
 
         @app.post("/score")
@@ -90,6 +92,14 @@ class ProcessRewardModel:
             body = await request.json()
             self.bodies.append(body)
             return {"reward": 0.5 + 0.1 * body["step_index"]}
+
+        @app.post("/slow")
+        async def slow(request: Request) -> dict[str, Any]:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            await asyncio.sleep(1.5)
+            self.in_flight -= 1
+            return {"reward": 1.0}
 
         @app.post("/crash")
         async def crash() -> Response:
@@ -129,12 +139,13 @@ def test_http_step_reward_model_scores_every_ok_step_and_a_failure_is_null_never
         (ids[0], "http_step_reward_model", 0.5),
         (ids[1], "http_step_reward_model", 0.6),
     ]
-    assert [(b["step_id"], b["step_index"], b["group_id"]) for b in prm.bodies] == [
+    bodies = sorted(prm.bodies, key=lambda b: b["step_index"])  # asked concurrently
+    assert [(b["step_id"], b["step_index"], b["group_id"]) for b in bodies] == [
         (ids[0], 0, "g"),
         (ids[1], 1, "g"),
     ]
     # the step's request messages, then its generated message
-    assert prm.bodies[0]["messages"][-1] == {"role": "assistant", "content": "ok"}
+    assert bodies[0]["messages"][-1] == {"role": "assistant", "content": "ok"}
     store.engine.dispose()
 
     store = store_for("/crash")
@@ -143,6 +154,26 @@ def test_http_step_reward_model_scores_every_ok_step_and_a_failure_is_null_never
     got = step_records(store, "crashed")
     assert [(g[0], g[2]) for g in got] == [(ids[0], None), (ids[1], None)]
     assert all("HTTP 500" in g[4] for g in got)
+    store.engine.dispose()
+
+
+def test_http_step_reward_model_judges_the_steps_of_a_trajectory_concurrently(
+    pool_settings: PoolSettings, prm: ProcessRewardModel
+) -> None:
+    prm.most_in_flight = 0
+    store = make_store(
+        pool_settings.model_copy(
+            update={
+                "step_reward_functions": ["http_step_reward_model"],
+                "step_reward_model_url": f"{prm.server.url}/slow",
+                "reward_model_timeout_s": 20.0,
+            }
+        )
+    )
+    write_trajectory(store, "long", agent_turns(3, 4), reward=1.0)
+    run_hooks(store)
+    assert [g[2] for g in step_records(store, "long")] == [1.0] * 4
+    assert prm.most_in_flight == 4  # all four steps asked at once, not one after another
     store.engine.dispose()
 
 

@@ -2,7 +2,9 @@
 
 Owns: ``StepRewardContext`` (what a step reward function sees: the trajectory and one step of
 it) and ``run_step_reward_functions`` (each configured function once per ``ok`` step, what it
-returns appended as a reward on that step). Registration is the trajectory reward functions':
+returns appended as a reward on that step; an async function judges a trajectory's steps
+concurrently, so a process reward model served over HTTP costs one round trip per trajectory,
+not one per step). Registration is the trajectory reward functions':
 an entry point in the group ``STEP_ENTRY_POINT_GROUP`` (``trajgate.step_rewards``) or a module
 path ``pkg.mod:fn``, named in ``PoolSettings.step_reward_functions``; the built-ins live in
 ``datapool.rewards.functions``. Never: invents a value.
@@ -78,29 +80,23 @@ async def run_step_reward_functions(
         steps,
         store.settings,
     )
+    judged = [step for step in steps if step.outcome == "ok"]
     records: list[RewardIn] = []
     for name in names:
         label = reward_label(name)
-        fn: StepRewardFunction | None = None
-        failure: Exception | None = None
         try:
             # the same resolution as trajectory functions, under the step functions' group
             fn = cast(StepRewardFunction, resolve_reward_function(name, STEP_ENTRY_POINT_GROUP))
-        except Exception as exc:  # every step records the failure: none is judged
-            failure = exc
-        for step in steps:
-            if step.outcome != "ok":
-                continue
+            outcomes = await _judge_each(fn, context, judged)
+        except Exception as exc:  # not resolved: every step records the failure
+            outcomes = [exc] * len(judged)
+        for step, outcome in zip(judged, outcomes, strict=True):
             try:
-                if fn is None:
-                    raise failure or RuntimeError(f"step reward function {name!r} not found")
-                judged = StepRewardContext(context, step)
-                value = (
-                    await fn(judged)
-                    if inspect.iscoroutinefunction(fn)
-                    else await asyncio.to_thread(fn, judged)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                records.extend(
+                    records_of("step", step.id, label, outcome, author=STEP_REWARD_AUTHOR)
                 )
-                records.extend(records_of("step", step.id, label, value, author=STEP_REWARD_AUTHOR))
             except Exception as exc:  # a failed reward on this step, never a value
                 records.append(
                     RewardIn("step", step.id, label, None, "rule", STEP_REWARD_AUTHOR, repr(exc))
@@ -113,3 +109,25 @@ async def run_step_reward_functions(
     if not records:
         return []
     return await asyncio.to_thread(add_rewards, store.sessions, records)
+
+
+async def _judge_each(
+    fn: StepRewardFunction, context: RewardContext, steps: Sequence[StoredStep]
+) -> list[Any]:
+    """What ``fn`` returned, or raised, for each step, in order. An async function judges all
+    steps at once (one process reward model call per step, concurrently: the trajectory takes
+    about one ``reward_model_timeout_s``, not one per step, so it stays within the hooks'
+    lease); a sync one judges them one after another in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return list(
+            await asyncio.gather(
+                *(fn(StepRewardContext(context, step)) for step in steps), return_exceptions=True
+            )
+        )
+    results: list[Any] = []
+    for step in steps:
+        try:
+            results.append(await asyncio.to_thread(fn, StepRewardContext(context, step)))
+        except Exception as exc:
+            results.append(exc)
+    return results
