@@ -32,10 +32,11 @@ from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trainer_bridge.client import train_batch
-from trainer_bridge.collate import Row
+from trainer_bridge.collate import Row, collate, row_from_step
 from trainer_bridge.distributed import shard_rows
 from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.trainer import PolicyTrainer
+from trajgate.vllm_server import VLLMServer
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # float32 sums in another order (two shards, packed against padded kernels, other thread counts)
@@ -43,6 +44,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # element whose gradient is that small moves by a visibly different amount (measured: 2.2e-5 in 1
 # of 1,536 LoRA weights at lr 1e-2). Far below the update itself (> 1e-3, asserted).
 WEIGHT_TOLERANCE = 1e-4
+# vLLM (CPU, fp32) with the published adapter against the single process's weights: 4.8e-8 for
+# identical weights (tests/test_trainer_bridge.py), plus the weights' float differences above
+SERVED_GAP_TOLERANCE = 1e-4
 
 
 def test_shard_rows_gives_each_rank_every_other_row_longest_first() -> None:
@@ -62,7 +66,7 @@ def _assert_halved(reports: dict[int, dict[str, Any]]) -> None:
 
 
 def test_torchrun_two_ranks_update_equals_the_single_process_update(
-    tiny_model_dir: Path, tmp_path: Path
+    vllm: VLLMServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
     upgrade(url)
@@ -85,7 +89,9 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
         "TRAJGATE_TRAINER_LEARNING_RATE": "0.01",
         "TRAJGATE_TRAINER_MICRO_BATCH_ROWS": "2",
     }
+    adapter = f"dist-{tmp_path.name}"
     sharded_env = {  # the torchrun side: the same update, sharded and packed
+        "TRAJGATE_TRAINER_ADAPTER_PREFIX": adapter,
         "TRAJGATE_TRAINER_SHARDING": "fsdp2",
         "TRAJGATE_TRAINER_MICRO_BATCH_TOKENS": "40",
         "TRAJGATE_TRAINER_ACTIVATION_CHECKPOINTING": "true",
@@ -106,7 +112,7 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
                 "TRAJGATE_TRAINER_MODEL_DIR": str(tiny_model_dir),
                 "TRAJGATE_TRAINER_DEVICE": "cpu",
                 "TRAJGATE_TRAINER_POOL_URL": gateway.url,
-                "TRAJGATE_TRAINER_VLLM_URLS": "",  # publishing is tested in test_trainer_bridge
+                "TRAJGATE_TRAINER_VLLM_URLS": vllm.url,
                 "TRAJGATE_TRAINER_GATEWAY_URL": gateway.url,
                 "TRAJGATE_TRAINER_ADMIN_TOKEN": "unused",
                 "TRAJGATE_TRAINER_WEIGHTS_DIR": str(tmp_path / "weights"),
@@ -130,8 +136,26 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         detail = httpx.get(f"{gateway.url}/api/batches/{batch.id}", timeout=30).json()
         posted = httpx.get(f"{gateway.url}/api/training-metrics", timeout=30).json()
+        versions = httpx.get(f"{gateway.url}/admin/policy-versions", timeout=30).json()
+        # the gathered adapter, loaded into the real vLLM, serves version 1
+        served = httpx.post(
+            f"{vllm.url}/v1/completions",
+            json={
+                "model": f"{adapter}-v1",
+                "prompt": "The weather in Paris is",
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "seed": 0,
+                "return_token_ids": True,
+                "logprobs": 1,
+            },
+            timeout=120,
+        ).json()["choices"][0]
     finally:
         gateway.stop()
+        httpx.post(  # its directory goes with tmp_path
+            f"{vllm.url}/v1/unload_lora_adapter", json={"lora_name": f"{adapter}-v1"}, timeout=60
+        )
     reports = {
         r["rank"]: r
         for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
@@ -156,6 +180,14 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
     assert moved > 1e-3  # the update did something worth comparing
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, atol=WEIGHT_TOLERANCE, rtol=0)
+    [version] = [v for v in versions if v["active"]]
+    assert (version["version"], version["model_name"]) == (1, f"{adapter}-v1")
+    row = row_from_step(
+        served["prompt_token_ids"], served["token_ids"], served["logprobs"]["token_logprobs"], 0.0
+    )
+    sampled = collate([row], pad_token_id=0)
+    gap = (single.logprobs(sampled) - sampled.behaviour_logprobs).abs()[sampled.loss_mask.bool()]
+    assert float(gap.max()) < SERVED_GAP_TOLERANCE
     for rank in (0, 1):
         update = reports[rank]["updates"][0]
         assert abs(update["loss"] - metrics.loss) < 1e-6

@@ -208,6 +208,7 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
             [url.strip() for url in settings.vllm_urls.split(",") if url.strip()],
             settings.gateway_url or settings.pool_url,
             admin_token=settings.admin_token,
+            adapter_prefix=settings.adapter_prefix,
         )
         if world.rank == 0 and settings.vllm_urls.strip()
         else None

@@ -118,6 +118,11 @@ class DistributedSettings(ConfigFileSettings):
         default="",
         description="vLLM base URLs (comma-separated) to load each update into; empty: none.",
     )
+    adapter_prefix: str = Field(
+        default="policy",
+        min_length=1,
+        description="LoRA: each version is loaded into vLLM as the adapter <prefix>-v<version>.",
+    )
     gateway_url: str | None = Field(
         default=None,
         description="Gateway whose policy registry gets each new version; default pool_url.",
