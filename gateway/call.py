@@ -22,6 +22,7 @@ from gateway.attribution import Attribution
 from gateway.dialects import Dialect, Prepared
 from gateway.state import GatewayState
 from gateway.upstreams import Replica
+from gateway.weight_update import Ticket
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -43,6 +44,8 @@ class Call:
     attempts: list[AttemptRecord] = field(default_factory=list)
     # Named before writing when the answer's headers go out first (streaming): index = choice.
     step_ids: list[str] = field(default_factory=list)
+    # Admission through the weight gate: how long it was held, and the abort of its sampling.
+    ticket: Ticket = field(default_factory=Ticket)
 
     @property
     def trajectory_id(self) -> str:
@@ -118,6 +121,7 @@ class Call:
             request_hash=self.request_hash,
             idempotency_key=self.idempotency_key,
             ttft_ms=ttft_ms,
+            held_ms=self.ticket.held_ms,
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
             attempts=tuple(self.attempts),

@@ -16,6 +16,7 @@ from datapool.lifecycle.hooks import CompletionHooks
 from datapool.steps.faults import FAULT_REASONS
 from datapool.steps.writer import PoolWriter
 from gateway.upstreams import Replica, UpstreamPool
+from gateway.weight_update import PauseReport
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 
@@ -82,6 +83,19 @@ class GatewayMetrics:
         self.replays = Counter(
             "trajgate_idempotent_replays", "Calls answered from a stored response.", registry=r
         )
+        self.weight_update_pause = Histogram(
+            "trajgate_weight_update_pause_seconds",
+            "Full-weight updates: how long new calls were held (drain, reload, registration).",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.weight_update_calls = Counter(
+            "trajgate_weight_update_calls",
+            "Calls met by full-weight updates: drained (finished within the limit), aborted "
+            "(still sampling at the limit), held (arrived during the pause).",
+            ["fate"],
+            registry=r,
+        )
         queue = Gauge(
             "trajgate_write_queue_depth", "Calls waiting to be committed to the pool.", registry=r
         )
@@ -101,6 +115,12 @@ class GatewayMetrics:
         for replica in upstreams.replicas:
             healthy.labels(replica.url).set_function(_reader(replica, "healthy"))
             in_flight.labels(replica.url).set_function(_reader(replica, "in_flight"))
+
+    def record_weight_update(self, report: PauseReport) -> None:
+        self.weight_update_pause.observe(report.pause_ms / 1000)
+        self.weight_update_calls.labels("drained").inc(report.drained_calls)
+        self.weight_update_calls.labels("aborted").inc(report.aborted_calls)
+        self.weight_update_calls.labels("held").inc(report.held_calls)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

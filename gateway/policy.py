@@ -11,6 +11,7 @@ Never: loads weights; the trainer bridge pushes them into vLLM and then register
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from datapool import policy_versions
@@ -33,6 +34,23 @@ class Resolution:
     policy_version: int
 
 
+def serving_versions(rows: list[PolicyVersion]) -> dict[str, int]:
+    """The version each registered model name serves: for a name several versions share (full
+    weights reloaded in place under one name), the active one, else the one activated last,
+    else (none ever activated) the highest; for a LoRA adapter, its one version."""
+
+    def rank(row: PolicyVersion) -> tuple[bool, bool, datetime, int]:
+        activated = row.activated_at or datetime.min.replace(tzinfo=UTC)
+        return (row.active, row.activated_at is not None, activated, row.version)
+
+    serving: dict[str, PolicyVersion] = {}
+    for row in rows:
+        current = serving.get(row.model_name)
+        if current is None or rank(row) > rank(current):
+            serving[row.model_name] = row
+    return {name: row.version for name, row in serving.items()}
+
+
 class PolicyRegistry:
     """In-memory view of ``policy_versions`` with atomic switches."""
 
@@ -46,7 +64,7 @@ class PolicyRegistry:
     def refresh(self) -> None:
         """Re-read the registry from the database (start-up, and periodically)."""
         rows = policy_versions.list_versions(self._sessions)
-        self._version_by_model = {row.model_name: row.version for row in rows}
+        self._version_by_model = serving_versions(rows)
         active = [row for row in rows if row.active]
         self.active = (
             ActivePolicy(active[-1].version, active[-1].model_name) if active else self._default
@@ -54,6 +72,10 @@ class PolicyRegistry:
 
     def resolve(self, requested_model: Any) -> Resolution:
         """Map the request's ``model`` to what goes upstream and the version to stamp.
+
+        The alias: the active version. A registered model name: the version serving under that
+        name (``serving_versions``). Anything else: passed through, stamped with the active
+        version.
 
         Raises:
             InvalidRequestError: the alias was asked for but no policy version is active.

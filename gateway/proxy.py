@@ -15,7 +15,7 @@ import logging
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import httpx
@@ -31,7 +31,6 @@ from gateway.attribution import (
     Attribution,
     attribute,
     check_idempotency_key,
-    check_model,
     check_trajectory_id,
     read_json_object,
 )
@@ -49,6 +48,12 @@ from gateway.errors import (
 from gateway.state import GatewayState, StateDep
 from gateway.streaming import first_event, relay_stream
 from gateway.upstreams import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
+from gateway.weight_update import (
+    ABORTED_FOR_WEIGHT_UPDATE,
+    CallAborted,
+    Ticket,
+    aborted_error,
+)
 
 log = logging.getLogger("trajgate.proxy")
 T = TypeVar("T")
@@ -168,7 +173,8 @@ async def proxy_call(
     Every error of the call is rendered in the dialect's shape (``request.state.render_error``,
     read by the app's error handlers). The call counts as in flight for its trajectory
     (``PoolWriter.call_started``) until its commit ended, so the idle timeout never closes a
-    trajectory under a call of this gateway.
+    trajectory under a call of this gateway. It passes the weight gate before its policy
+    version is resolved (held while a full-weight update is on: ``gateway.weight_update``).
     """
     request.state.render_error = dialect.render_error
     if url_trajectory_id is not None:
@@ -177,14 +183,18 @@ async def proxy_call(
     attribution = attribute(state, request, url_trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
     dialect.check_body(body)
-    check_model(body)
     await refuse_other_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
     writer.check_accepting()
     writer.call_started(attribution.trajectory_id)
     try:
-        response = await forward_call(state, request, dialect, body, attribution)
+        ticket = await state.upstreams.gate.admit()
+        try:
+            response = await forward_call(state, request, dialect, body, attribution, ticket)
+        except BaseException:
+            ticket.release()
+            raise
     except BaseException:
         writer.call_ended(attribution.trajectory_id)
         raise
@@ -192,7 +202,9 @@ async def proxy_call(
         # A stream commits at its end, inside its generator: the call ends when the generator
         # is gone (finished, or never started because the client left first).
         weakref.finalize(response.body_iterator, writer.call_ended, attribution.trajectory_id)
+        weakref.finalize(response.body_iterator, ticket.release_threadsafe)
     else:
+        ticket.release()
         writer.call_ended(attribution.trajectory_id)
     return response
 
@@ -203,23 +215,47 @@ async def forward_call(
     dialect: Dialect,
     body: dict[str, Any],
     attribution: Attribution,
+    ticket: Ticket,
 ) -> Response:
-    """``proxy_call`` once the call is attributed and counted in flight."""
+    """``proxy_call`` once the call is attributed, counted in flight and admitted (``ticket``).
+
+    A full-weight update that aborts the call while it waits for its upstream records it as
+    ``aborted_for_weight_update`` and answers 503 (``weight_update.aborted_error``).
+    """
     idempotency_key = check_idempotency_key(request.headers.get("idempotency-key"))
     if idempotency_key:
         replay = await replayed_answer(state, attribution, idempotency_key)
         if replay is not None:
             return replay
     call = await new_call(state, dialect, body, attribution, idempotency_key)
-    upstream = await open_upstream(state, call)
+    call.ticket = ticket
+    try:
+        upstream = await ticket.guard(open_upstream(state, call))
+    except CallAborted:
+        await abort_call(state, call, None)
+    if not call.prepared.stream:
+        ticket.release()  # the whole answer is in: its sampling ended
     try:
         return await answer_call(state, call, upstream)
+    except CallAborted:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        await abort_call(state, call, upstream.replica)
     except BaseException:
         # Whatever failed before a stream's generator or finish_unary took the response over
         # (a client gone while waiting for the first event included): close it, free the slot.
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
         raise
+
+
+async def abort_call(state: GatewayState, call: Call, replica: Replica | None) -> NoReturn:
+    """Record a call a full-weight update aborted before its first token reached the client,
+    and raise its 503."""
+    call.ticket.release()
+    call.add_attempt(replica, ABORTED_FOR_WEIGHT_UPDATE, error="weight update")
+    await fail_call(state, call, replica, ABORTED_FOR_WEIGHT_UPDATE, "aborted for a weight update")
+    raise aborted_error()
 
 
 async def replayed_answer(
@@ -311,7 +347,7 @@ async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse
         return await upstream_refused(state, call, upstream)
     if not call.prepared.stream:
         return await finish_unary(state, call, upstream)
-    events, first = await first_event(state, call, upstream)
+    events, first = await call.ticket.guard(first_event(state, call, upstream))
     call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
     streaming = StreamingResponse(
         relay_stream(state, call, upstream, events, first),

@@ -180,6 +180,16 @@ class GatewaySettings(ConfigFileSettings):
     upstream_retry_backoff_ms: float = Field(
         default=50.0, ge=0, description="Pause before a retry, doubled each attempt."
     )
+    weight_update_drain_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description=(
+            "Full-weight update (POST /admin/weight-updates): seconds the calls in flight get to "
+            "finish sampling while new calls are held; those still sampling then are aborted "
+            "(503 aborted_for_weight_update, step kept out of training), so that no step mixes "
+            "two policies. Longer: fewer aborted calls, a longer pause for every agent."
+        ),
+    )
     health_check_interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between health checks of every replica."
     )

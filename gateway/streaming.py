@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import anyio
 import httpx
@@ -29,6 +30,7 @@ from gateway.errors import TrajgateError, UpstreamError, UpstreamTimeoutError
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.upstreams import ReplicaResponse
+from gateway.weight_update import ABORTED_FOR_WEIGHT_UPDATE, CallAborted, aborted_error
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -111,8 +113,9 @@ async def relay_stream(
 
     A client disconnect closes the upstream response (vLLM aborts the request) and records the
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with the
-    dialect's error event and records ``upstream_timeout``. Either way the step is never left
-    open, and the response (with its in-flight count) is closed.
+    dialect's error event and records ``upstream_timeout``; so does an abort by a full-weight
+    update (``gateway.weight_update``), recorded ``aborted_for_weight_update``. Either way the
+    step is never left open, and the response (with its in-flight count) is closed.
     """
     replica = upstream.replica
     metrics = state.metrics
@@ -127,7 +130,7 @@ async def relay_stream(
         data: bytes | None = first  # first_event read it already
         while True:
             if data is None:
-                data = await next_payload(state.settings, events, deadline)
+                data = await call.ticket.guard(next_payload(state.settings, events, deadline))
                 if data is None:
                     break
             if data == b"[DONE]":
@@ -143,6 +146,10 @@ async def relay_stream(
         abort_reason = StepOutcome.UPSTREAM_TIMEOUT
         call.add_attempt(replica, abort_reason, status_code=200, error=str(exc))
         yield stream.error_event(UpstreamTimeoutError(str(exc)))
+    except CallAborted:
+        abort_reason = ABORTED_FOR_WEIGHT_UPDATE
+        call.add_attempt(replica, abort_reason, status_code=200, error="weight update")
+        yield stream.error_event(aborted_error())
     except (asyncio.CancelledError, GeneratorExit):
         abort_reason = StepOutcome.CLIENT_DISCONNECT
         raise
@@ -182,15 +189,19 @@ async def record_stream(
     """
     replica = upstream.replica
     await upstream.aclose()  # closing the connection makes vLLM abort the request
+    call.ticket.release()  # sampling ended: a full-weight update need not wait for the commit
     captured = stream.captured(abort_reason)
     if finished and captured.error is None:
         call.add_attempt(replica, StepOutcome.OK, status_code=200)
     outcome = StepOutcome.OK if abort_reason is None else abort_reason
     if captured.error is not None:
         outcome = StepOutcome.UPSTREAM_ERROR
+    choices = captured.choices
+    if abort_reason == ABORTED_FOR_WEIGHT_UPDATE:
+        choices = [replace(c, flags=[*c.flags, abort_reason]) for c in choices]
     record = call.record(
         replica,
-        captured.choices,
+        choices,
         prompt_ids=captured.prompt_ids,
         prompt_tokens=captured.prompt_tokens,
         model=captured.model,

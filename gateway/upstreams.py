@@ -4,7 +4,9 @@ Owns: least-outstanding-requests balancing with stickiness by trajectory (so a t
 growing prompt keeps hitting the replica whose prefix cache holds it), health checks that take a
 dead replica out and bring it back, and per-replica in-flight counts. Never: retries by itself;
 the proxy decides when a retry is safe (only before any byte reached the client).
-``InFlight`` is the one place the in-flight count goes up and down.
+``InFlight`` is the one place the in-flight count goes up and down. ``UpstreamPool.gate`` is the
+replicas' weight gate: calls wait there while their weights are replaced in place
+(``gateway.weight_update``).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -17,6 +19,8 @@ import logging
 from dataclasses import dataclass
 
 import httpx
+
+from gateway.weight_update import WeightGate
 
 log = logging.getLogger("trajgate.upstreams")
 
@@ -105,6 +109,7 @@ class UpstreamPool:
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         self.sticky_slack = sticky_slack
         self.failures_to_eject = failures_to_eject
+        self.gate = WeightGate()
 
     def pick(self, trajectory_id: str, exclude: frozenset[str] = frozenset()) -> Replica:
         """The replica for this call. Raises ``NoHealthyUpstreamError`` when none is usable."""

@@ -136,11 +136,20 @@ class PoolClient:
             )
         )
 
-    def post_training_metrics(self, run: str, policy_version: int, metrics: UpdateMetrics) -> None:
+    def post_training_metrics(
+        self,
+        run: str,
+        policy_version: int,
+        metrics: UpdateMetrics,
+        extra: dict[str, float] | None = None,
+    ) -> None:
         """Append one update's metrics to the pool's training metrics (``run``, ``step`` =
-        ``metrics.step``, ``policy_version``: the version the update produced); every value is
-        finite (the pool refuses others with a 400, raised as ``PoolClientError``)."""
+        ``metrics.step``, ``policy_version``: the version the update produced), with ``extra``
+        values measured around the update (``weight_update_pause_ms``: how long publishing it
+        held the agents' calls); every value is finite (the pool refuses others with a 400,
+        raised as ``PoolClientError``)."""
         values = {name: v for name, v in metrics.as_dict().items() if name != "step"}
+        values.update(extra or {})
         # the version again among the values, so the inspector's training chart draws it
         values["policy_version"] = float(policy_version)
         row = {

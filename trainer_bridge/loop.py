@@ -105,9 +105,17 @@ def run_loop(
             adapter = trainer.save_for_vllm(
                 loop.adapter_dir / f"{loop.adapter_prefix}-v{version + 1}"
             )
-            sync.publish(version + 1, adapter, "lora" if trainer_settings.lora_rank else "full")
+            published = sync.publish(
+                version + 1, adapter, "lora" if trainer_settings.lora_rank else "full"
+            )
             version += 1
-            pool.post_training_metrics(loop.consumer, version, metrics)
+            pause = published.pause_ms
+            pool.post_training_metrics(
+                loop.consumer,
+                version,
+                metrics,
+                None if pause is None else {"weight_update_pause_ms": pause},
+            )
             loop.metrics.append({"policy_version": float(version), **metrics.as_dict()})
             say(
                 f"batch {lease.batch_id}: loss {metrics.loss:+.4f}, "

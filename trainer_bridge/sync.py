@@ -1,13 +1,24 @@
 """Publishing new weights: into vLLM, then into the gateway as the next policy version.
 
-Owns: the order "load weights into every vLLM replica → reset each prefix cache → register the
-version with the gateway (which switches the alias atomically)", so no call is served from a
-mix of old and new weights and every later step carries the new version. Never: trains.
+Owns: the order of a publish, so that no step mixes old and new weights and every later step
+carries the new version.
+
+- LoRA: "load the adapter into every vLLM replica under its own name → reset each prefix cache
+  → register the version with the gateway (which switches the alias atomically)". Calls in
+  flight finish on the adapter they started with.
+- Full weights: one ``POST /admin/weight-updates`` to the gateway, which holds new calls, drains
+  (or aborts) the calls in flight, reloads its replicas in place, registers the version and
+  releases the held calls on it (``gateway.weight_update``). The gateway reloads the replicas
+  it routes to; ``vllm_urls`` serve LoRA loads only. A full reload must not go to vLLM
+  directly: calls in flight would sample across it.
+
+Never: trains.
 
 vLLM endpoints used (vLLM 0.32, checked against the CPU build):
 ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`` (needs
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), ``POST /collective_rpc {"method": "reload_weights",
-"kwargs": {"weights_path"}}`` and ``POST /reset_prefix_cache`` (``VLLM_SERVER_DEV_MODE=1``).
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and ``POST /reset_prefix_cache``
+(``VLLM_SERVER_DEV_MODE=1``); the gateway uses ``POST /collective_rpc {"method":
+"reload_weights", "kwargs": {"weights_path"}}``.
 """
 
 from __future__ import annotations
@@ -27,9 +38,12 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class PublishedPolicy:
+    """A published version; ``pause_ms``: how long the gateway held calls (full weights only)."""
+
     version: int
     model_name: str
     weights_location: str
+    pause_ms: float | None = None
 
 
 class WeightSync:
@@ -55,10 +69,12 @@ class WeightSync:
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
 
-    def _post(self, url: str, body: dict[str, object]) -> None:
+    def _post(self, url: str, body: dict[str, object]) -> dict[str, object]:
         response = self.client.post(url, json=body)
         if response.status_code >= 400:
             raise WeightSyncError(f"POST {url} -> {response.status_code}: {response.text[:500]}")
+        answer = response.json() if response.content else {}
+        return answer if isinstance(answer, dict) else {}
 
     def register(self, version: int, model_name: str, weights_location: str) -> PublishedPolicy:
         """Register and activate ``version`` in the gateway's policy registry."""
@@ -78,38 +94,46 @@ class WeightSync:
 
         LoRA: each version is its own adapter name (``<prefix>-v<version>``), so a call resolved
         against the previous version before the switch still finds its adapter. Full weights:
-        reloaded in place under the base model name. Adapters older than the last
-        ``keep_adapters`` are unloaded after the switch (the previous version stays for calls
-        still in flight).
+        reloaded in place under the base model name by the gateway, around a pause of its
+        calls (``POST /admin/weight-updates``); ``weights_dir`` must be readable by every
+        replica. Adapters older than the last ``keep_adapters`` are unloaded after the switch
+        (the previous version stays for calls still in flight).
 
         Raises:
             WeightSyncError: a replica or the gateway refused.
             ValueError: unknown ``fmt``.
         """
         location = str(weights_dir.resolve())
-        if fmt == "lora":
-            model_name = f"{self.adapter_prefix}-v{version}"
-            for url in self.vllm_urls:
-                self._post(
-                    f"{url}/v1/load_lora_adapter",
-                    {"lora_name": model_name, "lora_path": location, "load_inplace": True},
-                )
-        elif fmt == "full":
-            model_name = self.base_model_name
-            for url in self.vllm_urls:
-                self._post(
-                    f"{url}/collective_rpc",
-                    {"method": "reload_weights", "kwargs": {"weights_path": location}},
-                )
-        else:
+        if fmt == "full":
+            answer = self._post(
+                f"{self.gateway_url}/admin/weight-updates",
+                {
+                    "version": version,
+                    "model_name": self.base_model_name,
+                    "weights_location": location,
+                },
+            )
+            pause_ms = answer.get("pause_ms")
+            return PublishedPolicy(
+                version,
+                self.base_model_name,
+                location,
+                float(pause_ms) if isinstance(pause_ms, int | float) else None,
+            )
+        if fmt != "lora":
             raise ValueError(f"weight format must be 'lora' or 'full', got {fmt!r}")
+        model_name = f"{self.adapter_prefix}-v{version}"
+        for url in self.vllm_urls:
+            self._post(
+                f"{url}/v1/load_lora_adapter",
+                {"lora_name": model_name, "lora_path": location, "load_inplace": True},
+            )
         for url in self.vllm_urls:
             self._post(f"{url}/reset_prefix_cache", {})
         published = self.register(version, model_name, location)
-        if fmt == "lora":
-            self.loaded_adapters.append(model_name)
-            while len(self.loaded_adapters) > self.keep_adapters:
-                self.unload(self.loaded_adapters.pop(0))
+        self.loaded_adapters.append(model_name)
+        while len(self.loaded_adapters) > self.keep_adapters:
+            self.unload(self.loaded_adapters.pop(0))
         return published
 
     def unload(self, model_name: str) -> None:

@@ -1,6 +1,7 @@
-"""Management endpoints under ``/admin``: policy versions and agent API keys.
+"""Management endpoints under ``/admin``: policy versions, full-weight updates, agent API keys.
 
-Owns: the HTTP surface of the policy registry and the key ring, behind the admin token.
+Owns: the HTTP surface of the policy registry, of full-weight updates (the pause around an
+in-place reload: ``gateway.weight_update``) and of the key ring, behind the admin token.
 Never: serves agents; OpenAI routes live in ``gateway.proxy``.
 """
 
@@ -16,7 +17,9 @@ from starlette.concurrency import run_in_threadpool
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
 from gateway.auth import check_admin_token
+from gateway.errors import InvalidRequestError, UpstreamError
 from gateway.state import GatewayState
+from gateway.weight_update import ReloadError, reload_replicas
 
 
 def _admin_state(request: Request) -> GatewayState:
@@ -49,6 +52,38 @@ class PolicyVersionPublic(BaseModel):
     active: bool
     created_at: datetime
     activated_at: datetime | None
+
+
+class WeightUpdateCreate(BaseModel):
+    version: int = Field(ge=0, description="The policy version the new weights are.")
+    model_name: str = Field(
+        min_length=1,
+        max_length=200,
+        description="Upstream model name the replicas serve (full weights replace it in place).",
+    )
+    weights_location: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Checkpoint directory (config + safetensors) every vLLM replica can read.",
+    )
+    drain_timeout_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description="Seconds calls in flight may take to finish before they are aborted "
+        "(default: the gateway's weight_update_drain_timeout_s).",
+    )
+
+
+class WeightUpdatePublic(BaseModel):
+    version: int
+    model_name: str
+    weights_location: str
+    replicas: list[str] = Field(description="The vLLM replicas reloaded, in order.")
+    pause_ms: float = Field(description="How long new calls were held (gate closed to open).")
+    drained_calls: int = Field(description="Calls in flight that finished within the limit.")
+    aborted_calls: int = Field(description="Calls still sampling at the limit: aborted.")
+    held_calls: int = Field(description="Calls that arrived during the pause and were held.")
 
 
 class ApiKeyCreate(BaseModel):
@@ -97,6 +132,51 @@ async def activate_policy_version(
     version: Annotated[int, Path(ge=0, le=INTEGER_MAX)], state: AdminDep
 ) -> PolicyVersionPublic:
     return _public(await run_in_threadpool(state.policy.activate, version))
+
+
+@router.post("/weight-updates", status_code=201)
+async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpdatePublic:
+    """Publish full weights without a step that mixes two policies: hold new calls, let the
+    calls in flight finish (abort them past ``weight_update_drain_timeout_s``), reload every
+    replica in place and reset its prefix cache, register and activate ``version``, release the
+    held calls (stamped with ``version``). 400 when ``version`` is registered under another
+    model name (nothing paused); 502 when a replica refused the reload (the version is not
+    registered, the held calls are released; publish again)."""
+    registered = {row.version: row for row in await run_in_threadpool(state.policy.list)}
+    if body.version in registered and registered[body.version].model_name != body.model_name:
+        raise InvalidRequestError(
+            f"policy version {body.version} is already registered for model "
+            f"{registered[body.version].model_name!r}, not {body.model_name!r}",
+            param="version",
+        )
+    urls = [replica.url for replica in state.upstreams.replicas]
+
+    async def reload_and_register() -> None:
+        await reload_replicas(
+            state.client, urls, body.weights_location, state.settings.upstream_total_timeout_s
+        )
+        await run_in_threadpool(
+            state.policy.register, body.version, body.model_name, body.weights_location, True
+        )
+
+    try:
+        drain_timeout_s = body.drain_timeout_s
+        if drain_timeout_s is None:
+            drain_timeout_s = state.settings.weight_update_drain_timeout_s
+        _, report = await state.upstreams.gate.pause(reload_and_register, drain_timeout_s)
+    except ReloadError as exc:
+        raise UpstreamError(str(exc)) from exc
+    state.metrics.record_weight_update(report)
+    return WeightUpdatePublic(
+        version=body.version,
+        model_name=body.model_name,
+        weights_location=body.weights_location,
+        replicas=urls,
+        pause_ms=report.pause_ms,
+        drained_calls=report.drained_calls,
+        aborted_calls=report.aborted_calls,
+        held_calls=report.held_calls,
+    )
 
 
 @router.post("/api-keys", status_code=201)
