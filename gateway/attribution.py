@@ -154,6 +154,26 @@ def check_idempotency_key(key: str | None) -> str | None:
     return key or None
 
 
+# The length of the steps' ``model`` column (String(200)).
+MODEL_MAX_CHARS = 200
+
+
+def check_model(body: dict[str, Any]) -> None:
+    """Raise ``InvalidRequestError`` when the body's ``model`` is a string the step cannot
+    store: past ``MODEL_MAX_CHARS`` characters, or holding NUL (PostgreSQL's text columns
+    cannot). vLLM may sample for such a name; the commit would then fail after the tokens were
+    paid for. A model that is no string is the dialect's or the engine's to refuse."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        return
+    if len(model) > MODEL_MAX_CHARS or "\x00" in model:
+        got = f"{len(model)} characters" + (" with NUL" if "\x00" in model else "")
+        raise InvalidRequestError(
+            f"model must be at most {MODEL_MAX_CHARS} characters without NUL, got {got}",
+            param="model",
+        )
+
+
 def check_group_id(group_id: str | None) -> str | None:
     """Raise ``InvalidRequestError`` unless the group id is None or 1-200 of
     ``[A-Za-z0-9._:-]`` starting with a letter or digit (it appears in URL paths)."""

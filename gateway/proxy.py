@@ -31,6 +31,7 @@ from gateway.attribution import (
     Attribution,
     attribute,
     check_idempotency_key,
+    check_model,
     check_trajectory_id,
     read_json_object,
 )
@@ -183,6 +184,7 @@ async def proxy_call(
     attribution = attribute(state, request, url_trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
     dialect.check_body(body)
+    check_model(body)
     await refuse_other_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"

@@ -526,6 +526,30 @@ def test_a_generation_field_past_the_gateways_limit_is_refused_before_vllm_is_as
     assert len(walked.upstream_calls) == calls_before
 
 
+@pytest.mark.parametrize("model", ["ti\u0000ny", "m" * 201], ids=["NUL", "201 characters"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", _CHAT),
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/responses", {"input": "hi"}),
+        ("/v1/messages", {**_CHAT, "max_tokens": 4}),
+    ],
+)
+def test_a_model_name_the_pool_cannot_store_is_refused_before_vllm_is_asked(
+    walked: Walked, path: str, body: dict[str, Any], model: str
+) -> None:
+    """The step's model column holds 200 characters and, on PostgreSQL, no NUL: vLLM took
+    such a name and sampled, then the commit failed with a 503."""
+    before = _row_counts(walked.pool)
+    calls_before = len(walked.upstream_calls)
+    answer = walked.client.post(f"/t/model{path}", json={**body, "model": model})
+    assert answer.status_code == 400, answer.text
+    assert _refusal_problems(answer.status_code, answer.text, "model", path) == []
+    assert _row_counts(walked.pool) == before
+    assert len(walked.upstream_calls) == calls_before
+
+
 # -- streamed and unstreamed: the same code ------------------------------------------------
 
 

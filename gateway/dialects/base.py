@@ -47,7 +47,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from fastapi import APIRouter
 
@@ -113,22 +113,31 @@ def with_sampling_defaults(prepared: Prepared, defaults: dict[str, Any]) -> Prep
 def check_limits(
     dialect: Dialect, prepared: Prepared, limits: Mapping[str, tuple[int, str]]
 ) -> None:
-    """Raise ``InvalidRequestError`` (400, naming the client's field) when the upstream body
-    asks for more than ``limits`` allow: upstream field → (most, the gateway setting). Checked on
-    the upstream body, where every dialect's fields have their chat or completions names; a
-    boolean (chat's ``logprobs: true``) or a non-number is left to the engine to judge."""
-    for name, (most, setting) in limits.items():
-        value = prepared.upstream_body.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= most:
-            continue
-        field_name = dialect.client_field(name)
-        digits = str(value)
-        shown = digits if len(digits) <= 24 else f"{digits[:8]}... ({len(digits)} digits)"
-        raise InvalidRequestError(
-            f"'{field_name}' must be at most {most} (the gateway's {setting} setting), got {shown}",
-            param=field_name,
-            code="invalid_value",
-        )
+    """Raise ``InvalidRequestError`` (400, naming the client's field) when a call asks for more
+    than ``limits`` allow: upstream field → (most, the gateway setting). Checked on the client's
+    body as sent (a field it names as the upstream does, e.g. completions' ``max_completion_tokens``
+    before it is sent as ``max_tokens``), then on the upstream body, where every dialect's fields
+    have their chat or completions names (``Dialect.client_field`` names them back). A boolean
+    (chat's ``logprobs: true``) or a non-number is left to the engine to judge."""
+    for body, client_name in (
+        (prepared.client_body, str),
+        (prepared.upstream_body, dialect.client_field),
+    ):
+        for name, (most, setting) in limits.items():
+            value = body.get(name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= most:
+                continue
+            _refuse_over_limit(client_name(name), value, most, setting)
+
+
+def _refuse_over_limit(field_name: str, value: float, most: int, setting: str) -> NoReturn:
+    digits = str(value)
+    shown = digits if len(digits) <= 24 else f"{digits[:8]}... ({len(digits)} digits)"
+    raise InvalidRequestError(
+        f"'{field_name}' must be at most {most} (the gateway's {setting} setting), got {shown}",
+        param=field_name,
+        code="invalid_value",
+    )
 
 
 @dataclass(frozen=True)
