@@ -112,13 +112,17 @@ PAST_WHAT_IS_STORED = [
     ("POST", "/api/training-metrics", {"rows": [{"step": PAST_THE_BOUND, "metrics": {}}]}, "rows"),
     ("POST", "/api/labels", {"target": "trajectory", "target_id": "t1", "note": "a\u0000b"}, None),
     ("GET", "/api/trajectories?channel=a%00b", None, "channel"),
+    # String(200) and String(100) columns: PostgreSQL refuses longer text, SQLite keeps it.
+    ("POST", "/admin/policy-versions", {"version": 2, "model_name": "m" * 201}, "model_name"),
+    ("POST", "/admin/api-keys", {"name": "k", "trajectory_id": "t" * 201}, "trajectory_id"),
+    ("POST", "/admin/api-keys", {"name": "k", "channel": "c" * 101}, "channel"),
 ]
 
 
 @pytest.mark.parametrize(
     ("method", "path", "body", "param"),
     PAST_WHAT_IS_STORED,
-    ids=[f"{m} {p.split('?')[0]}" for m, p, _, _ in PAST_WHAT_IS_STORED],
+    ids=[f"{m} {p.split('?')[0]} {f}" for m, p, _, f in PAST_WHAT_IS_STORED],
 )
 def test_a_value_the_pool_cannot_store_is_refused_at_the_edge(
     pool_settings: PoolSettings, method: str, path: str, body: Any, param: str | None
@@ -137,6 +141,8 @@ def test_a_value_the_pool_cannot_store_is_refused_at_the_edge(
         assert error["code"] == "invalid_request"
         if param is not None:
             assert error["param"].split(".")[0] == param
-        if "NUL" not in error["message"]:  # the bound is named: "less than or equal to 2147483647"
-            assert str(2**31 - 1) in error["message"] or str(2**63 - 1) in error["message"]
+        # The bound is named: "less than or equal to 2147483647", "at most 200 characters", the
+        # id pattern (1-200 characters), or NUL.
+        bounds = (str(2**31 - 1), "200 characters", "{0,199}", "{0,99}", "NUL")
+        assert any(bound in error["message"] for bound in bounds), error["message"]
         assert client.get("/api/summary").json() == before

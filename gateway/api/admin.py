@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
+from gateway.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.auth import check_admin_token
 from gateway.errors import InvalidRequestError, UpstreamError
 from gateway.state import GatewayState
@@ -37,7 +38,9 @@ class PolicyVersionCreate(BaseModel):
         ge=0, le=INTEGER_MAX, description="Integer id of the weights; bumps on each sync."
     )
     model_name: str = Field(
-        min_length=1, description="Upstream model name serving it (base model or LoRA adapter)."
+        min_length=1,
+        max_length=200,
+        description="Upstream model name serving it (base model or LoRA adapter).",
     )
     weights_location: str | None = Field(
         default=None, description="LoRA directory or checkpoint the weights were loaded from."
@@ -88,8 +91,16 @@ class WeightUpdatePublic(BaseModel):
 
 class ApiKeyCreate(BaseModel):
     name: str = Field(min_length=1, max_length=200)
-    trajectory_id: str | None = Field(default=None, description="Bind the key to a trajectory.")
-    channel: str | None = Field(default=None, description="Bind the key to a channel.")
+    trajectory_id: str | None = Field(
+        default=None,
+        pattern=TRAJECTORY_ID_PATTERN.pattern,
+        description="Bind the key to a trajectory (an id as the gateway checks it).",
+    )
+    channel: str | None = Field(
+        default=None,
+        pattern=CHANNEL_PATTERN.pattern,
+        description="Bind the key to a channel (a channel name as the gateway checks it).",
+    )
 
 
 class ApiKeyIssued(BaseModel):
