@@ -152,23 +152,27 @@ class PolicyTrainer:
                 task_type="CAUSAL_LM",
             )
             model = get_peft_model(model, lora)
-        self.model: Any = model.to(self.device)
+        self.sharded = settings.sharding == "fsdp2"
+        if self.sharded and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "sharding 'fsdp2' needs torch.distributed initialised: run "
+                "`torchrun -m trainer_bridge.distributed`, or set sharding 'replicated'"
+            )
+        # Sharded, the model stays on the CPU until fully_shard moves each layer's shard to
+        # the device: no GPU ever holds the whole model.
+        self.model: Any = model if self.sharded else model.to(self.device)
         self.model.train()
         # Full fine-tuning's reference for the KL penalty: a frozen copy (memory: module doc).
         self.reference: Any = None
         if settings.kl_coef > 0 and settings.lora_rank == 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.sharded = settings.sharding == "fsdp2"
         if self.sharded:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
-                    "sharding 'fsdp2' needs torch.distributed initialised: run "
-                    "`torchrun -m trainer_bridge.distributed`, or set sharding 'replicated'"
-                )
             with torch.no_grad():  # LoRA's initial adapters: rank 0's on every rank
                 for parameter in self.model.parameters():
                     if parameter.requires_grad:
-                        dist.broadcast(parameter.data, src=0)
+                        value = parameter.data.to(self.device)  # NCCL broadcasts device tensors
+                        dist.broadcast(value, src=0)
+                        parameter.data.copy_(value)
             shard_model(
                 self.model,
                 self.device,
