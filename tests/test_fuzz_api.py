@@ -116,6 +116,12 @@ PAST_WHAT_IS_STORED = [
     ("POST", "/admin/policy-versions", {"version": 2, "model_name": "m" * 201}, "model_name"),
     ("POST", "/admin/api-keys", {"name": "k", "trajectory_id": "t" * 201}, "trajectory_id"),
     ("POST", "/admin/api-keys", {"name": "k", "channel": "c" * 101}, "channel"),
+    (
+        "POST",
+        "/api/labels",
+        {"target": "trajectory", "target_id": "t1", "note": "n", "author": "a" * 201},
+        "author",
+    ),
 ]
 
 

@@ -49,7 +49,7 @@ class LabelFields(BaseModel):
         default=None, description="exclude: never in a batch; include: overrides a rule."
     )
     note: str | None = None
-    author: str | None = None
+    author: str | None = Field(default=None, max_length=200)
 
 
 class LabelCreate(LabelFields):
@@ -187,7 +187,7 @@ class RuleCreate(BaseModel):
     kind: curation.RuleKind
     action: curation.RuleAction = "exclude"
     params: dict[str, Any] = Field(default_factory=dict)
-    author: str | None = None
+    author: str | None = Field(default=None, max_length=200)
     apply_now: bool = Field(default=True, description="Apply to the whole pool right away.")
 
 
