@@ -366,7 +366,7 @@ document.addEventListener("alpine:init", () => {
 
     // ---- trajectory ----------------------------------------------------------------------
     async showTrajectory(id, keepView = false) {
-      if (!keepView) { this.view = "trajectory"; this.traj = null; }
+      if (!keepView) { this.view = "trajectory"; this.traj = null; this.readinessBatch = ""; }
       try {
         // Readiness is judged against the newest batch spec of the channel unless one is chosen.
         const chosen = this.readinessBatch ? `?batch_id=${encodeURIComponent(this.readinessBatch)}` : "";
