@@ -73,7 +73,10 @@ class WeightSync:
         response = self.client.post(url, json=body)
         if response.status_code >= 400:
             raise WeightSyncError(f"POST {url} -> {response.status_code}: {response.text[:500]}")
-        answer = response.json() if response.content else {}
+        try:  # vLLM answers some of these in plain text ("Success: LoRA adapter ...")
+            answer = response.json()
+        except ValueError:
+            return {}
         return answer if isinstance(answer, dict) else {}
 
     def register(self, version: int, model_name: str, weights_location: str) -> PublishedPolicy:
