@@ -12,8 +12,9 @@
 # --activation-checkpointing. GPU_CHECK_PEAK_TFLOPS sets the bf16 peak of an unlisted GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python=python3
-if [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
+# PYTHON: the interpreter with torch (default: this repository's .venv, else python3)
+python=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
 nproc=${NPROC:-$(( gpus > 0 ? gpus : 2 ))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

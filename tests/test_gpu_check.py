@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_check_reduced_mode_trains_full_and_lora_and_reports_every_figure() -> None:
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--updates", "2"],
-        env={**os.environ, "NPROC": "2"},
+        env={**os.environ, "NPROC": "2", "PYTHON": sys.executable},
         capture_output=True,
         text=True,
         timeout=600,
