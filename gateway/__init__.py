@@ -25,6 +25,8 @@ Modules:
   (``UpstreamPool``, ``Replica``, ``InFlight``, ``probe_token_ids``).
 - ``policy``: ``PolicyRegistry``, which policy version the alias serves and which one produced a
   step.
+- ``weight_update``: the pause around a full-weight reload (``WeightGate``: hold new calls, drain
+  or abort the calls in flight, release them on the new version; ``reload_replicas``).
 - ``auth``: agents' API keys (``KeyRing``) and the admin token (``check_admin_token``).
 - ``guard``: ``EdgeGuard``, the raw ASGI middleware every request passes before a route reads its
   body: host names, cross-site writes, JSON content types, the admin token, the body limit.
