@@ -323,3 +323,45 @@ def test_a_named_model_is_stamped_with_the_version_serving_it_not_the_highest(
     steps = api.get("/api/trajectories/stamp").json()["steps"]
     assert [s["policy_version"] for s in steps] == [2, 1]
     api.close()
+
+
+def test_train_loop_publishes_full_weights_through_the_pause_and_records_its_length(
+    vllm: VLLMServer, tiny_model_dir: Path, sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    from trainer_bridge.loop import LoopSettings, run_loop
+    from trainer_bridge.settings import TrainerSettings
+
+    with (
+        base_weights_put_back(vllm, tiny_model_dir),
+        gateway_with(sqlite_pool, free_port(), upstream_url=vllm.url) as gateway,
+    ):
+        api = httpx.Client(base_url=gateway.url, timeout=300)
+        WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
+        for member, reward in enumerate([1.0, 0.0]):
+            trajectory = f"full-{member}"
+            api.post("/api/trajectories", json={"id": trajectory, "group_id": "full-g"})
+            body = {"model": "policy", "messages": PROMPT, "max_tokens": 3, "temperature": 1.0}
+            assert api.post(f"/t/{trajectory}/v1/chat/completions", json=body).is_success
+            api.post(f"/api/trajectories/{trajectory}/complete", json={"reward": reward})
+        loop = LoopSettings(
+            gateway_url=gateway.url,
+            vllm_urls=[vllm.url],
+            consumer="full-loop",
+            spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
+            max_updates=1,
+            adapter_dir=tmp_path,
+            adapter_prefix="full",
+        )
+        settings = TrainerSettings(model_dir=tiny_model_dir, lora_rank=0, learning_rate=1e-3)
+        run_loop(loop, settings, say=lambda _: None)
+        [posted] = api.get("/api/training-metrics", params={"run": "full-loop"}).json()
+        assert posted["policy_version"] == 1 and posted["metrics"]["weight_update_pause_ms"] > 0
+        versions = api.get("/admin/policy-versions").json()
+        assert [(v["version"], v["model_name"], v["active"]) for v in versions] == [
+            (0, vllm.served_model_name, False),
+            (1, vllm.served_model_name, True),
+        ]
+        after = api.post("/t/full-after/v1/chat/completions", json=body)
+        assert after.headers["x-trajgate-policy-version"] == "1"
+        assert "trajgate_weight_update_pause_seconds_count 1.0" in api.get("/metrics").text
+        api.close()
