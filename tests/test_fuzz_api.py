@@ -35,9 +35,13 @@ SEED = 17
 
 
 def _upstream(request: httpx.Request) -> httpx.Response:
-    """A healthy vLLM that refuses every call as vLLM does (its envelope, its numeric code)."""
+    """A healthy vLLM that refuses every call as vLLM does (its envelope, its numeric code),
+    and reloads weights when asked (``POST /admin/weight-updates``): a replica refusing a
+    reload is rightly a 502, not what the fuzz looks for."""
     if request.url.path in ("/health", "/v1/models"):
         return httpx.Response(200, json={"object": "list", "data": []})
+    if request.url.path in ("/collective_rpc", "/reset_prefix_cache"):
+        return httpx.Response(200, json={})
     error = {"message": "refused by the test upstream", "type": "BadRequestError", "code": 400}
     return httpx.Response(400, json={"error": error})
 

@@ -58,7 +58,9 @@ class PolicyVersionPublic(BaseModel):
 
 
 class WeightUpdateCreate(BaseModel):
-    version: int = Field(ge=0, description="The policy version the new weights are.")
+    version: int = Field(
+        ge=0, le=INTEGER_MAX, description="The policy version the new weights are."
+    )
     model_name: str = Field(
         min_length=1,
         max_length=200,
