@@ -73,11 +73,22 @@ def _settings(cls: type[T], **overrides: object) -> T:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or cls.__name__
             typer.echo(
-                f"error: setting {field!r}: {error['msg']} (got {error.get('input')!r}); fix the "
+                f"error: setting {field!r}: {error['msg']}{_shown_input(field, error)}; fix the "
                 "flag, its TRAJGATE_* variable or the TRAJGATE_CONFIG file",
                 err=True,
             )
         raise typer.Exit(2) from exc
+
+
+def _shown_input(field: str, error: Any) -> str:
+    """`` (got <value>)``, unless the value may hold a secret: a whole settings object (a check
+    across fields) or a field named like a token, key or password is never echoed."""
+    value = error.get("input")
+    if isinstance(value, dict) or any(
+        word in field.lower() for word in ("token", "key", "secret", "password")
+    ):
+        return ""
+    return f" (got {value!r})"
 
 
 def _require_extra(extra: str, *modules: str) -> None:

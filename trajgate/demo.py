@@ -80,8 +80,8 @@ class DemoConfig:
     # not spread over tokens that did not make it.
     answer_max_tokens: int = 1
     # With numbers one direction of the tiny model (trajgate.tinymodel), 1e-2 takes the
-    # trained arm from ~0.1 to ~1.0 in 4-5 updates while the control stays within +-0.05;
-    # 3e-2 learns as fast but the control's random walk reaches +-0.15 (docs/demo.md).
+    # trained arm from ~0.1 to ~0.98 in 5 updates while the control stays within +-0.07;
+    # at 3e-2 the trained arm is unstable and a control seed walked +0.55 (docs/demo.md).
     learning_rate: float = 1e-2
     lora_rank: int = 8
     control: bool = True
