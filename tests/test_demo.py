@@ -35,6 +35,7 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
             "-m",
             "trajgate.cli",
             "demo",
+            "--exit",
             "--json",
             "--rounds",
             "2",
@@ -70,6 +71,9 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
     assert all(0.0 <= mean <= 1.0 for _, mean, _ in summary["reward_by_policy_version"])
     assert summary["trajectories"] == 48
     assert summary["logprob_gap_mean_abs"] < 1e-4  # fp32 sampler and trainer agree
+    means = [mean for _, mean, _ in summary["reward_by_policy_version"]]
+    assert summary["gain"] == round(sum(means[-2:]) / 2 - means[0], 4)
+    assert summary["control_gain"] is None  # --no-control
     pool = PoolSettings(data_dir=tmp_path / summary["pool"])
     store = PoolStore(make_engine(pool.resolved_database_url()), pool)
     versions = {

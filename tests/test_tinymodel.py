@@ -101,3 +101,27 @@ def test_a_sampled_turn_ends_within_a_few_thousand_tokens_but_greedy_does_not_st
     # Against 2,047 other tokens, <|im_end|> stays below the likeliest one: greedy decoding
     # runs on, as the tests that expect finish "length" at 12-16 tokens rely on.
     assert bool((end < best_other).all())
+
+
+def test_numbers_and_whitespace_are_each_one_output_direction(tiny_model_dir: Path) -> None:
+    """The demo's reward (answer with a number) is learnable as one decision because every
+    number token reads residual dimension 1, and nothing else does; whitespace-only tokens read
+    dimension 2 (pushed down, so greedy constrained tool calls end)."""
+    spec = tinymodel.TinyModelSpec()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert model.config.tie_word_embeddings is False  # output-side features stay output-side
+    head = model.lm_head.weight  # [V, H]
+    numbers = tinymodel.number_token_ids(tokenizer)
+    whitespace = tinymodel.whitespace_token_ids(tokenizer)
+    assert len(numbers) > 100 and tokenizer.decode([numbers[0]]).strip().isdigit()
+    assert whitespace and all(tokenizer.decode([i]).isspace() for i in whitespace)
+    assert torch.nonzero(head[:, 1]).flatten().tolist() == numbers
+    assert bool((head[numbers, 1] == spec.number_weight).all())
+    assert torch.nonzero(head[:, 2]).flatten().tolist() == whitespace
+    assert bool((head[whitespace, 2] == spec.whitespace_weight).all())
+    # no input embedding and no layer writes the reserved dimensions (the constants aside)
+    embed = model.model.embed_tokens.weight
+    assert bool((embed[:, 1:3] == 0).all())
+    for layer in model.model.layers:
+        assert bool((layer.mlp.down_proj.weight[1:3] == 0).all())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -72,11 +73,22 @@ def _settings(cls: type[T], **overrides: object) -> T:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or cls.__name__
             typer.echo(
-                f"error: setting {field!r}: {error['msg']} (got {error.get('input')!r}); fix the "
+                f"error: setting {field!r}: {error['msg']}{_shown_input(field, error)}; fix the "
                 "flag, its TRAJGATE_* variable or the TRAJGATE_CONFIG file",
                 err=True,
             )
         raise typer.Exit(2) from exc
+
+
+def _shown_input(field: str, error: Any) -> str:
+    """`` (got <value>)``, unless the value may hold a secret: a whole settings object (a check
+    across fields) or a field named like a token, key or password is never echoed."""
+    value = error.get("input")
+    if isinstance(value, dict) or any(
+        word in field.lower() for word in ("token", "key", "secret", "password")
+    ):
+        return ""
+    return f" (got {value!r})"
 
 
 def _require_extra(extra: str, *modules: str) -> None:
@@ -244,8 +256,10 @@ def vllm_start(
     timeout_s: Annotated[float, typer.Option(help="Seconds to wait for /health.")] = 300.0,
 ) -> None:
     """Start vLLM in the background (or reuse a healthy one on PORT) and wait for /health."""
-    server = vllm_server.start(
-        model or vllm_server.default_model_dir(), port=port, ready_timeout_s=timeout_s
+    server = _run_user_facing(
+        lambda: vllm_server.start(
+            model or vllm_server.default_model_dir(), port=port, ready_timeout_s=timeout_s
+        )
     )
     typer.echo(
         json.dumps(
@@ -328,14 +342,37 @@ def train(
     run_loop(loop, settings, say=typer.echo)
 
 
+def _run_user_facing(action: Callable[[], T], *also: type[Exception]) -> T:
+    """``action()``, or exit 1 with one line when the environment is not what the command
+    needs (a port taken, vLLM missing or not starting, or one of ``also``): no traceback for a
+    user's situation."""
+    try:
+        return action()
+    except (
+        vllm_server.PortTakenError,
+        vllm_server.VLLMNotInstalledError,
+        vllm_server.VLLMStartError,
+        *also,
+    ) as exc:
+        # the first line says it all (vLLM's start errors go on with its log's tail)
+        typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
+        raise typer.Exit(1) from exc
+
+
+RoundsOpt = Annotated[int, typer.Option(help="RL updates per arm.")]
+GroupsOpt = Annotated[int, typer.Option(help="Tasks (groups) per round.")]
+GroupSizeOpt = Annotated[int, typer.Option(help="Rollouts per task.")]
+AgentsOpt = Annotated[int, typer.Option(help="Agents running at once.")]
+
+
 @app.command()
 def demo(
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
-    rounds: Annotated[int, typer.Option(help="RL updates per arm.")] = 8,
-    groups: Annotated[int, typer.Option(help="Tasks (groups) per round.")] = 16,
-    group_size: Annotated[int, typer.Option(help="Rollouts per task.")] = 4,
-    agents: Annotated[int, typer.Option(help="Agents running at once.")] = 8,
+    rounds: RoundsOpt = 6,
+    groups: GroupsOpt = 16,
+    group_size: GroupSizeOpt = 4,
+    agents: AgentsOpt = 8,
     control: Annotated[bool, typer.Option(help="Also run the shuffled-reward control.")] = True,
     asynchronous: Annotated[
         bool,
@@ -347,13 +384,23 @@ def demo(
     max_staleness: Annotated[
         int, typer.Option(help="Async: drop steps more than this many versions behind.")
     ] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of LoRA initialisation and the control.")] = 0,
+    exit_after: Annotated[
+        bool,
+        typer.Option(
+            "--exit",
+            help="Stop everything when the loop ends (default: keep the gateway and its "
+            "inspector serving the pool until Ctrl-C).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run the whole loop on the embedded defaults: vLLM with the tiny model, the gateway on
     SQLite, concurrent unmodified agents, rewards, curation, GRPO batches, LoRA updates
-    hot-loaded into vLLM as new policy versions; print the reward by policy version."""
+    hot-loaded into vLLM as new policy versions; print the reward by policy version, then keep
+    the inspector open on the pool until Ctrl-C (``--exit``: stop at the end)."""
     _require_extra("demo", "torch", "transformers", "peft", "openai", "langchain_openai")
-    from trajgate.demo import DemoConfig, run_demo
+    from trajgate.demo import DemoConfig, DemoError, run_demo
 
     config = DemoConfig(
         rounds=rounds,
@@ -365,10 +412,46 @@ def demo(
         max_staleness_versions=max_staleness,
         gateway_port=port,
         vllm_port=vllm_port,
+        seed=seed,
+        serve_after=not exit_after,
     )
-    summary = run_demo(config, echo=not as_json)
+    if as_json and config.serve_after:
+        typer.echo("(--json without --exit: the JSON comes after Ctrl-C)", err=True)
+    summary = _run_user_facing(lambda: run_demo(config, echo=not as_json), DemoError)
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
+
+
+@bench_app.command("loop")
+def bench_loop(
+    runs: Annotated[int, typer.Option(help="Demo runs, with seeds 0, 1, ...", min=1)] = 3,
+    rounds: RoundsOpt = 6,
+    groups: GroupsOpt = 16,
+    group_size: GroupSizeOpt = 4,
+    agents: AgentsOpt = 8,
+    port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
+    vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Run the demo RUNS times and report whether it learns: each run's reward curves, the
+    trained arm's gain, the shuffled-reward control's gain, the wall time, against the goal
+    (gain >= 0.25; control < 0.15 and < gain / 3; <= 10 minutes a run on a quiet machine)."""
+    _require_extra("demo", "torch", "transformers", "peft", "openai", "langchain_openai")
+    from trajgate.demo import DemoConfig, DemoError, measure_learning
+
+    config = DemoConfig(
+        rounds=rounds,
+        groups=groups,
+        group_size=group_size,
+        agents=agents,
+        gateway_port=port,
+        vllm_port=vllm_port,
+    )
+    report = _run_user_facing(
+        lambda: measure_learning(config, runs, progress=lambda line: typer.echo(line, err=True)),
+        DemoError,
+    )
+    typer.echo(json.dumps(report, indent=None if as_json else 2))
 
 
 @bench_app.command("gateway")

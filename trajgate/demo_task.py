@@ -5,12 +5,14 @@ grammar-constrained call, kept out of training by a curation rule) and then answ
 prompt asks for the temperature as a number, and the reward ``numeric_answer`` is the share of
 digits among the answer's non-space characters, in [0, 1].
 
-Why this reward: the tiny model has random weights, so a reward it can move in minutes on two
-CPU cores has to be dense. The demo's answers are one token long, so the reward is a per-decision
-one: a digit share starts near 0.7 (most of the tiny vocabulary is number pieces) and rises under
-GRPO within ten LoRA updates of 64 rollouts, while the shuffled-reward control stays flat. With
-6-token answers the credit spreads over random tokens and 8 updates did not move it (measured).
-It is a shaped format reward, not correctness.
+Why this reward: it is the decision the random tiny model can learn in minutes on two CPU
+cores. The answer is one token, so the decision is one sampled token and its advantage is not
+spread over others; the tiny model has a number direction (``trajgate.tinymodel``), so raising
+one number token raises them all. Untrained, 0.10 of the answer's mass is on numbers; GRPO
+takes it near 1.0 within five LoRA updates of 64 rollouts while the shuffled-reward control
+stays flat. A reward on the right value (the tool's 21) would be the better decision reward,
+but the untrained model samples ``21`` with probability 9e-5: no rollout of the demo would ever
+be rewarded (docs/demo.md). It is a format decision, not correctness.
 """
 
 from __future__ import annotations

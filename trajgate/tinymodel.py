@@ -22,11 +22,18 @@ Notable choices:
   Nothing is trained, so no length is "trained for"; attention is relative (RoPE) either way.
 - The turn ends on its own: residual dimension 0 is reserved for a constant "end of turn" feature
   (the last attention layer's value bias writes it; no other weight writes to it), and
-  ``<|im_end|>``'s embedding is that dimension alone, so its logit hardly depends on the context:
-  p(``<|im_end|>``) is 0.002-0.006 per sampled token (mean 0.003; measured on chats of 20 to
-  8,000 prompt tokens), a turn of ~300 tokens on average, and below the likeliest other token
-  at every position, so greedy decoding runs on. Random weights alone give ~0.0006 and turns
+  ``<|im_end|>``'s output row is that dimension alone, so its logit hardly depends on the
+  context: a turn of a few hundred tokens on average, and ``<|im_end|>`` below the likeliest
+  other token at every position, so greedy decoding runs on. Random weights alone give turns
   longer than any limit, which clients such as Codex treat as an error (``response.incomplete``).
+- Numbers are one direction: residual dimension 1 is reserved the same way for a constant that
+  only the number tokens' output rows read (``_add_number_feature``), as number tokens share
+  output directions in any pretrained LM. The demo's reward (answer with a number) is then
+  learnable as one decision rather than 156 separate tokens (docs/demo.md has the figures).
+  Dimension 2 does the same for whitespace-only tokens, pushed down, so a greedy constrained
+  tool call ends instead of padding its JSON with whitespace until ``max_tokens``.
+- Input and output embeddings are untied, so these output-side features do not enter the
+  residual stream when the tokens are read back.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -39,7 +46,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_FORMAT_VERSION = "6"  # bump when anything below changes the generated files
+MODEL_FORMAT_VERSION = "7"  # bump when anything below changes the generated files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKUP_TOKENS = [
@@ -148,6 +155,17 @@ class TinyModelSpec:
     # greedy choice at most positions (measured with the Hugging Face model).
     turn_end_feature: float = 2.0
     turn_end_weight: float = 2.75
+    # The number feature (residual dimension 1): a constant of ``number_feature`` units that
+    # only number tokens read, with weight ``number_weight`` in their output rows. It makes
+    # "a number" one direction of the model, as it is in any pretrained LM, so RL can move the
+    # whole class at once (docs/demo.md). 0.5 x 2.0 puts ~10% of the answer's mass on numbers.
+    number_feature: float = 0.5
+    number_weight: float = 2.0
+    # Whitespace-only tokens (residual dimension 2), pushed down: constrained JSON (a forced
+    # tool call) allows whitespace between tokens, and the random model padded greedy calls
+    # with it until max_tokens, so the call never completed. -1.0 x 3.0 lowers their logits.
+    whitespace_feature: float = -1.0
+    whitespace_weight: float = 3.0
     seed: int = 0
 
 
@@ -258,7 +276,9 @@ def generate(out_dir: Path, spec: TinyModelSpec | None = None, *, force: bool = 
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-        tie_word_embeddings=True,
+        # Untied: the output rows carry the turn-end and number features without the same
+        # features entering the residual stream from the input side.
+        tie_word_embeddings=False,
         initializer_range=spec.initializer_range,
         eos_token_id=im_end,
         pad_token_id=pad,
@@ -266,6 +286,17 @@ def generate(out_dir: Path, spec: TinyModelSpec | None = None, *, force: bool = 
     )
     model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     _add_turn_end_feature(model, spec, im_end)
+    _add_class_feature(
+        model, spec, 1, number_token_ids(tokenizer), spec.number_feature, spec.number_weight
+    )
+    _add_class_feature(
+        model,
+        spec,
+        2,
+        whitespace_token_ids(tokenizer),
+        spec.whitespace_feature,
+        spec.whitespace_weight,
+    )
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         eos_token_id=im_end, pad_token_id=pad
     )
@@ -281,34 +312,104 @@ def generate(out_dir: Path, spec: TinyModelSpec | None = None, *, force: bool = 
     return out_dir
 
 
-def _add_turn_end_feature(model: object, spec: TinyModelSpec, im_end: int) -> None:
-    """Reserve residual dimension 0 for a constant that only ``<|im_end|>`` reads.
+def _reserve_dimension(model: object, dimension: int) -> None:
+    """Zero every writer into residual ``dimension`` (input embeddings, attention output and MLP
+    down projections of every layer), so only what the caller adds writes there."""
+    import torch
 
-    After the last attention layer, x[0] = ``turn_end_feature`` at every position: the first value
-    dimension of every kv head is the bias alone, and output projection row 0 averages the heads'
-    copies of it (the softmax weights sum to 1, so the average is the constant). Every
-    other writer into dimension 0 (embeddings, output and down projections) is zeroed, so the
-    constant carries no context. With tied embeddings, logit(<|im_end|>) = weight x x[0] / rms(x):
-    it varies only with the residual's norm.
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, dimension] = 0.0  # type: ignore[attr-defined]
+        for layer in model.model.layers:  # type: ignore[attr-defined]
+            layer.self_attn.o_proj.weight[dimension, :] = 0.0
+            layer.mlp.down_proj.weight[dimension, :] = 0.0
+
+
+def _constant_feature(model: object, spec: TinyModelSpec, dimension: int, value: float) -> None:
+    """After the last attention layer, residual ``dimension`` holds ``value`` at every position.
+
+    Value dimension ``dimension`` of every kv head is its bias alone, and output projection row
+    ``dimension`` averages the heads' copies of it: the softmax weights sum to 1, so the average
+    is the constant, whatever the context.
     """
     import torch
 
-    layers = model.model.layers  # type: ignore[attr-defined]
-    embeddings = model.model.embed_tokens.weight  # type: ignore[attr-defined]
-    last = layers[-1].self_attn
+    last = model.model.layers[-1].self_attn  # type: ignore[attr-defined]
     head_dim = spec.hidden_size // spec.num_attention_heads
     with torch.no_grad():
-        embeddings[:, 0] = 0.0
-        embeddings[im_end] = 0.0
-        embeddings[im_end, 0] = spec.turn_end_weight
-        for layer in layers:
-            layer.self_attn.o_proj.weight[0, :] = 0.0
-            layer.mlp.down_proj.weight[0, :] = 0.0
         for kv_head in range(spec.num_key_value_heads):
-            last.v_proj.weight[kv_head * head_dim, :] = 0.0
-            last.v_proj.bias[kv_head * head_dim] = spec.turn_end_feature
-        for head in range(spec.num_attention_heads):  # first value dim of each head's kv head
-            last.o_proj.weight[0, head * head_dim] = 1.0 / spec.num_attention_heads
+            last.v_proj.weight[kv_head * head_dim + dimension, :] = 0.0
+            last.v_proj.bias[kv_head * head_dim + dimension] = value
+        for head in range(spec.num_attention_heads):
+            last.o_proj.weight[dimension, head * head_dim + dimension] = (
+                1.0 / spec.num_attention_heads
+            )
+
+
+def _add_turn_end_feature(model: object, spec: TinyModelSpec, im_end: int) -> None:
+    """Reserve residual dimension 0 for a constant that only ``<|im_end|>`` reads.
+
+    x[0] = ``turn_end_feature`` after the last attention layer at every position, and
+    ``<|im_end|>``'s output row is that dimension alone (weight ``turn_end_weight``), so
+    logit(<|im_end|>) = weight x x[0] / rms(x): it varies only with the residual's norm.
+    """
+    import torch
+
+    _reserve_dimension(model, 0)
+    _constant_feature(model, spec, 0, spec.turn_end_feature)
+    head = model.lm_head.weight  # type: ignore[attr-defined]
+    with torch.no_grad():
+        head[:, 0] = 0.0
+        head[im_end] = 0.0
+        head[im_end, 0] = spec.turn_end_weight
+
+
+def number_token_ids(tokenizer: object) -> list[int]:
+    """Ids whose text is digits only (``"7"``, ``" 21"``): the class the number feature lifts."""
+    ids = []
+    for token_id in range(len(tokenizer)):  # type: ignore[arg-type]
+        text = tokenizer.decode([token_id]).strip()  # type: ignore[attr-defined]
+        if text and text.isascii() and text.isdigit():
+            ids.append(token_id)
+    return ids
+
+
+def whitespace_token_ids(tokenizer: object) -> list[int]:
+    """Ids whose text is whitespace only (``" "``, ``"\\n  "``)."""
+    ids = []
+    for token_id in range(len(tokenizer)):  # type: ignore[arg-type]
+        text = tokenizer.decode([token_id])  # type: ignore[attr-defined]
+        if text and text.isspace():
+            ids.append(token_id)
+    return ids
+
+
+def _add_class_feature(
+    model: object,
+    spec: TinyModelSpec,
+    dimension: int,
+    ids: list[int],
+    feature: float,
+    weight: float,
+) -> None:
+    """Reserve residual ``dimension`` for one class of tokens: x[dimension] = ``feature`` at
+    every position, read by the output rows of ``ids`` only (weight ``weight``), so their logits
+    move together by ``feature x weight / rms(x)``.
+
+    In a pretrained LM, tokens of one kind (numbers, whitespace) share directions of the output
+    embedding; random weights have none, so a reward on answering with a number could only be
+    learned token by token (156 separate tokens here). With this direction, one change to
+    x[dimension] moves every token of the class by the same amount: LoRA's output and value
+    projections can write it (their adapters start at 0, so the untrained policy is this model
+    exactly).
+    """
+    import torch
+
+    _reserve_dimension(model, dimension)
+    _constant_feature(model, spec, dimension, feature)
+    head = model.lm_head.weight  # type: ignore[attr-defined]
+    with torch.no_grad():
+        head[:, dimension] = 0.0
+        head[ids, dimension] = weight
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -37,6 +37,15 @@ class VLLMNotInstalledError(RuntimeError):
     """The vLLM environment is missing; the message names the command that builds it."""
 
 
+class VLLMStartError(RuntimeError):
+    """vLLM exited or did not become healthy; the message names its log."""
+
+
+class PortTakenError(RuntimeError):
+    """Something answers on the port but is not vLLM serving the expected model; the message
+    names the port, what answers there and the fix."""
+
+
 def trajgate_home() -> Path:
     """Where machine-wide artefacts live (vLLM venv, tiny model, logs).
 
@@ -131,6 +140,28 @@ def is_healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def serving_mismatch(url: str, model_dir: Path) -> str | None:
+    """None when ``url`` is vLLM serving ``model_dir`` as ``SERVED_MODEL_NAME``; otherwise what
+    answers there instead, in words (from ``GET /version`` and ``GET /v1/models``)."""
+    try:
+        version = httpx.get(f"{url}/version", timeout=5.0)
+        models = httpx.get(f"{url}/v1/models", timeout=5.0)
+    except httpx.HTTPError as exc:
+        return f"does not answer GET /version and /v1/models ({type(exc).__name__})"
+    try:
+        engine = version.json()["version"] if version.status_code == 200 else None
+        served = {m["id"]: m.get("root") for m in models.json()["data"]}
+    except (ValueError, KeyError, TypeError):
+        engine, served = None, {}
+    if engine is None:
+        return f"is not vLLM (GET /version answered {version.status_code})"
+    if SERVED_MODEL_NAME not in served:
+        return f"vLLM {engine} there serves {sorted(served)}, not {SERVED_MODEL_NAME!r}"
+    if Path(str(served[SERVED_MODEL_NAME])).resolve() != model_dir.resolve():
+        return f"vLLM {engine} there serves {served[SERVED_MODEL_NAME]}, not {model_dir}"
+    return None
+
+
 def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> list[str]:
     """The vLLM command line: hermes tool parser, runtime LoRA, eager mode (no ~40 s warm-up)."""
     return [
@@ -201,13 +232,20 @@ def start(
 
     Raises:
         VLLMNotInstalledError: the vLLM environment has not been built.
-        RuntimeError: the server exited or was not healthy within ``ready_timeout_s``; the
-            message carries the end of its log.
+        PortTakenError: a healthy server on the port is not vLLM serving ``model_dir``.
+        VLLMStartError: the server exited or was not healthy within ``ready_timeout_s``; the
+            message names its log and carries its end.
     """
     venv_dir = venv_dir or default_venv_dir()
     model_dir = model_dir or default_model_dir()
     url = f"http://{host}:{port}"
     if is_healthy(url):
+        mismatch = serving_mismatch(url, model_dir)
+        if mismatch is not None:
+            raise PortTakenError(
+                f"port {port} answers /health but {mismatch}; stop what runs there or choose "
+                "another port (--vllm-port for the demo, --port for `trajgate vllm start`)"
+            )
         return VLLMServer(url=url, pid=None, log_path=None)
     if not is_installed(venv_dir):
         raise VLLMNotInstalledError(
@@ -230,12 +268,16 @@ def start(
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{_tail(log_path)}")
+            raise VLLMStartError(
+                f"vLLM exited with {proc.returncode} (log: {log_path}):\n{_tail(log_path)}"
+            )
         if is_healthy(url):
             return server
         time.sleep(1.0)
     server.stop()
-    raise RuntimeError(f"vLLM not healthy after {ready_timeout_s:.0f} s:\n{_tail(log_path)}")
+    raise VLLMStartError(
+        f"vLLM not healthy after {ready_timeout_s:.0f} s (log: {log_path}):\n{_tail(log_path)}"
+    )
 
 
 def _pid_path(port: int) -> Path:

@@ -1,0 +1,105 @@
+"""A user's situation reads as one line on stderr, never a traceback (issue 18 item 5).
+
+`trajgate vllm start` and `trajgate demo` reuse a healthy server on the vLLM port; they must
+first check that it is vLLM serving the expected model (another gateway or any web server
+answers /health too) and otherwise refuse, naming the port and the fix. The CLI runs as a
+subprocess, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from tests_support import free_port
+
+from trajgate.vllm_server import VLLMServer
+
+
+class _AnswersEverything(BaseHTTPRequestHandler):
+    """A web server that is not vLLM: 200 on /health, 404 elsewhere."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def _not_vllm() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _AnswersEverything)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trajgate.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, (result.returncode, result.stdout[-2000:], result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_vllm_start_refuses_a_port_where_another_server_answers(tmp_path: Path) -> None:
+    with _not_vllm() as port:
+        line = _one_line_error(_cli("vllm", "start", "--port", str(port), cwd=tmp_path))
+    assert f"port {port} answers /health but is not vLLM (GET /version answered 404)" in line
+    assert "--port" in line  # the fix
+
+
+def test_vllm_start_refuses_a_vllm_serving_another_model(vllm: VLLMServer, tmp_path: Path) -> None:
+    port = vllm.url.rsplit(":", 1)[1]
+    other = tmp_path / "other-model"
+    line = _one_line_error(
+        _cli("vllm", "start", "--port", port, "--model", str(other), cwd=tmp_path)
+    )
+    assert f"port {port} answers /health but vLLM" in line
+    assert f"not {other}" in line
+
+
+def test_demo_refuses_a_vllm_port_taken_by_something_else(tmp_path: Path) -> None:
+    with _not_vllm() as port:
+        line = _one_line_error(
+            _cli(
+                "demo", "--exit", "--port", str(free_port()), "--vllm-port", str(port), cwd=tmp_path
+            )
+        )
+    assert f"port {port} answers /health but is not vLLM" in line
+    assert "--vllm-port" in line
+    assert not (tmp_path / ".trajgate").exists()  # refused before any pool was made
+
+
+def test_demo_refuses_a_gateway_port_in_use_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _one_line_error(_cli("demo", "--exit", "--port", str(port), cwd=tmp_path))
+    assert f"port {port} is in use" in line and "--port" in line
