@@ -237,3 +237,20 @@ def test_a_bad_setting_value_is_a_short_error_naming_the_field_not_a_traceback(
     assert "Traceback" not in done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"error: setting '{field}") and "TRAJGATE_CONFIG" in line
+
+
+def test_a_refused_admin_token_is_never_echoed() -> None:
+    """A weak token beyond loopback is refused in one line that does not print the token."""
+    from tests_support import TRAJGATE
+
+    done = subprocess.run(
+        [TRAJGATE, "serve", "--host", "0.0.0.0", "--check-config"],
+        env={**os.environ, "TRAJGATE_ADMIN_TOKEN": "weak-tok"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: setting ") and "admin" in line.lower()
+    assert "weak-tok" not in done.stderr + done.stdout
