@@ -38,11 +38,10 @@ from trajgate.vllm_server import VLLMServer
 # Mean |trainer - vLLM| logprob of sampled tokens, as in test_trainer_bridge (measured 1.5e-7).
 GAP_TOLERANCE = 1e-5
 # Each version's weights are the base weights plus N(0, 0.02^2) noise (seed = version) on every
-# parameter but the tied embedding: enough to move a logprob by ~1e-2 nats, three orders of
-# magnitude above the tolerance. Not the embedding: vLLM 0.32's in-place reload cannot update a
-# tied output head (its layerwise reload puts the head's old tensors back: "ParallelLMHead:
-# Failed to load weights"), so a reloaded embedding would serve neither version
-# (docs/gateway.md, "Full-weight updates").
+# parameter, the input embedding and the output head included: enough to move a logprob by
+# ~1e-2 nats, three orders of magnitude above the tolerance. The tiny model's embeddings are
+# untied; vLLM 0.32's in-place reload cannot update a tied output head (docs/gateway.md,
+# "Full-weight updates").
 NOISE_STD = 0.02
 ABORTED = "aborted_for_weight_update"
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -59,9 +58,8 @@ def version_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         noise = torch.Generator().manual_seed(version)
         with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "embed_tokens" not in name:
-                    parameter.add_(torch.randn(parameter.shape, generator=noise) * NOISE_STD)
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=noise) * NOISE_STD)
         model.save_pretrained(root / f"v{version}", safe_serialization=True)
         dirs.append(root / f"v{version}")
     return dirs
