@@ -55,6 +55,27 @@ def _options() -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True)
 
 
+def _state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state dicts, a tied parameter's optimizer state under one name.
+
+    ``get_state_dict`` names a parameter that has several names (tied input and output
+    embeddings) by whichever comes first out of a set, which changes from process to process
+    with Python's string hashing: a checkpoint saved as ``model.embed_tokens.weight`` was then
+    looked up as ``lm_head.weight`` after a restart. Here the alphabetically first name wins.
+    """
+    model_state, optimizer_dict = get_state_dict(model, optimizer, options=_options())
+    optimizer_state: dict[str, Any] = dict(optimizer_dict)
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    canonical = {n: min(group) for group in names.values() if len(group) > 1 for n in group}
+    state = optimizer_state.get("state", {})
+    optimizer_state["state"] = {canonical.get(k, k): v for k, v in state.items()}
+    for group in optimizer_state.get("param_groups", []):
+        group["params"] = [canonical.get(k, k) for k in group["params"]]
+    return model_state, optimizer_state
+
+
 def latest(directory: Path) -> Path | None:
     """The newest finished checkpoint under ``directory``, or None."""
     finished = sorted(p.parent for p in directory.glob(f"update-*/{LINEAGE_FILE}"))
@@ -64,7 +85,7 @@ def latest(directory: Path) -> Path | None:
 def save(directory: Path, model: Any, optimizer: Any, lineage: Lineage) -> Path:
     """Write a checkpoint of ``lineage``'s weights (every rank calls it); returns its path."""
     path = directory / f"update-{len(lineage.batches):08d}"
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options())
+    model_state, optimizer_state = _state(model, optimizer)
     save_shards({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     if dist.get_rank() == 0:
         staged = path / f"{LINEAGE_FILE}.tmp"
@@ -79,7 +100,7 @@ def save(directory: Path, model: Any, optimizer: Any, lineage: Lineage) -> Path:
 
 def load(path: Path, model: Any, optimizer: Any) -> Lineage:
     """Restore the checkpoint at ``path`` into ``model`` and ``optimizer`` (every rank)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options())
+    model_state, optimizer_state = _state(model, optimizer)
     load_shards({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
     set_state_dict(  # load_shards filled both dicts in place
         model,
