@@ -157,6 +157,26 @@ def test_charts_default_to_the_reward_recorded_last_with_channels_side_by_side(
     assert [(r["channel"], r["n"]) for r in chosen["reward_by_version"]] == [("train", 3)]
 
 
+def test_the_list_reads_the_reward_recorded_last_unless_one_is_named(client: TestClient) -> None:
+    listed = client.get("/api/inspector/trajectories").json()
+    assert listed["reward_name"] == "final"  # the only name in the pool
+    judge = [
+        {"target": "trajectory", "target_id": t, "name": "judge", "value": v}
+        for t, v in (("a", 0.0), ("b", 1.0))
+    ]
+    assert client.post("/api/rewards", json={"rewards": judge}).status_code == 201
+    # now 'judge' was recorded last: the list's reward column, filter and sort read it
+    by_reward = client.get(
+        "/api/inspector/trajectories", params={"sort": "reward", "order": "desc"}
+    ).json()
+    assert by_reward["reward_name"] == "judge"
+    assert [r["id"] for r in by_reward["data"]][:2] == ["b", "a"]  # c, d have no 'judge'
+    rewarded = client.get("/api/inspector/trajectories", params={"rewarded": "true"}).json()
+    assert sorted(r["id"] for r in rewarded["data"]) == ["a", "b"]
+    named = client.get("/api/inspector/trajectories", params={"reward_name": "final"}).json()
+    assert named["reward_name"] == "final"
+
+
 def test_flag_rates_count_flagged_steps_per_version(pool: PoolSettings, client: TestClient) -> None:
     # 8 unflagged steps at version 0 (the fixture); at version 1: one 'truncated', one
     # 'truncated' + 'prefix_break', one unflagged. Version 1: truncated 2/3, prefix_break 1/3.

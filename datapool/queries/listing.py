@@ -25,9 +25,12 @@ from datapool.curation.readiness import trajectory_readiness
 from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
 from datapool.db import Sessions, chunks
 from datapool.models import INTEGER_MAX, CurationMark, CurationRule, Reward, Step, Trajectory
+from datapool.queries.rewards import reward_names
 from datapool.queries.specs import channel_specs, judged_spec
 from datapool.rewards.values import current_rewards
 from datapool.steps.messages import expand_requests
+
+DEFAULT_REWARD_NAME = "final"
 
 SortKey = Literal[
     "created_at", "last_step_at", "completed_at", "call_count", "status", "channel", "id", "reward"
@@ -43,7 +46,11 @@ class ListQuery(BaseModel):
     group_id: str | None = None
     tag: list[str] = Field(default_factory=list, description="Every tag must be present.")
     flag: list[str] = Field(default_factory=list, description="Every flag must be present.")
-    reward_name: str = "final"
+    reward_name: str | None = Field(
+        default=None,
+        description="Reward the reward column, filters and sort read; default the trajectory "
+        "reward recorded last in the pool (else 'final').",
+    )
     reward_min: float | None = None
     reward_max: float | None = None
     rewarded: bool | None = None
@@ -69,7 +76,7 @@ class ListQuery(BaseModel):
             trajectory_ids=trajectory_ids,
             tags=self.tag,
             flags=self.flag,
-            reward_name=self.reward_name,
+            reward_name=self.reward_name or DEFAULT_REWARD_NAME,
             reward_min=self.reward_min,
             reward_max=self.reward_max,
             rewarded=self.rewarded,
@@ -124,7 +131,7 @@ def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
         or where.rewarded is not None
         or where.sort == "reward"
     ):
-        reward = current_reward(where.reward_name)
+        reward = current_reward(where.reward_name or DEFAULT_REWARD_NAME)
         if where.rewarded is not None:
             query = query.where(reward.is_not(None) if where.rewarded else reward.is_(None))
         if where.reward_min is not None:
@@ -132,6 +139,16 @@ def _filtered(where: ListQuery, columns: Sequence[Any]) -> tuple[Any, Any]:
         if where.reward_max is not None:
             query = query.where(reward <= where.reward_max)
     return query, reward
+
+
+def with_reward_name(sessions: Sessions, where: ListQuery) -> ListQuery:
+    """``where`` with its reward name decided: the one asked for, else the trajectory reward
+    recorded last in the pool (one index seek), else ``final``."""
+    if where.reward_name is not None:
+        return where
+    with sessions() as session:
+        names = reward_names(session)
+    return where.model_copy(update={"reward_name": names[0] if names else DEFAULT_REWARD_NAME})
 
 
 def list_page(

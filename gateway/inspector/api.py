@@ -79,6 +79,9 @@ ListQueryDep = Annotated[listing.ListQuery, Query()]
 
 class ListPage(BaseModel):
     data: list[dict[str, Any]]
+    reward_name: str = Field(
+        description="The reward the rows' reward column, filters and sort read."
+    )
     offset: int
     limit: int
     total: int | None = Field(description="Matching trajectories; only with ?with_total=true.")
@@ -90,10 +93,18 @@ async def list_page(
 ) -> ListPage:
     """Trajectories filtered like ``GET /api/trajectories``, sorted by ``sort``/``order``,
     paged by ``offset``/``limit``; each row with steps, tokens, rewards, label, rule exclusion."""
+    where = await run_in_threadpool(listing.with_reward_name, sessions, where)
     rows, total = await run_in_threadpool(
         lambda: listing.list_page(sessions, where, with_total=with_total)
     )
-    return ListPage(data=rows, offset=where.offset, limit=where.limit, total=total)
+    assert where.reward_name is not None
+    return ListPage(
+        data=rows,
+        reward_name=where.reward_name,
+        offset=where.offset,
+        limit=where.limit,
+        total=total,
+    )
 
 
 class IdList(BaseModel):
@@ -105,6 +116,7 @@ class IdList(BaseModel):
 async def trajectory_ids(sessions: SessionsDep, where: ListQueryDep) -> IdList:
     """Ids of every trajectory the filters match (oldest first, at most 100,000): the target of
     bulk actions and batch specs when the filter has a text search."""
+    where = await run_in_threadpool(listing.with_reward_name, sessions, where)
     ids = await run_in_threadpool(listing.matching_ids, sessions, where, MAX_IDS + 1)
     return IdList(ids=ids[:MAX_IDS], truncated=len(ids) > MAX_IDS)
 

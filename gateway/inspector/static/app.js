@@ -12,7 +12,7 @@ const LIVE_INTERVAL_MS = 2000;
 const CHARTS_INTERVAL_MS = 5000;
 
 function emptyFilter() {
-  return { status: [], channel: "", group_id: "", tag: "", flag: "", reward_name: "final",
+  return { status: [], channel: "", group_id: "", tag: "", flag: "", reward_name: "",
     reward_min: "", reward_max: "", rewarded: "", policy_version: "", created_after: "",
     created_before: "", q: "", sort: "created_at", order: "desc", offset: 0, limit: 50 };
 }
@@ -99,6 +99,7 @@ document.addEventListener("alpine:init", () => {
     preview: null,
     batchList: [],
     batch: null,
+    listReward: "",
     // charts
     chartBucket: "60",
     chartReward: "",
@@ -246,7 +247,7 @@ document.addEventListener("alpine:init", () => {
     // field there, so it becomes the list of matching ids.
     async trajectoryFilter() {
       const f = this.f;
-      const out = { reward_name: f.reward_name || "final" };
+      const out = { reward_name: f.reward_name || this.listReward || "final" };
       if (f.channel) out.channel = f.channel;
       if (f.status.length) out.status = f.status;
       if (f.group_id) out.group_ids = [f.group_id];
@@ -274,6 +275,8 @@ document.addEventListener("alpine:init", () => {
         params.set("with_total", "true");
         const page = await this.api(`/api/inspector/trajectories?${params}`);
         this.rows = page.data;
+        // The server decides the reward when none is typed: the one recorded last in the pool.
+        this.listReward = page.reward_name;
         if (page.total !== null) this.total = page.total;
         const ids = new Set(this.rows.map((r) => r.id));
         this.selected = this.selected.filter((id) => ids.has(id));
