@@ -106,12 +106,14 @@ def gather_trainable(model: Any) -> dict[str, Tensor]:
 
 def _weights(model: Any) -> Iterator[tuple[str, Tensor]]:
     """``(name, tensor)`` of what ``save_pretrained`` would write: the state dict without a tied
-    output embedding (Hugging Face drops the duplicate; vLLM ties it again on load)."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        yield name, tensor
+    output embedding (Hugging Face drops the duplicate; vLLM ties it again on load). A sharded
+    model's state dict keeps a tied tensor under one of its names, which one depending on
+    Python's string hashing: it is written as the input embedding."""
+    state = dict(model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
+        tied = state.pop("lm_head.weight")
+        state.setdefault("model.embed_tokens.weight", tied)
+    yield from state.items()
 
 
 def save_full_safetensors(
