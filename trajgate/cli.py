@@ -346,14 +346,15 @@ def _run_user_facing(action: Callable[[], T], *also: type[Exception]) -> T:
     """``action()``, or exit 1 with one line when the environment is not what the command
     needs (a port taken, vLLM missing or not starting, or one of ``also``): no traceback for a
     user's situation."""
-    try:
-        return action()
-    except (
+    known: tuple[type[Exception], ...] = (
         vllm_server.PortTakenError,
         vllm_server.VLLMNotInstalledError,
         vllm_server.VLLMStartError,
         *also,
-    ) as exc:
+    )
+    try:
+        return action()
+    except known as exc:
         # the first line says it all (vLLM's start errors go on with its log's tail)
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         raise typer.Exit(1) from exc
