@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from datapool.errors import UnknownTargetError
 from datapool.rewards.values import (
     RewardContext,
     RewardIn,
     add_rewards,
+    load_context,
     records_of,
     resolve_reward_function,
     reward_label,
@@ -68,19 +68,8 @@ async def run_step_reward_functions(
     """
     if not names:
         return []
-    trajectory = await asyncio.to_thread(store.get_trajectory, trajectory_id)
-    if trajectory is None:
-        raise UnknownTargetError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
-    steps = await asyncio.to_thread(store.steps_of, trajectory_id)
-    context = RewardContext(
-        trajectory_id,
-        trajectory.group_id,
-        trajectory.channel,
-        dict(trajectory.metadata_json),
-        steps,
-        store.settings,
-    )
-    judged = [step for step in steps if step.outcome == "ok"]
+    context = await load_context(store, trajectory_id)
+    judged = [step for step in context.steps if step.outcome == "ok"]
     records: list[RewardIn] = []
     for name in names:
         label = reward_label(name)

@@ -307,6 +307,23 @@ def reward_label(name: str) -> str:
     return name.rpartition(":")[2] if ":" in name else name
 
 
+async def load_context(store: PoolStore, trajectory_id: str) -> RewardContext:
+    """What a reward function sees of a trajectory: its fields and every step, read in worker
+    threads. Raises ``UnknownTargetError`` for an unknown trajectory."""
+    trajectory = await asyncio.to_thread(store.get_trajectory, trajectory_id)
+    if trajectory is None:
+        raise UnknownTargetError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
+    steps = await asyncio.to_thread(store.steps_of, trajectory_id)
+    return RewardContext(
+        trajectory_id,
+        trajectory.group_id,
+        trajectory.channel,
+        dict(trajectory.metadata_json),
+        steps,
+        store.settings,
+    )
+
+
 async def run_reward_functions(
     store: PoolStore,
     trajectory_id: str,
@@ -320,18 +337,7 @@ async def run_reward_functions(
     """
     if not names:
         return []
-    trajectory = await asyncio.to_thread(store.get_trajectory, trajectory_id)
-    if trajectory is None:
-        raise UnknownTargetError(f"no trajectory {trajectory_id!r}", param="trajectory_id")
-    steps = await asyncio.to_thread(store.steps_of, trajectory_id)
-    context = RewardContext(
-        trajectory_id,
-        trajectory.group_id,
-        trajectory.channel,
-        dict(trajectory.metadata_json),
-        steps,
-        store.settings,
-    )
+    context = await load_context(store, trajectory_id)
     records: list[RewardIn] = []
     for name in names:
         label = reward_label(name)
