@@ -62,26 +62,33 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
     summary = json.loads(result.stdout)
     assert summary["batches_trained"] == 2
     assert summary["policy_versions"] == [0, 1, 2]
-    # Three measured rounds (v0, v1, v2) of 4 groups x 4 rollouts, every one rewarded.
-    assert [(v, n) for v, _, n in summary["reward_by_policy_version"]] == [
-        (0, 16),
-        (1, 16),
-        (2, 16),
-    ]
-    assert all(0.0 <= mean <= 1.0 for _, mean, _ in summary["reward_by_policy_version"])
-    assert summary["trajectories"] == 48
+    # Three measured versions (v0, v1, v2) of rounds of 4 groups x 4 rollouts, every one
+    # rewarded; a version plays another round when no group had a reward spread (dynamic
+    # sampling), so n is a multiple of 16.
+    curve = summary["reward_by_policy_version"]
+    assert [v for v, _, _ in curve] == [0, 1, 2]
+    assert all(n > 0 and n % 16 == 0 for _, _, n in curve)
+    assert all(0.0 <= mean <= 1.0 for _, mean, _ in curve)
+    assert summary["trajectories"] == sum(n for _, _, n in curve)
     assert summary["logprob_gap_mean_abs"] < 1e-4  # fp32 sampler and trainer agree
-    means = [mean for _, mean, _ in summary["reward_by_policy_version"]]
+    means = [mean for _, mean, _ in curve]
     assert summary["gain"] == round(sum(means[-2:]) / 2 - means[0], 4)
     assert summary["control_gain"] is None  # --no-control
     pool = PoolSettings(data_dir=tmp_path / summary["pool"])
     store = PoolStore(make_engine(pool.resolved_database_url()), pool)
-    versions = {
-        step.policy_version
-        for round_index in range(3)
-        for step in store.steps_of(f"train-r{round_index}-g0-0")
-    }
-    assert versions == {0, 1, 2}  # each round was served by the version trained before it
+    # each round was served by one version, the one trained before it, in round order
+    served: list[int] = []
+    for round_index in range(summary["trajectories"] // 16):
+        versions = {
+            step.policy_version
+            for group in range(4)
+            for member in range(4)
+            for step in store.steps_of(f"train-r{round_index}-g{group}-{member}")
+        }
+        assert len(versions) == 1, (round_index, versions)
+        served.append(versions.pop())
+    assert served == sorted(served)
+    assert [served.count(v) * 16 for v in (0, 1, 2)] == [n for _, _, n in curve]
     # each update's metrics reached the pool (the inspector's training chart), finite
     posted = charts.training_metrics(store.sessions, "train", 0, 100)
     assert [(m.step, m.policy_version) for m in posted] == [(1, 1), (2, 2)]

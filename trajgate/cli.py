@@ -432,6 +432,7 @@ def bench_loop(
     agents: AgentsOpt = 8,
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
+    seed: Annotated[int, typer.Option(help="Seed of the first run; then +1 per run.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Run the demo RUNS times and report whether it learns: each run's reward curves, the
@@ -447,6 +448,7 @@ def bench_loop(
         agents=agents,
         gateway_port=port,
         vllm_port=vllm_port,
+        seed=seed,
     )
     report = _run_user_facing(
         lambda: measure_learning(config, runs, progress=lambda line: typer.echo(line, err=True)),

@@ -246,7 +246,12 @@ class DemoRun:
         version: int,
         shuffle: random.Random | None,
         trajectory_ids: list[str] | None = None,
-    ) -> UpdateMetrics:
+    ) -> UpdateMetrics | None:
+        """Materialise this round's GRPO batch, lease it, train one update, acknowledge it.
+
+        None (no update) when no group has a reward spread: every rollout of every group scored
+        the same, so every advantage would be 0 and the pool answers 409 ``nothing_ready``.
+        """
         spec: dict[str, Any] = {
             "channel": channel,
             "algorithm": "grpo",
@@ -262,7 +267,10 @@ class DemoRun:
             spec["filters"] = {"trajectory_ids": trajectory_ids}
             spec["max_staleness_versions"] = self.config.max_staleness_versions
             spec["current_policy_version"] = version
-        batch_id = _ok(self.api.post("/api/batches", json=spec)).json()["id"]
+        created = self.api.post("/api/batches", json=spec)
+        if created.status_code == 409 and created.json()["error"]["code"] == "nothing_ready":
+            return None
+        batch_id = _ok(created).json()["id"]
         # This batch and no other: a consumer's "next" batch may be another channel's.
         lease = self.pool.lease(f"demo-{channel}", lease_s=600, batch_id=batch_id)
         if lease is None:
@@ -344,6 +352,9 @@ class DemoRun:
             played += item
             self.rewards_of(item)
             metrics = self.train_round(trainer, channel, version, shuffle, trajectory_ids=item)
+            if metrics is None:
+                self.say(f"  {channel}: no group of that round had a reward spread; no update")
+                continue
             self._publish(trainer, channel, version + 1)
             self.say(
                 f"  {channel}: trained v{version} -> v{version + 1} while agents played "
@@ -376,22 +387,37 @@ class DemoRun:
         # batch with. Serving every version as an adapter keeps all samples exact.
         self._publish(trainer, channel, version)
         curve: list[list[float]] = []
-        for round_index in range(self.config.rounds + 1):
+        round_index = 0
+        for update in range(self.config.rounds + 1):
             t0 = time.monotonic()
             trajectories = self.play_round(channel, round_index)
+            round_index += 1
             t1 = time.monotonic()
             rewards = self.rewards_of(trajectories)
             t2 = time.monotonic()
-            mean = sum(rewards) / len(rewards) if rewards else math.nan
-            curve.append([version, round(mean, 4), len(rewards)])
-            if round_index == self.config.rounds:
+            if update == self.config.rounds:
+                curve.append([version, _mean(rewards), len(rewards)])
                 break
             metrics = self.train_round(trainer, channel, version, shuffle)
+            # Dynamic sampling (DAPO, Yu et al. 2025, sec. 3.2): a round whose groups all scored
+            # alike teaches nothing; play more rounds on the same version until one group has
+            # a reward spread (the batch takes every unbatched ready group of the channel).
+            extra = 0
+            while metrics is None and extra < MAX_RESAMPLED_ROUNDS:
+                self.say(f"  {channel} v{version}: no group had a reward spread; playing again")
+                rewards += self.rewards_of(self.play_round(channel, round_index))
+                round_index += 1
+                extra += 1
+                metrics = self.train_round(trainer, channel, version, shuffle)
+            curve.append([version, _mean(rewards), len(rewards)])
+            if metrics is None:
+                self.say(f"  {channel} v{version}: still no reward spread; no update")
+                continue
             t3 = time.monotonic()
             self._publish(trainer, channel, version + 1)
             t4 = time.monotonic()
             self.say(
-                f"  {channel} v{version}: reward {mean:.3f} (n={len(rewards)}); update "
+                f"  {channel} v{version}: reward {curve[-1][1]:.3f} (n={len(rewards)}); update "
                 f"loss {metrics.loss:+.4f}, logprob gap {metrics.logprob_gap_mean_abs:.1e}"
                 f" -> v{version + 1}  [agents {t1 - t0:.1f} s, rewards {t2 - t1:.1f} s, "
                 f"batch+train {t3 - t2:.1f} s, sync {t4 - t3:.1f} s]"
@@ -399,6 +425,14 @@ class DemoRun:
             version += 1
         self.say(f"  {channel} v{version}: reward {curve[-1][1]:.3f} (n={curve[-1][2]})")
         return curve
+
+
+# At most this many extra rounds on one version when no group has a reward spread.
+MAX_RESAMPLED_ROUNDS = 3
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else math.nan
 
 
 def _ok(response: httpx.Response) -> httpx.Response:
