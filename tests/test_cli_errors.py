@@ -23,10 +23,12 @@ from trajgate.vllm_server import VLLMServer
 
 
 class _AnswersEverything(BaseHTTPRequestHandler):
-    """A web server that is not vLLM: 200 on /health, 404 elsewhere."""
+    """A web server that is not vLLM: ``health_status`` on /health, 404 elsewhere."""
+
+    health_status = 200
 
     def do_GET(self) -> None:
-        self.send_response(200 if self.path == "/health" else 404)
+        self.send_response(self.health_status if self.path == "/health" else 404)
         self.send_header("Content-Length", "2")
         self.end_headers()
         self.wfile.write(b"ok")
@@ -36,8 +38,9 @@ class _AnswersEverything(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def _not_vllm() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _AnswersEverything)
+def _not_vllm(health_status: int = 200) -> Iterator[int]:
+    handler = type("Handler", (_AnswersEverything,), {"health_status": health_status})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -72,6 +75,16 @@ def test_vllm_start_refuses_a_port_where_another_server_answers(tmp_path: Path) 
         line = _one_line_error(_cli("vllm", "start", "--port", str(port), cwd=tmp_path))
     assert f"port {port} answers /health but is not vLLM (GET /version answered 404)" in line
     assert "--port" in line  # the fix
+
+
+def test_vllm_start_refuses_a_port_where_a_server_answers_but_not_health(
+    tmp_path: Path,
+) -> None:
+    # python -m http.server answers 404 on /health: not healthy, but the port is taken
+    with _not_vllm(health_status=404) as port:
+        line = _one_line_error(_cli("vllm", "start", "--port", str(port), cwd=tmp_path))
+    assert f"port {port} is in use by something that is not vLLM" in line
+    assert "--port" in line
 
 
 def test_vllm_start_refuses_a_vllm_serving_another_model(vllm: VLLMServer, tmp_path: Path) -> None:

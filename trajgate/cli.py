@@ -360,7 +360,13 @@ def _run_user_facing(action: Callable[[], T], *also: type[Exception]) -> T:
         raise typer.Exit(1) from exc
 
 
-RoundsOpt = Annotated[int, typer.Option(help="RL updates per arm.")]
+RoundsOpt = Annotated[
+    int,
+    typer.Option(
+        help="RL updates per arm (a version whose round shows no reward spread plays up to 3 "
+        "more rounds first)."
+    ),
+]
 GroupsOpt = Annotated[int, typer.Option(help="Tasks (groups) per round.")]
 GroupSizeOpt = Annotated[int, typer.Option(help="Rollouts per task.")]
 AgentsOpt = Annotated[int, typer.Option(help="Agents running at once.")]

@@ -484,9 +484,9 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     try:
         mode = "asynchronous" if config.asynchronous else "synchronous"
         say(
-            f"[3/4] RL ({mode}): {config.rounds} rounds of {config.groups} groups x "
-            f"{config.group_size} rollouts, GRPO + LoRA, each adapter hot-loaded as the next "
-            "policy version"
+            f"[3/4] RL ({mode}): {config.rounds} updates per arm, rounds of {config.groups} "
+            f"groups x {config.group_size} rollouts, GRPO + LoRA, each adapter hot-loaded as the "
+            "next policy version"
         )
         curve = run.run_arm("train", 0, None)
         control: list[list[float]] = []

@@ -12,6 +12,7 @@ installed, and a server already healthy on the requested port is reused.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -232,21 +233,25 @@ def start(
 
     Raises:
         VLLMNotInstalledError: the vLLM environment has not been built.
-        PortTakenError: a healthy server on the port is not vLLM serving ``model_dir``.
+        PortTakenError: a healthy server on the port is not vLLM serving ``model_dir``, or
+            something that is not a healthy server listens there.
         VLLMStartError: the server exited or was not healthy within ``ready_timeout_s``; the
             message names its log and carries its end.
     """
     venv_dir = venv_dir or default_venv_dir()
     model_dir = model_dir or default_model_dir()
     url = f"http://{host}:{port}"
+    fix = (
+        "stop what runs there or choose another port (--vllm-port for the demo, --port for "
+        "`trajgate vllm start`)"
+    )
     if is_healthy(url):
         mismatch = serving_mismatch(url, model_dir)
         if mismatch is not None:
-            raise PortTakenError(
-                f"port {port} answers /health but {mismatch}; stop what runs there or choose "
-                "another port (--vllm-port for the demo, --port for `trajgate vllm start`)"
-            )
+            raise PortTakenError(f"port {port} answers /health but {mismatch}; {fix}")
         return VLLMServer(url=url, pid=None, log_path=None)
+    if not _port_is_free(host, port):  # something listens, but not a healthy server
+        raise PortTakenError(f"port {port} is in use by something that is not vLLM; {fix}")
     if not is_installed(venv_dir):
         raise VLLMNotInstalledError(
             f"no vLLM environment at {venv_dir}; build it with `trajgate vllm install` "
@@ -269,15 +274,25 @@ def start(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise VLLMStartError(
-                f"vLLM exited with {proc.returncode} (log: {log_path}):\n{_tail(log_path)}"
+                f"vLLM exited with {proc.returncode}; its log: {log_path}\n{_tail(log_path)}"
             )
         if is_healthy(url):
             return server
         time.sleep(1.0)
     server.stop()
     raise VLLMStartError(
-        f"vLLM not healthy after {ready_timeout_s:.0f} s (log: {log_path}):\n{_tail(log_path)}"
+        f"vLLM not healthy after {ready_timeout_s:.0f} s; its log: {log_path}\n{_tail(log_path)}"
     )
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _pid_path(port: int) -> Path:
