@@ -135,7 +135,9 @@ def test_second_call_of_a_trajectory_is_numbered_and_linked_to_the_first(
 def test_upstream_error_is_passed_through_and_recorded_as_a_failed_step(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
-    too_long = {**REQUEST, "max_tokens": 1_000_000}  # above --max-model-len 131072: a 400
+    # above --max-model-len 131072, so vLLM answers 400; below the gateway's own bound
+    # (TRAJGATE_MAX_OUTPUT_TOKENS, 262144), which would refuse it before vLLM is asked
+    too_long = {**REQUEST, "max_tokens": 200_000}
     response = httpx.post(
         f"{gateway.url}/t/skeleton-5/v1/chat/completions", json=too_long, timeout=120
     )
@@ -145,7 +147,7 @@ def test_upstream_error_is_passed_through_and_recorded_as_a_failed_step(
     assert len(steps) == 1
     assert steps[0].outcome == "upstream_error"
     assert steps[0].response_token_ids is None
-    assert steps[0].error is not None and "100000" in steps[0].error.replace(",", "")
+    assert steps[0].error is not None and "200000" in steps[0].error.replace(",", "")
 
 
 def test_one_step_row_per_answered_call(
