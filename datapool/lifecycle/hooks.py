@@ -178,10 +178,21 @@ class CompletionHooks:
     async def run_one(self, trajectory_id: str) -> HookOutcome:
         """Claim one trajectory's hooks and run them (see ``HookOutcome``)."""
         lease_s = self.settings.completion_hooks_lease_s
+        # The claim commits in its thread even when this task is cancelled while it waits, so
+        # a stop then must wait for it and hand a claim it got back (else it stays leased).
+        claiming = asyncio.ensure_future(
+            asyncio.to_thread(claim, self.store.sessions, trajectory_id, lease_s)
+        )
         try:
-            lease_until = await asyncio.to_thread(
-                claim, self.store.sessions, trajectory_id, lease_s
-            )
+            lease_until = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                claimed = await claiming
+                if claimed is not None:
+                    await asyncio.to_thread(
+                        settle, self.store.sessions, trajectory_id, claimed, utc_now()
+                    )
+            raise
         except Exception as exc:
             self._failed(trajectory_id, exc)
             return "unclaimed"
