@@ -5,7 +5,7 @@ Run it through ``scripts/gpu_check.sh`` (torchrun, one rank per GPU; gloo on CPU
 transformers and peft; no vLLM, no pool, no network. Default: a Qwen2-shaped model of 494M
 parameters (Qwen2.5-0.5B's shape: 24 layers, hidden 896, vocabulary 151,936, tied embeddings),
 bf16 compute on GPUs (FSDP2's mixed precision), rows packed into token budgets. ``--tiny``: the
-tests' tiny Qwen2 (0.66M parameters) and small rows, for the CPU (tests/test_gpu_check.py).
+tests' tiny Qwen2 (0.92M parameters) and small rows, for the CPU (tests/test_gpu_check.py).
 
 Prints, per mode (``full``, ``lora``), one JSON line from rank 0: ``tokens_per_s`` (every token
 of the batch, prompt and response, per second of update, the first update left out as warm-up
