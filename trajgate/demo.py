@@ -21,7 +21,6 @@ import importlib.util
 import math
 import os
 import random
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -54,16 +53,6 @@ PAD_TOKEN_ID = 0
 class DemoError(RuntimeError):
     """A demo that cannot run here (a port taken, a service missing); the message says what is
     wrong and what to do, in one or two lines."""
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -125,7 +114,7 @@ class DemoRun:
             DemoError: the gateway's port is taken, or what answers on the vLLM port is not
                 vLLM serving the tiny model.
         """
-        if not _port_is_free("127.0.0.1", self.config.gateway_port):
+        if not vllm_server.port_is_free("127.0.0.1", self.config.gateway_port):
             raise DemoError(
                 f"port {self.config.gateway_port} is in use, so the demo's gateway cannot start "
                 "there; stop what runs on it or choose another port with --port"

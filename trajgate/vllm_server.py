@@ -250,7 +250,7 @@ def start(
         if mismatch is not None:
             raise PortTakenError(f"port {port} answers /health but {mismatch}; {fix}")
         return VLLMServer(url=url, pid=None, log_path=None)
-    if not _port_is_free(host, port):  # something listens, but not a healthy server
+    if not port_is_free(host, port):  # something listens, but not a healthy server
         raise PortTakenError(f"port {port} is in use by something that is not vLLM; {fix}")
     if not is_installed(venv_dir):
         raise VLLMNotInstalledError(
@@ -285,7 +285,8 @@ def start(
     )
 
 
-def _port_is_free(host: str, port: int) -> bool:
+def port_is_free(host: str, port: int) -> bool:
+    """True when nothing listens on ``host:port`` (a bind succeeds)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
