@@ -455,6 +455,8 @@ class TrainingMetric(Base):
 Index("ix_trajectories_created_at", Trajectory.created_at)
 Index("ix_trajectories_last_step_at", Trajectory.last_step_at)
 Index("ix_rewards_kind_name_target", Reward.target_kind, Reward.name, Reward.target_id, Reward.id)
+# The list sorted by reward walks each name's records in value order (migration 0010).
+Index("ix_rewards_sort", Reward.target_kind, Reward.name, Reward.value, Reward.target_id)
 
 # The inspector's charts read these narrow indexes instead of every step row (migration 0009):
 # each trajectory's newest version, the step aggregates (covering), and the flagged steps alone.

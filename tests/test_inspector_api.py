@@ -16,7 +16,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from tests_support import free_port
 
-from datapool.models import Step
+from datapool.models import Step, Trajectory
+from datapool.rewards.values import RewardIn, add_rewards
 from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -58,6 +59,70 @@ def test_list_sorts_by_reward_with_unrewarded_last_in_both_orders(client: TestCl
 
     assert ids("desc") == ["a", "c", "b", "d"]
     assert ids("asc") == ["b", "c", "a", "d"]
+
+
+def test_list_sorted_by_reward_pages_exactly_like_a_full_sort(pool_settings: PoolSettings) -> None:
+    """Every page of the reward sort (walked from the reward index, then the unrewarded) equals
+    the same slice of a full sort in Python: the current record per trajectory (re-scored: the
+    latest; a later errored record does not count), ties by id, unrewarded last, with a filter."""
+    store = make_store(pool_settings)
+    rewards: dict[str, float | None] = {}
+    for i in range(11):
+        tid = f"t{i:02d}"
+        reward = None if i % 4 == 3 else float(i % 3) / 2  # ties at 0.0, 0.5 and 1.0
+        write_trajectory(store, tid, agent_turns(i, 1), reward=reward)
+        rewards[tid] = reward
+    add_rewards(
+        store.sessions,
+        [
+            RewardIn("trajectory", "t00", "final", 0.75),  # re-scored: 0.0 -> 0.75
+            RewardIn("trajectory", "t01", "final", None, error="reward model timed out"),
+            RewardIn("trajectory", "t03", "final", 0.25),  # unrewarded -> rewarded
+        ],
+    )
+    rewards["t00"], rewards["t03"] = 0.75, 0.25
+    channels = {f"t{i:02d}": "val" if i % 2 else "train" for i in range(11)}
+    with store.sessions.begin() as session:
+        for tid, channel in channels.items():
+            session.execute(update(Trajectory).where(Trajectory.id == tid).values(channel=channel))
+    store.engine.dispose()
+
+    def expected(order: str, channel: str | None) -> list[str]:
+        ids = [t for t in sorted(rewards) if channel is None or channels[t] == channel]
+        scored = sorted((t for t in ids if rewards[t] is not None), key=lambda t: (rewards[t], t))
+        if order == "desc":
+            scored.reverse()
+        rest = sorted((t for t in ids if rewards[t] is None), reverse=order == "desc")
+        return scored + rest
+
+    with client_for(pool_settings) as client:
+        for order in ("desc", "asc"):
+            for channel in (None, "val"):
+                want = expected(order, channel)
+                for offset in range(len(want) + 1):
+                    params: dict[str, str | int] = {
+                        "sort": "reward",
+                        "order": order,
+                        "offset": offset,
+                        "limit": 3,
+                    }
+                    if channel:
+                        params["channel"] = channel
+                    got = client.get("/api/inspector/trajectories", params=params).json()
+                    assert [row["id"] for row in got["data"]] == want[offset : offset + 3], (
+                        order,
+                        channel,
+                        offset,
+                    )
+        ranged = client.get(
+            "/api/inspector/trajectories",
+            params={"sort": "reward", "order": "asc", "reward_min": 0.25, "reward_max": 0.75},
+        ).json()
+        assert [row["id"] for row in ranged["data"]] == ["t03", "t01", "t04", "t10", "t00"]
+        only_unrewarded = client.get(
+            "/api/inspector/trajectories", params={"sort": "reward", "rewarded": "false"}
+        ).json()
+        assert [row["id"] for row in only_unrewarded["data"]] == ["t07"]
 
 
 def test_list_filters_pages_and_counts_steps_and_tokens(client: TestClient) -> None:

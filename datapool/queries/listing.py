@@ -17,8 +17,8 @@ from datetime import datetime
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import and_, exists, func, select
+from sqlalchemy.orm import Session, aliased
 
 from datapool.curation.labels import current_labels, labels_of_trajectories
 from datapool.curation.readiness import trajectory_readiness
@@ -157,22 +157,93 @@ def list_page(
     """``(rows, total)``: one page of trajectories in the requested order, each with its counts,
     rewards, labels (``describe``), and how many match in all (only ``with_total``, else None;
     a second query that counts every match)."""
-    query, reward = _filtered(where, [Trajectory])
-    if where.sort == "reward":
-        assert reward is not None
-        key: Any = reward
-        # Unrewarded trajectories sort last in both directions (missing is not zero).
-        query = query.order_by(reward.is_(None))
-    else:
-        key = getattr(Trajectory, where.sort)
-    ordered = key.desc() if where.order == "desc" else key.asc()
-    tie = Trajectory.id.desc() if where.order == "desc" else Trajectory.id.asc()
-    query = query.order_by(ordered, tie).offset(where.offset).limit(where.limit)
     with sessions() as session:
-        page: list[Trajectory] = list(session.scalars(query))
+        if where.sort == "reward":
+            page = _page_by_reward(session, where)
+        else:
+            query, _ = _filtered(where, [Trajectory])
+            key = getattr(Trajectory, where.sort)
+            ordered = key.desc() if where.order == "desc" else key.asc()
+            tie = Trajectory.id.desc() if where.order == "desc" else Trajectory.id.asc()
+            query = query.order_by(ordered, tie).offset(where.offset).limit(where.limit)
+            page = list(session.scalars(query))
         rows = describe(session, page)
         total = _count(session, where) if with_total else None
     return rows, total
+
+
+def _page_by_reward(session: Session, where: ListQuery) -> list[Trajectory]:
+    """One page sorted by current reward (ties by id, same direction), unrewarded last.
+
+    Two parts, each one ordered ``LIMIT`` query: the rewarded trajectories come from walking
+    ``ix_rewards_sort`` in value order, keeping a record only if it is its trajectory's current
+    one (no later record without an error) and the trajectory passes the filters, so a page reads
+    about one page of index entries instead of scoring every trajectory; when that part runs out,
+    the page continues with the unrewarded trajectories in id order. The offset into the second
+    part needs the rewarded count, taken only when the first part returned no row.
+    """
+    name = where.reward_name or DEFAULT_REWARD_NAME
+    desc = where.order == "desc"
+    rewarded = _rewarded_by_value(where, name)
+    page: list[Trajectory] = []
+    if where.rewarded is not False:
+        value_order = Reward.value.desc() if desc else Reward.value.asc()
+        tie = Trajectory.id.desc() if desc else Trajectory.id.asc()
+        query = rewarded.order_by(value_order, tie).offset(where.offset).limit(where.limit)
+        page = list(session.scalars(query))
+    if (
+        len(page) == where.limit
+        or where.rewarded is True
+        or where.reward_min is not None
+        or where.reward_max is not None
+    ):
+        return page
+    if page:
+        rewarded_count = where.offset + len(page)
+    elif where.rewarded is False:
+        rewarded_count = 0
+    else:
+        counted = select(func.count()).select_from(rewarded.subquery())
+        rewarded_count = int(session.scalar(counted) or 0)
+    unrewarded, _ = _filtered(where.model_copy(update={"rewarded": False}), [Trajectory])
+    tie = Trajectory.id.desc() if desc else Trajectory.id.asc()
+    rest = (
+        unrewarded.order_by(tie)
+        .offset(max(0, where.offset - rewarded_count))
+        .limit(where.limit - len(page))
+    )
+    return page + list(session.scalars(rest))
+
+
+def _rewarded_by_value(where: ListQuery, name: str) -> Any:
+    """``select(Trajectory)`` joined to the current record of reward ``name`` (not null), with
+    every filter; ``Reward.value`` is in scope for ordering."""
+    later = aliased(Reward)
+    is_current = ~exists().where(
+        later.target_kind == "trajectory",
+        later.name == name,
+        later.target_id == Reward.target_id,
+        later.id > Reward.id,
+        later.error.is_(None),
+    )
+    query, _ = _filtered(
+        where.model_copy(
+            update={"sort": "created_at", "rewarded": None, "reward_min": None, "reward_max": None}
+        ),
+        [Trajectory],
+    )
+    query = query.join(Reward, Reward.target_id == Trajectory.id).where(
+        Reward.target_kind == "trajectory",
+        Reward.name == name,
+        Reward.error.is_(None),
+        Reward.value.is_not(None),
+        is_current,
+    )
+    if where.reward_min is not None:
+        query = query.where(Reward.value >= where.reward_min)
+    if where.reward_max is not None:
+        query = query.where(Reward.value <= where.reward_max)
+    return query
 
 
 def _count(session: Session, where: ListQuery) -> int:
