@@ -223,7 +223,9 @@ def run_inspector_benchmark(
         # Compaction off: the timing must not share the CPU with a background Parquet write.
         pool = PoolSettings(data_dir=root, database_url=url, compaction_interval_s=0)
         rng = random.Random(1)
-        with TestClient(create_app(GatewaySettings(), pool)) as client:
+        # TestClient sends Host "testserver", not one of the gateway's default names.
+        settings = GatewaySettings(allowed_hosts=["testserver"])
+        with TestClient(create_app(settings, pool)) as client:
 
             def get(path: str, **params: Any) -> Any:
                 response = client.get(path, params=params)
