@@ -454,6 +454,8 @@ class TrainingMetric(Base):
 # latest record per target).
 Index("ix_trajectories_created_at", Trajectory.created_at)
 Index("ix_trajectories_last_step_at", Trajectory.last_step_at)
+Index("ix_trajectories_call_count", Trajectory.call_count, Trajectory.id)
+Index("ix_trajectories_completed_at", Trajectory.completed_at, Trajectory.id)
 Index("ix_rewards_kind_name_target", Reward.target_kind, Reward.name, Reward.target_id, Reward.id)
 # The list sorted by reward walks each name's records in value order (migration 0010).
 Index("ix_rewards_sort", Reward.target_kind, Reward.name, Reward.value, Reward.target_id)

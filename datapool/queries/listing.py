@@ -188,7 +188,8 @@ def _page_by_reward(session: Session, where: ListQuery) -> list[Trajectory]:
     page: list[Trajectory] = []
     if where.rewarded is not False:
         value_order = Reward.value.desc() if desc else Reward.value.asc()
-        tie = Trajectory.id.desc() if desc else Trajectory.id.asc()
+        # The tie on target_id (= the trajectory's id), so the order is the index's own.
+        tie = Reward.target_id.desc() if desc else Reward.target_id.asc()
         query = rewarded.order_by(value_order, tie).offset(where.offset).limit(where.limit)
         page = list(session.scalars(query))
     if (
