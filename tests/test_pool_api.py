@@ -144,6 +144,17 @@ def test_reward_before_the_first_step_leaves_the_trajectory_trainable(api: httpx
     assert api.get("/api/trajectories", params={"flag": "empty"}).json()["data"] == []
 
 
+@pytest.mark.parametrize("value", ["1", True, "0.5", None])
+def test_reward_backfill_of_a_non_number_is_400_and_records_nothing(
+    api: httpx.Client, value: object
+) -> None:
+    assert chat(api, "typed").status_code == 200
+    reward = {"target": "trajectory", "target_id": "typed", "name": "final", "value": value}
+    refused = api.post("/api/rewards", json={"rewards": [reward]})
+    assert assert_envelope(refused, 400)["param"] is not None
+    assert api.get("/api/rewards", params={"trajectory_id": "typed"}).json() == []
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -151,6 +162,9 @@ def test_reward_before_the_first_step_leaves_the_trajectory_trainable(api: httpx
         ('{"reward": NaN}', None),  # what json.dumps(float("nan")) sends
         ('{"reward": Infinity}', None),
         ('{"reward": -Infinity}', None),
+        # a reward is a JSON number: a string or a boolean is refused, never coerced to 1.0
+        ('{"reward": "1"}', "reward"),
+        ('{"reward": true}', "reward"),
         ('{"reward": 1.0, "reward_name": ""}', "reward_name"),
         ('{"reward": 1.0, "reward_name": "' + "n" * 101 + '"}', "reward_name"),
         ('{"reward": 1.0, "author": "' + "a" * 201 + '"}', "author"),

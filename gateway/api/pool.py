@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictFloat
 from starlette.concurrency import run_in_threadpool
 
 from datapool.db import Sessions
@@ -94,7 +94,7 @@ class TrajectoryCreate(BaseModel):
 class CompleteRequest(BaseModel):
     # Checked by ``rewards.check_reward`` like POST /api/rewards (one validation path): 400 and
     # the trajectory stays open when the reward is NaN/infinite or the name has a bad length.
-    reward: float | None = Field(
+    reward: StrictFloat | None = Field(
         default=None,
         description="Optional final reward (a finite number), appended as source 'agent'.",
     )
@@ -128,7 +128,8 @@ class RewardCreate(BaseModel):
     target: Literal["step", "trajectory"]
     target_id: str
     name: str = Field(min_length=1, max_length=100)
-    value: float
+    # Strict: a JSON string or boolean is refused, never coerced ("1" and true are not 1.0).
+    value: StrictFloat
     source: Literal["rule", "model", "human", "agent"] = "human"
     author: str | None = None
 
