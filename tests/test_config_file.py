@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -254,3 +255,31 @@ def test_a_refused_admin_token_is_never_echoed() -> None:
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: setting ") and "admin" in line.lower()
     assert "weak-tok" not in done.stderr + done.stdout
+
+
+def test_trajgate_train_finds_the_gateway_and_vllm_in_the_config_file(tmp_path: Path) -> None:
+    """``trajgate train`` without flags uses the [trainer] table's pool, vLLM replicas and
+    consumer (it used its own localhost defaults); a flag still wins."""
+    path = tmp_path / "trajgate.toml"
+    path.write_text(
+        '[trainer]\nmodel_dir = "/models/base"\npool_url = "http://lb:8000"\n'
+        'vllm_urls = "http://vllm-0:8000, http://vllm-1:8000"\nconsumer = "run-7"\n'
+    )
+    env = {**os.environ, "TRAJGATE_CONFIG": str(path)}
+
+    def services(*flags: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [str(BIN / "trajgate"), "train", "--check-config", *flags],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return dict(json.loads(done.stdout)["services"])
+
+    found = services()
+    assert found["gateway_url"] == "http://lb:8000"
+    assert found["vllm_urls"] == ["http://vllm-0:8000", "http://vllm-1:8000"]
+    assert found["consumer"] == "run-7"
+    assert services("--gateway-url", "http://gw:9000")["gateway_url"] == "http://gw:9000"

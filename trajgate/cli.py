@@ -19,7 +19,7 @@ import typer
 
 from datapool.settings import PoolSettings
 from trajgate import tinymodel, vllm_server
-from trajgate.config import ConfigFileError, describe, load_config_file
+from trajgate.config import ConfigFileError, describe, hide_url_password, load_config_file
 
 KEEP_ALIVE_S = 75
 T = TypeVar("T")
@@ -288,11 +288,26 @@ def train(
             "or model_dir in the \\[trainer] table of TRAJGATE_CONFIG."
         ),
     ] = None,
-    gateway_url: Annotated[str, typer.Option(help="Gateway base URL.")] = "http://127.0.0.1:8000",
-    vllm_url: Annotated[
-        list[str] | None, typer.Option(help="vLLM base URL; repeat for replicas.")
+    gateway_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Gateway base URL; default TRAJGATE_TRAINER_GATEWAY_URL, else "
+            "TRAJGATE_TRAINER_POOL_URL (or the \\[trainer] table), else http://127.0.0.1:8000."
+        ),
     ] = None,
-    consumer: Annotated[str, typer.Option(help="Consumer id for leases.")] = "trainer-0",
+    vllm_url: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="vLLM base URL; repeat for replicas. Default TRAJGATE_TRAINER_VLLM_URLS "
+            "(comma-separated), else http://127.0.0.1:8100."
+        ),
+    ] = None,
+    consumer: Annotated[
+        str | None,
+        typer.Option(
+            help="Consumer id for leases; default TRAJGATE_TRAINER_CONSUMER, else trainer-0."
+        ),
+    ] = None,
     spec: Annotated[
         Path | None, typer.Option(help="Batch spec (JSON) to materialise when none waits.")
     ] = None,
@@ -315,7 +330,7 @@ def train(
     """Lease batches from the pool, train (LoRA or full), ack, and publish each update to vLLM
     and the gateway as the next policy version. The same command on a CPU or a GPU host.
     Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's \\[trainer] table."""
-    from trainer_bridge.settings import TrainerSettings
+    from trainer_bridge.settings import DistributedSettings, TrainerSettings
 
     given: dict[str, Any] = {
         "model_dir": model_dir,
@@ -324,15 +339,43 @@ def train(
         "device": device,
     }
     settings = _settings(TrainerSettings, **{k: v for k, v in given.items() if v is not None})
+    # Where the services are: a flag, else what TRAJGATE_TRAINER_* or the [trainer] table set
+    # (the same keys torchrun's trainer reads), else this command's local defaults.
+    where = _settings(DistributedSettings)
+    chosen = where.model_fields_set
+    if gateway_url is None:
+        gateway_url = where.gateway_url or (
+            where.pool_url if "pool_url" in chosen else "http://127.0.0.1:8000"
+        )
+    if not vllm_url:
+        vllm_url = [u.strip() for u in where.vllm_urls.split(",") if u.strip()] or [
+            "http://127.0.0.1:8100"
+        ]
+    if consumer is None:
+        consumer = where.consumer if "consumer" in chosen else "trainer-0"
+    if max_updates is None:
+        max_updates = where.max_updates
+    if idle_exit_s is None:
+        idle_exit_s = where.idle_exit_s
+    if admin_token is None:
+        admin_token = where.admin_token
     if check_config:
-        typer.echo(json.dumps(describe(settings), indent=2))
+        report = describe(settings, where)
+        report["services"] = {  # what this command will use, after flags and defaults
+            "gateway_url": hide_url_password(gateway_url),
+            "vllm_urls": [hide_url_password(url) for url in vllm_url],
+            "consumer": consumer,
+            "max_updates": max_updates,
+            "idle_exit_s": idle_exit_s,
+        }
+        typer.echo(json.dumps(report, indent=2))
         return
     _require_extra("train", "torch", "transformers", "peft")
     from trainer_bridge.loop import LoopSettings, run_loop
 
     loop = LoopSettings(
         gateway_url=gateway_url.rstrip("/"),
-        vllm_urls=vllm_url or ["http://127.0.0.1:8100"],
+        vllm_urls=vllm_url,
         consumer=consumer,
         spec=json.loads(spec.read_text()) if spec else None,
         max_updates=max_updates,

@@ -120,12 +120,13 @@ def describe(*settings: BaseSettings) -> dict[str, dict[str, Any]]:
             if value is not None and name.endswith(SECRET_SUFFIXES):
                 values[name] = "***"
             elif isinstance(value, str):
-                values[name] = _hide_url_password(value)
+                values[name] = hide_url_password(value)
         described[type(one).__name__] = values
     return described
 
 
-def _hide_url_password(text: str) -> str:
+def hide_url_password(text: str) -> str:
+    """``text`` with the password of a URL in it replaced by ``***`` (other text unchanged)."""
     if "://" not in text or "@" not in text:
         return text
     try:
