@@ -13,13 +13,16 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from datapool.settings import PoolSettings
 from trajgate import tinymodel, vllm_server
 from trajgate.config import ConfigFileError, describe, load_config_file
+
+if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
 
 KEEP_ALIVE_S = 75
 T = TypeVar("T")
@@ -187,6 +190,14 @@ def serve(
             "and each proxied call is already logged once with its trajectory and step).",
         ),
     ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Worker processes sharing the port and the pool (TRAJGATE_WORKERS; "
+            "docs/deployment.md, 'Several workers on one host').",
+            min=1,
+        ),
+    ] = None,
     check_config: CheckConfigOpt = False,
 ) -> None:
     """Run the gateway: migrate the pool, then proxy and capture until interrupted."""
@@ -194,7 +205,12 @@ def serve(
     from gateway.settings import GatewaySettings
 
     overrides: dict[str, object] = {}
-    for key, value in (("upstream_url", upstream), ("host", host), ("port", port)):
+    for key, value in (
+        ("upstream_url", upstream),
+        ("host", host),
+        ("port", port),
+        ("workers", workers),
+    ):
         if value is not None:
             overrides[key] = value
     settings = _settings(GatewaySettings, **overrides)
@@ -213,20 +229,66 @@ def serve(
     except PoolError as exc:
         raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
     db.upgrade(pool.resolved_database_url())
-    uvicorn.run(
-        application,
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        access_log=access_log,
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": "info",
+        "access_log": access_log,
         # uvloop and httptools (uvicorn[standard]): the event loop and HTTP parsing in C, several
         # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
-        loop="uvloop",
-        http="httptools",
+        "loop": "uvloop",
+        "http": "httptools",
         # Longer than clients' idle keep-alive (httpx: 5 s), so the server never closes a
         # connection a client is about to reuse (that race surfaced as "connection reset").
-        timeout_keep_alive=KEEP_ALIVE_S,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+    if settings.workers == 1:
+        uvicorn.run(application, **options)
+    else:
+        _serve_workers(settings, pool, options)
+
+
+def _serve_workers(settings: GatewaySettings, pool: PoolSettings, options: dict[str, Any]) -> None:
+    """``settings.workers`` uvicorn workers (spawned; the parent binds the port once and
+    restarts a worker that dies) building their app from the environment prepared here; the
+    parent answers the liveness port for all of them (``gateway.workers``)."""
+    import os
+    import shutil
+    import tempfile
+
+    import uvicorn
+
+    from gateway.liveness import LivenessServer
+    from gateway.workers import WORKER_DIR_ENV, WorkerLag
+
+    worker_dir = Path(tempfile.mkdtemp(prefix="trajgate-workers-"))
+    # Flags win over the environment in the workers too: they read only the environment.
+    os.environ.update(
+        {
+            "TRAJGATE_UPSTREAM_URL": settings.upstream_url,
+            "TRAJGATE_HOST": settings.host,
+            "TRAJGATE_PORT": str(settings.port),
+            "TRAJGATE_WORKERS": str(settings.workers),
+            "TRAJGATE_DATABASE_URL": pool.resolved_database_url(),
+            "TRAJGATE_DATA_DIR": str(pool.data_dir),
+            WORKER_DIR_ENV: str(worker_dir),
+        }
     )
+    liveness = None
+    if settings.liveness_port:
+        lag = WorkerLag(worker_dir)
+        liveness = LivenessServer(settings.host, settings.liveness_port, lag).start()
+    try:
+        uvicorn.run(
+            "gateway.app:create_worker_app",
+            factory=True,
+            workers=settings.workers,
+            **options,
+        )
+    finally:
+        if liveness is not None:
+            liveness.stop()
+        shutil.rmtree(worker_dir, ignore_errors=True)
 
 
 @model_app.command("create")
