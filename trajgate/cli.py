@@ -641,17 +641,38 @@ def bench_pool(
     backend: Annotated[
         str, typer.Option(help="With --gateways: 'postgresql' or 'sqlite'.")
     ] = "postgresql",
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="With --gateways: worker processes per gateway (`trajgate serve --workers`); "
+            "the baseline run stays one gateway of one worker.",
+            min=1,
+        ),
+    ] = 1,
+    balancer: Annotated[
+        str,
+        typer.Option(
+            help="With --gateways: 'round_robin' (each call to the next gateway) or 'sticky' "
+            "(consistent hashing on the trajectory id, header or API key, as deploy/nginx.conf)."
+        ),
+    ] = "round_robin",
 ) -> None:
     """Write synthetic agent trajectories through the pool's writer on SQLite (and PostgreSQL);
     print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness.
-    With --gateways N: committed steps/s through N gateway processes versus one."""
+    With --gateways N: committed steps/s and gateway CPU per committed step through N gateway
+    processes (of --workers each) versus one."""
     import tempfile
 
     from trajgate.bench.pool import BenchDatabaseNotEmptyError, run_pool_benchmark
 
     if gateways is not None:
-        from trajgate.bench.fleet import bench_gateways, ensure_postgres_database
+        from trajgate.bench.fleet import BALANCER_POLICIES, bench_gateways, ensure_postgres_database
 
+        if balancer not in BALANCER_POLICIES:
+            raise typer.BadParameter(
+                f"expected one of {list(BALANCER_POLICIES)}, got {balancer!r}",
+                param_hint="--balancer",
+            )
         with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
             if backend == "postgresql":
                 url = postgres_url or "postgresql+psycopg://postgres@127.0.0.1:5432/trajgate_bench"
@@ -662,8 +683,18 @@ def bench_pool(
                 raise typer.BadParameter(
                     f"expected 'postgresql' or 'sqlite', got {backend!r}", param_hint="--backend"
                 )
-            counts = [1] if gateways == 1 else [1, gateways]
-            report = bench_gateways(url, counts, trajectories, turns, concurrency, Path(tmp))
+            configurations = [(1, 1)]
+            if (gateways, workers) != (1, 1):
+                configurations.append((gateways, workers))
+            report = bench_gateways(
+                url,
+                configurations,
+                trajectories,
+                turns,
+                concurrency,
+                Path(tmp),
+                balancer,  # type: ignore[arg-type]  # checked above
+            )
         typer.echo(json.dumps(report, indent=2 if not as_json else None))
         return
     with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
