@@ -39,8 +39,8 @@ def routing_key(head: bytes) -> bytes | None:
     parts = request_line.split(b" ")
     path = parts[1] if len(parts) >= 2 else b""
     if path.startswith(b"/t/"):
-        trajectory_id = path[3:].partition(b"/")[0].partition(b"?")[0]
-        if trajectory_id:
+        trajectory_id, slash, _ = path[3:].partition(b"?")[0].partition(b"/")
+        if trajectory_id and slash:  # as nginx.conf's ~^/t/([^/]+)/
             return trajectory_id
     headers: dict[bytes, bytes] = {}
     for line in header_block.split(b"\r\n"):
