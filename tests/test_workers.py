@@ -1,0 +1,125 @@
+"""``trajgate serve --workers 2``: two real worker processes on one port and one PostgreSQL pool.
+Calls are served by both (the pool records which process wrote each trajectory), ``/metrics``
+on any worker counts the calls of both, the parent's liveness port answers for the workers, and
+a full-weight update, which would pause only one worker, is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import _create_postgres_database, _drop_postgres_database
+from sqlalchemy import select
+from tests_support import free_port
+
+from datapool.db import make_engine
+from datapool.models import Trajectory
+from trajgate.bench.fleet import start_emulator, start_gateway
+
+CALLS = 40
+CONCURRENCY = 8
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    url = _create_postgres_database()
+    yield url
+    _drop_postgres_database(url)
+
+
+@pytest.fixture
+def emulator_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    process = start_emulator(
+        {
+            "TRAJGATE_EMULATOR_PORT": str(port),
+            "TRAJGATE_EMULATOR_PROMPT_TOKENS": "20",
+            "TRAJGATE_EMULATOR_RESPONSE_TOKENS": "4",
+            "TRAJGATE_EMULATOR_INTER_TOKEN_MS": "5",
+        },
+        tmp_path / "emulator.log",
+    )
+    yield f"http://127.0.0.1:{port}"
+    process.kill()
+    process.wait()
+
+
+async def _calls(url: str, ids: list[str]) -> list[int]:
+    """One call per trajectory id, ``CONCURRENCY`` at a time, each on a new connection (the
+    kernel hands each accepted connection to one worker)."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    semaphore = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+
+        async def call(trajectory_id: str) -> int:
+            async with semaphore:
+                response = await client.post(
+                    f"/t/{trajectory_id}/v1/chat/completions",
+                    json={"model": "emulated", "messages": [{"role": "user", "content": "hi"}]},
+                )
+                return response.status_code
+
+        return await asyncio.gather(*(call(i) for i in ids))
+
+
+def _sample(metrics: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", metrics, re.MULTILINE)
+    assert match is not None, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_two_workers_serve_calls_from_both_and_metrics_count_both(
+    postgres_url: str, emulator_url: str, tmp_path: Path
+) -> None:
+    port, liveness_port = free_port(), free_port()
+    env = {
+        "TRAJGATE_DATABASE_URL": postgres_url,
+        "TRAJGATE_DATA_DIR": str(tmp_path / "data"),
+        "TRAJGATE_PORT": str(port),
+        "TRAJGATE_UPSTREAM_URL": emulator_url,
+        "TRAJGATE_WORKERS": "2",
+        "TRAJGATE_LIVENESS_PORT": str(liveness_port),
+    }
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        process = start_gateway(env, tmp_path / "gateway.log")
+        url = f"http://127.0.0.1:{port}"
+        ids = [f"worker-{i}" for i in range(CALLS)]
+        assert asyncio.run(_calls(url, ids)) == [200] * CALLS
+
+        # each trajectory records the writer (host:pid:start) that last wrote it
+        engine = make_engine(postgres_url)
+        with engine.connect() as conn:
+            writers = conn.scalars(select(Trajectory.writer_id).where(Trajectory.id.in_(ids))).all()
+        engine.dispose()
+        pids = {writer.split(":")[1] for writer in writers if writer}
+        assert len(pids) == 2, writers
+
+        # 40 calls in all, whichever worker answers the scrape: the two workers' counts summed
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert _sample(metrics, "trajgate_pool_calls_committed_total") == CALLS
+        assert (
+            _sample(metrics, 'trajgate_requests_total{endpoint="chat.completions",status="200"}')
+            == CALLS
+        )
+
+        liveness = httpx.get(f"http://127.0.0.1:{liveness_port}/health", timeout=10)
+        assert liveness.status_code == 200 and liveness.json()["status"] == "ok"
+
+        refused = httpx.post(
+            f"{url}/admin/weight-updates",
+            json={"version": 1, "model_name": "emulated", "weights_location": str(tmp_path)},
+            timeout=10,
+        )
+        assert refused.status_code == 409
+        assert refused.json()["error"]["code"] == "weight_update_needs_one_worker"
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
