@@ -20,7 +20,7 @@ from tests_support import free_port
 
 from datapool.db import make_engine
 from datapool.models import Trajectory
-from trajgate.bench.fleet import start_emulator, start_gateway
+from trajgate.bench.fleet import audit, drive, start_emulator, start_gateway
 
 CALLS = 40
 CONCURRENCY = 8
@@ -66,6 +66,15 @@ async def _calls(url: str, ids: list[str]) -> list[int]:
                 return response.status_code
 
         return await asyncio.gather(*(call(i) for i in ids))
+
+
+def _writer_pids(database_url: str, ids: list[str]) -> set[str]:
+    """The processes that wrote ``ids`` (each trajectory keeps its last writer, host:pid:start)."""
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        writers = conn.scalars(select(Trajectory.writer_id).where(Trajectory.id.in_(ids))).all()
+    engine.dispose()
+    return {writer.split(":")[1] for writer in writers if writer}
 
 
 def _sample(metrics: str, name: str) -> float:
@@ -119,6 +128,37 @@ def test_two_workers_serve_calls_from_both_and_metrics_count_both(
         )
         assert refused.status_code == 409
         assert refused.json()["error"]["code"] == "weight_update_needs_one_worker"
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def test_two_workers_on_sqlite_store_every_step_once_in_order(
+    emulator_url: str, tmp_path: Path
+) -> None:
+    # Several writer processes on one SQLite file: each write transaction takes the write lock
+    # first (BEGIN IMMEDIATE) and waits for it up to the busy timeout, so step numbering reads
+    # the trajectory's state only while no other process can change it.
+    database_url = f"sqlite:///{tmp_path / 'data' / 'pool.sqlite3'}"
+    port = free_port()
+    env = {
+        "TRAJGATE_DATA_DIR": str(tmp_path / "data"),
+        "TRAJGATE_PORT": str(port),
+        "TRAJGATE_UPSTREAM_URL": emulator_url,
+        "TRAJGATE_WORKERS": "2",
+    }
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        process = start_gateway(env, tmp_path / "gateway.log")
+        ids = [f"sqlite-{i}" for i in range(8)]
+        # 8 trajectories x 5 turns, 8 agents at once, a new connection per call
+        result = asyncio.run(drive(f"http://127.0.0.1:{port}", ids, 5, CONCURRENCY))
+        assert result.gave_up == 0 and len(result.delivered) == 8 * 5
+        report = audit(database_url, ids, result)
+        assert (report.lost, report.duplicated, report.index_gaps) == (0, 0, 0), report
+        # read while the workers run: a worker that stops cleanly releases its claims
+        assert len(_writer_pids(database_url, ids)) == 2
     finally:
         if process is not None:
             process.terminate()
