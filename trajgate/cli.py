@@ -656,6 +656,14 @@ def bench_pool(
             "(consistent hashing on the trajectory id, header or API key, as deploy/nginx.conf)."
         ),
     ] = "round_robin",
+    kill_one: Annotated[
+        bool,
+        typer.Option(
+            "--kill-one",
+            help="With --gateways N > 1: kill -9 one gateway a third of the way through its "
+            "share; every step must still be stored once.",
+        ),
+    ] = False,
 ) -> None:
     """Write synthetic agent trajectories through the pool's writer on SQLite (and PostgreSQL);
     print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness.
@@ -694,6 +702,7 @@ def bench_pool(
                 concurrency,
                 Path(tmp),
                 balancer,  # type: ignore[arg-type]  # checked above
+                kill_one,
             )
         typer.echo(json.dumps(report, indent=2 if not as_json else None))
         return

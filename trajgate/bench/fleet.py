@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -369,9 +370,31 @@ def ensure_postgres_database(url: str) -> None:
             conn.execute(f'CREATE DATABASE "{parsed.database}"')
 
 
-def process_tree_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of ``pids`` and all their live descendants (Linux ``/proc``;
-    a ``trajgate serve --workers N`` parent and its workers)."""
+async def _drive_then_kill(
+    balancer: Balancer,
+    ids: list[str],
+    turns: int,
+    concurrency: int,
+    victim: subprocess.Popen[bytes] | None,
+    kill_after_calls: int,
+) -> tuple[DriveResult, float]:
+    """``drive`` through ``balancer``; with a ``victim`` (the first backend's gateway), ``kill
+    -9`` it once ``kill_after_calls`` connections reached it. Returns the result and the CPU
+    seconds the victim's processes had spent just before the kill (0.0 without one)."""
+    task = asyncio.create_task(drive(balancer.url, ids, turns, concurrency))
+    if victim is None:
+        return await task, 0.0
+    while balancer.connections[balancer.backends[0]] < kill_after_calls and not task.done():
+        await asyncio.sleep(0.01)
+    victim_cpu_s = process_tree_cpu_s([victim.pid])
+    for pid in _process_tree([victim.pid]):  # its workers too: they hold the listening socket
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return await task, victim_cpu_s
+
+
+def _process_tree(pids: list[int]) -> set[int]:
+    """``pids`` and all their live descendants (Linux ``/proc``)."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
@@ -383,8 +406,14 @@ def process_tree_cpu_s(pids: list[int]) -> float:
         children = {pid for pid, parent in parents.items() if parent in tree} - tree
         tree |= children
         grown = bool(children)
+    return tree
+
+
+def process_tree_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` and all their live descendants (a ``trajgate serve
+    --workers N`` parent and its workers)."""
     ticks = 0
-    for pid in tree:
+    for pid in _process_tree(pids):
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
@@ -399,12 +428,15 @@ def bench_gateways(
     concurrency: int,
     work_dir: Path,
     balancer_policy: BalancerPolicy = "round_robin",
+    kill_one: bool = False,
 ) -> dict[str, Any]:
     """Committed steps/s of agents through ``n`` ``trajgate serve`` processes of ``w`` workers
     each on one pool behind the balancer (``balancer_policy``), for each ``(n, w)`` of
     ``configurations``, the gateways' CPU per committed step (ms, every process of every
-    gateway), and the audit of each run (lost and duplicated steps must be 0). Every run uses
-    its own trajectory ids, so one database serves them all.
+    gateway), and the audit of each run (lost and duplicated steps must be 0). ``kill_one``:
+    in runs of several gateways, ``kill -9`` the first once it answered a third of its share
+    (the agents retry; its CPU until then is counted). Every run uses its own trajectory ids, so
+    one database serves them all.
 
     Upstream: the emulator in its own process (200-token prompts, 50-token answers, no delay),
     so the figure is the gateways' and the database's, not an engine's.
@@ -448,8 +480,20 @@ def bench_gateways(
                 ids = [f"{prefix}-{i}" for i in range(trajectories)]
                 pids = [process.pid for process in processes]
                 cpu_before_s = process_tree_cpu_s(pids)
-                result = asyncio.run(drive(balancer.url, ids, turns, concurrency))
-                cpu_s = process_tree_cpu_s(pids) - cpu_before_s
+                kill = kill_one and count > 1
+                result, killed_cpu_s = asyncio.run(
+                    _drive_then_kill(
+                        balancer,
+                        ids,
+                        turns,
+                        concurrency,
+                        processes[0] if kill else None,
+                        trajectories * turns // count // 3,
+                    )
+                )
+                # the killed gateway's processes may linger as zombies: count them once
+                survivors = pids[1:] if kill else pids
+                cpu_s = process_tree_cpu_s(survivors) + killed_cpu_s - cpu_before_s
                 report = audit(database_url, ids, result)
                 steps = len(result.delivered)
                 runs.append(
@@ -461,6 +505,8 @@ def bench_gateways(
                         "steps_per_s": round(steps / result.wall_s, 1),
                         "gateway_cpu_ms_per_step": round(1000 * cpu_s / max(steps, 1), 2),
                         "failed_attempts": result.failed_attempts,
+                        "gave_up": result.gave_up,
+                        "killed_one": kill,
                         **report.as_dict(),
                     }
                 )
