@@ -501,7 +501,8 @@ def bench_gateways(
                         "gateways": count,
                         "workers": workers,
                         "balancer": balancer_policy,
-                        "steps": steps,
+                        # "steps" (from the audit, below): stored; these were answered
+                        "delivered_steps": steps,
                         "steps_per_s": round(steps / result.wall_s, 1),
                         "gateway_cpu_ms_per_step": round(1000 * cpu_s / max(steps, 1), 2),
                         "failed_attempts": result.failed_attempts,
