@@ -19,7 +19,7 @@ method. One request per connection (``Connection: close``).
 
 With several workers (``trajgate serve --workers N``) the serving parent owns the port and answers
 from ``gateway.workers.WorkerLag``: the slowest worker's lag (``null`` and 503 while no worker
-answers).
+answers), plus ``"workers"``, how many answered.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 log = logging.getLogger("trajgate.gateway.liveness")
@@ -66,9 +67,17 @@ class LoopLag(Protocol):
 class LivenessServer:
     """``GET /health`` on ``host:port``, served by one daemon thread from ``heartbeat``."""
 
-    def __init__(self, host: str, port: int, heartbeat: LoopLag) -> None:
-        """Binds now: raises ``OSError`` when the port is taken."""
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        heartbeat: LoopLag,
+        workers: Callable[[], int] | None = None,
+    ) -> None:
+        """Binds now: raises ``OSError`` when the port is taken. ``workers``: with several
+        workers, how many answered the lag just read (shown as ``"workers"``)."""
         self.heartbeat = heartbeat
+        self._workers = workers
         self._socket = socket.create_server((host, port), backlog=64)
         self.port = int(self._socket.getsockname()[1])
         self._stopping = False
@@ -111,7 +120,7 @@ class LivenessServer:
             head += chunk
         method, _, rest = head.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
-        payload: dict[str, str | float | None]
+        payload: dict[str, str | float | int | None]
         if path != b"/health":
             status, payload = "404 Not Found", {"error": "only GET /health is served here"}
         elif method not in (b"GET", b"HEAD"):
@@ -122,6 +131,8 @@ class LivenessServer:
             status = "503 Service Unavailable" if stalled else "200 OK"
             shown = round(lag_s, 3) if math.isfinite(lag_s) else None
             payload = {"status": "stalled" if stalled else "ok", "loop_lag_s": shown}
+            if self._workers is not None:
+                payload["workers"] = self._workers()
         body = json.dumps(payload).encode()
         response = (
             f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"

@@ -174,11 +174,17 @@ class _Merged(Collector):
 
 class WorkerLag:
     """The slowest worker's event-loop lag (seconds), asked of every worker when read; infinite
-    while no worker answers (none started yet, or all wedged), so liveness says 503."""
+    while no worker answers (none started yet, or all wedged), so liveness says 503.
+    ``answering``: how many workers answered the last read."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.answering = 0
 
     def lag_s(self) -> float:
         lags = [float(answer) for answer in ask_all(self.directory, b"lag") if answer]
+        self.answering = len(lags)
         return max(lags, default=float("inf"))
+
+    def workers(self) -> int:
+        return self.answering

@@ -277,7 +277,9 @@ def _serve_workers(settings: GatewaySettings, pool: PoolSettings, options: dict[
     liveness = None
     if settings.liveness_port:
         lag = WorkerLag(worker_dir)
-        liveness = LivenessServer(settings.host, settings.liveness_port, lag).start()
+        liveness = LivenessServer(
+            settings.host, settings.liveness_port, lag, workers=lag.workers
+        ).start()
     try:
         uvicorn.run(
             "gateway.app:create_worker_app",
