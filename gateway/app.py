@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -42,6 +44,7 @@ from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
 from gateway.upstreams import UpstreamPool
+from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 
 log = logging.getLogger("trajgate.gateway")
 
@@ -51,13 +54,16 @@ def create_app(
     pool_settings: PoolSettings | None = None,
     *,
     upstream_transport: httpx.AsyncBaseTransport | None = None,
+    worker_dir: Path | None = None,
 ) -> FastAPI:
     """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``).
 
     Raises ``InvalidPoolRequestError`` when a configured reward function cannot be resolved.
 
     ``upstream_transport`` replaces the network for upstream calls (tests that need an upstream
-    shape the real vLLM cannot produce pass an ``httpx.MockTransport``).
+    shape the real vLLM cannot produce pass an ``httpx.MockTransport``). ``worker_dir``: this app
+    is one of several worker processes (``gateway.workers``): it answers its siblings there,
+    ``/metrics`` merges all of them, and the liveness port is the parent's, not its own.
     """
     settings = gateway_settings or GatewaySettings()
     pool = pool_settings or PoolSettings()
@@ -67,7 +73,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _running_state(settings, pool, upstream_transport) as state:
+        async with _running_state(settings, pool, upstream_transport, worker_dir) as state:
             app.state.gateway = state
             yield
 
@@ -87,11 +93,18 @@ def create_app(
     return app
 
 
+def create_worker_app() -> FastAPI:
+    """The app of one ``trajgate serve --workers N`` worker (uvicorn's factory): settings from
+    the environment the parent prepared, siblings in ``TRAJGATE_WORKER_DIR``."""
+    return create_app(worker_dir=Path(os.environ[WORKER_DIR_ENV]))
+
+
 @asynccontextmanager
 async def _running_state(
     settings: GatewaySettings,
     pool: PoolSettings,
     upstream_transport: httpx.AsyncBaseTransport | None,
+    worker_dir: Path | None = None,
 ) -> AsyncIterator[GatewayState]:
     """The app's state with its pool writer, upstream client and background tasks running;
     everything is stopped, in reverse order, on exit."""
@@ -119,11 +132,15 @@ async def _running_state(
         )
         state.writer = writer
         state.hooks = hooks
+        state.worker_dir = worker_dir
         # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
-        # the start before any task runs.
+        # the start before any task runs. With several workers the parent holds the port and
+        # asks each worker's peer thread for its heartbeat.
         heartbeat = Heartbeat()
-        liveness = None
-        if settings.liveness_port:
+        liveness: LivenessServer | PeerServer | None = None
+        if worker_dir is not None:
+            liveness = PeerServer(worker_dir, state.metrics.render, heartbeat.lag_s).start()
+        elif settings.liveness_port:
             liveness = LivenessServer(settings.host, settings.liveness_port, heartbeat).start()
         tasks = [
             asyncio.create_task(
@@ -190,8 +207,13 @@ async def ready(state: StateDep) -> Response:
 
 @probes.get("/metrics")
 async def metrics(state: StateDep) -> Response:
-    """Prometheus metrics (text exposition format)."""
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    """Prometheus metrics (text exposition format); with several workers, all of them merged
+    (``gateway.workers``)."""
+    if state.worker_dir is not None:
+        body = await run_in_threadpool(gather_metrics, state.worker_dir)
+    else:
+        body = state.metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 def _require_admin(request: Request, state: StateDep) -> None:

@@ -16,6 +16,10 @@ turns many times a second).
 Answers: ``200 {"status": "ok", "loop_lag_s": x}`` or ``503 {"status": "stalled", "loop_lag_s": x}``
 (``x``: seconds since the last beat) to ``GET /health``; 404 to any other path, 405 to any other
 method. One request per connection (``Connection: close``).
+
+With several workers (``trajgate serve --workers N``) the serving parent owns the port and answers
+from ``gateway.workers.WorkerLag``: the slowest worker's lag (``null`` and 503 while no worker
+answers), plus ``"workers"``, how many answered.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger("trajgate.gateway.liveness")
 
@@ -51,12 +58,26 @@ class Heartbeat:
         return time.monotonic() - self.at
 
 
+class LoopLag(Protocol):
+    """What liveness answers from: ``Heartbeat`` (one loop) or ``gateway.workers.WorkerLag``."""
+
+    def lag_s(self) -> float: ...
+
+
 class LivenessServer:
     """``GET /health`` on ``host:port``, served by one daemon thread from ``heartbeat``."""
 
-    def __init__(self, host: str, port: int, heartbeat: Heartbeat) -> None:
-        """Binds now: raises ``OSError`` when the port is taken."""
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        heartbeat: LoopLag,
+        workers: Callable[[], int] | None = None,
+    ) -> None:
+        """Binds now: raises ``OSError`` when the port is taken. ``workers``: with several
+        workers, how many answered the lag just read (shown as ``"workers"``)."""
         self.heartbeat = heartbeat
+        self._workers = workers
         self._socket = socket.create_server((host, port), backlog=64)
         self.port = int(self._socket.getsockname()[1])
         self._stopping = False
@@ -99,16 +120,19 @@ class LivenessServer:
             head += chunk
         method, _, rest = head.partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
-        payload: dict[str, str | float]
+        payload: dict[str, str | float | int | None]
         if path != b"/health":
             status, payload = "404 Not Found", {"error": "only GET /health is served here"}
         elif method not in (b"GET", b"HEAD"):
             status, payload = "405 Method Not Allowed", {"error": "use GET /health"}
         else:
-            lag_s = round(self.heartbeat.lag_s(), 3)
+            lag_s = self.heartbeat.lag_s()
             stalled = lag_s > STALL_S
             status = "503 Service Unavailable" if stalled else "200 OK"
-            payload = {"status": "stalled" if stalled else "ok", "loop_lag_s": lag_s}
+            shown = round(lag_s, 3) if math.isfinite(lag_s) else None
+            payload = {"status": "stalled" if stalled else "ok", "loop_lag_s": shown}
+            if self._workers is not None:
+                payload["workers"] = self._workers()
         body = json.dumps(payload).encode()
         response = (
             f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"

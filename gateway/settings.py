@@ -135,6 +135,18 @@ class GatewaySettings(ConfigFileSettings):
             "probes here. 0: off."
         ),
     )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description=(
+            "Worker processes of `trajgate serve` sharing the port (uvicorn's pre-fork; the "
+            "kernel spreads connections). Each has its own event loop, pool writer and caches; "
+            "all share the pool's database, /metrics merges them and the liveness port answers "
+            "for the slowest. Full-weight updates (POST /admin/weight-updates) are refused with "
+            "more than one: the pause would hold only the worker that received it."
+        ),
+    )
     policy_version: int = Field(
         default=0,
         ge=0,

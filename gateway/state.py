@@ -10,6 +10,7 @@ from ``gateway.app``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 import httpx
@@ -45,6 +46,8 @@ class GatewayState:
     hooks: CompletionHooks | None = None
     # each served model's tokenizer, learnt from vLLM for the inspector's token view
     tokenizer_dirs: TokenizerDirs = field(default_factory=TokenizerDirs)
+    # one of several worker processes (gateway.workers): where its siblings answer
+    worker_dir: Path | None = None
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
         """Make one call durable (its steps and its attempts, one group-commit transaction);

@@ -54,3 +54,14 @@ if [ ! -x /usr/bin/chromium ]; then
   apt-get update -q
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 fi
+
+# tests/test_nginx_routing.py runs deploy/nginx.conf's sticky routing in Debian's nginx.
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+  echo "== nginx (apt)"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "nginx is missing and installing it needs root: sudo apt-get install -y nginx-light" >&2
+    exit 1
+  fi
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light
+fi

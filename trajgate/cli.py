@@ -13,13 +13,16 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from datapool.settings import PoolSettings
 from trajgate import tinymodel, vllm_server
 from trajgate.config import ConfigFileError, describe, hide_url_password, load_config_file
+
+if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
 
 KEEP_ALIVE_S = 75
 T = TypeVar("T")
@@ -187,6 +190,14 @@ def serve(
             "and each proxied call is already logged once with its trajectory and step).",
         ),
     ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Worker processes sharing the port and the pool (TRAJGATE_WORKERS; "
+            "docs/deployment.md, 'Several workers on one host').",
+            min=1,
+        ),
+    ] = None,
     check_config: CheckConfigOpt = False,
 ) -> None:
     """Run the gateway: migrate the pool, then proxy and capture until interrupted."""
@@ -194,7 +205,12 @@ def serve(
     from gateway.settings import GatewaySettings
 
     overrides: dict[str, object] = {}
-    for key, value in (("upstream_url", upstream), ("host", host), ("port", port)):
+    for key, value in (
+        ("upstream_url", upstream),
+        ("host", host),
+        ("port", port),
+        ("workers", workers),
+    ):
         if value is not None:
             overrides[key] = value
     settings = _settings(GatewaySettings, **overrides)
@@ -213,20 +229,68 @@ def serve(
     except PoolError as exc:
         raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
     db.upgrade(pool.resolved_database_url())
-    uvicorn.run(
-        application,
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        access_log=access_log,
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": "info",
+        "access_log": access_log,
         # uvloop and httptools (uvicorn[standard]): the event loop and HTTP parsing in C, several
         # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
-        loop="uvloop",
-        http="httptools",
+        "loop": "uvloop",
+        "http": "httptools",
         # Longer than clients' idle keep-alive (httpx: 5 s), so the server never closes a
         # connection a client is about to reuse (that race surfaced as "connection reset").
-        timeout_keep_alive=KEEP_ALIVE_S,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+    if settings.workers == 1:
+        uvicorn.run(application, **options)
+    else:
+        _serve_workers(settings, pool, options)
+
+
+def _serve_workers(settings: GatewaySettings, pool: PoolSettings, options: dict[str, Any]) -> None:
+    """``settings.workers`` uvicorn workers (spawned; the parent binds the port once and
+    restarts a worker that dies) building their app from the environment prepared here; the
+    parent answers the liveness port for all of them (``gateway.workers``)."""
+    import os
+    import shutil
+    import tempfile
+
+    import uvicorn
+
+    from gateway.liveness import LivenessServer
+    from gateway.workers import WORKER_DIR_ENV, WorkerLag
+
+    worker_dir = Path(tempfile.mkdtemp(prefix="trajgate-workers-"))
+    # Flags win over the environment in the workers too: they read only the environment.
+    os.environ.update(
+        {
+            "TRAJGATE_UPSTREAM_URL": settings.upstream_url,
+            "TRAJGATE_HOST": settings.host,
+            "TRAJGATE_PORT": str(settings.port),
+            "TRAJGATE_WORKERS": str(settings.workers),
+            "TRAJGATE_DATABASE_URL": pool.resolved_database_url(),
+            "TRAJGATE_DATA_DIR": str(pool.data_dir),
+            WORKER_DIR_ENV: str(worker_dir),
+        }
     )
+    liveness = None
+    if settings.liveness_port:
+        lag = WorkerLag(worker_dir)
+        liveness = LivenessServer(
+            settings.host, settings.liveness_port, lag, workers=lag.workers
+        ).start()
+    try:
+        uvicorn.run(
+            "gateway.app:create_worker_app",
+            factory=True,
+            workers=settings.workers,
+            **options,
+        )
+    finally:
+        if liveness is not None:
+            liveness.stop()
+        shutil.rmtree(worker_dir, ignore_errors=True)
 
 
 @model_app.command("create")
@@ -622,17 +686,46 @@ def bench_pool(
     backend: Annotated[
         str, typer.Option(help="With --gateways: 'postgresql' or 'sqlite'.")
     ] = "postgresql",
+    workers: Annotated[
+        int,
+        typer.Option(
+            help="With --gateways: worker processes per gateway (`trajgate serve --workers`); "
+            "the baseline run stays one gateway of one worker.",
+            min=1,
+        ),
+    ] = 1,
+    balancer: Annotated[
+        str,
+        typer.Option(
+            help="With --gateways: 'round_robin' (each call to the next gateway) or 'sticky' "
+            "(consistent hashing on the trajectory id, header or API key, as deploy/nginx.conf)."
+        ),
+    ] = "round_robin",
+    kill_one: Annotated[
+        bool,
+        typer.Option(
+            "--kill-one",
+            help="With --gateways N > 1: kill -9 one gateway a third of the way through its "
+            "share; every step must still be stored once.",
+        ),
+    ] = False,
 ) -> None:
     """Write synthetic agent trajectories through the pool's writer on SQLite (and PostgreSQL);
     print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness.
-    With --gateways N: committed steps/s through N gateway processes versus one."""
+    With --gateways N: committed steps/s and gateway CPU per committed step through N gateway
+    processes (of --workers each) versus one."""
     import tempfile
 
     from trajgate.bench.pool import BenchDatabaseNotEmptyError, run_pool_benchmark
 
     if gateways is not None:
-        from trajgate.bench.fleet import bench_gateways, ensure_postgres_database
+        from trajgate.bench.fleet import BALANCER_POLICIES, bench_gateways, ensure_postgres_database
 
+        if balancer not in BALANCER_POLICIES:
+            raise typer.BadParameter(
+                f"expected one of {list(BALANCER_POLICIES)}, got {balancer!r}",
+                param_hint="--balancer",
+            )
         with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:
             if backend == "postgresql":
                 url = postgres_url or "postgresql+psycopg://postgres@127.0.0.1:5432/trajgate_bench"
@@ -643,8 +736,19 @@ def bench_pool(
                 raise typer.BadParameter(
                     f"expected 'postgresql' or 'sqlite', got {backend!r}", param_hint="--backend"
                 )
-            counts = [1] if gateways == 1 else [1, gateways]
-            report = bench_gateways(url, counts, trajectories, turns, concurrency, Path(tmp))
+            configurations = [(1, 1)]
+            if (gateways, workers) != (1, 1):
+                configurations.append((gateways, workers))
+            report = bench_gateways(
+                url,
+                configurations,
+                trajectories,
+                turns,
+                concurrency,
+                Path(tmp),
+                balancer,  # type: ignore[arg-type]  # checked above
+                kill_one,
+            )
         typer.echo(json.dumps(report, indent=2 if not as_json else None))
         return
     with tempfile.TemporaryDirectory(prefix="trajgate-bench-") as tmp:

@@ -18,7 +18,7 @@ from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
 from gateway.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.auth import check_admin_token
-from gateway.errors import InvalidRequestError, UpstreamError
+from gateway.errors import ConflictError, InvalidRequestError, UpstreamError
 from gateway.state import GatewayState
 from gateway.weight_update import ReloadError, reload_replicas
 
@@ -153,8 +153,17 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     calls in flight finish (abort them past ``weight_update_drain_timeout_s``), reload every
     replica in place and reset its prefix cache, register and activate ``version``, release the
     held calls (stamped with ``version``). 400 when ``version`` is registered under another
-    model name (nothing paused); 502 when a replica refused the reload (the version is not
-    registered, the held calls are released; publish again)."""
+    model name (nothing paused); 409 when this gateway runs several worker processes (the pause
+    would hold only this one; nothing paused); 502 when a replica refused the reload (the
+    version is not registered, the held calls are released; publish again)."""
+    if state.settings.workers > 1:
+        raise ConflictError(
+            f"full-weight updates need a gateway with one worker process, this one runs "
+            f"{state.settings.workers} (TRAJGATE_WORKERS): the pause would hold only the worker "
+            "that received it. Publish through a one-worker gateway, or publish LoRA adapters "
+            "(never paused).",
+            code="weight_update_needs_one_worker",
+        )
     registered = {row.version: row for row in await run_in_threadpool(state.policy.list)}
     if body.version in registered and registered[body.version].model_name != body.model_name:
         raise InvalidRequestError(

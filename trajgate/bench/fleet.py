@@ -3,11 +3,13 @@ agents through the balancer, and audit what the pool holds afterwards.
 
 Owns: ``start_gateway`` (``trajgate serve`` as a child process, configured only through
 ``TRAJGATE_*`` environment variables, the way docker-compose.yml runs it), ``Balancer`` (a
-round-robin TCP load balancer, one backend per connection, skipping backends that refuse to
-connect: what nginx's ``stream`` module does with ``proxy_next_upstream``), ``drive`` (agents
-whose every call opens a new connection, so consecutive calls of one trajectory land on different
-replicas) and ``audit`` (lost, duplicated, gapped and mis-parented steps). Used by
-tests/test_replicas.py and ``trajgate bench pool --gateways N``.
+TCP load balancer, one backend per connection, skipping backends that refuse to connect: what
+nginx does with ``proxy_next_upstream error``; ``round_robin``, or ``sticky``: consistent hashing
+of the trajectory the request names, ``trajgate.bench.ring``, as deploy/nginx.conf), ``drive``
+(agents whose every call opens a new connection, so under round-robin consecutive calls of one
+trajectory land on different replicas) and ``audit`` (lost, duplicated, gapped and mis-parented
+steps). Used by tests/test_replicas.py, tests/test_fleet_routing.py and ``trajgate bench pool
+--gateways N``.
 
 Never: used by the gateway itself; it is the harness that proves the gateway stateless.
 
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +35,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import httpx
 from sqlalchemy import select
@@ -40,8 +43,12 @@ from sqlalchemy import select
 from datapool.db import make_engine
 from datapool.models import Step
 from trajgate.bench.gateway import free_port
+from trajgate.bench.ring import HashRing, routing_key
 
 TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
+BalancerPolicy = Literal["round_robin", "sticky"]
+BALANCER_POLICIES: tuple[str, ...] = get_args(BalancerPolicy)
+_MAX_HEAD_BYTES = 16384  # a sticky balancer reads at most this much to find the routing key
 
 
 def start_gateway(
@@ -99,19 +106,37 @@ def start_emulator(env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]
 
 
 class Balancer:
-    """Round-robin TCP load balancer on ``host:port`` in a daemon thread.
+    """TCP load balancer on ``host:port`` in a daemon thread.
 
-    Each accepted connection goes to the next backend; a backend that refuses the connection is
-    skipped (no byte of the request has been sent yet, so this is always safe). A connection
-    whose backend dies mid-request is closed, as a real L4 balancer would: the client sees the
-    error and decides whether to retry.
+    ``round_robin``: each accepted connection goes to the next backend. ``sticky``: the
+    balancer first reads the request head and sends the connection to the owner of its
+    ``routing_key`` on a ``HashRing`` of the backends (round-robin when the head names no
+    trajectory and no key); one routing decision per connection, so agents that keep
+    connections alive across trajectories should route by nginx's per-request ``hash`` instead.
+    A backend that refuses the connection is skipped, for the next one in turn or along the
+    ring (no byte of the request has been sent yet, so this is always safe). A connection whose
+    backend dies mid-request is closed, as a real L4 balancer would: the client sees the error
+    and decides whether to retry.
+
+    Raises ``ValueError`` for a policy not in ``BALANCER_POLICIES``.
     """
 
-    def __init__(self, backends: list[tuple[str, int]], host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        backends: list[tuple[str, int]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        policy: BalancerPolicy = "round_robin",
+    ):
+        if policy not in BALANCER_POLICIES:
+            raise ValueError(f"expected a policy among {BALANCER_POLICIES}, got {policy!r}")
         self.backends = backends
         self.host = host
         self.port = port
+        self.policy = policy
         self.connections: dict[tuple[str, int], int] = defaultdict(int)
+        self._ring = HashRing([f"{h}:{p}" for h, p in backends])
+        self._by_name = {f"{h}:{p}": (h, p) for h, p in backends}
         self._turn = itertools.cycle(range(len(backends)))
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -144,10 +169,29 @@ class Balancer:
         async with server:
             await self._stop.wait()
 
+    async def _candidates(
+        self, client_r: asyncio.StreamReader
+    ) -> tuple[list[tuple[str, int]], bytes]:
+        """The backends to try, in order, and the bytes already read from the client."""
+        start = next(self._turn)
+        rotation = self.backends[start:] + self.backends[:start]
+        if self.policy == "round_robin":
+            return rotation, b""
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < _MAX_HEAD_BYTES:
+            chunk = await client_r.read(4096)
+            if not chunk:
+                break
+            head += chunk
+        key = routing_key(head.partition(b"\r\n\r\n")[0])
+        if key is None:
+            return rotation, head
+        return [self._by_name[name] for name in self._ring.order(key)], head
+
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        for _ in self.backends:
-            backend = self.backends[next(self._turn)]
+        candidates, head = await self._candidates(client_r)
+        for backend in candidates:
             try:
                 upstream = await asyncio.open_connection(*backend)
             except OSError:
@@ -158,6 +202,8 @@ class Balancer:
             client_w.close()
             return
         up_r, up_w = upstream
+        if head:
+            up_w.write(head)
 
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
@@ -324,17 +370,73 @@ def ensure_postgres_database(url: str) -> None:
             conn.execute(f'CREATE DATABASE "{parsed.database}"')
 
 
+async def _drive_then_kill(
+    balancer: Balancer,
+    ids: list[str],
+    turns: int,
+    concurrency: int,
+    victim: subprocess.Popen[bytes] | None,
+    kill_after_calls: int,
+) -> tuple[DriveResult, float]:
+    """``drive`` through ``balancer``; with a ``victim`` (the first backend's gateway), ``kill
+    -9`` it once ``kill_after_calls`` connections reached it. Returns the result and the CPU
+    seconds the victim's processes had spent just before the kill (0.0 without one)."""
+    task = asyncio.create_task(drive(balancer.url, ids, turns, concurrency))
+    if victim is None:
+        return await task, 0.0
+    while balancer.connections[balancer.backends[0]] < kill_after_calls and not task.done():
+        await asyncio.sleep(0.01)
+    victim_cpu_s = process_tree_cpu_s([victim.pid])
+    for pid in _process_tree([victim.pid]):  # its workers too: they hold the listening socket
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return await task, victim_cpu_s
+
+
+def _process_tree(pids: list[int]) -> set[int]:
+    """``pids`` and all their live descendants (Linux ``/proc``)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    tree = set(pids)
+    grown = True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grown = bool(children)
+    return tree
+
+
+def process_tree_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` and all their live descendants (a ``trajgate serve
+    --workers N`` parent and its workers)."""
+    ticks = 0
+    for pid in _process_tree(pids):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def bench_gateways(
     database_url: str,
-    gateway_counts: list[int],
+    configurations: list[tuple[int, int]],
     trajectories: int,
     turns: int,
     concurrency: int,
     work_dir: Path,
+    balancer_policy: BalancerPolicy = "round_robin",
+    kill_one: bool = False,
 ) -> dict[str, Any]:
-    """Committed steps/s of agents through ``n`` ``trajgate serve`` processes on one pool behind
-    the round-robin balancer, for each ``n``, and the audit of each run (lost and duplicated
-    steps must be 0). Every run uses its own trajectory ids, so one database serves them all.
+    """Committed steps/s of agents through ``n`` ``trajgate serve`` processes of ``w`` workers
+    each on one pool behind the balancer (``balancer_policy``), for each ``(n, w)`` of
+    ``configurations``, the gateways' CPU per committed step (ms, every process of every
+    gateway), and the audit of each run (lost and duplicated steps must be 0). ``kill_one``:
+    in runs of several gateways, ``kill -9`` the first once it answered a third of its share
+    (the agents retry; its CPU until then is counted). Every run uses its own trajectory ids, so
+    one database serves them all.
 
     Upstream: the emulator in its own process (200-token prompts, 50-token answers, no delay),
     so the figure is the gateways' and the database's, not an engine's.
@@ -358,7 +460,7 @@ def bench_gateways(
     )
     runs: list[dict[str, Any]] = []
     try:
-        for count in gateway_counts:
+        for count, workers in configurations:
             ports = [free_port() for _ in range(count)]
             processes: list[subprocess.Popen[bytes]] = []
             balancer: Balancer | None = None
@@ -369,19 +471,43 @@ def bench_gateways(
                         "TRAJGATE_DATA_DIR": str(work_dir / "data"),
                         "TRAJGATE_PORT": str(port),
                         "TRAJGATE_UPSTREAM_URL": f"http://127.0.0.{i + 1}:{emulator_port}",
+                        "TRAJGATE_WORKERS": str(workers),
                     }
                     processes.append(start_gateway(env, work_dir / "gateways.log"))
-                balancer = Balancer([("127.0.0.1", port) for port in ports]).start()
-                prefix = f"bench-{count}g-{uuid.uuid4().hex[:8]}"
+                backends = [("127.0.0.1", port) for port in ports]
+                balancer = Balancer(backends, policy=balancer_policy).start()
+                prefix = f"bench-{count}g{workers}w-{uuid.uuid4().hex[:8]}"
                 ids = [f"{prefix}-{i}" for i in range(trajectories)]
-                result = asyncio.run(drive(balancer.url, ids, turns, concurrency))
+                pids = [process.pid for process in processes]
+                cpu_before_s = process_tree_cpu_s(pids)
+                kill = kill_one and count > 1
+                result, killed_cpu_s = asyncio.run(
+                    _drive_then_kill(
+                        balancer,
+                        ids,
+                        turns,
+                        concurrency,
+                        processes[0] if kill else None,
+                        trajectories * turns // count // 3,
+                    )
+                )
+                # the killed gateway's processes may linger as zombies: count them once
+                survivors = pids[1:] if kill else pids
+                cpu_s = process_tree_cpu_s(survivors) + killed_cpu_s - cpu_before_s
                 report = audit(database_url, ids, result)
+                steps = len(result.delivered)
                 runs.append(
                     {
                         "gateways": count,
-                        "steps": len(result.delivered),
-                        "steps_per_s": round(len(result.delivered) / result.wall_s, 1),
+                        "workers": workers,
+                        "balancer": balancer_policy,
+                        # "steps" (from the audit, below): stored; these were answered
+                        "delivered_steps": steps,
+                        "steps_per_s": round(steps / result.wall_s, 1),
+                        "gateway_cpu_ms_per_step": round(1000 * cpu_s / max(steps, 1), 2),
                         "failed_attempts": result.failed_attempts,
+                        "gave_up": result.gave_up,
+                        "killed_one": kill,
                         **report.as_dict(),
                     }
                 )
@@ -396,15 +522,28 @@ def bench_gateways(
         emulator.kill()
         emulator.wait()
     backend = make_engine(database_url).dialect.name
-    base = runs[0]["steps_per_s"]
+    base = runs[0]
     return {
         "backend": backend,
+        "balancer": balancer_policy,
         "trajectories": trajectories,
         "turns": turns,
         "concurrency": concurrency,
         "cpu_count": os.cpu_count(),
         "runs": runs,
-        "speedup": {str(run["gateways"]): round(run["steps_per_s"] / base, 2) for run in runs},
+        "speedup": {
+            f"{run['gateways']}g{run['workers']}w": round(
+                run["steps_per_s"] / base["steps_per_s"], 2
+            )
+            for run in runs
+        },
+        # the goal: at most 1.2 (issue 16): more processes must not cost more CPU per step
+        "cpu_per_step_ratio": {
+            f"{run['gateways']}g{run['workers']}w": round(
+                run["gateway_cpu_ms_per_step"] / max(base["gateway_cpu_ms_per_step"], 1e-9), 2
+            )
+            for run in runs
+        },
         "lost": sum(run["lost"] for run in runs),
         "duplicated": sum(run["duplicated"] for run in runs),
     }
