@@ -223,13 +223,12 @@ class ResponseBook:
     def _prompt_fields(self, shape: _Shape) -> tuple[Any, Any, Any]:
         """``(prompt_token_ids, usage prompt_tokens, usage total_tokens)`` of a template: the
         values themselves, or with ``prompt_ids="messages"`` the marks ``render`` fills."""
-        completion = shape.completion_tokens * shape.n
         if self.settings.prompt_ids == "messages":
-            ids = _PROMPT_MARK if shape.return_token_ids else None
-            return ids, _PROMPT_TOKENS_MARK, _TOTAL_TOKENS_MARK
+            marked = _PROMPT_MARK if shape.return_token_ids else None
+            return marked, _PROMPT_TOKENS_MARK, _TOTAL_TOKENS_MARK
         prompt = self.settings.prompt_tokens
         ids = self.prompt_ids if shape.return_token_ids else None
-        return ids, prompt, prompt + completion
+        return ids, prompt, prompt + shape.completion_tokens * shape.n
 
     def _build(self, shape: _Shape) -> list[bytes]:
         if shape.stream:
