@@ -27,6 +27,10 @@ once per shape and reused with a fresh ``id`` and ``created``, so the emulator c
 microseconds of CPU per request and per chunk (uvicorn's h11 stack was the bottleneck; see
 docs/benchmarks.md).
 
+``EmulatorThread.stall_streams`` makes every streamed answer stop after its first token until
+``resume_streams`` (an engine that stopped sampling mid-answer), so a test that must cut a stream
+mid-way knows the stream is still open whatever the machine's load (tests/test_pool_crash.py).
+
 ``ResponseBook.token_times`` keeps, for the latest streamed answers, when each token's chunk was
 written (``time.monotonic()`` seconds, taken just before the write), so a test can compare when
 a client received a token with when the engine sent it (tests/test_dialect_streaming.py).
@@ -43,6 +47,7 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -136,6 +141,10 @@ class ResponseBook:
         self._choices: dict[int, tuple[list[int], list[float]]] = {}
         self._templates: dict[_Shape, list[bytes]] = {}
         self.token_times: collections.deque[list[float]] = collections.deque(maxlen=64)
+        # Cleared: streams wait after their first token (``EmulatorThread.stall_streams``);
+        # touched only from the serving loop.
+        self.streams_flow = asyncio.Event()
+        self.streams_flow.set()
 
     def prompt_of(self, body: dict[str, Any]) -> list[int]:
         """The prompt's IDs ``[P]`` for a request ``body`` (see ``prompt_ids``); raises
@@ -461,7 +470,8 @@ class _Connection(asyncio.Protocol):
         head += b"transfer-encoding: chunked\r\n\r\n"
         token_times: list[float] = []
         self.book.token_times.append(token_times)
-        if gap_s == 0:
+        flowing = self.book.streams_flow.is_set()
+        if gap_s == 0 and flowing:
             token_times += [time.monotonic()] * shape.completion_tokens
             self._write(head + b"".join(_chunked(part) for part in parts) + b"0\r\n\r\n")
             return
@@ -469,6 +479,8 @@ class _Connection(asyncio.Protocol):
         first_batch = 2 * shape.n
         token_times.append(time.monotonic())
         self._write(head + b"".join(_chunked(part) for part in parts[:first_batch]))
+        if not flowing:
+            await self.book.streams_flow.wait()
         last_position = shape.completion_tokens - 1
         for offset, part in enumerate(parts[first_batch:]):
             # Token chunks at positions 1..T-1; the usage chunk and [DONE] follow the last one.
@@ -549,6 +561,28 @@ class EmulatorThread:
         if self._task is not None:
             self._loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(timeout=10)
+
+    def stall_streams(self) -> None:
+        """From now on (returns once in effect), every streamed answer that starts stops after
+        its first token until ``resume_streams``: what an engine that stopped sampling looks
+        like to the gateway. Streams already past their first token, and answers that are not
+        streamed, are not held."""
+        self._in_loop(self.book.streams_flow.clear)
+
+    def resume_streams(self) -> None:
+        """Stalled streams go on (their missed token times have passed: they flush at once)."""
+        self._in_loop(self.book.streams_flow.set)
+
+    def _in_loop(self, action: Callable[[], None]) -> None:
+        done = threading.Event()
+
+        def run() -> None:
+            action()
+            done.set()
+
+        self._loop.call_soon_threadsafe(run)
+        if not done.wait(10):
+            raise RuntimeError(f"emulator on {self.url} did not answer within 10 s")
 
 
 def main() -> None:
