@@ -140,6 +140,48 @@ def test_emulator_tokens_are_seeded_and_repeatable(emulator: EmulatorThread) -> 
     assert first["choices"][0]["finish_reason"] == "stop"
 
 
+def test_emulator_with_messages_prompts_extends_a_turn_that_carries_its_answer() -> None:
+    """prompt_ids='messages': 3 ids per message that is not the emulator's own answer, the
+    answer's own ids for one that is; so turn 1 = P_0 + R_0 + 3 ids of its new question, both
+    streamed and not, and usage counts them (3 + 2 + 3 = 8 prompt tokens)."""
+    settings = EmulatorSettings(
+        port=free_port(), prompt_tokens=3, response_tokens=2, prompt_ids="messages"
+    )
+    server = EmulatorThread(settings).start()
+    try:
+        url = f"{server.url}/v1/chat/completions"
+        ask = {"return_token_ids": True}
+        turn0 = httpx.post(url, json={"messages": MESSAGES, **ask}, timeout=10).json()
+        p0, r0 = turn0["prompt_token_ids"], turn0["choices"][0]["token_ids"]
+        answer = turn0["choices"][0]["message"]
+        history = [*MESSAGES, answer, {"role": "user", "content": "And to four?"}]
+        turn1 = httpx.post(url, json={"messages": history, **ask}, timeout=10).json()
+        stream = httpx.post(
+            url,
+            json={
+                "messages": history,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **ask,
+            },
+            timeout=10,
+        )
+        events = sse_events(stream.text)
+        rewritten = [*MESSAGES, {"role": "assistant", "content": "three"}, history[-1]]
+        turn1_rewritten = httpx.post(url, json={"messages": rewritten, **ask}, timeout=10).json()
+    finally:
+        server.stop()
+    assert len(p0) == 3 and len(r0) == 2 and turn0["usage"]["prompt_tokens"] == 3
+    p1 = turn1["prompt_token_ids"]
+    assert len(p1) == 8 and p1[:5] == [*p0, *r0]
+    assert turn1["usage"] == {**turn1["usage"], "prompt_tokens": 8, "total_tokens": 10}
+    assert events[0]["prompt_token_ids"] == p1 and events[-2]["usage"]["prompt_tokens"] == 8
+    # "three" is not the emulator's answer: 3 ids of its own (3 + 3 + 3 = 9), not R_0.
+    p1_rewritten = turn1_rewritten["prompt_token_ids"]
+    assert len(p1_rewritten) == 9 and p1_rewritten[:3] == p0 and p1_rewritten[6:] == p1[5:]
+    assert p1_rewritten[3:5] != r0
+
+
 def test_percentile_takes_the_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]  # 1..100
     # rank ceil(100 * 50 / 100) = 50 -> 50.0; ceil(100 * 99 / 100) = 99 -> 99.0

@@ -110,6 +110,7 @@ async def run_agents(
 
 async def load_then_kill(
     gateway: subprocess.Popen[bytes],
+    emulator: EmulatorThread,
     url: str,
     round_id: int,
     delivered: dict[str, str],
@@ -118,8 +119,12 @@ async def load_then_kill(
 ) -> None:
     """Start the agents; once a third of all calls were answered, ``kill -9`` the gateway while
     one more agent (``r<round>-held``, one call answered before) is inside a streamed call: the
-    first chunk came, so the gateway had started the call, and the rest had not (0.2 s). The
-    agents' own calls may or may not be in flight at that instant."""
+    first chunk came, so the gateway had started the call, and the emulator holds the rest
+    (``stall_streams``), so the call is still in flight at the kill. (Waiting for the first chunk
+    alone did not make sure of it: on a loaded machine this process read that chunk after the
+    gateway had relayed all 8 tokens in 0.2 s and committed the step, and then nothing was cut.)
+    The agents' own calls are not streamed, so they are not held; they may or may not be in
+    flight at that instant."""
     task = asyncio.create_task(run_agents(url, round_id, delivered, done, cut))
     held = f"r{round_id}-held"
     body = {"model": "emulated", "messages": [{"role": "user", "content": "0"}]}
@@ -129,20 +134,21 @@ async def load_then_kill(
         while len(delivered) < AGENTS:
             await asyncio.sleep(0.02)
         stream = {**body, "stream": True}
-        async with client.stream("POST", f"/t/{held}/v1/chat/completions", json=stream) as response:
-            async for _chunk in response.aiter_raw():
-                break
-            gateway.send_signal(signal.SIGKILL)
-            cut.add(held)
+        emulator.stall_streams()
+        try:
+            async with client.stream(
+                "POST", f"/t/{held}/v1/chat/completions", json=stream
+            ) as response:
+                assert response.status_code == 200
+                async for _chunk in response.aiter_raw():
+                    break
+                gateway.send_signal(signal.SIGKILL)
+                cut.add(held)
+        finally:
+            emulator.resume_streams()
     await task
 
 
-@pytest.mark.xfail(
-    reason="known regression, issue 17 item 16: after the integration of 2026-12-01 the held "
-    "stream's trajectory is not flagged incomplete after kill -9 (the call journal misses it); "
-    "lost and duplicated steps are still checked first",
-    strict=False,
-)
 def test_kill_9_mid_load_loses_no_delivered_step_and_flags_in_flight_trajectories(
     emulator: EmulatorThread, pool_settings: PoolSettings, tmp_path: Path
 ) -> None:
@@ -154,7 +160,7 @@ def test_kill_9_mid_load_loses_no_delivered_step_and_flags_in_flight_trajectorie
         done: set[str] = set()
         cut: set[str] = set()
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(load_then_kill(gateway, url, round_id, delivered, done, cut))
+        asyncio.run(load_then_kill(gateway, emulator, url, round_id, delivered, done, cut))
         gateway.wait()  # reaped, so the restart sees its pid is gone
         assert AGENTS <= len(delivered) < AGENTS * CALLS_PER_AGENT
 

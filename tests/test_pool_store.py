@@ -4,6 +4,7 @@ compaction into Parquet, and the fast lineage agreeing with ``prefix.choose_pare
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from datapool.db import make_engine
 from datapool.settings import PoolSettings
@@ -154,3 +155,72 @@ def test_a_batch_over_more_trajectories_than_the_lineage_cache_commits_every_cal
         steps = store.steps_of(f"t{i}")
         assert [s.prompt_token_ids for s in steps] == [[1, 2], [1, 2, 3, 4]]
         assert steps[1].parent_step_id == steps[0].id and steps[1].prompt_base_tokens == 3
+
+
+def _random_calls(rng: random.Random, n: int) -> list[CallRecord]:
+    """``n`` calls of one agent: next turns, re-sends of an earlier prompt, rewritten histories,
+    turns that extend an older step only (hidden breaks), several choices, failed calls."""
+    calls: list[CallRecord] = []
+    sequences: list[list[int]] = []  # S = P + R of each ok choice so far
+    prompts: list[list[int]] = []
+    for _ in range(n):
+        roll = rng.random()
+        if prompts and roll < 0.2:
+            prompt = list(rng.choice(prompts))  # the same prompt again: a fork
+        elif sequences and roll < 0.8:
+            base = rng.choice([sequences[-1], *sequences])  # the latest turn weighs double
+            cut = rng.choice([0, 0, 0, 1])  # sometimes a rewritten last token
+            prompt = [*base[: len(base) - cut], rng.randint(0, 3)]
+        else:
+            prompt = [rng.randint(0, 3) for _ in range(3)]
+        if rng.random() < 0.1:
+            calls.append(call(prompt, None, outcome="upstream_error", error="500"))
+            continue
+        responses = [[rng.randint(0, 3) for _ in range(2)] for _ in range(rng.choice([1, 1, 2]))]
+        choices = [
+            ChoiceRecord(c, r, [-0.5] * len(r), {"role": "assistant"}, "stop")
+            for c, r in enumerate(responses)
+        ]
+        calls.append(replace(call(prompt, responses[0]), choices=choices))
+        prompts.append(prompt)
+        sequences += [[*prompt, *r] for r in responses]
+    return calls
+
+
+def _lineage_columns(store: PoolStore, trajectory_id: str) -> list[tuple[object, ...]]:
+    """Each step's lineage, with step ids replaced by their (step_index, choice_index)."""
+    steps = store.steps_of(trajectory_id)
+    place = {s.id: (s.step_index, s.choice_index) for s in steps}
+
+    def named(step_id: object) -> object:
+        return place.get(step_id, step_id) if isinstance(step_id, str) else step_id
+
+    return [
+        (
+            named(s.parent_step_id),
+            s.extends_parent,
+            s.divergence_offset,
+            s.divergence_kind,
+            named((s.divergence_detail or {}).get("step_id")),
+            sorted(s.flags),
+        )
+        for s in steps
+    ]
+
+
+def test_lineage_is_the_same_whichever_gateway_writes_each_call(
+    pool_settings: PoolSettings,
+) -> None:
+    """A non-sticky fleet: the same calls written by one store, and by three stores taking
+    turns at random (each rebuilds what the others wrote from the database), give every step
+    the same parent, extension, divergence and flags."""
+    one = make_store(pool_settings)
+    fleet = [make_store(pool_settings) for _ in range(3)]
+    rng = random.Random(17)
+    for trial in range(40):
+        calls = _random_calls(rng, 8)
+        for c in calls:
+            one.record_call(f"sticky-{trial}", c)
+            rng.choice(fleet).record_call(f"spread-{trial}", c)
+        sticky = _lineage_columns(one, f"sticky-{trial}")
+        assert _lineage_columns(one, f"spread-{trial}") == sticky, trial

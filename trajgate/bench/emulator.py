@@ -3,8 +3,11 @@
 Owns: ``POST /v1/chat/completions`` (non-streaming and SSE streaming), ``GET /v1/models`` and
 ``GET /health`` on a raw asyncio HTTP/1.1 server, with configurable prompt and response lengths
 (tokens), time to first token and inter-token delay (ms), and seeded, deterministic token ids and
-logprobs. Never: tokenizes or runs a model; the prompt's IDs are ``prompt_tokens`` seeded ints
-whatever the messages say, so it measures a proxy, never an engine.
+logprobs. Never: tokenizes or runs a model. By default (``prompt_ids="fixed"``) the prompt's IDs
+are ``prompt_tokens`` seeded ints whatever the messages say, so it measures a proxy, never an
+engine; with ``prompt_ids="messages"`` they follow the messages the way a chat template's do
+(``ResponseBook.prompt_of``), so a conversation that carries the emulator's previous answer
+extends that call's prompt and response IDs, and the pool's lineage has something to check.
 
 Shapes (checked against the real vLLM 0.32 server, see tests/test_bench_gateway.py):
 
@@ -24,6 +27,10 @@ once per shape and reused with a fresh ``id`` and ``created``, so the emulator c
 microseconds of CPU per request and per chunk (uvicorn's h11 stack was the bottleneck; see
 docs/benchmarks.md).
 
+``EmulatorThread.stall_streams`` makes every streamed answer stop after its first token until
+``resume_streams`` (an engine that stopped sampling mid-answer), so a test that must cut a stream
+mid-way knows the stream is still open whatever the machine's load (tests/test_pool_crash.py).
+
 ``ResponseBook.token_times`` keeps, for the latest streamed answers, when each token's chunk was
 written (``time.monotonic()`` seconds, taken just before the write), so a test can compare when
 a client received a token with when the engine sent it (tests/test_dialect_streaming.py).
@@ -37,10 +44,12 @@ import contextlib
 import json
 import os
 import random
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -50,6 +59,12 @@ from trajgate.config import ConfigFileSettings
 SYSTEM_FINGERPRINT = "vllm-0.32.0-emulated"
 _ID_MARK = "@@TRAJGATE_ID@@"
 _CREATED_MARK = "@@TRAJGATE_CREATED@@"
+# With prompt_ids="messages" the prompt differs per request: its IDs and counts are marks in the
+# cached templates, filled in per answer like the id.
+_PROMPT_MARK = "@@TRAJGATE_PROMPT@@"
+_PROMPT_TOKENS_MARK = "@@TRAJGATE_PROMPT_TOKENS@@"
+_TOTAL_TOKENS_MARK = "@@TRAJGATE_TOTAL_TOKENS@@"
+_SAMPLED_TEXT = re.compile(r"(?: t\d+)+")  # an answer of this emulator: " t<id>" per token
 _MAX_HEAD_BYTES = 64 * 1024
 
 
@@ -63,7 +78,20 @@ class EmulatorSettings(ConfigFileSettings):
     port: int = Field(default=8200, ge=0, le=65535, description="Port; 0 picks a free one.")
     model: str = Field(default="emulated", description="Model name reported in responses.")
     prompt_tokens: int = Field(
-        default=1000, ge=1, description="Length of every prompt's token ids (tokens)."
+        default=1000,
+        ge=1,
+        description="Length of every prompt's token ids (tokens); with prompt_ids='messages', "
+        "of each message that is not one of the emulator's own answers.",
+    )
+    prompt_ids: Literal["fixed", "messages"] = Field(
+        default="fixed",
+        description="'fixed': every prompt is the same prompt_tokens seeded ids (a proxy "
+        "benchmark: nothing is rendered per request). 'messages': the ids follow the messages "
+        "like a chat template's, message by message: an assistant message whose content is "
+        "one of the emulator's own answers (' t<id>' per token) renders to exactly those ids, "
+        "any other message to prompt_tokens ids seeded by its role and content; so a next turn "
+        "extends the previous prompt + response and a rewritten history breaks it, as with a "
+        "real engine (the fleet audit of trajgate.bench.fleet needs this).",
     )
     response_tokens: int = Field(
         default=200,
@@ -113,6 +141,31 @@ class ResponseBook:
         self._choices: dict[int, tuple[list[int], list[float]]] = {}
         self._templates: dict[_Shape, list[bytes]] = {}
         self.token_times: collections.deque[list[float]] = collections.deque(maxlen=64)
+        # Cleared: streams wait after their first token (``EmulatorThread.stall_streams``);
+        # touched only from the serving loop.
+        self.streams_flow = asyncio.Event()
+        self.streams_flow.set()
+
+    def prompt_of(self, body: dict[str, Any]) -> list[int]:
+        """The prompt's IDs ``[P]`` for a request ``body`` (see ``prompt_ids``); raises
+        ``ValueError`` when ``prompt_ids="messages"`` and ``messages`` is not a list of objects."""
+        if self.settings.prompt_ids == "fixed":
+            return self.prompt_ids
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of objects")
+        ids: list[int] = []
+        for message in messages:
+            role, content = message.get("role"), message.get("content")
+            sampled = isinstance(content, str) and _SAMPLED_TEXT.fullmatch(content)
+            if role == "assistant" and sampled:  # the inverse of ``_text``
+                ids += [int(word[1:]) for word in str(content).split()]
+                continue
+            rng = random.Random(f"{self.settings.seed}:{role}:{_dumps(content).decode()}")
+            ids += [
+                rng.randrange(self.settings.vocab_size) for _ in range(self.settings.prompt_tokens)
+            ]
+        return ids
 
     def choice_tokens(self, choice_index: int) -> tuple[list[int], list[float]]:
         """Sampled ids ``[T]`` and their logprobs ``[T]`` (nats, < 0) of one choice."""
@@ -147,8 +200,11 @@ class ResponseBook:
             finish_reason=finish_reason,
         )
 
-    def render(self, shape: _Shape, request_id: str, created_s: int) -> list[bytes]:
-        """The answer's bytes: one JSON body, or one ``data: ...\\n\\n`` event per SSE chunk."""
+    def render(
+        self, shape: _Shape, request_id: str, created_s: int, prompt: list[int] | None = None
+    ) -> list[bytes]:
+        """The answer's bytes: one JSON body, or one ``data: ...\\n\\n`` event per SSE chunk;
+        ``prompt`` (``prompt_of``) is needed when ``prompt_ids="messages"``."""
         templates = self._templates.get(shape)
         if templates is None:
             templates = self._build(shape)
@@ -156,9 +212,32 @@ class ResponseBook:
         id_bytes = request_id.encode()
         created = str(created_s).encode()
         mark_id, mark_created = _ID_MARK.encode(), f'"{_CREATED_MARK}"'.encode()
-        return [
+        parts = [
             t.replace(mark_id, id_bytes, 1).replace(mark_created, created, 1) for t in templates
         ]
+        if self.settings.prompt_ids == "fixed":
+            return parts
+        if prompt is None:
+            raise ValueError("prompt_ids='messages' renders each answer with its prompt")
+        total = len(prompt) + shape.completion_tokens * shape.n
+        fills = [
+            (f'"{_PROMPT_MARK}"'.encode(), _dumps(prompt)),
+            (f'"{_PROMPT_TOKENS_MARK}"'.encode(), str(len(prompt)).encode()),
+            (f'"{_TOTAL_TOKENS_MARK}"'.encode(), str(total).encode()),
+        ]
+        for mark, value in fills:
+            parts = [part.replace(mark, value) for part in parts]
+        return parts
+
+    def _prompt_fields(self, shape: _Shape) -> tuple[Any, Any, Any]:
+        """``(prompt_token_ids, usage prompt_tokens, usage total_tokens)`` of a template: the
+        values themselves, or with ``prompt_ids="messages"`` the marks ``render`` fills."""
+        if self.settings.prompt_ids == "messages":
+            marked = _PROMPT_MARK if shape.return_token_ids else None
+            return marked, _PROMPT_TOKENS_MARK, _TOTAL_TOKENS_MARK
+        prompt = self.settings.prompt_tokens
+        ids = self.prompt_ids if shape.return_token_ids else None
+        return ids, prompt, prompt + shape.completion_tokens * shape.n
 
     def _build(self, shape: _Shape) -> list[bytes]:
         if shape.stream:
@@ -210,7 +289,7 @@ class ResponseBook:
                 }
             )
         completion = shape.completion_tokens * shape.n
-        prompt = self.settings.prompt_tokens
+        prompt_ids, prompt, total = self._prompt_fields(shape)
         return {
             **self._head("chat.completion"),
             "choices": choices,
@@ -218,13 +297,13 @@ class ResponseBook:
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": {
                 "prompt_tokens": prompt,
-                "total_tokens": prompt + completion,
+                "total_tokens": total,
                 "completion_tokens": completion,
                 "prompt_tokens_details": None,
                 "completion_tokens_details": None,
             },
             "prompt_logprobs": None,
-            "prompt_token_ids": self.prompt_ids if shape.return_token_ids else None,
+            "prompt_token_ids": prompt_ids,
             "prompt_text": None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
@@ -234,13 +313,14 @@ class ResponseBook:
     def _chunks(self, shape: _Shape) -> list[dict[str, Any]]:
         kind = "chat.completion.chunk"
         chunks: list[dict[str, Any]] = []
+        prompt_ids, prompt, total = self._prompt_fields(shape)
         for index in range(shape.n):
             first = {"index": index, "delta": {"role": "assistant", "content": ""}}
             chunks.append(
                 {
                     **self._head(kind),
                     "choices": [{**first, "logprobs": None, "finish_reason": None}],
-                    "prompt_token_ids": self.prompt_ids if shape.return_token_ids else None,
+                    "prompt_token_ids": prompt_ids,
                     "prompt_text": None,
                 }
             )
@@ -269,14 +349,13 @@ class ResponseBook:
                 chunks.append(chunk)
         if shape.include_usage:
             completion = shape.completion_tokens * shape.n
-            prompt = self.settings.prompt_tokens
             chunks.append(
                 {
                     **self._head(kind),
                     "choices": [],
                     "usage": {
                         "prompt_tokens": prompt,
-                        "total_tokens": prompt + completion,
+                        "total_tokens": total,
                         "completion_tokens": completion,
                     },
                     "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -373,12 +452,13 @@ class _Connection(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
             shape = self.book.shape_of(body)
+            prompt = self.book.prompt_of(body)
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             self._send(*_error(400, str(exc)))
             return
         settings = self.book.settings
         started = time.monotonic()
-        parts = self.book.render(shape, f"chatcmpl-{os.urandom(8).hex()}", int(time.time()))
+        parts = self.book.render(shape, f"chatcmpl-{os.urandom(8).hex()}", int(time.time()), prompt)
         first_at = started + settings.ttft_ms / 1000.0
         gap_s = settings.inter_token_ms / 1000.0
         if not shape.stream:
@@ -390,7 +470,8 @@ class _Connection(asyncio.Protocol):
         head += b"transfer-encoding: chunked\r\n\r\n"
         token_times: list[float] = []
         self.book.token_times.append(token_times)
-        if gap_s == 0:
+        flowing = self.book.streams_flow.is_set()
+        if gap_s == 0 and flowing:
             token_times += [time.monotonic()] * shape.completion_tokens
             self._write(head + b"".join(_chunked(part) for part in parts) + b"0\r\n\r\n")
             return
@@ -398,6 +479,8 @@ class _Connection(asyncio.Protocol):
         first_batch = 2 * shape.n
         token_times.append(time.monotonic())
         self._write(head + b"".join(_chunked(part) for part in parts[:first_batch]))
+        if not flowing:
+            await self.book.streams_flow.wait()
         last_position = shape.completion_tokens - 1
         for offset, part in enumerate(parts[first_batch:]):
             # Token chunks at positions 1..T-1; the usage chunk and [DONE] follow the last one.
@@ -478,6 +561,28 @@ class EmulatorThread:
         if self._task is not None:
             self._loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(timeout=10)
+
+    def stall_streams(self) -> None:
+        """From now on (returns once in effect), every streamed answer that starts stops after
+        its first token until ``resume_streams``: what an engine that stopped sampling looks
+        like to the gateway. Streams already past their first token, and answers that are not
+        streamed, are not held."""
+        self._in_loop(self.book.streams_flow.clear)
+
+    def resume_streams(self) -> None:
+        """Stalled streams go on (their missed token times have passed: they flush at once)."""
+        self._in_loop(self.book.streams_flow.set)
+
+    def _in_loop(self, action: Callable[[], None]) -> None:
+        done = threading.Event()
+
+        def run() -> None:
+            action()
+            done.set()
+
+        self._loop.call_soon_threadsafe(run)
+        if not done.wait(10):
+            raise RuntimeError(f"emulator on {self.url} did not answer within 10 s")
 
 
 def main() -> None:

@@ -13,11 +13,14 @@ steps). Used by tests/test_replicas.py, tests/test_fleet_routing.py and ``trajga
 
 Never: used by the gateway itself; it is the harness that proves the gateway stateless.
 
-The emulator answers every call with the same prompt IDs ``P`` and response IDs ``R``, so step
-k+1's prompt never extends ``P + R`` of step k: every step after the first is a prefix break
-whose parent must be the latest earlier ``ok`` step of the trajectory, in database order. A
-replica that chose parents or step indices from its own memory would get this wrong as soon as
-another replica wrote the previous step.
+Each agent carries its conversation (every earlier question and answer, then the new question),
+so with the emulator's ``prompt_ids="messages"`` turn k+1's prompt extends turn k's prompt +
+response, and an agent's retry of a call whose step committed on a killed replica is a fork at the
+same prompt. The audit recomputes every step's lineage with the pool's own rule
+(``datapool.steps.prefix.choose_parent``) over the trajectory's earlier stored steps in database
+order, so a replica that chose parents or step indices from its own memory would be caught as
+soon as another replica wrote the previous step. (With the emulator's default fixed prompt every
+call repeats turn 0's prompt: all steps are forks of it, parentless, and the check is trivial.)
 """
 
 from __future__ import annotations
@@ -32,16 +35,18 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import httpx
-from sqlalchemy import select
 
 from datapool.db import make_engine
-from datapool.models import Step
+from datapool.models import StepOutcome
+from datapool.settings import PoolSettings
+from datapool.steps.prefix import Candidate, Lineage, choose_parent
+from datapool.steps.store import PoolStore, StoredStep
 from trajgate.bench.gateway import free_port
 from trajgate.bench.ring import HashRing, routing_key
 
@@ -241,8 +246,9 @@ async def drive(
     """Run ``turns`` calls per trajectory, in order, ``concurrency`` trajectories at a time.
 
     Keep-alive is off: every call opens a connection, so a round-robin balancer sends each call
-    of a trajectory to another replica. A failed call (connection error, 5xx) is retried after
-    a short pause, as an agent runtime would.
+    of a trajectory to another replica. Each call sends the conversation so far (questions and
+    the answers delivered) plus a new question. A failed call (connection error, 5xx) is retried
+    unchanged after a short pause, as an agent runtime would.
     """
     result = DriveResult()
     pending = list(reversed(trajectory_ids))
@@ -251,11 +257,10 @@ async def drive(
     async def agent(client: httpx.AsyncClient) -> None:
         while pending:
             trajectory_id = pending.pop()
+            messages: list[dict[str, Any]] = []
             for turn in range(turns):
-                body: dict[str, Any] = {
-                    "model": "emulated",
-                    "messages": [{"role": "user", "content": f"{trajectory_id} turn {turn}"}],
-                }
+                messages = [*messages, {"role": "user", "content": f"{trajectory_id} turn {turn}"}]
+                body: dict[str, Any] = {"model": "emulated", "messages": messages}
                 if max_tokens is not None:
                     body["max_tokens"] = max_tokens
                 for _attempt in range(retries):
@@ -270,6 +275,8 @@ async def drive(
                             if step_id in result.delivered:
                                 result.delivered_twice += 1
                             result.delivered[step_id] = trajectory_id
+                        answer = response.json()["choices"][0]["message"]
+                        messages = [*messages, {"role": "assistant", "content": answer["content"]}]
                         break
                     result.failed_attempts += 1
                     await asyncio.sleep(0.05)
@@ -292,7 +299,10 @@ class Audit:
     duplicated: int  # rows sharing (trajectory, step_index, choice) + ids delivered twice
     undelivered: int  # committed steps whose answer never reached an agent (killed replica)
     index_gaps: int  # trajectories whose step indices are not exactly 0..n-1
-    wrong_parents: int  # steps whose parent is not the latest earlier ok step
+    # steps whose parent (or whether they extend it) is not what the pool's lineage rule gives
+    # over the trajectory's earlier steps (``expected_lineage``)
+    wrong_parents: int
+    extending: int  # steps stored with a parent they extend (0 when every prompt is the same)
     # trajectories written by more than one replica (each replica is configured with its own
     # spelling of the upstream URL, recorded on every step it writes)
     spread_trajectories: int
@@ -301,52 +311,71 @@ class Audit:
         return dict(self.__dict__)
 
 
-def audit(database_url: str, trajectory_ids: list[str], result: DriveResult) -> Audit:
-    """Check the pool against ``result`` (see ``Audit``); reads the database only."""
-    engine = make_engine(database_url)
+def audit(pool: PoolSettings, trajectory_ids: list[str], result: DriveResult) -> Audit:
+    """Check the pool of ``pool`` against ``result`` (see ``Audit``); reads the database and
+    the token payloads only."""
+    engine = make_engine(pool.resolved_database_url())
     try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                select(
-                    Step.id,
-                    Step.trajectory_id,
-                    Step.step_index,
-                    Step.choice_index,
-                    Step.parent_step_id,
-                    Step.outcome,
-                    Step.upstream,
-                ).where(Step.trajectory_id.in_(trajectory_ids))
-            ).all()
+        store = PoolStore(engine, pool)
+        by_trajectory = {tid: store.steps_of(tid) for tid in trajectory_ids}
     finally:
         engine.dispose()
-    stored = {row[0] for row in rows}
-    by_trajectory: dict[str, list[Any]] = defaultdict(list)
-    for row in rows:
-        by_trajectory[row[1]].append(row)
-    keys = [(row[1], row[2], row[3]) for row in rows]
+    steps = [step for trajectory in by_trajectory.values() for step in trajectory]
+    stored = {step.id for step in steps}
+    keys = [(step.trajectory_id, step.step_index, step.choice_index) for step in steps]
     gaps = 0
     wrong_parents = 0
-    for steps in by_trajectory.values():
-        steps.sort(key=lambda row: (row[2], row[3]))
-        if sorted({row[2] for row in steps}) != list(range(len({row[2] for row in steps}))):
+    for trajectory in by_trajectory.values():
+        indices = sorted({step.step_index for step in trajectory})
+        if indices != list(range(len(indices))):
             gaps += 1
-        latest_ok: str | None = None
-        for row in steps:
-            if row[4] != latest_ok:
+        expected = expected_lineage(trajectory)
+        for step in trajectory:
+            lineage = expected[step.id]
+            if (step.parent_step_id, step.extends_parent) != (
+                lineage.parent_step_id,
+                lineage.extends_parent,
+            ):
                 wrong_parents += 1
-            if row[5] == "ok":
-                latest_ok = row[0]
     return Audit(
-        steps=len(rows),
+        steps=len(steps),
         lost=len(set(result.delivered) - stored),
         duplicated=len(keys) - len(set(keys)) + result.delivered_twice,
         undelivered=len(stored - set(result.delivered)),
         index_gaps=gaps,
         wrong_parents=wrong_parents,
+        extending=sum(1 for step in steps if step.parent_step_id and step.extends_parent),
         spread_trajectories=sum(
-            1 for steps in by_trajectory.values() if len({row[6] for row in steps}) > 1
+            1 for trajectory in by_trajectory.values() if len({s.upstream for s in trajectory}) > 1
         ),
     )
+
+
+def expected_lineage(steps: Sequence[StoredStep]) -> dict[str, Lineage]:
+    """Each step's lineage by the pool's rule, recomputed from ``steps`` (one trajectory, in
+    step then choice order, with their token IDs): an ok call with prompt IDs gets
+    ``prefix.choose_parent`` over the earlier ok steps that have prompt and response IDs; any
+    other call hangs on the previous call's first step, without ``extends_parent``. The choices
+    of one call share its lineage."""
+    expected: dict[str, Lineage] = {}
+    candidates: list[Candidate] = []
+    latest: str | None = None
+    for step_index, group in itertools.groupby(steps, key=lambda step: step.step_index):
+        choices = list(group)
+        prompt = choices[0].prompt_token_ids
+        if choices[0].outcome == StepOutcome.OK and prompt is not None:
+            lineage = choose_parent(candidates, prompt)
+        else:
+            lineage = Lineage(latest, None, None)
+        for step in choices:
+            expected[step.id] = lineage
+            response = step.response_token_ids
+            if step.outcome == StepOutcome.OK and prompt is not None and response is not None:
+                candidates.append(
+                    Candidate(step.id, [*prompt, *response], len(prompt), step_index, lineage)
+                )
+        latest = choices[0].id
+    return expected
 
 
 def ensure_postgres_database(url: str) -> None:
@@ -494,7 +523,8 @@ def bench_gateways(
                 # the killed gateway's processes may linger as zombies: count them once
                 survivors = pids[1:] if kill else pids
                 cpu_s = process_tree_cpu_s(survivors) + killed_cpu_s - cpu_before_s
-                report = audit(database_url, ids, result)
+                pool = PoolSettings(database_url=database_url, data_dir=work_dir / "data")
+                report = audit(pool, ids, result)
                 steps = len(result.delivered)
                 runs.append(
                     {
