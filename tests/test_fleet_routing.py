@@ -20,6 +20,7 @@ from tests_support import free_port
 
 from datapool.db import make_engine
 from datapool.models import Step
+from datapool.settings import PoolSettings
 from trajgate.bench.fleet import Balancer, DriveResult, audit, drive, start_emulator, start_gateway
 from trajgate.bench.ring import HashRing, routing_key
 
@@ -122,7 +123,7 @@ def test_sticky_balancer_keeps_each_trajectory_on_one_gateway_and_moves_it_once_
 
     assert result.gave_up == 0
     assert len(result.delivered) == TRAJECTORIES * TURNS
-    report = audit(postgres_url, ids, result)
+    report = audit(PoolSettings(database_url=postgres_url, data_dir=tmp_path / "data"), ids, result)
     assert (report.lost, report.duplicated, report.index_gaps) == (0, 0, 0), report
     engine = make_engine(postgres_url)
     with engine.connect() as conn:

@@ -21,6 +21,7 @@ from tests_support import free_port
 
 from datapool.db import make_engine
 from datapool.models import Trajectory
+from datapool.settings import PoolSettings
 from trajgate.bench.fleet import audit, drive, start_emulator, start_gateway
 
 CALLS = 40
@@ -174,7 +175,8 @@ def test_two_workers_on_sqlite_store_every_step_once_in_order(
         # 8 trajectories x 5 turns, 8 agents at once, a new connection per call
         result = asyncio.run(drive(f"http://127.0.0.1:{port}", ids, 5, CONCURRENCY))
         assert result.gave_up == 0 and len(result.delivered) == 8 * 5
-        report = audit(database_url, ids, result)
+        pool = PoolSettings(database_url=database_url, data_dir=tmp_path / "data")
+        report = audit(pool, ids, result)
         assert (report.lost, report.duplicated, report.index_gaps) == (0, 0, 0), report
         # read while the workers run: a worker that stops cleanly releases its claims. Both
         # wrote, barring a starved worker (40 connections, 8 at a time, both workers up).
