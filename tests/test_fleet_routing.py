@@ -133,9 +133,9 @@ def test_sticky_balancer_keeps_each_trajectory_on_one_gateway_and_moves_it_once_
             )
         ).all()
     engine.dispose()
-    writers: dict[str, list[str]] = defaultdict(list)
-    for trajectory_id, _index, upstream in sorted(rows, key=lambda row: (row[0], row[1])):
-        writers[trajectory_id].append(upstream)
+    writers: dict[str, list[str | None]] = defaultdict(list)
+    for written, _index, writer in sorted(rows, key=lambda row: (row[0], row[1])):
+        writers[written].append(writer)
     for trajectory_id, sequence in writers.items():
         owner = ring.order(trajectory_id.encode())[0]
         if owner == f"127.0.0.1:{ports[survivor]}":  # the survivor's trajectories never moved
