@@ -122,7 +122,10 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
 
     from gateway.streaming import sse_data
 
-    body = b'data: {"a":1}\r\n\r\n: comment\n\ndata: x\ndata: y\n\ndata: [DONE]\n\n'
+    body = (
+        b'data: {"a":1}\r\n\r\n: comment\n\ndata: x\r\ndata: y\r\n\r\n'
+        b"event: e\rdata:z\r\rid: 1\n\ndata\n\ndata: [DONE]\n\n"
+    )
 
     async def read(chunk_size: int) -> list[bytes]:
         async def chunks() -> AsyncIterator[bytes]:
@@ -139,9 +142,11 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
         ):
             return [data async for data in sse_data(response)]
 
-    # CRLF, a comment, and two data lines of one event joined by a newline.
-    expected = [b'{"a":1}', b"x\ny", b"[DONE]"]
-    for size in (1, 3, 7, len(body)):
+    # CRLF, a comment, two data lines of one event joined by a newline (their CRLFs split
+    # between reads when read byte by byte), CR endings, a field without data (no event), a
+    # "data" line without a colon (an empty payload).
+    expected = [b'{"a":1}', b"x\ny", b"z", b"", b"[DONE]"]
+    for size in (1, 2, 3, 7, len(body)):
         assert asyncio.run(read(size)) == expected
 
 
