@@ -349,10 +349,10 @@ async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse
         return await upstream_refused(state, call, upstream)
     if not call.prepared.stream:
         return await finish_unary(state, call, upstream)
-    events, first = await call.ticket.guard(first_event(state, call, upstream))
+    reads, first = await call.ticket.guard(first_event(state, call, upstream))
     call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
     streaming = StreamingResponse(
-        relay_stream(state, call, upstream, events, first),
+        relay_stream(state, call, upstream, reads, first),
         media_type=response.headers.get("content-type", "text/event-stream"),
         headers=call.headers(call.step_ids, committed=False),
     )

@@ -16,6 +16,7 @@ bytes whatever the cuts, with the ids and logprobs hidden.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections.abc import AsyncIterator
@@ -74,7 +75,7 @@ def cuts(size: int, variant: str) -> list[int]:
 
 def pieces(data: bytes, offsets: list[int]) -> list[bytes]:
     bounds = [0, *offsets, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class ChoppingUpstream:
@@ -116,7 +117,8 @@ def upstream_tokens(sent: bytes) -> tuple[list[int], list[float]]:
             continue
         for choice in json.loads(payload)["choices"]:
             ids += choice.get("token_ids") or []
-            logprobs += [entry["logprob"] for entry in (choice["logprobs"] or {}).get("content", [])]
+            entries = (choice["logprobs"] or {}).get("content", [])
+            logprobs += [entry["logprob"] for entry in entries]
     return ids, logprobs
 
 
