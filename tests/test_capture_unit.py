@@ -238,3 +238,21 @@ def test_every_dialect_path_is_served_by_url_and_by_header() -> None:
         for path in dialect.client_paths:
             assert (f"/v1{path}", ("POST",)) in served
             assert (f"/t/{{trajectory_id}}/v1{path}", ("POST",)) in served
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"[9223372036854775807, -9223372036854775808]",  # 64-bit limits: orjson is exact
+        b"[18446744073709551616, -9223372036854775809]",  # past them: orjson would give floats
+        b'{"ids": [123456789012345678901234]}',
+        b"[0.12345678901234567890123, 1234567890123456789.5, 1234567890123456789e2]",
+        b'{"content": "12345678901234567890", "n": 1}',  # a digit run inside a string
+        b"[NaN, 1.5]",  # json's extension beyond the standard
+    ],
+)
+def test_loads_gives_what_json_loads_gives(text: bytes) -> None:
+    from gateway.capture import loads
+
+    parsed, expected = loads(text), json.loads(text)
+    assert repr(parsed) == repr(expected)  # repr: an int and an equal float differ, NaN != NaN
