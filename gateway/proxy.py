@@ -303,7 +303,7 @@ async def new_call(
         resend_of = await pool_lookup(
             state,
             find_resend,
-            state.store.sessions,
+            state.store.engine,
             attribution.trajectory_id,
             digest,
             state.settings.resend_window_s,
