@@ -542,7 +542,10 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
     if replica.system_fingerprint is None:
         replica.system_fingerprint = captured.system_fingerprint
     client_answer = dialect.client_answer(call.prepared, answer)
-    call.add_attempt(replica, StepOutcome.OK, status_code=200, response_body=client_answer)
+    # The answer is kept for Idempotency-Key replays (``find_replay`` looks up only by key):
+    # a call without a key is never replayed, so its answer is not written twice.
+    response_body = client_answer if call.idempotency_key else None
+    call.add_attempt(replica, StepOutcome.OK, status_code=200, response_body=response_body)
     record = call.record(
         replica,
         captured.choices,
