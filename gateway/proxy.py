@@ -36,7 +36,7 @@ from gateway.attribution import (
     read_json_object,
 )
 from gateway.call import Call, commit, fail_call, failed_choice
-from gateway.capture import loads, request_hash
+from gateway.capture import dumps, loads, request_hash
 from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
 from gateway.dialects.messages import Messages, count_tokens
 from gateway.dialects.messages_render import upstream_error
@@ -60,6 +60,7 @@ log = logging.getLogger("trajgate.proxy")
 T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+JSON_CONTENT = {"content-type": "application/json"}
 
 
 router = APIRouter()
@@ -530,7 +531,13 @@ def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx
         )
     )
     return state.client.build_request(
-        "POST", replica.url + call.dialect.upstream_path, json=call.upstream_body, timeout=timeout
+        "POST",
+        replica.endpoint(call.dialect.upstream_path),
+        # orjson (``capture.dumps``) rather than httpx's json.dumps: the same JSON values, at
+        # a fraction of the CPU for a long conversation
+        content=dumps(call.upstream_body),
+        headers=JSON_CONTENT,
+        timeout=timeout,
     )
 
 

@@ -19,7 +19,7 @@ import hashlib
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import httpx
@@ -41,6 +41,16 @@ class Replica:
     # Whether the replica returns token ids when asked (probed once it is healthy): None until
     # known. A replica that answers without them is never routed to (case C06).
     returns_token_ids: bool | None = None
+    # Parsed once per path: httpx parses a URL string on every request (its host as an IP
+    # address included), a measurable share of a call's CPU.
+    _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
+
+    def endpoint(self, path: str) -> httpx.URL:
+        """The replica's URL of ``path`` (``/v1/chat/completions``)."""
+        url = self._endpoints.get(path)
+        if url is None:
+            url = self._endpoints[path] = httpx.URL(self.url + path)
+        return url
 
 
 class InFlight:
