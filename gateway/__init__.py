@@ -17,8 +17,9 @@ Modules:
 - ``capture``: the dialect-independent checks of a captured call (``integrity_flags``,
   ``quality_flags``, ``check_against_usage``), exact JSON (``loads``, ``dumps``) and the re-send
   hash (``request_hash``).
-- ``streaming``: reading an upstream SSE stream (``sse_data``) and relaying it to the client
-  while the dialect captures it (``first_event``, ``relay_stream``, ``record_stream``).
+- ``streaming``: reading an upstream SSE stream in bytes (``SSEPayloads``, ``sse_reads``) and
+  relaying it to the client, one write per upstream read, while the dialect captures it
+  (``first_event``, ``relay_stream``, ``record_stream``).
 - ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
   before any upstream call.
 - ``upstreams``: the vLLM replicas: choosing one per call, health checks, the token-ID probe

@@ -42,11 +42,16 @@ from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
+from gateway.sockets import use_asyncio_sockets
 from gateway.state import GatewayState, StateDep
-from gateway.upstreams import UpstreamPool
+from gateway.upstreams import ClientShards, UpstreamPool
 from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 
 log = logging.getLogger("trajgate.gateway")
+
+# Connection pools the model calls are spread over (``gateway.upstreams.ClientShards``): 64
+# calls in flight keep about 4 on each.
+CALL_CLIENT_SHARDS = 16
 
 
 def create_app(
@@ -119,7 +124,8 @@ async def _running_state(
         store.sessions, alias=settings.policy_alias, default_version=settings.policy_version
     )
     await run_in_threadpool(policy.refresh)
-    async with _upstream_client(settings, upstream_transport) as client:
+    make_client = partial(_upstream_client, settings, upstream_transport)
+    async with make_client() as client, ClientShards(make_client, CALL_CLIENT_SHARDS) as shards:
         hooks = CompletionHooks(store)
         state = GatewayState(
             settings,
@@ -133,6 +139,7 @@ async def _running_state(
         state.writer = writer
         state.hooks = hooks
         state.worker_dir = worker_dir
+        state.call_clients = shards
         # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
         # the start before any task runs. With several workers the parent holds the port and
         # asks each worker's peer thread for its heartbeat.
@@ -169,14 +176,18 @@ async def _running_state(
 def _upstream_client(
     settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None
 ) -> httpx.AsyncClient:
-    """The one HTTP client for every upstream call: the read timeout is the silence allowed
-    between stream chunks; no cap on connections (the replicas' queues are the limit)."""
+    """An HTTP client for upstream calls: the read timeout is the silence allowed between
+    stream chunks; no cap on connections (the replicas' queues are the limit)."""
     timeout = httpx.Timeout(
         settings.upstream_total_timeout_s,
         connect=settings.upstream_connect_timeout_s,
         read=settings.upstream_between_chunks_timeout_s,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    if transport is None:
+        network = httpx.AsyncHTTPTransport(limits=limits)
+        use_asyncio_sockets(network)  # per-read CPU: see gateway.sockets
+        transport = network
     return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
 
 

@@ -1,11 +1,16 @@
 """Relaying an upstream stream to the client while its dialect captures every sampled token.
 
-Owns: reading the upstream's server-sent events (``sse_data``), waiting for the first one before
-answering (``first_event``: a slow first byte is still a clean 504), the relay loop with its time
-limits (``relay_stream``), and recording the stream's steps before its last events go out
-(``record_stream``). Never: interprets an event (the call's ``DialectStream`` does), buffers
-events that are not terminal (each is flushed as soon as the dialect hands it back: case C10), or
-retries (bytes may already have reached the client).
+Owns: reading the upstream's server-sent events (``SSEPayloads``, ``sse_reads``), waiting for
+the first one before answering (``first_event``: a slow first byte is still a clean 504), the
+relay loop with its time limits (``relay_stream``), and recording the stream's steps before its
+last events go out (``record_stream``). Never: interprets an event (the call's ``DialectStream``
+does), buffers events that are not terminal (what one upstream read completes is flushed as one
+write as soon as the dialect hands it back: case C10), or retries (bytes may already have
+reached the client).
+
+The work is done once per upstream read, not once per event: one read often completes several
+events (a loaded gateway, a fast engine), which are split in bytes (never decoded to text), fed
+to the dialect in order and sent to the client in one write.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -21,7 +26,6 @@ from dataclasses import replace
 
 import anyio
 import httpx
-from httpx_sse import EventSource
 
 from datapool.models import StepOutcome
 from gateway.call import Call, commit, fail_call
@@ -34,34 +38,96 @@ from gateway.weight_update import ABORTED_FOR_WEIGHT_UPDATE, CallAborted, aborte
 
 log = logging.getLogger("trajgate.proxy")
 
+DONE = b"[DONE]"
+
+
+class SSEPayloads:
+    """The ``data`` payloads of a server-sent event stream fed in arbitrary pieces, in bytes.
+
+    The SSE rules (WHATWG HTML, "Interpreting an event stream"): a line ends at CRLF, LF or CR
+    (a CRLF split between two pieces included); a line starting with ``:`` is a comment; a
+    ``data`` line adds its value (one leading space removed) to the event's data, several
+    ``data`` lines are joined by ``\n``; a blank line ends the event, which is dispatched only
+    when it had a ``data`` line; other fields (``event``, ``id``, ``retry``) are read past; an
+    unfinished event at the end of the stream is dropped. Bytes are never decoded: a UTF-8
+    sequence holds no CR or LF byte, so a piece boundary inside one is kept as is.
+    """
+
+    def __init__(self) -> None:
+        self._tail = b""  # the unfinished line (never holds a CR: pieces are normalised first)
+        self._data: list[bytes] | None = None  # the current event's data lines
+        self._skip_lf = False  # the last piece ended in CR: a LF starting the next one is its pair
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        """The payloads of the events ``piece`` completes, in order (often none or one)."""
+        if self._skip_lf:
+            self._skip_lf = False
+            if piece[:1] == b"\n":
+                piece = piece[1:]
+        if b"\r" in piece:
+            self._skip_lf = piece.endswith(b"\r")
+            piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        end = piece.rfind(b"\n")
+        if end < 0:
+            self._tail += piece
+            return []
+        lines = (self._tail + piece[:end]).split(b"\n") if self._tail else piece[:end].split(b"\n")
+        self._tail = piece[end + 1 :]
+        payloads: list[bytes] = []
+        data = self._data
+        for line in lines:
+            if not line:
+                if data is not None:
+                    payloads.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    data = None
+            elif line.startswith(b"data:"):
+                value = line[6:] if line[5:6] == b" " else line[5:]
+                if data is None:
+                    data = [value]
+                else:
+                    data.append(value)
+            elif line == b"data":  # a field name without a colon has an empty value
+                data = [b""] if data is None else [*data, b""]
+        self._data = data
+        return payloads
+
+
+async def sse_reads(response: httpx.Response) -> AsyncIterator[list[bytes]]:
+    """The ``data`` payloads of ``response``'s server-sent events, one list per read that
+    completed at least one event. A silence longer than the client's read timeout raises
+    ``httpx.ReadTimeout`` from here."""
+    parser = SSEPayloads()
+    async for piece in response.aiter_bytes():
+        payloads = parser.feed(piece)
+        if payloads:
+            yield payloads
+
 
 async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The ``data`` payload of each server-sent event of ``response``, in order, as UTF-8 bytes.
-
-    Parsing is httpx-sse's (the SSE rules: line endings, multi-line data, comments); a silence
-    longer than the client's read timeout raises ``httpx.ReadTimeout`` from here.
-    """
-    async for event in EventSource(response).aiter_sse():
-        yield event.data.encode()
+    """The ``data`` payload of each server-sent event of ``response``, in order."""
+    async for payloads in sse_reads(response):
+        for payload in payloads:
+            yield payload
 
 
 async def first_event(
     state: GatewayState, call: Call, upstream: ReplicaResponse
-) -> tuple[AsyncIterator[bytes], bytes | None]:
+) -> tuple[AsyncIterator[list[bytes]], list[bytes] | None]:
     """Wait for the stream's first event before answering, so a slow first byte is still a
     clean 504 (nothing has been sent) rather than an error inside a 200 stream.
 
-    Returns the upstream's payloads and the first one (None for an empty stream). Raises
-    ``UpstreamTimeoutError`` (504) or ``UpstreamError`` (502) after recording the failed call.
+    Returns the upstream's payloads per read (``sse_reads``) and the first read's (None for an
+    empty stream). Raises ``UpstreamTimeoutError`` (504) or ``UpstreamError`` (502) after
+    recording the failed call.
     """
     replica = upstream.replica
-    events = sse_data(upstream.response)
+    reads = sse_reads(upstream.response)
     limit_s = state.settings.upstream_first_byte_timeout_s
     try:
         with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
-            return events, await events.__anext__()
+            return reads, await reads.__anext__()
     except StopAsyncIteration:
-        return events, None
+        return reads, None
     except (TimeoutError, httpx.HTTPError) as exc:
         await upstream.aclose()
         timeout = isinstance(exc, TimeoutError | httpx.TimeoutException)
@@ -79,18 +145,18 @@ class StreamTimedOut(Exception):
     """The upstream went silent too long, or the whole stream outlasted its limit."""
 
 
-async def next_payload(
-    settings: GatewaySettings, events: AsyncIterator[bytes], deadline: float
-) -> bytes | None:
-    """The upstream's next payload, None at the end of its stream.
+async def next_read(
+    settings: GatewaySettings, reads: AsyncIterator[list[bytes]], deadline: float
+) -> list[bytes] | None:
+    """The payloads of the upstream's next read, None at the end of its stream.
 
-    Time limits cost nothing per chunk: the silence between chunks is the HTTP client's read
+    Time limits cost nothing per read: the silence between chunks is the HTTP client's read
     timeout (``upstream_between_chunks_timeout_s``), and the total limit (``deadline``, a
-    ``time.perf_counter`` value) is checked as each chunk arrives (a stream that goes silent just
+    ``time.perf_counter`` value) is checked as each read arrives (a stream that goes silent just
     before it ends one silence limit later). Raises ``StreamTimedOut`` with the limit it broke.
     """
     try:
-        data = await events.__anext__()
+        payloads = await reads.__anext__()
     except StopAsyncIteration:
         return None
     except httpx.TimeoutException as exc:
@@ -99,17 +165,18 @@ async def next_payload(
     if time.perf_counter() > deadline:
         limit_s = settings.upstream_total_timeout_s
         raise StreamTimedOut(f"upstream stream took longer than {limit_s:.3g} s in all")
-    return data
+    return payloads
 
 
 async def relay_stream(
     state: GatewayState,
     call: Call,
     upstream: ReplicaResponse,
-    events: AsyncIterator[bytes],
-    first: bytes | None,
+    reads: AsyncIterator[list[bytes]],
+    first: list[bytes] | None,
 ) -> AsyncIterator[bytes]:
-    """Yield the client's SSE events as the upstream's arrive; commit before the last ones.
+    """Yield the client's SSE bytes as the upstream's arrive, one write per upstream read;
+    commit before the last ones.
 
     A client disconnect closes the upstream response (vLLM aborts the request) and records the
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with the
@@ -120,28 +187,35 @@ async def relay_stream(
     replica = upstream.replica
     metrics = state.metrics
     stream = call.dialect.open_stream(call.prepared, replica.system_fingerprint)
+    feed = stream.feed
     deadline = call.started + state.settings.upstream_total_timeout_s
     abort_reason: str | None = None
     ttft_ms: float | None = None
     finished = False
     try:
-        for event in stream.opening():
-            yield event
-        data: bytes | None = first  # first_event read it already
+        opening = stream.opening()
+        if opening:
+            yield b"".join(opening)
+        payloads: list[bytes] | None = first  # first_event read it already
         while True:
-            if data is None:
-                data = await call.ticket.guard(next_payload(state.settings, events, deadline))
-                if data is None:
+            if payloads is None:
+                payloads = await call.ticket.guard(next_read(state.settings, reads, deadline))
+                if payloads is None:
                     break
-            if data == b"[DONE]":
-                finished = True
-                break
-            for event in stream.feed(data):
-                yield event
+            out: list[bytes] = []
+            for data in payloads:
+                if data == DONE:
+                    finished = True
+                    break
+                out += feed(data)
+            if out:
+                yield out[0] if len(out) == 1 else b"".join(out)
             if ttft_ms is None and stream.first_token_seen:
                 ttft_ms = call.elapsed_ms()
                 metrics.ttft.labels(call.dialect.name).observe(ttft_ms / 1000)
-            data = None
+            if finished:
+                break
+            payloads = None
     except StreamTimedOut as exc:
         abort_reason = StepOutcome.UPSTREAM_TIMEOUT
         call.add_attempt(replica, abort_reason, status_code=200, error=str(exc))
@@ -168,8 +242,7 @@ async def relay_stream(
         # client knows to retry a call the pool could not keep.
         yield stream.error_event(not_recorded)
     elif abort_reason is None:
-        for event in stream.closing():
-            yield event
+        yield b"".join(stream.closing())
 
 
 async def record_stream(

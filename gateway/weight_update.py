@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
 import httpx
 
 from datapool.models import StepOutcome
@@ -75,11 +74,16 @@ class Ticket:
         self.held_ms = held_ms
         self.aborted = False
         self._gate = gate
-        self._scope: anyio.CancelScope | None = None
+        self._waiting: asyncio.Task[Any] | None = None  # the task inside ``guard``, if any
+        self._cut = False  # ``abort`` cancelled ``_waiting``: that cancellation is ours
         self._loop = asyncio.get_running_loop() if gate is not None else None
 
     async def guard(self, awaitable: Coroutine[Any, Any, T]) -> T:
         """Await ``awaitable`` unless the gate aborts this call first or meanwhile.
+
+        Called once per upstream read of a stream, so it costs no cancel scope: ``abort``
+        cancels the waiting task itself, and only that cancellation becomes ``CallAborted``
+        (one from elsewhere, a client gone, propagates as it came).
 
         Raises:
             CallAborted: aborted before or while awaiting (the awaitable was cancelled, which
@@ -88,19 +92,28 @@ class Ticket:
         if self.aborted:
             awaitable.close()
             raise CallAborted
-        with anyio.CancelScope() as scope:
-            self._scope = scope
-            try:
-                return await awaitable
-            finally:
-                self._scope = None
-        raise CallAborted  # only reached when the scope caught the gate's cancellation
+        if self._gate is None:  # released (sampling ended) or never admitted: never aborted
+            return await awaitable
+        task = asyncio.current_task()
+        self._waiting = task
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if not self._cut or task is None:
+                raise
+            self._cut = False
+            if task.uncancel() > 0:  # cancelled from elsewhere as well: that one wins
+                raise
+            raise CallAborted from None
+        finally:
+            self._waiting = None
 
     def abort(self) -> None:
         """Mark the call aborted and cut the upstream wait it is in, if any."""
         self.aborted = True
-        if self._scope is not None:
-            self._scope.cancel()
+        if self._waiting is not None and not self._cut:
+            self._cut = True
+            self._waiting.cancel()
 
     def release(self) -> None:
         if self._gate is not None:

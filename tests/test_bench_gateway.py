@@ -37,6 +37,7 @@ RUN_FIELDS = {
     "gateway_p99_ms",
     "added_p50_ms",
     "added_p99_ms",
+    "added_first_byte_p50_ms",
     "throughput_ratio",
     "steps_persisted",
     "steps_expected",

@@ -122,7 +122,10 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
 
     from gateway.streaming import sse_data
 
-    body = b'data: {"a":1}\r\n\r\n: comment\n\ndata: x\ndata: y\n\ndata: [DONE]\n\n'
+    body = (
+        b'data: {"a":1}\r\n\r\n: comment\n\ndata: x\r\ndata: y\r\n\r\n'
+        b"event: e\rdata:z\r\rid: 1\n\ndata\n\ndata: [DONE]\n\n"
+    )
 
     async def read(chunk_size: int) -> list[bytes]:
         async def chunks() -> AsyncIterator[bytes]:
@@ -139,9 +142,11 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
         ):
             return [data async for data in sse_data(response)]
 
-    # CRLF, a comment, and two data lines of one event joined by a newline.
-    expected = [b'{"a":1}', b"x\ny", b"[DONE]"]
-    for size in (1, 3, 7, len(body)):
+    # CRLF, a comment, two data lines of one event joined by a newline (their CRLFs split
+    # between reads when read byte by byte), CR endings, a field without data (no event), a
+    # "data" line without a colon (an empty payload).
+    expected = [b'{"a":1}', b"x\ny", b"z", b"", b"[DONE]"]
+    for size in (1, 2, 3, 7, len(body)):
         assert asyncio.run(read(size)) == expected
 
 
@@ -233,3 +238,21 @@ def test_every_dialect_path_is_served_by_url_and_by_header() -> None:
         for path in dialect.client_paths:
             assert (f"/v1{path}", ("POST",)) in served
             assert (f"/t/{{trajectory_id}}/v1{path}", ("POST",)) in served
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"[9223372036854775807, -9223372036854775808]",  # 64-bit limits: orjson is exact
+        b"[18446744073709551616, -9223372036854775809]",  # past them: orjson would give floats
+        b'{"ids": [123456789012345678901234]}',
+        b"[0.12345678901234567890123, 1234567890123456789.5, 1234567890123456789e2]",
+        b'{"content": "12345678901234567890", "n": 1}',  # a digit run inside a string
+        b"[NaN, 1.5]",  # json's extension beyond the standard
+    ],
+)
+def test_loads_gives_what_json_loads_gives(text: bytes) -> None:
+    from gateway.capture import loads
+
+    parsed, expected = loads(text), json.loads(text)
+    assert repr(parsed) == repr(expected)  # repr: an int and an equal float differ, NaN != NaN

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import Engine, bindparam, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.models import CallAttempt, Step, StepOutcome, utc_now
@@ -80,23 +80,33 @@ def find_replay(
     return None if row is None else (row[0], row[1])
 
 
+# Built once: the statement is the same for every call, only its parameters change.
+_RESEND_OF = (
+    select(Step.call_id)
+    .where(
+        Step.trajectory_id == bindparam("trajectory_id"),
+        Step.request_hash == bindparam("request_hash"),
+        Step.created_at >= bindparam("since"),
+    )
+    .order_by(Step.step_index.desc())
+    .limit(1)
+)
+
+
 def find_resend(
-    sessions: sessionmaker[Session], trajectory_id: str, request_hash: str, window_s: float
+    engine: Engine, trajectory_id: str, request_hash: str, window_s: float
 ) -> str | None:
     """The call id of a step of this trajectory with the same request hash in the last
-    ``window_s`` seconds: the new request is a re-send of that call."""
+    ``window_s`` seconds: the new request is a re-send of that call.
+
+    Asked before every call goes upstream, so it runs on a plain connection: an ORM session
+    cost about six times the CPU of the query itself (426 against 73 us on the 2-core machine).
+    """
     since: datetime = utc_now() - timedelta(seconds=window_s)
-    with sessions() as session:
-        return session.scalar(
-            select(Step.call_id)
-            .where(
-                Step.trajectory_id == trajectory_id,
-                Step.request_hash == request_hash,
-                Step.created_at >= since,
-            )
-            .order_by(Step.step_index.desc())
-            .limit(1)
-        )
+    params = {"trajectory_id": trajectory_id, "request_hash": request_hash, "since": since}
+    with engine.connect() as connection:
+        found: str | None = connection.execute(_RESEND_OF, params).scalar()
+    return found
 
 
 def find_exchange(

@@ -25,17 +25,16 @@ import os
 import socket
 import threading
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
-from sqlalchemy import Connection, Text, cast, select, update
+from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.models import INCOMPLETE, Trajectory, TrajectoryStatus
 
 JOURNAL_SUFFIX = ".calls"
 JOURNAL_REWRITE_BYTES = 1 << 20  # 1 MiB: about 12k calls of 40-character trajectory ids
-_INCOMPLETE_JSON = f'%"{INCOMPLETE}"%'
 
 
 def _writer_is_dead(writer_id: str, own_writer_id: str) -> bool:
@@ -158,24 +157,18 @@ def mark_interrupted(
     return flagged
 
 
-def came_back(connection: Connection, trajectory_ids: Collection[str]) -> None:
-    """The agents of ``trajectory_ids`` carried on (a step of theirs is being committed in
+def came_back(connection: Connection, flags_by_id: Mapping[str, list[str]]) -> None:
+    """The agents of these trajectories carried on (a step of theirs is being committed in
     ``connection``'s transaction): lift their ``incomplete`` flag, so each is judged on its own
-    steps. One query over the batch's trajectories; an update only for a flagged one."""
-    if not trajectory_ids:
-        return
-    flagged = connection.execute(
-        select(Trajectory.id, Trajectory.flags).where(
-            Trajectory.id.in_(list(trajectory_ids)),
-            cast(Trajectory.flags, Text).like(_INCOMPLETE_JSON),
-        )
-    ).all()
-    for trajectory_id, flags in flagged:
-        connection.execute(
-            update(Trajectory)
-            .where(Trajectory.id == trajectory_id)
-            .values(flags=[f for f in flags or [] if f != INCOMPLETE])
-        )
+    steps. ``flags_by_id``: each one's flags as read under the transaction's write lock (the
+    writer reads them with the trajectories' state); an update only for a flagged one."""
+    for trajectory_id, flags in flags_by_id.items():
+        if INCOMPLETE in flags:
+            connection.execute(
+                update(Trajectory)
+                .where(Trajectory.id == trajectory_id)
+                .values(flags=[f for f in flags if f != INCOMPLETE])
+            )
 
 
 def release_writer(sessions: sessionmaker[Session], writer_id: str) -> None:

@@ -149,7 +149,7 @@ class PoolStore:
         # the LRU keeps.
         memory: dict[str, TrajectoryTokens] = {}
         for trajectory_id in trajectory_ids:
-            status, call_count = state[trajectory_id]
+            status, call_count, _flags = state[trajectory_id]
             if status == TrajectoryStatus.OPEN:
                 memory[trajectory_id] = self._refresh_lineage(session, trajectory_id, call_count)
         batch = WriteBatch(state, now)

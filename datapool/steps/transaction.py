@@ -43,14 +43,15 @@ _PAYLOADS = typing.cast(Table, StepPayload.__table__)
 _ATTEMPTS = typing.cast(Table, CallAttempt.__table__)
 _GROUPS = typing.cast(Table, TrajectoryGroup.__table__)
 
-TrajectoryState = tuple[str, int]  # (status, call_count) as read under the write lock
+# (status, call_count, flags) as read under the write lock
+TrajectoryState = tuple[str, int, list[str]]
 
 
 def lock_trajectories(
     session: Session, pending: Sequence[PendingCall], trajectory_ids: list[str], now: datetime
 ) -> dict[str, TrajectoryState]:
-    """``{id: (status, call_count)}`` of every trajectory of the batch, creating the missing
-    ones (and their groups) first; on PostgreSQL the rows stay locked until commit."""
+    """``{id: (status, call_count, flags)}`` of every trajectory of the batch, creating the
+    missing ones (and their groups) first; on PostgreSQL the rows stay locked until commit."""
     first_call: dict[str, CallRecord] = {}
     for p in pending:
         first_call.setdefault(p.trajectory_id, p.call)
@@ -100,13 +101,17 @@ def lock_trajectories(
 
 def _select_state(session: Session, trajectory_ids: list[str]) -> dict[str, TrajectoryState]:
     table = _TRAJECTORIES
-    query = select(table.c.id, table.c.status, table.c.call_count).where(
+    # The flags too: the batch lifts ``incomplete`` from those that get a step (``came_back``)
+    # without reading the rows again.
+    query = select(table.c.id, table.c.status, table.c.call_count, table.c.flags).where(
         table.c.id.in_(trajectory_ids)
     )
     connection = session.connection()
     if connection.dialect.name == "postgresql":
         query = query.with_for_update()
-    return {tid: (status, count) for tid, status, count in connection.execute(query)}
+    return {
+        tid: (status, count, flags or []) for tid, status, count, flags in connection.execute(query)
+    }
 
 
 class WriteBatch:
@@ -115,7 +120,8 @@ class WriteBatch:
 
     def __init__(self, state: Mapping[str, TrajectoryState], now: datetime) -> None:
         self.now = now
-        self._counts_before = {tid: count for tid, (_status, count) in state.items()}
+        self._counts_before = {tid: count for tid, (_status, count, _flags) in state.items()}
+        self._flags = {tid: flags for tid, (_status, _count, flags) in state.items()}
         self._counts = dict(self._counts_before)
         self._rejected: dict[str, int] = {}
         self._steps: list[dict[str, Any]] = []
@@ -236,7 +242,11 @@ class WriteBatch:
             # A crash-cut trajectory whose agent carried on is judged on its own steps.
             came_back(
                 connection,
-                [tid for tid, n in self._counts.items() if n != self._counts_before[tid]],
+                {
+                    tid: self._flags[tid]
+                    for tid, n in self._counts.items()
+                    if n != self._counts_before[tid]
+                },
             )
         if self._rejected:
             connection.execute(

@@ -37,7 +37,6 @@ Case codes (Cnn) are defined in docs/capture-cases.md.
 
 from __future__ import annotations
 
-import copy
 from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -219,7 +218,7 @@ def strip_for_client(response: dict[str, Any], asked: ClientAsked) -> dict[str, 
     """
     if asked.return_token_ids and asked.logprobs:
         return response
-    stripped = copy.copy(response)
+    stripped = dict(response)
     if not asked.return_token_ids and stripped.get("prompt_token_ids") is not None:
         stripped["prompt_token_ids"] = None
     if "choices" in stripped:
@@ -261,8 +260,12 @@ class ChoicesCapture:
         prompt_ids = dialect.prompt_ids(chunk)
         if prompt_ids is not None:
             self.prompt_ids = prompt_ids
+        states = self.states
         for choice in chunk.get("choices") or []:
-            state = self.states.setdefault(int(choice.get("index", 0)), ChoiceState())
+            index = int(choice.get("index", 0))
+            state = states.get(index)
+            if state is None:  # not setdefault: that builds a state per chunk to throw away
+                state = states[index] = ChoiceState()
             ids = choice.get("token_ids")
             logprobs = dialect.choice_logprobs(choice.get("logprobs"))
             carries_tokens = bool(ids) or bool(dialect.delta_text(choice))
@@ -367,18 +370,19 @@ class ChoicesStream(DialectStream):
         capture = self.capture
         capture.add(chunk)
         self.first_token_seen = capture.first_token_seen
-        if chunk.get("usage") is not None and not chunk.get("choices"):
+        choices = chunk.get("choices")
+        if chunk.get("usage") is not None and not choices:
             self.fingerprint = chunk.get("system_fingerprint", self.fingerprint)
             if self.asked.include_usage:
                 self._held.append(chunk)
             return []
-        terminal = any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
+        terminal = _is_terminal(choices)
         needs_fingerprint = not self.asked.include_usage and self.fingerprint is None
         if self._held or (terminal and (capture.all_finished() or needs_fingerprint)):
             self._held.append(chunk)
             return []
         # sse_event, inlined: this is the per-chunk path
-        return [b"data: " + self._for_client(chunk, data) + b"\n\n"]
+        return [b"data: " + self._for_client(chunk, data, terminal) + b"\n\n"]
 
     def closing(self) -> list[bytes]:
         return [*self._release(), b"data: [DONE]\n\n"]
@@ -392,16 +396,26 @@ class ChoicesStream(DialectStream):
         )
 
     def _release(self) -> list[bytes]:
-        released = [sse_event(self._for_client(chunk, None)) for chunk in self._held]
+        released = [
+            sse_event(self._for_client(chunk, None, _is_terminal(chunk.get("choices"))))
+            for chunk in self._held
+        ]
         self._held = []
         return released
 
-    def _for_client(self, chunk: dict[str, Any], raw: bytes | None) -> bytes:
+    def _for_client(self, chunk: dict[str, Any], raw: bytes | None, terminal: bool) -> bytes:
+        """The chunk's JSON as the client sees it: ``raw`` (vLLM's bytes) when unchanged."""
         client = strip_for_client(chunk, self.asked)
-        terminal = any(c.get("finish_reason") is not None for c in chunk.get("choices") or [])
         if terminal and not self.asked.include_usage and self.fingerprint is not None:
             client = dict(client)
             client["system_fingerprint"] = self.fingerprint
         if client is chunk and raw is not None:
             return raw
         return dumps(client)
+
+
+def _is_terminal(choices: list[dict[str, Any]] | None) -> bool:
+    """Whether a chunk's ``choices`` finish one (its ``finish_reason`` is set)."""
+    if not choices:
+        return False
+    return any(c.get("finish_reason") is not None for c in choices)

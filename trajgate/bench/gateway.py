@@ -131,6 +131,8 @@ class Sample:
     """What one run against one target measured."""
 
     latencies_ms: list[float] = field(default_factory=list)
+    # Send to the first byte of the answer's body (ms): for a stream, its first event.
+    first_byte_ms: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     errors: int = 0
     first_error: str | None = None
@@ -194,6 +196,7 @@ class RawConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.last_first_body_at: float | None = None  # of the answer ``call`` returned last
         self._reset()
 
     def _reset(self) -> None:
@@ -202,6 +205,7 @@ class RawConnection(asyncio.Protocol):
         self.length: int | None = None  # content-length; None when chunked
         self.position = 0  # where the next chunk-size line starts (chunked)
         self.parts: list[bytes] = []
+        self.first_body_at: float | None = None  # perf_counter when the body began to arrive
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -217,6 +221,7 @@ class RawConnection(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             answer = self._answer()
             if answer is not None:
+                self.last_first_body_at = self.first_body_at
                 self._reset()
                 self.waiter.set_result(answer)
 
@@ -235,6 +240,8 @@ class RawConnection(asyncio.Protocol):
                 self.length = (
                     int(head[marker + 15 : end if end > 0 else None]) if marker >= 0 else 0
                 )
+        if self.first_body_at is None and self.buffer:
+            self.first_body_at = time.perf_counter()
         if self.length is not None:
             if len(self.buffer) < self.length:
                 return None
@@ -272,6 +279,7 @@ class Caller:
         self.host, self.port = url.host, url.port or 80
         self.raw: RawConnection | None = None
         self.client: httpx.AsyncClient | None = None
+        self.first_body_at: float | None = None  # of the last call: perf_counter, first body byte
         if loadgen == "httpx":
             # One single-connection client per worker: one shared pool of 64 connections cost
             # 8.2 ms of CPU per call at concurrency 64 (httpcore's pool scans its waiters).
@@ -284,11 +292,19 @@ class Caller:
     async def call(self, path: str, body: bytes, stream: bool) -> str | None:
         """POST ``body`` to ``path``; None when it answered 200 (and, streaming, its last event
         begins with ``stream_end``), else the error as text."""
+        self.first_body_at = None
         if self.client is not None:
-            response = await self.client.post(
-                self.base_url + path, content=body, headers={"content-type": "application/json"}
-            )
-            status, content = response.status_code, response.content
+            parts: list[bytes] = []
+            async with self.client.stream(
+                "POST",
+                self.base_url + path,
+                content=body,
+                headers={"content-type": "application/json"},
+            ) as response:
+                async for piece in response.aiter_bytes():
+                    self.first_body_at = self.first_body_at or time.perf_counter()
+                    parts.append(piece)
+            status, content = response.status_code, b"".join(parts)
         else:
             if self.raw is None or self.raw.transport is None or self.raw.transport.is_closing():
                 loop = asyncio.get_running_loop()
@@ -298,6 +314,7 @@ class Caller:
             head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
             head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
             status, content = await self.raw.call(head.encode() + body)
+            self.first_body_at = self.raw.last_first_body_at
         if status != 200:
             return f"HTTP {status}: {content[:300].decode(errors='replace')}"
         if stream and not content.rstrip().rsplit(b"\n\n", 1)[-1].startswith(self.stream_end):
@@ -352,6 +369,8 @@ async def drive(
                 error = f"{type(exc).__name__}: {exc}"
             if error is None:
                 sample.latencies_ms.append((time.perf_counter() - started) * 1000.0)
+                if caller.first_body_at is not None:
+                    sample.first_byte_ms.append((caller.first_body_at - started) * 1000.0)
             else:
                 sample.errors += 1
                 sample.first_error = sample.first_error or error
@@ -552,6 +571,11 @@ def _compare(direct: Sample, other: Sample, prefix: str) -> dict[str, Any]:
     )
     result["added_p50_ms"] = _ms(p50)
     result["added_p99_ms"] = _ms(p99)
+    if direct.first_byte_ms and other.first_byte_ms:
+        # A stream's first event carries its first token (vLLM sends the role chunk with it).
+        result["added_first_byte_p50_ms"] = _ms(
+            percentile(other.first_byte_ms, 50) - percentile(direct.first_byte_ms, 50)
+        )
     result["throughput_ratio"] = round(other.rps / direct.rps, 3) if direct.rps > 0 else None
     result["errors"] = other.errors
     if other.first_error is not None:
