@@ -42,7 +42,6 @@ from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
-from gateway.sockets import use_asyncio_sockets
 from gateway.state import GatewayState, StateDep
 from gateway.upstreams import ClientShards, UpstreamPool
 from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
@@ -184,10 +183,6 @@ def _upstream_client(
         read=settings.upstream_between_chunks_timeout_s,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    if transport is None:
-        network = httpx.AsyncHTTPTransport(limits=limits)
-        use_asyncio_sockets(network)  # per-read CPU: see gateway.sockets
-        transport = network
     return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
 
 
