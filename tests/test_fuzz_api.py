@@ -20,6 +20,12 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
+
+# schemathesis imports its OpenAPI modules on the first schema it loads; pytest rewrites them
+# as they load (schemathesis is a pytest plugin). Loaded that late, deep in a test's stack,
+# CPython 3.11's AST validator once failed ("AST constructor recursion depth mismatch", a
+# SystemError, in a CI run): import them here, at collection time, on a shallow stack.
+import schemathesis.specs.openapi.schemas
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from schemathesis.checks import not_a_server_error

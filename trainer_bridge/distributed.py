@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -354,7 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     trainer_settings = join_ranks(trainer_settings)
     try:
         report = run(settings, trainer_settings)
-        print(json.dumps(asdict(report)), flush=True)
+        # One line per rank on the stdout every rank shares (torchrun), written by one call:
+        # print may write the text and its newline apart (unbuffered), and another rank's line
+        # then lands between them (seen in CI). A pipe keeps a write of up to PIPE_BUF (4 KiB)
+        # whole; a longer report can still interleave.
+        line = (json.dumps(asdict(report)) + "\n").encode()
+        sys.stdout.flush()
+        while line:
+            line = line[os.write(sys.stdout.fileno(), line) :]
     finally:
         dist.destroy_process_group()
 
