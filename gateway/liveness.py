@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, Self
 
 log = logging.getLogger("trajgate.gateway.liveness")
 
@@ -64,32 +64,24 @@ class LoopLag(Protocol):
     def lag_s(self) -> float: ...
 
 
-class LivenessServer:
-    """``GET /health`` on ``host:port``, served by one daemon thread from ``heartbeat``."""
+class SocketThreadServer:
+    """A listening socket served one connection at a time by one daemon thread, off the event
+    loop: the skeleton of ``LivenessServer`` and ``gateway.workers.PeerServer``, which answer a
+    connection in ``_answer``. A connection that fails (the peer went away) is logged and the
+    next one served; ``stop`` unblocks ``accept`` and releases the socket."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        heartbeat: LoopLag,
-        workers: Callable[[], int] | None = None,
-    ) -> None:
-        """Binds now: raises ``OSError`` when the port is taken. ``workers``: with several
-        workers, how many answered the lag just read (shown as ``"workers"``)."""
-        self.heartbeat = heartbeat
-        self._workers = workers
-        self._socket = socket.create_server((host, port), backlog=64)
-        self.port = int(self._socket.getsockname()[1])
+    def __init__(self, listener: socket.socket, name: str) -> None:
+        self._socket = listener
         self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
-    def start(self) -> LivenessServer:
+    def start(self) -> Self:
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stopping = True
-        # Unblock accept(): shutdown wakes it on Linux; close releases the port.
+        # Unblock accept(): shutdown wakes it on Linux; close releases the socket.
         with contextlib.suppress(OSError):
             self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
@@ -107,8 +99,30 @@ class LivenessServer:
             with connection:
                 try:
                     self._answer(connection)
-                except OSError as exc:  # the probe went away; the next one is served
-                    log.debug("liveness probe failed: %r", exc)
+                except OSError as exc:  # the peer went away; the next one is served
+                    log.debug("%s request failed: %r", self._thread.name, exc)
+
+    def _answer(self, connection: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class LivenessServer(SocketThreadServer):
+    """``GET /health`` on ``host:port``, served by one daemon thread from ``heartbeat``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        heartbeat: LoopLag,
+        workers: Callable[[], int] | None = None,
+    ) -> None:
+        """Binds now: raises ``OSError`` when the port is taken. ``workers``: with several
+        workers, how many answered the lag just read (shown as ``"workers"``)."""
+        self.heartbeat = heartbeat
+        self._workers = workers
+        listener = socket.create_server((host, port), backlog=64)
+        self.port = int(listener.getsockname()[1])
+        super().__init__(listener, "liveness")
 
     def _answer(self, connection: socket.socket) -> None:
         connection.settimeout(_READ_TIMEOUT_S)

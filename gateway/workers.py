@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,6 +34,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+from gateway.liveness import SocketThreadServer
 
 log = logging.getLogger("trajgate.gateway.workers")
 
@@ -44,7 +45,7 @@ _MIN_GAUGES = frozenset({"trajgate_upstream_healthy", "trajgate_pool_writable"})
 _REQUESTS = (b"metrics", b"lag")
 
 
-class PeerServer:
+class PeerServer(SocketThreadServer):
     """This worker's answers to its siblings, on ``<directory>/<pid>.sock``, from one daemon
     thread: ``metrics`` → ``render()``, ``lag`` → ``lag_s()`` as ASCII seconds.
     Never touches the event loop: both callables only read counters."""
@@ -58,43 +59,23 @@ class PeerServer:
             self.path.unlink()  # left by an earlier process that had this pid
         self._render = render
         self._lag_s = lag_s
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._socket.bind(str(self.path))
-        self._socket.listen(16)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="worker-peer", daemon=True)
-
-    def start(self) -> PeerServer:
-        self._thread.start()
-        return self
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        listener.listen(16)
+        super().__init__(listener, "worker-peer")
 
     def stop(self) -> None:
-        self._stopping = True
-        with contextlib.suppress(OSError):
-            self._socket.shutdown(socket.SHUT_RDWR)
-        self._socket.close()
+        super().stop()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._thread.join(timeout=5)
 
-    def _serve(self) -> None:
-        while not self._stopping:
-            try:
-                connection, _ = self._socket.accept()
-            except OSError:
-                if self._stopping:
-                    return
-                continue
-            with connection:
-                try:
-                    connection.settimeout(PEER_TIMEOUT_S)
-                    request = connection.recv(64).strip()
-                    if request == b"metrics":
-                        connection.sendall(self._render())
-                    elif request == b"lag":
-                        connection.sendall(f"{self._lag_s():.3f}".encode())
-                except OSError as exc:  # the asking worker went away
-                    log.debug("worker peer request failed: %r", exc)
+    def _answer(self, connection: socket.socket) -> None:
+        connection.settimeout(PEER_TIMEOUT_S)
+        request = connection.recv(64).strip()
+        if request == b"metrics":
+            connection.sendall(self._render())
+        elif request == b"lag":
+            connection.sendall(f"{self._lag_s():.3f}".encode())
 
 
 def _ask(path: Path, request: bytes) -> bytes | None:
