@@ -43,6 +43,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
+from gateway.upstream_transport import UpstreamTransport
 from gateway.upstreams import ClientShards, UpstreamPool
 from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 
@@ -183,7 +184,13 @@ def _upstream_client(
         read=settings.upstream_between_chunks_timeout_s,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+    if transport is not None:  # a test's transport for shapes the real vLLM cannot produce
+        return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+    # Plain-HTTP replicas through our own transport (gateway.upstream_transport: the capture
+    # hot path); https:// ones through httpx's default transport.
+    return httpx.AsyncClient(
+        timeout=timeout, limits=limits, mounts={"http://": UpstreamTransport()}
+    )
 
 
 probes = APIRouter()
