@@ -44,14 +44,10 @@ from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
 from gateway.upstream_transport import UpstreamTransport
-from gateway.upstreams import ClientShards, UpstreamPool
+from gateway.upstreams import UpstreamPool
 from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 
 log = logging.getLogger("trajgate.gateway")
-
-# Connection pools the model calls are spread over (``gateway.upstreams.ClientShards``): 64
-# calls in flight keep about 4 on each.
-CALL_CLIENT_SHARDS = 16
 
 
 def create_app(
@@ -124,8 +120,7 @@ async def _running_state(
         store.sessions, alias=settings.policy_alias, default_version=settings.policy_version
     )
     await run_in_threadpool(policy.refresh)
-    make_client = partial(_upstream_client, settings, upstream_transport)
-    async with make_client() as client, ClientShards(make_client, CALL_CLIENT_SHARDS) as shards:
+    async with _upstream_client(settings, upstream_transport) as client:
         hooks = CompletionHooks(store)
         state = GatewayState(
             settings,
@@ -139,7 +134,6 @@ async def _running_state(
         state.writer = writer
         state.hooks = hooks
         state.worker_dir = worker_dir
-        state.call_clients = shards
         # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
         # the start before any task runs. With several workers the parent holds the port and
         # asks each worker's peer thread for its heartbeat.

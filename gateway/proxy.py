@@ -475,8 +475,7 @@ async def try_replica(
     )
     try:
         with anyio.fail_after(limit_s):
-            client = state.call_clients.next() if state.call_clients else state.client
-            response = await client.send(upstream_request(state, call, replica), stream=True)
+            response = await state.client.send(upstream_request(state, call, replica), stream=True)
             if not stream:
                 await response.aread()
     except (TimeoutError, httpx.TimeoutException) as exc:

@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_dirs import TokenizerDirs
-from gateway.upstreams import ClientShards, UpstreamPool
+from gateway.upstreams import UpstreamPool
 
 
 @dataclass
@@ -45,7 +45,6 @@ class GatewayState:
     writer: PoolWriter | None = None
     hooks: CompletionHooks | None = None
     # The clients of model calls (``client`` serves health checks, models and admin calls).
-    call_clients: ClientShards | None = None
     # each served model's tokenizer, learnt from vLLM for the inspector's token view
     tokenizer_dirs: TokenizerDirs = field(default_factory=TokenizerDirs)
     # one of several worker processes (gateway.workers): where its siblings answer

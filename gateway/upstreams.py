@@ -4,8 +4,7 @@ Owns: least-outstanding-requests balancing with stickiness by trajectory (so a t
 growing prompt keeps hitting the replica whose prefix cache holds it), health checks that take a
 dead replica out and bring it back, and per-replica in-flight counts. Never: retries by itself;
 the proxy decides when a retry is safe (only before any byte reached the client).
-``InFlight`` is the one place the in-flight count goes up and down. ``ClientShards`` are the
-HTTP clients that carry the calls (several connection pools, see there). ``UpstreamPool.gate``
+``InFlight`` is the one place the in-flight count goes up and down. ``UpstreamPool.gate``
 is the replicas' weight gate: calls wait there while their weights are replaced in place
 (``gateway.weight_update``).
 
@@ -16,11 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 
 import httpx
 
@@ -102,40 +98,6 @@ class ReplicaResponse:
             await self.response.aclose()
         finally:
             self.in_flight.release()
-
-
-class ClientShards:
-    """The HTTP clients that carry model calls upstream: ``count`` clients built by
-    ``make_client``, each with its own connection pool, handed out in turn (``next``).
-
-    Why several: httpcore's pool matches every waiting request against every connection each
-    time a request starts or ends, so its CPU per call grows with the calls in flight on it. At
-    64 calls in flight one pool cost 6.3 ms of CPU per call (client and a local test server,
-    2-core machine), 16 pools 0.85 ms. Any shard reaches any replica; a connection is reused
-    by the calls of its own shard. Use as an async context manager (closes every client).
-    """
-
-    def __init__(self, make_client: Callable[[], httpx.AsyncClient], count: int) -> None:
-        if count < 1:
-            raise ValueError(f"count must be at least 1, got {count}")
-        self.clients = [make_client() for _ in range(count)]
-        self._turn = itertools.cycle(self.clients)
-
-    def next(self) -> httpx.AsyncClient:
-        """The client for the next call."""
-        return next(self._turn)
-
-    async def __aenter__(self) -> ClientShards:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        for client in self.clients:
-            await client.aclose()
 
 
 class NoHealthyUpstreamError(RuntimeError):
