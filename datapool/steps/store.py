@@ -41,7 +41,7 @@ from datapool.steps.payloads import (
     reconstruct,
 )
 from datapool.steps.records import CallRecord, PendingCall
-from datapool.steps.transaction import Inserts, WriteBatch, lock_trajectories
+from datapool.steps.transaction import Statements, WriteBatch, lock_trajectories
 
 __all__ = ["CallResult", "PendingCall", "PoolStore", "StoredStep"]
 
@@ -76,7 +76,7 @@ class PoolStore:
         self.payloads = PayloadFiles(self.sessions, self.settings.resolved_payload_uri())
         self._lineage = LineageCache(self.settings.lineage_cache_trajectories)
         self._write_lock = threading.Lock()
-        self._inserts = Inserts()
+        self._statements = Statements(engine.dialect)
         # Committed steps that start a prefix break, by ``divergence_kind`` (the gateway's
         # ``trajgate_pool_prefix_breaks_total``); re-sends and retries are never counted.
         self.prefix_breaks: Counter[str] = Counter()
@@ -144,7 +144,7 @@ class PoolStore:
             # one between this read and the insert (PostgreSQL locks the rows FOR UPDATE).
             connection.exec_driver_sql("BEGIN IMMEDIATE")
         now = utc_now()
-        state = lock_trajectories(session, pending, trajectory_ids, now)
+        state = lock_trajectories(session, self._statements, pending, trajectory_ids, now)
         # Held here, not looked up in the LRU per call: a batch may span more trajectories than
         # the LRU keeps.
         memory: dict[str, TrajectoryTokens] = {}
@@ -161,7 +161,7 @@ class PoolStore:
             else:
                 batch.reject(p.trajectory_id)
                 results.append(TrajectoryClosedError(p.trajectory_id, status))
-        batch.write(connection, self._inserts, writer_id)
+        batch.write(connection, self._statements, writer_id)
         return results, batch.prefix_breaks
 
     @staticmethod
