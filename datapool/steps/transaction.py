@@ -18,7 +18,6 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Dialect, Table, bindparam, insert, select, update
-from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
@@ -50,7 +49,7 @@ TrajectoryState = tuple[str, int, list[str]]
 
 
 def lock_trajectories(
-    session: Session,
+    connection: Connection,
     statements: Statements,
     pending: Sequence[PendingCall],
     trajectory_ids: list[str],
@@ -64,16 +63,15 @@ def lock_trajectories(
     group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
     if group_ids:
         insert_ignore(
-            session,
+            connection,
             TrajectoryGroup,
             [{"id": g, "status": "open", "created_at": now} for g in group_ids],
         )
-    connection = session.connection()
     state = statements.select_state(connection, trajectory_ids)
     missing = [tid for tid in trajectory_ids if tid not in state]
     if missing:  # one IN query per batch finds them; only new trajectories are inserted
         insert_ignore(
-            session,
+            connection,
             Trajectory,
             [
                 {
