@@ -213,22 +213,22 @@ class WriteBatch:
             statements.insert(connection, _PAYLOADS, self._payloads)
         if self._attempts:
             statements.insert(connection, _ATTEMPTS, self._attempts)
-        counts = [
-            {"b_id": tid, "b_count": n, "b_at": self.now, "b_writer": writer_id}
-            for tid, n in self._counts.items()
-            if n != self._counts_before[tid]
-        ]
-        if counts:  # one executemany, not one UPDATE per trajectory
-            statements.update_counts(connection, counts)
-            # A crash-cut trajectory whose agent carried on is judged on its own steps.
-            came_back(
+        stepped = [tid for tid, n in self._counts.items() if n != self._counts_before[tid]]
+        if stepped:  # one executemany, not one UPDATE per trajectory
+            statements.update_counts(
                 connection,
-                {
-                    tid: self._flags[tid]
-                    for tid, n in self._counts.items()
-                    if n != self._counts_before[tid]
-                },
+                [
+                    {
+                        "b_id": tid,
+                        "b_count": self._counts[tid],
+                        "b_at": self.now,
+                        "b_writer": writer_id,
+                    }
+                    for tid in stepped
+                ],
             )
+            # A crash-cut trajectory whose agent carried on is judged on its own steps.
+            came_back(connection, {tid: self._flags[tid] for tid in stepped})
         if self._rejected:
             connection.execute(
                 update(_TRAJECTORIES)
