@@ -59,6 +59,18 @@ def make_engine(database_url: str, *, lock_timeout_ms: int | None = None) -> Eng
     return create_engine(database_url, pool_pre_ping=True, connect_args=connect_args)
 
 
+def insert_ignoring(model: Any, dialect: str) -> Any:
+    """The statement ``INSERT INTO model ... ON CONFLICT DO NOTHING`` of ``dialect``.
+
+    Raises ValueError on a database other than SQLite or PostgreSQL.
+    """
+    if dialect == "postgresql":
+        return postgresql.insert(model).on_conflict_do_nothing()
+    if dialect == "sqlite":
+        return sqlite.insert(model).on_conflict_do_nothing()
+    raise ValueError(f"unsupported database dialect {dialect!r}; expected sqlite or postgresql")
+
+
 def insert_ignore(executor: Session | Connection, model: Any, rows: list[dict[str, Any]]) -> int:
     """``INSERT ... ON CONFLICT DO NOTHING`` of ``rows`` in ``executor``'s transaction; for one
     row, returns 1 if it was inserted and 0 if it existed (for several rows, -1: drivers cannot
@@ -68,13 +80,7 @@ def insert_ignore(executor: Session | Connection, model: Any, rows: list[dict[st
     Raises ValueError on a database other than SQLite or PostgreSQL.
     """
     bind = executor.get_bind() if isinstance(executor, Session) else executor
-    dialect = bind.dialect.name
-    if dialect == "postgresql":
-        stmt: Any = postgresql.insert(model).on_conflict_do_nothing()
-    elif dialect == "sqlite":
-        stmt = sqlite.insert(model).on_conflict_do_nothing()
-    else:
-        raise ValueError(f"unsupported database dialect {dialect!r}; expected sqlite or postgresql")
+    stmt = insert_ignoring(model, bind.dialect.name)
     if len(rows) != 1:
         executor.execute(stmt, rows)
         return -1

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Dialect, Table, bindparam, insert, select, up
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from datapool.db import insert_ignore
+from datapool.db import insert_ignore, insert_ignoring
 from datapool.models import (
     CallAttempt,
     Step,
@@ -62,10 +62,8 @@ def lock_trajectories(
         first_call.setdefault(p.trajectory_id, p.call)
     group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
     if group_ids:
-        insert_ignore(
-            connection,
-            TrajectoryGroup,
-            [{"id": g, "status": "open", "created_at": now} for g in group_ids],
+        statements.insert_groups(
+            connection, [{"id": g, "status": "open", "created_at": now} for g in group_ids]
         )
     state = statements.select_state(connection, trajectory_ids)
     missing = [tid for tid in trajectory_ids if tid not in state]
@@ -300,6 +298,12 @@ class Statements:
         flags_type = _TRAJECTORIES.c.flags.type.dialect_impl(dialect)
         # SQLite hands JSON back as text, decoded here; psycopg decodes it itself (None).
         self._flags_processor = flags_type.result_processor(dialect, None)
+        # Every batch whose calls name a group runs it, so it is prepared too.
+        self._groups = _Prepared.of(
+            insert_ignoring(_GROUPS, dialect.name),
+            dialect,
+            column_keys=["id", "status", "created_at"],
+        )
         self._counts = _Prepared.of(
             update(_TRAJECTORIES)
             .where(_TRAJECTORIES.c.id == bindparam("b_id"))
@@ -310,6 +314,11 @@ class Statements:
             ),
             dialect,
         )
+
+    def insert_groups(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
+        """Create the groups of ``rows`` (``{"id", "status", "created_at"}`` each) that do not
+        exist yet (``INSERT ... ON CONFLICT DO NOTHING``), in one executemany."""
+        connection.exec_driver_sql(self._groups.sql, self._groups.params(rows))
 
     def insert(self, connection: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
         """``INSERT`` ``rows`` (each a value for every column of ``table``) in one DBAPI
