@@ -185,6 +185,7 @@ def test_the_prepared_state_select_reads_one_or_many_ids_as_sqlalchemys_select_d
                 for tid, status, count, flags in connection.execute(typed.where(table.id.in_(ids)))
             }
             assert statements.select_state(connection, ids) == reference
+        assert statements.select_state(connection, []) == {}  # an empty batch reads nothing
         # By hand: open-2 had two calls, the others one each; "absent" was never written.
         assert statements.select_state(connection, many) == {
             "open-1": ("open", 1, []),
@@ -197,6 +198,7 @@ def test_a_batch_creating_one_trajectory_and_extending_another_counts_and_stamps
     pool_settings: PoolSettings,
 ) -> None:
     store = make_store(pool_settings)
+    assert store.record_calls([]) == []  # an empty batch commits nothing and refuses nothing
     store.record_call("old", call([1], [2]))
     with store.sessions.begin() as session:
         session.get_one(Trajectory, "old").flags = [INCOMPLETE]  # cut by a crash

@@ -345,8 +345,11 @@ class Statements:
     ) -> dict[str, TrajectoryState]:
         """``{id: (status, call_count, flags)}`` of those of ``trajectory_ids`` that exist, read
         by one ``SELECT ... WHERE id IN (...)``, ``FOR UPDATE`` on PostgreSQL (the rows stay
-        locked until commit; SQLite's transaction already holds the write lock)."""
+        locked until commit; SQLite's transaction already holds the write lock). One statement
+        is kept per number of ids, so at most ``write_batch_max_calls`` of them."""
         n = len(trajectory_ids)
+        if n == 0:
+            return {}
         prepared = self._states.get(n)
         if prepared is None:
             table = _TRAJECTORIES
