@@ -14,7 +14,7 @@ from typing import Any, TypeAlias
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
@@ -59,26 +59,34 @@ def make_engine(database_url: str, *, lock_timeout_ms: int | None = None) -> Eng
     return create_engine(database_url, pool_pre_ping=True, connect_args=connect_args)
 
 
-def insert_ignore(session: Session, model: Any, rows: list[dict[str, Any]]) -> int:
-    """``INSERT ... ON CONFLICT DO NOTHING`` of ``rows``; for one row, returns 1 if it was
-    inserted and 0 if it existed (for several rows, -1: drivers cannot tell).
+def insert_ignoring(model: Any, dialect: str) -> Any:
+    """The statement ``INSERT INTO model ... ON CONFLICT DO NOTHING`` of ``dialect``.
+
+    Raises ValueError on a database other than SQLite or PostgreSQL.
+    """
+    if dialect == "postgresql":
+        return postgresql.insert(model).on_conflict_do_nothing()
+    if dialect == "sqlite":
+        return sqlite.insert(model).on_conflict_do_nothing()
+    raise ValueError(f"unsupported database dialect {dialect!r}; expected sqlite or postgresql")
+
+
+def insert_ignore(executor: Session | Connection, model: Any, rows: list[dict[str, Any]]) -> int:
+    """``INSERT ... ON CONFLICT DO NOTHING`` of ``rows`` in ``executor``'s transaction; for one
+    row, returns 1 if it was inserted and 0 if it existed (for several rows, -1: drivers cannot
+    tell).
 
     The race-free way to create a row that concurrent requests may create too.
     Raises ValueError on a database other than SQLite or PostgreSQL.
     """
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        stmt: Any = postgresql.insert(model).on_conflict_do_nothing()
-    elif dialect == "sqlite":
-        stmt = sqlite.insert(model).on_conflict_do_nothing()
-    else:
-        raise ValueError(f"unsupported database dialect {dialect!r}; expected sqlite or postgresql")
+    bind = executor.get_bind() if isinstance(executor, Session) else executor
+    stmt = insert_ignoring(model, bind.dialect.name)
     if len(rows) != 1:
-        session.execute(stmt, rows)
+        executor.execute(stmt, rows)
         return -1
     # RETURNING lists only the rows actually inserted (rowcount is -1 on psycopg here).
     keys = list(model.__table__.primary_key.columns)
-    return len(session.execute(stmt.returning(*keys), rows[0]).all())
+    return len(executor.execute(stmt.returning(*keys), rows[0]).all())
 
 
 # What functions of the pool take to open their own sessions (``with sessions() as session``),

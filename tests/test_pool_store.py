@@ -6,13 +6,17 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+from sqlalchemy import select
+
 from datapool.db import make_engine
+from datapool.models import INCOMPLETE, Trajectory, TrajectoryGroup
 from datapool.settings import PoolSettings
 from datapool.steps.lineage import TrajectoryTokens
 from datapool.steps.payloads import decode_logprobs, encode_ids, encode_logprobs
 from datapool.steps.prefix import Candidate, Lineage, choose_parent
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PendingCall, PoolStore
+from datapool.steps.transaction import Statements
 
 
 def call(prompt: list[int] | None, response: list[int] | None, **kw: object) -> CallRecord:
@@ -155,6 +159,69 @@ def test_a_batch_over_more_trajectories_than_the_lineage_cache_commits_every_cal
         steps = store.steps_of(f"t{i}")
         assert [s.prompt_token_ids for s in steps] == [[1, 2], [1, 2, 3, 4]]
         assert steps[1].parent_step_id == steps[0].id and steps[1].prompt_base_tokens == 3
+
+
+def test_the_prepared_state_select_reads_one_or_many_ids_as_sqlalchemys_select_does(
+    pool_settings: PoolSettings,
+) -> None:
+    """The state SELECT compiled once per number of ids and run by the driver reads the same
+    (status, call_count, flags) as SQLAlchemy's own typed SELECT, flags decoded from JSON."""
+    store = make_store(pool_settings)
+    store.record_call("open-1", call([1], [2]))
+    store.record_call("open-2", call([1], [2]))
+    store.record_call("open-2", call([1, 2, 3], [4]))
+    store.record_call("closed", call([1], [2]))
+    with store.sessions.begin() as session:
+        session.get_one(Trajectory, "open-2").flags = [INCOMPLETE, "other"]
+        session.get_one(Trajectory, "closed").status = "complete"
+    table = Trajectory.__table__.c
+    statements = Statements(store.engine.dialect)
+    many = ["open-1", "open-2", "closed", "absent"]
+    with store.engine.begin() as connection:
+        for ids in (["open-2"], many, ["absent"], many):  # many twice: the compiled one again
+            typed = select(table.id, table.status, table.call_count, table.flags)
+            reference = {
+                tid: (status, count, flags)
+                for tid, status, count, flags in connection.execute(typed.where(table.id.in_(ids)))
+            }
+            assert statements.select_state(connection, ids) == reference
+        assert statements.select_state(connection, []) == {}  # an empty batch reads nothing
+        # By hand: open-2 had two calls, the others one each; "absent" was never written.
+        assert statements.select_state(connection, many) == {
+            "open-1": ("open", 1, []),
+            "open-2": ("open", 2, [INCOMPLETE, "other"]),
+            "closed": ("complete", 1, []),
+        }
+
+
+def test_a_batch_creating_one_trajectory_and_extending_another_counts_and_stamps_both(
+    pool_settings: PoolSettings,
+) -> None:
+    store = make_store(pool_settings)
+    assert store.record_calls([]) == []  # an empty batch commits nothing and refuses nothing
+    store.record_call("old", call([1], [2]))
+    with store.sessions.begin() as session:
+        session.get_one(Trajectory, "old").flags = [INCOMPLETE]  # cut by a crash
+    batch = [
+        PendingCall("old", call([1, 2, 3], [4])),
+        PendingCall("new", call([5], [6], group_id="g")),
+        PendingCall("new", call([5, 6, 7], [8])),
+    ]
+    results = store.record_calls(batch, writer_id="host:1:0")
+    assert all(isinstance(r, list) for r in results)
+    old, new = store.get_trajectory("old"), store.get_trajectory("new")
+    assert old is not None and new is not None
+    # old: one call before, one now (2), and its agent came back: the flag is lifted.
+    assert (old.call_count, old.flags, old.writer_id) == (2, [], "host:1:0")
+    # new: created by this batch, in the group its first call named, with both calls.
+    assert (new.status, new.group_id, new.call_count, new.writer_id) == ("open", "g", 2, "host:1:0")
+    steps = store.steps_of("new")
+    assert [s.step_index for s in steps] == [0, 1]
+    # One clock per batch: the counters' last_step_at is the time its steps were stamped with.
+    assert old.last_step_at == new.last_step_at == steps[1].created_at
+    with store.sessions() as session:
+        group = session.get_one(TrajectoryGroup, "g")
+        assert group.status == "open"
 
 
 def _random_calls(rng: random.Random, n: int) -> list[CallRecord]:

@@ -11,7 +11,8 @@ the parent step, and the rows are written in one transaction.
   ``check_accepting``, ``upkeep``).
 - ``store``: ``PoolStore``, writes calls (``record_call``, ``record_calls``) and reads steps back
   whole (``get_step``, ``steps_of``, ``get_trajectory``; ``StoredStep``).
-- ``transaction``: the SQL of one write transaction (``WriteBatch``, ``lock_trajectories``).
+- ``transaction``: the SQL of one write transaction (``WriteBatch``, ``lock_trajectories``,
+  ``Statements`` compiled once per engine).
 - ``lineage``: each open trajectory's token sequences and where a new call's steps go
   (``TrajectoryTokens``, ``LineageCache``, ``Placement``).
 - ``prefix``: the pure comparison of token sequences: does a prompt extend a parent, where it

@@ -3,7 +3,7 @@
 Owns: locking (PostgreSQL ``FOR UPDATE``) or creating the batch's trajectories and their groups
 (``lock_trajectories``), the ``steps`` / ``step_payloads`` / ``call_attempts`` rows of each
 accepted call and the trajectories' counters (``WriteBatch``), and the fast executemany they go
-through (``Inserts``). Never: opens or commits the transaction (``datapool.steps.store`` does),
+through (``Statements``). Never: opens or commits the transaction (``datapool.steps.store`` does),
 or decides a step's parent, payload or request encoding: it writes what
 ``datapool.steps.lineage``, ``datapool.steps.payloads`` and ``datapool.steps.messages`` made.
 """
@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import typing
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Dialect, Table, bindparam, insert, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
-from datapool.db import insert_ignore
+from datapool.db import insert_ignore, insert_ignoring
 from datapool.models import (
     CallAttempt,
     Step,
@@ -48,7 +49,11 @@ TrajectoryState = tuple[str, int, list[str]]
 
 
 def lock_trajectories(
-    session: Session, pending: Sequence[PendingCall], trajectory_ids: list[str], now: datetime
+    connection: Connection,
+    statements: Statements,
+    pending: Sequence[PendingCall],
+    trajectory_ids: list[str],
+    now: datetime,
 ) -> dict[str, TrajectoryState]:
     """``{id: (status, call_count, flags)}`` of every trajectory of the batch, creating the
     missing ones (and their groups) first; on PostgreSQL the rows stay locked until commit."""
@@ -57,16 +62,14 @@ def lock_trajectories(
         first_call.setdefault(p.trajectory_id, p.call)
     group_ids = sorted({c.group_id for c in first_call.values() if c.group_id})
     if group_ids:
-        insert_ignore(
-            session,
-            TrajectoryGroup,
-            [{"id": g, "status": "open", "created_at": now} for g in group_ids],
+        statements.insert_groups(
+            connection, [{"id": g, "status": "open", "created_at": now} for g in group_ids]
         )
-    state = _select_state(session, trajectory_ids)
+    state = statements.select_state(connection, trajectory_ids)
     missing = [tid for tid in trajectory_ids if tid not in state]
     if missing:  # one IN query per batch finds them; only new trajectories are inserted
         insert_ignore(
-            session,
+            connection,
             Trajectory,
             [
                 {
@@ -84,34 +87,19 @@ def lock_trajectories(
                 for trajectory_id in missing
             ],
         )
-        state.update(_select_state(session, missing))
+        state.update(statements.select_state(connection, missing))
         joined = sorted({g for t in missing if (g := first_call[t].group_id)})
         if joined:
             # A new open member: its group is not complete (the rule of
             # ``lifecycle.update_group``). Updated unconditionally, so the group rows stay
             # locked until commit and a member closing meanwhile (which locks its group)
             # counts this one.
-            session.connection().execute(
+            connection.execute(
                 update(_GROUPS)
                 .where(_GROUPS.c.id.in_(joined))
                 .values(status="open", completed_at=None)
             )
     return state
-
-
-def _select_state(session: Session, trajectory_ids: list[str]) -> dict[str, TrajectoryState]:
-    table = _TRAJECTORIES
-    # The flags too: the batch lifts ``incomplete`` from those that get a step (``came_back``)
-    # without reading the rows again.
-    query = select(table.c.id, table.c.status, table.c.call_count, table.c.flags).where(
-        table.c.id.in_(trajectory_ids)
-    )
-    connection = session.connection()
-    if connection.dialect.name == "postgresql":
-        query = query.with_for_update()
-    return {
-        tid: (status, count, flags or []) for tid, status, count, flags in connection.execute(query)
-    }
 
 
 class WriteBatch:
@@ -215,39 +203,30 @@ class WriteBatch:
         self._attempts += attempt_rows(call.attempts, now)
         return step_ids
 
-    def write(self, connection: Connection, inserts: Inserts, writer_id: str | None) -> None:
+    def write(self, connection: Connection, statements: Statements, writer_id: str | None) -> None:
         """Insert every row (one executemany per table) and update the trajectories' counters
         (``call_count``, ``last_step_at``, ``writer_id``; ``rejected_calls``)."""
         if self._steps:
-            inserts.insert(connection, _STEPS, self._steps)
-            inserts.insert(connection, _PAYLOADS, self._payloads)
+            statements.insert(connection, _STEPS, self._steps)
+            statements.insert(connection, _PAYLOADS, self._payloads)
         if self._attempts:
-            inserts.insert(connection, _ATTEMPTS, self._attempts)
-        counts = [
-            {"b_id": tid, "b_count": n, "b_at": self.now, "b_writer": writer_id}
-            for tid, n in self._counts.items()
-            if n != self._counts_before[tid]
-        ]
-        if counts:  # one executemany, not one UPDATE per trajectory
-            connection.execute(
-                update(_TRAJECTORIES)
-                .where(_TRAJECTORIES.c.id == bindparam("b_id"))
-                .values(
-                    call_count=bindparam("b_count"),
-                    last_step_at=bindparam("b_at"),
-                    writer_id=bindparam("b_writer"),
-                ),
-                counts,
+            statements.insert(connection, _ATTEMPTS, self._attempts)
+        stepped = [tid for tid, n in self._counts.items() if n != self._counts_before[tid]]
+        if stepped:  # one executemany, not one UPDATE per trajectory
+            statements.update_counts(
+                connection,
+                [
+                    {
+                        "b_id": tid,
+                        "b_count": self._counts[tid],
+                        "b_at": self.now,
+                        "b_writer": writer_id,
+                    }
+                    for tid in stepped
+                ],
             )
             # A crash-cut trajectory whose agent carried on is judged on its own steps.
-            came_back(
-                connection,
-                {
-                    tid: self._flags[tid]
-                    for tid, n in self._counts.items()
-                    if n != self._counts_before[tid]
-                },
-            )
+            came_back(connection, {tid: self._flags[tid] for tid in stepped})
         if self._rejected:
             connection.execute(
                 update(_TRAJECTORIES)
@@ -258,67 +237,139 @@ class WriteBatch:
 
 
 @dataclass(frozen=True)
-class _PreparedInsert:
-    """An ``INSERT`` of every column of a table, compiled for one dialect."""
+class _Prepared:
+    """A statement compiled for one dialect: its SQL, and its parameters in the order the DBAPI
+    takes them, each with its type's bind processor (None: the value goes as it is)."""
 
     sql: str
-    processors: list[tuple[str, Callable[[Any], Any] | None]]  # (column, bind processor)
-    columns: frozenset[str]
+    processors: list[tuple[str, Callable[[Any], Any] | None]]  # (parameter, bind processor)
+    positional: bool  # SQLite's qmark style takes tuples; psycopg's named style takes dicts
 
     @classmethod
-    def of(cls, table: Table, dialect: Dialect) -> _PreparedInsert:
-        names = list(table.c.keys())
-        compiled = insert(table).compile(dialect=dialect, column_keys=names)
-        if compiled.positional:  # the parameters' order in the statement
-            names = list(compiled.positiontup or ())
+    def of(
+        cls, statement: ClauseElement, dialect: Dialect, column_keys: list[str] | None = None
+    ) -> _Prepared:
+        compiled = typing.cast(
+            SQLCompiler, statement.compile(dialect=dialect, column_keys=column_keys)
+        )
+        binds = compiled.binds
+        names = list(compiled.positiontup or ()) if compiled.positional else list(binds)
         processors: list[tuple[str, Callable[[Any], Any] | None]] = [
-            (name, table.c[name].type.dialect_impl(dialect).bind_processor(dialect))
-            for name in names
+            (name, binds[name].type.dialect_impl(dialect).bind_processor(dialect)) for name in names
         ]
-        return cls(compiled.string, processors, frozenset(names))
+        return cls(compiled.string, processors, compiled.positional)
 
-
-class Inserts:
-    """``INSERT`` statements compiled once per table, for one engine (one per ``PoolStore``)."""
-
-    def __init__(self) -> None:
-        self._prepared: dict[str, _PreparedInsert] = {}  # by table name
-
-    def insert(self, connection: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
-        """``INSERT`` ``rows`` (each a value for every column of ``table``) in one DBAPI
-        executemany of a statement compiled once per table and dialect.
-
-        Each value goes through its column type's own bind processor (JSON text, SQLite's
-        datetime format), as in ``connection.execute(insert(table), rows)``; what is skipped is
-        SQLAlchemy's per-row parameter machinery, which cost more CPU than SQLite's insert.
-        Raises ``ValueError`` when the rows' keys are not exactly the table's columns (a missing
-        column would silently skip its Python-side default).
-        """
-        dialect = connection.dialect
-        prepared = self._prepared.get(table.name)
-        if prepared is None:
-            prepared = self._prepared[table.name] = _PreparedInsert.of(table, dialect)
-        if rows[0].keys() != prepared.columns:
-            raise ValueError(
-                f"rows for {table.name} must give every column: "
-                f"expected {sorted(prepared.columns)}, got {sorted(rows[0])}"
-            )
-        processors = prepared.processors
-        params: list[Any]
-        if dialect.positional:  # SQLite's qmark style: tuples in the statement's order
-            params = [
+    def params(self, rows: Iterable[Mapping[str, Any]]) -> list[Any]:
+        """The DBAPI parameters of ``rows`` (each a value for every parameter, by name), each
+        value through its bind processor."""
+        processors = self.processors
+        if self.positional:
+            return [
                 tuple(
                     row[name] if process is None else process(row[name])
                     for name, process in processors
                 )
                 for row in rows
             ]
-        else:  # psycopg's named style
-            params = [
-                {
-                    name: row[name] if process is None else process(row[name])
-                    for name, process in processors
-                }
-                for row in rows
-            ]
-        connection.exec_driver_sql(prepared.sql, params)
+        return [
+            {
+                name: row[name] if process is None else process(row[name])
+                for name, process in processors
+            }
+            for row in rows
+        ]
+
+
+class Statements:
+    """The write transaction's statements, compiled once for one engine's dialect (one
+    ``Statements`` per ``PoolStore``) and run as one DBAPI call each (``exec_driver_sql``).
+
+    Each value goes through its type's own bind processor (JSON text, SQLite's datetime format)
+    and each read JSON value through its result processor, as ``connection.execute`` of the same
+    statement would; what is skipped is SQLAlchemy's per-execution compiled-cache lookup and
+    parameter machinery (an ``IN`` list's expansion, per-row parameter dicts), which cost more
+    CPU than SQLite's own work for a batch of one call.
+    """
+
+    def __init__(self, dialect: Dialect) -> None:
+        self._dialect = dialect
+        self._inserts: dict[str, tuple[_Prepared, frozenset[str]]] = {}  # by table name
+        self._states: dict[int, _Prepared] = {}  # the state SELECT, by number of ids
+        flags_type = _TRAJECTORIES.c.flags.type.dialect_impl(dialect)
+        # SQLite hands JSON back as text, decoded here; psycopg decodes it itself (None).
+        self._flags_processor = flags_type.result_processor(dialect, None)
+        # Every batch whose calls name a group runs it, so it is prepared too.
+        self._groups = _Prepared.of(
+            insert_ignoring(_GROUPS, dialect.name),
+            dialect,
+            column_keys=["id", "status", "created_at"],
+        )
+        self._counts = _Prepared.of(
+            update(_TRAJECTORIES)
+            .where(_TRAJECTORIES.c.id == bindparam("b_id"))
+            .values(
+                call_count=bindparam("b_count"),
+                last_step_at=bindparam("b_at"),
+                writer_id=bindparam("b_writer"),
+            ),
+            dialect,
+        )
+
+    def insert_groups(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
+        """Create the groups of ``rows`` (``{"id", "status", "created_at"}`` each) that do not
+        exist yet (``INSERT ... ON CONFLICT DO NOTHING``), in one executemany."""
+        connection.exec_driver_sql(self._groups.sql, self._groups.params(rows))
+
+    def insert(self, connection: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+        """``INSERT`` ``rows`` (each a value for every column of ``table``) in one DBAPI
+        executemany.
+
+        Raises ``ValueError`` when the rows' keys are not exactly the table's columns (a missing
+        column would silently skip its Python-side default).
+        """
+        entry = self._inserts.get(table.name)
+        if entry is None:
+            names = list(table.c.keys())
+            prepared = _Prepared.of(insert(table), self._dialect, column_keys=names)
+            entry = self._inserts[table.name] = (prepared, frozenset(names))
+        prepared, columns = entry
+        if rows[0].keys() != columns:
+            raise ValueError(
+                f"rows for {table.name} must give every column: "
+                f"expected {sorted(columns)}, got {sorted(rows[0])}"
+            )
+        connection.exec_driver_sql(prepared.sql, prepared.params(rows))
+
+    def select_state(
+        self, connection: Connection, trajectory_ids: Sequence[str]
+    ) -> dict[str, TrajectoryState]:
+        """``{id: (status, call_count, flags)}`` of those of ``trajectory_ids`` that exist, read
+        by one ``SELECT ... WHERE id IN (...)``, ``FOR UPDATE`` on PostgreSQL (the rows stay
+        locked until commit; SQLite's transaction already holds the write lock). One statement
+        is kept per number of ids, so at most ``write_batch_max_calls`` of them."""
+        n = len(trajectory_ids)
+        if n == 0:
+            return {}
+        prepared = self._states.get(n)
+        if prepared is None:
+            table = _TRAJECTORIES
+            # The flags too: the batch lifts ``incomplete`` from those that get a step
+            # (``came_back``) without reading the rows again.
+            query = select(table.c.id, table.c.status, table.c.call_count, table.c.flags).where(
+                table.c.id.in_([bindparam(f"id_{i}", type_=table.c.id.type) for i in range(n)])
+            )
+            if self._dialect.name == "postgresql":
+                query = query.with_for_update()
+            prepared = self._states[n] = _Prepared.of(query, self._dialect)
+        [params] = prepared.params([{f"id_{i}": tid for i, tid in enumerate(trajectory_ids)}])
+        decode = self._flags_processor
+        rows = connection.exec_driver_sql(prepared.sql, params)
+        return {
+            tid: (status, count, (flags if decode is None else decode(flags)) or [])
+            for tid, status, count, flags in rows
+        }
+
+    def update_counts(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
+        """Set ``call_count``, ``last_step_at`` and ``writer_id`` of each trajectory in one
+        executemany; ``rows``: ``{"b_id", "b_count", "b_at", "b_writer"}`` each."""
+        connection.exec_driver_sql(self._counts.sql, self._counts.params(rows))
