@@ -31,6 +31,7 @@ pytestmark = pytest.mark.anyio
 def anyio_backend() -> tuple[str, dict[str, bool]]:
     return ("asyncio", {"use_uvloop": True})
 
+
 # Bodies that contain what a framing reader could mistake for its own syntax.
 BODIES = [
     b"",
@@ -136,9 +137,7 @@ async def test_body_is_what_h11_reads_at_every_cut(body: bytes, framing: str) ->
     variants = [cut(framed, list(range(1, len(framed))))]  # every byte its own read
     for seed in range(20):
         cuts_rng = random.Random(seed)
-        variants.append(
-            cut(framed, [cuts_rng.randrange(1, max(2, len(framed))) for _ in range(8)])
-        )
+        variants.append(cut(framed, [cuts_rng.randrange(1, max(2, len(framed))) for _ in range(8)]))
     variants.append([framed])  # one read
     for pieces in variants:
         assert await read_body(framed, pieces, framing) == (body, True)
