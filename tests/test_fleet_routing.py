@@ -147,3 +147,49 @@ def test_sticky_balancer_keeps_each_trajectory_on_one_gateway_and_moves_it_once_
             assert set(after) <= {upstreams[survivor]}, (trajectory_id, sequence)
     # only the victim's trajectories can have been written by both
     assert 0 < report.spread_trajectories <= owned[victim], (report, owned)
+
+
+def test_keep_alive_agents_reuse_one_connection_each_and_fresh_agents_open_one_per_call() -> None:
+    """``drive(keep_alive=True)`` (``bench pool --keep-alive``) is an SDK-like agent: one
+    connection for all its calls; without it every call is a new connection (the bench's
+    worst case for workers' lineage memory)."""
+
+    async def run(keep_alive: bool) -> tuple[int, int]:
+        accepted = 0
+        answered = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted, answered
+            accepted += 1
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                answered += 1
+                body = b'{"choices":[{"message":{"role":"assistant","content":"ok"}}]}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"x-trajgate-step-id: s%d\r\ncontent-length: %d\r\n\r\n%s"
+                    % (answered, len(body), body)
+                )
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            result = await drive(
+                f"http://127.0.0.1:{port}", ["a", "b", "c", "d"], 3, 2, keep_alive=keep_alive
+            )
+        assert (len(result.delivered), result.gave_up) == (12, 0)
+        return accepted, answered
+
+    assert asyncio.run(run(keep_alive=True)) == (2, 12)
+    assert asyncio.run(run(keep_alive=False)) == (12, 12)

@@ -709,6 +709,14 @@ def bench_pool(
             "share; every step must still be stored once.",
         ),
     ] = False,
+    keep_alive: Annotated[
+        bool,
+        typer.Option(
+            "--keep-alive",
+            help="With --gateways: each agent keeps one connection for all its calls (as SDK "
+            "clients do) instead of one per call; a connection stays on one gateway and worker.",
+        ),
+    ] = False,
 ) -> None:
     """Write synthetic agent trajectories through the pool's writer on SQLite (and PostgreSQL);
     print steps_per_s, bytes_per_token, amplification, read_tokens_per_s and exactness.
@@ -748,6 +756,7 @@ def bench_pool(
                 Path(tmp),
                 balancer,  # type: ignore[arg-type]  # checked above
                 kill_one,
+                keep_alive,
             )
         typer.echo(json.dumps(report, indent=2 if not as_json else None))
         return

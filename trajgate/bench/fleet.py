@@ -242,17 +242,23 @@ async def drive(
     *,
     max_tokens: int | None = None,
     retries: int = 20,
+    keep_alive: bool = False,
 ) -> DriveResult:
     """Run ``turns`` calls per trajectory, in order, ``concurrency`` trajectories at a time.
 
-    Keep-alive is off: every call opens a connection, so a round-robin balancer sends each call
-    of a trajectory to another replica. Each call sends the conversation so far (questions and
-    the answers delivered) plus a new question. A failed call (connection error, 5xx) is retried
-    unchanged after a short pause, as an agent runtime would.
+    Without ``keep_alive`` every call opens a connection, so a round-robin balancer sends each
+    call of a trajectory to another replica, and the kernel spreads them over the workers of
+    ``trajgate serve --workers`` (the worst case for the writers' lineage memory). With it each
+    agent keeps one connection for all its calls, as an SDK client does: a connection stays on
+    the replica or worker it reached until it breaks. Each call sends the conversation so far
+    (questions and the answers delivered) plus a new question. A failed call (connection error,
+    5xx) is retried unchanged after a short pause, as an agent runtime would.
     """
     result = DriveResult()
     pending = list(reversed(trajectory_ids))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+    if keep_alive:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 
     async def agent(client: httpx.AsyncClient) -> None:
         while pending:
@@ -284,8 +290,15 @@ async def drive(
                     result.gave_up += 1
 
     started = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        await asyncio.gather(*(agent(client) for _ in range(concurrency)))
+    clients = [
+        httpx.AsyncClient(base_url=url, timeout=60, limits=limits)
+        for _ in range(concurrency if keep_alive else 1)
+    ]
+    try:
+        await asyncio.gather(*(agent(clients[k % len(clients)]) for k in range(concurrency)))
+    finally:
+        for client in clients:
+            await client.aclose()
     result.wall_s = time.perf_counter() - started
     return result
 
@@ -406,11 +419,12 @@ async def _drive_then_kill(
     concurrency: int,
     victim: subprocess.Popen[bytes] | None,
     kill_after_calls: int,
+    keep_alive: bool = False,
 ) -> tuple[DriveResult, float]:
     """``drive`` through ``balancer``; with a ``victim`` (the first backend's gateway), ``kill
     -9`` it once ``kill_after_calls`` connections reached it. Returns the result and the CPU
     seconds the victim's processes had spent just before the kill (0.0 without one)."""
-    task = asyncio.create_task(drive(balancer.url, ids, turns, concurrency))
+    task = asyncio.create_task(drive(balancer.url, ids, turns, concurrency, keep_alive=keep_alive))
     if victim is None:
         return await task, 0.0
     while balancer.connections[balancer.backends[0]] < kill_after_calls and not task.done():
@@ -458,14 +472,16 @@ def bench_gateways(
     work_dir: Path,
     balancer_policy: BalancerPolicy = "round_robin",
     kill_one: bool = False,
+    keep_alive: bool = False,
 ) -> dict[str, Any]:
     """Committed steps/s of agents through ``n`` ``trajgate serve`` processes of ``w`` workers
     each on one pool behind the balancer (``balancer_policy``), for each ``(n, w)`` of
     ``configurations``, the gateways' CPU per committed step (ms, every process of every
     gateway), and the audit of each run (lost and duplicated steps must be 0). ``kill_one``:
     in runs of several gateways, ``kill -9`` the first once it answered a third of its share
-    (the agents retry; its CPU until then is counted). Every run uses its own trajectory ids, so
-    one database serves them all.
+    (the agents retry; its CPU until then is counted). ``keep_alive``: each agent keeps one
+    connection (``drive``). Every run uses its own trajectory ids, so one database serves them
+    all.
 
     Upstream: the emulator in its own process (200-token prompts, 50-token answers, no delay),
     so the figure is the gateways' and the database's, not an engine's.
@@ -518,6 +534,7 @@ def bench_gateways(
                         concurrency,
                         processes[0] if kill else None,
                         trajectories * turns // count // 3,
+                        keep_alive,
                     )
                 )
                 # the killed gateway's processes may linger as zombies: count them once
@@ -531,6 +548,7 @@ def bench_gateways(
                         "gateways": count,
                         "workers": workers,
                         "balancer": balancer_policy,
+                        "keep_alive": keep_alive,
                         # "steps" (from the audit, below): stored; these were answered
                         "delivered_steps": steps,
                         "steps_per_s": round(steps / result.wall_s, 1),
