@@ -358,7 +358,9 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             expired_before = time.monotonic() - IDLE_EXPIRY_S
             while idle:
                 connection = idle.pop()
-                if not connection.closed and connection.idle_since > expired_before:
+                # Bytes that came while idle belong to no request: never read them as an answer.
+                fresh = connection.idle_since > expired_before and not connection.buffer
+                if fresh and not connection.closed:
                     return connection
                 connection.close()
         loop = asyncio.get_running_loop()

@@ -329,3 +329,27 @@ async def test_a_body_cut_short_is_a_protocol_error_and_errors_are_httpx_errors(
             await http.post(url, content=b"x")
         with pytest.raises(httpx.UnsupportedProtocol):
             await http.post("https://127.0.0.1:1/", content=b"x")
+
+
+async def test_bytes_sent_to_an_idle_connection_are_never_read_as_the_next_answer() -> None:
+    connections = 0
+
+    async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            await read_request(reader)
+            writer.write(answer(b"first"))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(answer(b"stale"))  # unasked: e.g. an error page before an idle close
+            await writer.drain()
+        while (body := await read_request(reader)) is not None:
+            writer.write(answer(b"echo:" + body))
+            await writer.drain()
+
+    async with server(chatty) as (url, accepted), client() as http:
+        assert (await http.post(url, content=b"x")).content == b"first"
+        await asyncio.sleep(0.2)
+        assert (await http.post(url, content=b"y")).content == b"echo:y"
+        assert len(accepted) == 2
