@@ -128,6 +128,18 @@ class _Connection(asyncio.Protocol):
         del self.buffer[:size]
         return data
 
+    def make_idle(self) -> None:
+        """Ready the connection to wait in the pool: no read limit of the call it carried stays
+        armed (a later call's shorter one would wait for it), and the socket reads again (a
+        paused one would not see the replica close it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self.idle_since = time.monotonic()
+
     def close(self) -> None:
         self.closed = True
         if self._timer is not None:
@@ -378,7 +390,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         if self._closed or connection.closed:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
+        connection.make_idle()
         self._idle.setdefault(key, []).append(connection)
 
     async def aclose(self) -> None:

@@ -21,7 +21,7 @@ import h11
 import httpx
 import pytest
 
-from gateway.upstream_transport import UpstreamTransport, _Body, _Connection
+from gateway.upstream_transport import HIGH_WATER_BYTES, UpstreamTransport, _Body, _Connection
 
 # On uvloop, as ``trajgate serve`` runs (its transports are not asyncio's classes).
 pytestmark = pytest.mark.anyio
@@ -329,3 +329,55 @@ async def test_a_body_cut_short_is_a_protocol_error_and_errors_are_httpx_errors(
             await http.post(url, content=b"x")
         with pytest.raises(httpx.UnsupportedProtocol):
             await http.post("https://127.0.0.1:1/", content=b"x")
+
+
+# -- connections handed back to the pool --------------------------------------------------
+
+
+async def test_a_reused_connection_keeps_no_read_limit_of_the_call_before() -> None:
+    """A unary call (read limit: the total one) and then a stream with a shorter one on the
+    same connection: the stream's limit holds, not the longer one still armed from before."""
+    stalled = asyncio.Event()
+
+    async def then_stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"first"))
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await stalled.wait()
+
+    async with server(then_stall) as (url, accepted), client() as http:
+        long = httpx.Timeout(5.0, read=60.0)
+        assert (await http.post(url, content=b"x", timeout=long)).content == b"first"
+        async with http.stream("POST", url, content=b"x", timeout=0.2) as response:
+            pieces = response.aiter_bytes()
+            assert await pieces.__anext__() == b"hello"
+            # 0.2 s is the limit; 60 s would be the first call's: wait_for tells them apart
+            with pytest.raises(httpx.ReadTimeout):
+                await asyncio.wait_for(pieces.__anext__(), 10.0)
+        stalled.set()
+        assert len(accepted) == 1
+
+
+async def test_a_connection_paused_by_a_large_body_sees_its_close_once_idle() -> None:
+    """A body that filled the buffer past the high-water mark pauses reading; the connection
+    must read again once idle, or the replica's close of it goes unseen and the next call is
+    written to a closed connection."""
+    body = b"b" * (HIGH_WATER_BYTES + 1)
+    sent = asyncio.Event()
+
+    async def large_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(body))
+        await writer.drain()
+        sent.set()  # then the handler returns and the server closes the connection
+
+    async with server(large_then_close) as (url, accepted), client() as http:
+        async with http.stream("POST", url, content=b"x") as response:
+            await sent.wait()
+            await asyncio.sleep(0.2)  # all of the body is buffered: the socket is paused
+            assert await response.aread() == body
+        await asyncio.sleep(0.2)  # the close reaches the idle connection
+        assert await (await http.post(url, content=b"x")).aread() == body
+        assert len(accepted) == 2
