@@ -370,7 +370,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             expired_before = time.monotonic() - IDLE_EXPIRY_S
             while idle:
                 connection = idle.pop()
-                if not connection.closed and connection.idle_since > expired_before:
+                # a reset closes the transport a loop turn before the protocol hears; bytes
+                # that came while idle answer no request of ours
+                if (
+                    not connection.closed
+                    and not connection.transport.is_closing()  # type: ignore[union-attr]
+                    and not connection.buffer
+                    and connection.idle_since > expired_before
+                ):
                     return connection
                 connection.close()
         loop = asyncio.get_running_loop()
@@ -387,8 +394,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return connection
 
     def _give_back(self, key: tuple[str, int], connection: _Connection) -> None:
-        if self._closed or connection.closed:
-            connection.close()
+        if self._closed or connection.closed or connection.buffer:
+            connection.close()  # bytes after the body (an empty one too): not to be trusted
             return
         connection.make_idle()
         self._idle.setdefault(key, []).append(connection)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -380,4 +382,64 @@ async def test_a_connection_paused_by_a_large_body_sees_its_close_once_idle() ->
             assert await response.aread() == body
         await asyncio.sleep(0.2)  # the close reaches the idle connection
         assert await (await http.post(url, content=b"x")).aread() == body
+        assert len(accepted) == 2
+
+
+async def test_bytes_after_an_empty_body_make_the_connection_single_use() -> None:
+    async def extra(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            writer.write(answer(b"") + answer(b"stale"))
+            await writer.drain()
+
+    async with server(extra) as (url, accepted), client() as http:
+        assert (await http.post(url, content=b"x")).content == b""
+        assert (await http.post(url, content=b"x")).content == b""
+        assert len(accepted) == 2
+
+
+async def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
+    async def unsolicited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while (body := await read_request(reader)) is not None:
+            writer.write(answer(b"echo:" + body))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(answer(b"unsolicited"))
+            await writer.drain()
+
+    async with server(unsolicited) as (url, accepted), client() as http:
+        assert (await http.post(url, content=b"1")).content == b"echo:1"
+        await asyncio.sleep(0.2)  # the unsolicited answer reaches the idle connection
+        assert (await http.post(url, content=b"2")).content == b"echo:2"
+        assert len(accepted) == 2
+
+
+async def test_a_connection_reset_while_idle_is_not_reused_before_its_protocol_hears() -> None:
+    """A reset closes the transport at once but tells the protocol one loop turn later; a call
+    in between must not be written to it (it would fail with ``ReadError``)."""
+    reset = asyncio.Event()
+
+    async def answer_then_reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if await read_request(reader) is None:
+            return
+        writer.write(answer(b"ok"))
+        await writer.drain()
+        if reset.is_set():
+            return  # the second connection: a clean close
+        await reset.wait()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # an RST, not a FIN
+
+    transport = UpstreamTransport()
+    async with (
+        server(answer_then_reset) as (url, accepted),
+        httpx.AsyncClient(transport=transport) as http,
+    ):
+        assert (await http.post(url, content=b"x")).content == b"ok"
+        [idle] = next(iter(transport._idle.values()))
+        reset.set()
+        while not idle.transport.is_closing():  # type: ignore[union-attr]
+            await asyncio.sleep(0)
+        assert not idle.closed  # the window this test is about
+        assert (await http.post(url, content=b"x")).content == b"ok"
         assert len(accepted) == 2
