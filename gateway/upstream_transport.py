@@ -325,11 +325,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         for name, value in headers:
             lowered = name.lower()
             if lowered == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
+                if not value.isdigit():  # int() would take "-1", "+1", "1_0"
                     connection.close()
-                    raise httpx.RemoteProtocolError(f"bad content-length {value!r}") from None
+                    raise httpx.RemoteProtocolError(f"bad content-length {value!r}")
+                length = int(value)
             elif lowered == b"transfer-encoding":
                 chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
             elif lowered == b"connection":

@@ -413,6 +413,17 @@ async def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
         assert len(accepted) == 2
 
 
+async def test_a_negative_content_length_is_a_protocol_error() -> None:
+    async def negative(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\nabc")
+        await writer.drain()
+
+    async with server(negative) as (url, _), client() as http:
+        with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
+            await http.post(url, content=b"x")
+
+
 async def test_a_connection_reset_while_idle_is_not_reused_before_its_protocol_hears() -> None:
     """A reset closes the transport at once but tells the protocol one loop turn later; a call
     in between must not be written to it (it would fail with ``ReadError``)."""
