@@ -128,6 +128,18 @@ class _Connection(asyncio.Protocol):
         del self.buffer[:size]
         return data
 
+    def make_idle(self) -> None:
+        """Ready the connection to wait in the pool: no read limit of the call it carried stays
+        armed (a later call's shorter one would wait for it), and the socket reads again (a
+        paused one would not see the replica close it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self.idle_since = time.monotonic()
+
     def close(self) -> None:
         self.closed = True
         if self._timer is not None:
@@ -313,11 +325,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         for name, value in headers:
             lowered = name.lower()
             if lowered == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
+                if not value.isdigit():  # int() would take "-1", "+1", "1_0"
                     connection.close()
-                    raise httpx.RemoteProtocolError(f"bad content-length {value!r}") from None
+                    raise httpx.RemoteProtocolError(f"bad content-length {value!r}")
+                length = int(value)
             elif lowered == b"transfer-encoding":
                 chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
             elif lowered == b"connection":
@@ -358,9 +369,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             expired_before = time.monotonic() - IDLE_EXPIRY_S
             while idle:
                 connection = idle.pop()
-                # Bytes that came while idle belong to no request: never read them as an answer.
-                fresh = connection.idle_since > expired_before and not connection.buffer
-                if fresh and not connection.closed:
+                # a reset closes the transport a loop turn before the protocol hears; bytes
+                # that came while idle answer no request of ours
+                if (
+                    not connection.closed
+                    and not connection.transport.is_closing()  # type: ignore[union-attr]
+                    and not connection.buffer
+                    and connection.idle_since > expired_before
+                ):
                     return connection
                 connection.close()
         loop = asyncio.get_running_loop()
@@ -377,10 +393,10 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return connection
 
     def _give_back(self, key: tuple[str, int], connection: _Connection) -> None:
-        if self._closed or connection.closed:
-            connection.close()
+        if self._closed or connection.closed or connection.buffer:
+            connection.close()  # bytes after the body (an empty one too): not to be trusted
             return
-        connection.idle_since = time.monotonic()
+        connection.make_idle()
         self._idle.setdefault(key, []).append(connection)
 
     async def aclose(self) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -21,7 +23,7 @@ import h11
 import httpx
 import pytest
 
-from gateway.upstream_transport import UpstreamTransport, _Body, _Connection
+from gateway.upstream_transport import HIGH_WATER_BYTES, UpstreamTransport, _Body, _Connection
 
 # On uvloop, as ``trajgate serve`` runs (its transports are not asyncio's classes).
 pytestmark = pytest.mark.anyio
@@ -331,25 +333,124 @@ async def test_a_body_cut_short_is_a_protocol_error_and_errors_are_httpx_errors(
             await http.post("https://127.0.0.1:1/", content=b"x")
 
 
-async def test_bytes_sent_to_an_idle_connection_are_never_read_as_the_next_answer() -> None:
-    connections = 0
+# -- connections handed back to the pool --------------------------------------------------
 
-    async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        if connections == 1:
-            await read_request(reader)
-            writer.write(answer(b"first"))
+
+async def test_a_reused_connection_keeps_no_read_limit_of_the_call_before() -> None:
+    """A unary call (read limit: the total one) and then a stream with a shorter one on the
+    same connection: the stream's limit holds, not the longer one still armed from before."""
+    stalled = asyncio.Event()
+
+    async def then_stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(b"first"))
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await stalled.wait()
+
+    async with server(then_stall) as (url, accepted), client() as http:
+        long = httpx.Timeout(5.0, read=60.0)
+        assert (await http.post(url, content=b"x", timeout=long)).content == b"first"
+        async with http.stream("POST", url, content=b"x", timeout=0.2) as response:
+            pieces = response.aiter_bytes()
+            assert await pieces.__anext__() == b"hello"
+            # 0.2 s is the limit; 60 s would be the first call's: wait_for tells them apart
+            with pytest.raises(httpx.ReadTimeout):
+                await asyncio.wait_for(pieces.__anext__(), 10.0)
+        stalled.set()
+        assert len(accepted) == 1
+
+
+async def test_a_connection_paused_by_a_large_body_sees_its_close_once_idle() -> None:
+    """A body that filled the buffer past the high-water mark pauses reading; the connection
+    must read again once idle, or the replica's close of it goes unseen and the next call is
+    written to a closed connection."""
+    body = b"b" * (HIGH_WATER_BYTES + 1)
+    sent = asyncio.Event()
+
+    async def large_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer(body))
+        await writer.drain()
+        sent.set()  # then the handler returns and the server closes the connection
+
+    async with server(large_then_close) as (url, accepted), client() as http:
+        async with http.stream("POST", url, content=b"x") as response:
+            await sent.wait()
+            await asyncio.sleep(0.2)  # all of the body is buffered: the socket is paused
+            assert await response.aread() == body
+        await asyncio.sleep(0.2)  # the close reaches the idle connection
+        assert await (await http.post(url, content=b"x")).aread() == body
+        assert len(accepted) == 2
+
+
+async def test_bytes_after_an_empty_body_make_the_connection_single_use() -> None:
+    async def extra(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            writer.write(answer(b"") + answer(b"stale"))
             await writer.drain()
-            await asyncio.sleep(0.05)
-            writer.write(answer(b"stale"))  # unasked: e.g. an error page before an idle close
-            await writer.drain()
+
+    async with server(extra) as (url, accepted), client() as http:
+        assert (await http.post(url, content=b"x")).content == b""
+        assert (await http.post(url, content=b"x")).content == b""
+        assert len(accepted) == 2
+
+
+async def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
+    async def unsolicited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (body := await read_request(reader)) is not None:
             writer.write(answer(b"echo:" + body))
             await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(answer(b"unsolicited"))
+            await writer.drain()
 
-    async with server(chatty) as (url, accepted), client() as http:
-        assert (await http.post(url, content=b"x")).content == b"first"
-        await asyncio.sleep(0.2)
-        assert (await http.post(url, content=b"y")).content == b"echo:y"
+    async with server(unsolicited) as (url, accepted), client() as http:
+        assert (await http.post(url, content=b"1")).content == b"echo:1"
+        await asyncio.sleep(0.2)  # the unsolicited answer reaches the idle connection
+        assert (await http.post(url, content=b"2")).content == b"echo:2"
+        assert len(accepted) == 2
+
+
+async def test_a_negative_content_length_is_a_protocol_error() -> None:
+    async def negative(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\nabc")
+        await writer.drain()
+
+    async with server(negative) as (url, _), client() as http:
+        with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
+            await http.post(url, content=b"x")
+
+
+async def test_a_connection_reset_while_idle_is_not_reused_before_its_protocol_hears() -> None:
+    """A reset closes the transport at once but tells the protocol one loop turn later; a call
+    in between must not be written to it (it would fail with ``ReadError``)."""
+    reset = asyncio.Event()
+
+    async def answer_then_reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if await read_request(reader) is None:
+            return
+        writer.write(answer(b"ok"))
+        await writer.drain()
+        if reset.is_set():
+            return  # the second connection: a clean close
+        await reset.wait()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # an RST, not a FIN
+
+    transport = UpstreamTransport()
+    async with (
+        server(answer_then_reset) as (url, accepted),
+        httpx.AsyncClient(transport=transport) as http,
+    ):
+        assert (await http.post(url, content=b"x")).content == b"ok"
+        [idle] = next(iter(transport._idle.values()))
+        reset.set()
+        while not idle.transport.is_closing():  # type: ignore[union-attr]
+            await asyncio.sleep(0)
+        assert not idle.closed  # the window this test is about
+        assert (await http.post(url, content=b"x")).content == b"ok"
         assert len(accepted) == 2
