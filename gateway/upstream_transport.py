@@ -38,6 +38,7 @@ MAX_HEAD_BYTES = 65_536
 HIGH_WATER_BYTES = 1 << 20
 
 _NO_BODY_STATUS = frozenset({204, 304})
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class _Connection(asyncio.Protocol):
@@ -243,12 +244,11 @@ class _Body(httpx.AsyncByteStream):
                     raise httpx.RemoteProtocolError("chunk data not followed by CRLF")
                 self._chunk_left = -1
             elif left == -1:  # a size line, maybe with extensions
-                try:
-                    chunk_size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise httpx.RemoteProtocolError(f"bad chunk-size line {line[:40]!r}") from None
-                if chunk_size < 0:
+                size_hex = line.split(b";", 1)[0].strip()
+                # hex digits only: int(..., 16) would also take "0x1f", "+1f", "1_f"
+                if not size_hex or size_hex.translate(None, _HEX_DIGITS):
                     raise httpx.RemoteProtocolError(f"bad chunk-size line {line[:40]!r}")
+                chunk_size = int(size_hex, 16)
                 self._chunk_left = chunk_size if chunk_size else -2
             elif not line:  # left == -2: the empty line that ends the trailer section
                 self._done = True
@@ -325,18 +325,17 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         for name, value in headers:
             lowered = name.lower()
             if lowered == b"content-length":
-                if not value.isdigit():  # int() would take "-1", "+1", "1_0"
+                # digits only (int() would take "-1", "+1", "1_0"), and one value if repeated
+                if not value.isdigit() or (length is not None and int(value) != length):
                     connection.close()
                     raise httpx.RemoteProtocolError(f"bad content-length {value!r}")
                 length = int(value)
             elif lowered == b"transfer-encoding":
                 chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
-            elif lowered == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
-                if b"close" in tokens:
-                    keep_alive = False
-                elif b"keep-alive" in tokens:
-                    keep_alive = True
+            elif lowered == b"connection" and b"close" in _tokens(value):
+                keep_alive = False  # (an HTTP/1.0 answer is never reused, as h11 does)
+        if chunked and length is not None:
+            keep_alive = False  # both framings given: read it chunked, then trust it no more
         if request.method == "HEAD" or status in _NO_BODY_STATUS:
             length, chunked = 0, False
         elif chunked:
@@ -405,6 +404,11 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             for connection in connections:
                 connection.close()
         self._idle.clear()
+
+
+def _tokens(value: bytes) -> set[bytes]:
+    """The lower-cased tokens of a comma-separated header value."""
+    return {token.strip() for token in value.lower().split(b",")}
 
 
 async def _body_of(request: httpx.Request) -> bytes:

@@ -454,3 +454,41 @@ async def test_a_connection_reset_while_idle_is_not_reused_before_its_protocol_h
         assert not idle.closed  # the window this test is about
         assert (await http.post(url, content=b"x")).content == b"ok"
         assert len(accepted) == 2
+
+
+@pytest.mark.parametrize("size_line", [b"0x5", b"+5", b"5_", b"", b"-5", b"5 5"])
+async def test_a_chunk_size_that_is_not_hex_digits_is_a_protocol_error(size_line: bytes) -> None:
+    framed = size_line + b"\r\nhello\r\n0\r\n\r\n"
+    with pytest.raises(httpx.RemoteProtocolError, match="chunk-size"):
+        await read_body(framed, [framed], "chunked")
+
+
+async def test_answers_that_h11_would_not_reuse_a_connection_after_are_single_use() -> None:
+    heads = [
+        b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n"
+        b"2\r\nok\r\n0\r\n\r\n",
+    ]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            writer.write(heads[0])
+            await writer.drain()
+
+    for head in heads:
+        heads[0] = head
+        async with server(handler) as (url, accepted), client() as http:
+            assert (await http.post(url, content=b"x")).content == b"ok"
+            assert (await http.post(url, content=b"x")).content == b"ok"
+            assert len(accepted) == 2
+
+
+async def test_two_different_content_lengths_are_a_protocol_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok!")
+        await writer.drain()
+
+    async with server(handler) as (url, _), client() as http:
+        with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
+            await http.post(url, content=b"x")
