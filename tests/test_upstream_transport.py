@@ -233,18 +233,6 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None
         assert len(accepted) == 3
 
 
-async def test_connection_close_and_a_body_framed_by_the_close() -> None:
-    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
-        await writer.drain()
-
-    async with server(until_close) as (url, accepted), client() as http:
-        assert (await http.post(url, content=b"x")).content == b"all of it"
-        assert (await http.post(url, content=b"x")).content == b"all of it"
-        assert len(accepted) == 2
-
-
 async def test_informational_heads_are_skipped_and_204_has_no_body() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -385,18 +373,6 @@ async def test_a_connection_paused_by_a_large_body_sees_its_close_once_idle() ->
         assert len(accepted) == 2
 
 
-async def test_bytes_after_an_empty_body_make_the_connection_single_use() -> None:
-    async def extra(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await read_request(reader) is not None:
-            writer.write(answer(b"") + answer(b"stale"))
-            await writer.drain()
-
-    async with server(extra) as (url, accepted), client() as http:
-        assert (await http.post(url, content=b"x")).content == b""
-        assert (await http.post(url, content=b"x")).content == b""
-        assert len(accepted) == 2
-
-
 async def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
     async def unsolicited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (body := await read_request(reader)) is not None:
@@ -411,17 +387,6 @@ async def test_an_idle_connection_that_received_bytes_is_not_reused() -> None:
         await asyncio.sleep(0.2)  # the unsolicited answer reaches the idle connection
         assert (await http.post(url, content=b"2")).content == b"echo:2"
         assert len(accepted) == 2
-
-
-async def test_a_negative_content_length_is_a_protocol_error() -> None:
-    async def negative(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\nabc")
-        await writer.drain()
-
-    async with server(negative) as (url, _), client() as http:
-        with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
-            await http.post(url, content=b"x")
 
 
 async def test_a_connection_reset_while_idle_is_not_reused_before_its_protocol_hears() -> None:
@@ -463,32 +428,51 @@ async def test_a_chunk_size_that_is_not_hex_digits_is_a_protocol_error(size_line
         await read_body(framed, [framed], "chunked")
 
 
-async def test_answers_that_h11_would_not_reuse_a_connection_after_are_single_use() -> None:
-    heads = [
-        b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 2\r\n\r\nok",
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n"
-        b"2\r\nok\r\n0\r\n\r\n",
-    ]
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await read_request(reader) is not None:
-            writer.write(heads[0])
-            await writer.drain()
-
-    for head in heads:
-        heads[0] = head
-        async with server(handler) as (url, accepted), client() as http:
-            assert (await http.post(url, content=b"x")).content == b"ok"
-            assert (await http.post(url, content=b"x")).content == b"ok"
-            assert len(accepted) == 2
-
-
-async def test_two_different_content_lengths_are_a_protocol_error() -> None:
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\nabc",  # int() would take it
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok!",
+    ],
+    ids=["negative", "two values"],
+)
+async def test_a_content_length_h11_would_refuse_is_a_protocol_error(head: bytes) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok!")
+        writer.write(head)
         await writer.drain()
 
     async with server(handler) as (url, _), client() as http:
         with pytest.raises(httpx.RemoteProtocolError, match="content-length"):
             await http.post(url, content=b"x")
+
+
+@pytest.mark.parametrize(
+    ("raw", "body", "server_closes"),
+    [
+        (b"HTTP/1.0 200 OK\r\n\r\nall of it", b"all of it", True),  # framed by the close
+        (answer(b"") + answer(b"stale"), b"", False),  # bytes after an empty body
+        (b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 2\r\n\r\nok", b"ok", False),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n"
+            b"2\r\nok\r\n0\r\n\r\n",
+            b"ok",
+            False,
+        ),
+    ],
+    ids=["until close", "bytes after an empty body", "HTTP/1.0 keep-alive", "both framings"],
+)
+async def test_answers_after_which_h11_would_not_reuse_a_connection_are_single_use(
+    raw: bytes, body: bytes, server_closes: bool
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader) is not None:
+            writer.write(raw)
+            await writer.drain()
+            if server_closes:
+                return
+
+    async with server(handler) as (url, accepted), client() as http:
+        assert (await http.post(url, content=b"x")).content == body
+        assert (await http.post(url, content=b"x")).content == body
+        assert len(accepted) == 2
