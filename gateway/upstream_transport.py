@@ -84,9 +84,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.error = exc
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         self._wake()
 
     # -- reading ---------------------------------------------------------------------------
@@ -99,9 +97,7 @@ class _Connection(asyncio.Protocol):
     async def wait_for_data(self, read_limit_s: float | None) -> None:
         """Wait until more bytes arrived or the connection closed. Raises ``httpx.ReadTimeout``
         after ``read_limit_s`` seconds without either (None: no limit)."""
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self._resume_reading()
         waiter = self._waiter = self._loop.create_future()
         self._wait_started = self._loop.time()
         self._read_limit_s = read_limit_s
@@ -123,6 +119,16 @@ class _Connection(asyncio.Protocol):
         else:
             self._timer = self._loop.call_at(due, self._on_timer)
 
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _resume_reading(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
     def take(self, size: int) -> bytes:
         """The first ``size`` buffered bytes, removed from the buffer."""
         data = bytes(self.buffer[:size])
@@ -133,19 +139,13 @@ class _Connection(asyncio.Protocol):
         """Ready the connection to wait in the pool: no read limit of the call it carried stays
         armed (a later call's shorter one would wait for it), and the socket reads again (a
         paused one would not see the replica close it)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self._cancel_timer()
+        self._resume_reading()
         self.idle_since = time.monotonic()
 
     def close(self) -> None:
         self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         if self.transport is not None:
             self.transport.close()
 
@@ -270,7 +270,7 @@ class _Body(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         """Give the connection back if the body was read to its end, else close it (a stream
         left early: vLLM aborts the request when its connection closes)."""
-        self._release(reusable=self._keep_alive and self._done)
+        self._release(reusable=self._keep_alive)  # reused only once ``_done`` too
 
 
 class UpstreamTransport(httpx.AsyncBaseTransport):
