@@ -2,7 +2,7 @@
 
 Owns: registering a version (idempotent for identical fields), making one version the only
 active one, and listing them in version order. Never: loads weights or resolves a request's
-model name (``gateway.policy`` keeps the in-memory view the gateway resolves against).
+model name (``gateway.upstream.policy`` keeps the in-memory view the gateway resolves against).
 """
 
 from __future__ import annotations

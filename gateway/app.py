@@ -3,7 +3,7 @@ every call as steps of a trajectory, plus health, metrics and admin endpoints.
 
 Owns: wiring (settings, the pool, the upstream pool, the policy registry, keys, metrics, error
 envelope) and background tasks (health checks, policy refresh, completion hooks). Never:
-proxies by itself; the OpenAI surface is ``gateway.proxy``.
+proxies by itself; the OpenAI surface is ``gateway.proxy.routes``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from datapool.settings import PoolSettings
 from datapool.steps.faults import fault_reason, is_storage_fault
 from datapool.steps.store import PoolStore
 from datapool.steps.writer import PoolWriter
-from gateway import proxy
 from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
@@ -40,11 +39,12 @@ from gateway.guard import EdgeGuard
 from gateway.inspector import page as inspector
 from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
-from gateway.policy import PolicyRegistry
+from gateway.proxy import routes as proxy
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
-from gateway.upstream_transport import UpstreamTransport
-from gateway.upstreams import UpstreamPool
+from gateway.upstream.policy import PolicyRegistry
+from gateway.upstream.replicas import UpstreamPool
+from gateway.upstream.transport import UpstreamTransport
 from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 
 log = logging.getLogger("trajgate.gateway")
@@ -180,7 +180,7 @@ def _upstream_client(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     if transport is not None:  # a test's transport for shapes the real vLLM cannot produce
         return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
-    # Plain-HTTP replicas through our own transport (gateway.upstream_transport: the capture
+    # Plain-HTTP replicas through our own transport (gateway.upstream.transport: the capture
     # hot path); https:// ones through httpx's default transport.
     return httpx.AsyncClient(
         timeout=timeout, limits=limits, mounts={"http://": UpstreamTransport()}

@@ -3,7 +3,7 @@
 Owns: the exception classes every gateway route raises, the mapping of the pool's errors and of
 FastAPI's own (unknown route, wrong method, failed validation) onto them, and the rendering of an
 error as a response body or a stream event. Never: decides *whether* a request is an error (the
-routes and ``gateway.attribution`` do).
+routes and ``gateway.proxy.attribution`` do).
 
 An upstream's own error answer (vLLM's 4xx/5xx body) is read with ``read_upstream_error`` into
 an ``UpstreamErrorBody``: vLLM's ``message``, ``type`` and ``param`` kept as it wrote them, the
@@ -42,7 +42,7 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost`` (409); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
 ``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still
-sampling when a full-weight update's drain limit ran out, ``gateway.weight_update``);
+sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);
 ``upstream_unreachable`` (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:

@@ -15,8 +15,8 @@ from prometheus_client.registry import Collector
 from datapool.lifecycle.hooks import CompletionHooks
 from datapool.steps.faults import FAULT_REASONS
 from datapool.steps.writer import PoolWriter
-from gateway.upstreams import Replica, UpstreamPool
-from gateway.weight_update import PauseReport
+from gateway.upstream.replicas import Replica, UpstreamPool
+from gateway.upstream.weight_update import PauseReport
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
 

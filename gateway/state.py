@@ -24,10 +24,10 @@ from datapool.steps.writer import PoolWriter
 from gateway.auth import KeyRing
 from gateway.errors import from_pool_error
 from gateway.metrics import GatewayMetrics
-from gateway.policy import PolicyRegistry
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_dirs import TokenizerDirs
-from gateway.upstreams import UpstreamPool
+from gateway.upstream.policy import PolicyRegistry
+from gateway.upstream.replicas import UpstreamPool
 
 
 @dataclass

@@ -14,12 +14,12 @@ import pytest
 from datapool.steps.records import ChoiceRecord
 from gateway.capture import ABORTED, IDS_INCOMPLETE, IDS_MISSING, PROMPT_IDS_MISSING, TRUNCATED
 from gateway.dialects import DIALECTS, ClientAsked
-from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.chat_completions.serving import ChatCompletions
 from gateway.dialects.choices import strip_for_client
-from gateway.dialects.completions import Completions
+from gateway.dialects.completions.serving import Completions
 from gateway.errors import UpstreamTimeoutError
-from gateway.proxy import router
-from gateway.upstreams import InFlight, Replica
+from gateway.proxy.routes import router
+from gateway.upstream.replicas import InFlight, Replica
 
 CHAT = ChatCompletions()
 
@@ -120,7 +120,7 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
 
     import httpx
 
-    from gateway.streaming import sse_data
+    from gateway.proxy.streaming import sse_data
 
     body = (
         b'data: {"a":1}\r\n\r\n: comment\n\ndata: x\r\ndata: y\r\n\r\n'

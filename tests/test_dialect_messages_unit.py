@@ -26,9 +26,9 @@ from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
 from gateway.capture import CONSTRAINED, PREFILL, TRUNCATED
-from gateway.dialects.messages import Messages, MessagesPrepared, count_tokens
-from gateway.dialects.messages_render import signature
-from gateway.dialects.messages_request import translate_request
+from gateway.dialects.messages.render import signature
+from gateway.dialects.messages.request import translate_request
+from gateway.dialects.messages.serving import Messages, MessagesPrepared, count_tokens
 from gateway.errors import (
     InvalidRequestError,
     ServiceUnavailableError,

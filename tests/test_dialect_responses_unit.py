@@ -19,9 +19,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.capture import CONSTRAINED, TRUNCATED
-from gateway.dialects.responses import Responses, ResponsesPrepared
-from gateway.dialects.responses_request import EarlierResponse, translate_request
-from gateway.dialects.responses_stream import ResponsesEvents, frame
+from gateway.dialects.responses.request import EarlierResponse, translate_request
+from gateway.dialects.responses.serving import Responses, ResponsesPrepared
+from gateway.dialects.responses.stream import ResponsesEvents, frame
 from gateway.errors import InvalidRequestError
 
 DATA = Path(__file__).parent / "data"

@@ -1,4 +1,4 @@
-"""The gateway's own HTTP/1.1 transport (``gateway.upstream_transport``) reads exactly the body
+"""The gateway's own HTTP/1.1 transport (``gateway.upstream.transport``) reads exactly the body
 the upstream framed, wherever the reads cut it, and handles connections as httpx's does.
 
 The framing is checked against h11 (the HTTP/1.1 library under httpx's default transport): the
@@ -23,7 +23,7 @@ import h11
 import httpx
 import pytest
 
-from gateway.upstream_transport import HIGH_WATER_BYTES, UpstreamTransport, _Body, _Connection
+from gateway.upstream.transport import HIGH_WATER_BYTES, UpstreamTransport, _Body, _Connection
 
 # On uvloop, as ``trajgate serve`` runs (its transports are not asyncio's classes).
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from gateway.weight_update import CallAborted, WeightGate
+from gateway.upstream.weight_update import CallAborted, WeightGate
 
 
 async def _aborted_while_waiting() -> str:

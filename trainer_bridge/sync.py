@@ -8,8 +8,8 @@ carries the new version.
   flight finish on the adapter they started with.
 - Full weights: one ``POST /admin/weight-updates`` to the gateway, which holds new calls, drains
   (or aborts) the calls in flight, reloads its replicas in place, registers the version and
-  releases the held calls on it (``gateway.weight_update``). The gateway reloads the replicas
-  it routes to; ``vllm_urls`` serve LoRA loads only. A full reload must not go to vLLM
+  releases the held calls on it (``gateway.upstream.weight_update``). The gateway reloads the
+  replicas it routes to; ``vllm_urls`` serve LoRA loads only. A full reload must not go to vLLM
   directly: calls in flight would sample across it.
 
 Never: trains.

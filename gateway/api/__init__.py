@@ -13,7 +13,7 @@ Each module also holds its request and response schemas (``...Create``, ``...Pub
 functions read like prose: they validate, call ``datapool`` functions and shape the answer.
 
 Never: builds SQL or opens sessions itself (queries live in ``datapool``); never serves model
-calls (``gateway.proxy`` does).
+calls (``gateway.proxy.routes`` does).
 
 Imports: ``datapool`` and ``gateway``'s shared modules (``state``, ``errors``, ``auth``,
 ``attribution``); never ``gateway.app``, ``trainer_bridge`` or the ``trajgate`` CLI.

@@ -1,8 +1,8 @@
 """Management endpoints under ``/admin``: policy versions, full-weight updates, agent API keys.
 
 Owns: the HTTP surface of the policy registry, of full-weight updates (the pause around an
-in-place reload: ``gateway.weight_update``) and of the key ring, behind the admin token.
-Never: serves agents; OpenAI routes live in ``gateway.proxy``.
+in-place reload: ``gateway.upstream.weight_update``) and of the key ring, behind the admin token.
+Never: serves agents; OpenAI routes live in ``gateway.proxy.routes``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
-from gateway.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.auth import check_admin_token
 from gateway.errors import ConflictError, InvalidRequestError, UpstreamError
+from gateway.proxy.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.state import GatewayState
-from gateway.weight_update import ReloadError, reload_replicas
+from gateway.upstream.weight_update import ReloadError, reload_replicas
 
 
 def _admin_state(request: Request) -> GatewayState:

@@ -1,7 +1,7 @@
 """What the ``/api`` and ``/admin`` routes accept: the bounds every value must keep to be stored.
 
 Owns: ``PoolRoute``, the route class of those routers, which reads a JSON body with the
-gateway's strict parser (``gateway.attribution.parse_json``, NUL refused) and refuses a NUL
+gateway's strict parser (``gateway.proxy.attribution.parse_json``, NUL refused) and refuses a NUL
 character in a query or path parameter. Every integer field and parameter there is bounded by
 ``datapool.models.INTEGER_MAX`` in its route's schema. Never: checks a field's meaning (the
 route's schema does).
@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
-from gateway.attribution import parse_json
 from gateway.errors import InvalidRequestError
+from gateway.proxy.attribution import parse_json
 
 
 class _StrictJSONRequest(Request):

@@ -29,8 +29,8 @@ from datapool.rewards import values as rewards
 from datapool.steps.store import PoolStore
 from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
-from gateway.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.proxy.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.state import StateDep
 
 router = APIRouter(tags=["pool"], route_class=PoolRoute)

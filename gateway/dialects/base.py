@@ -2,9 +2,9 @@
 
 A dialect is one client-facing API: chat completions and completions pass through to vLLM's
 own endpoints (``gateway.dialects.choices``); the Responses and Messages APIs translate to chat
-completions (``gateway.dialects.translation``). ``gateway.proxy`` runs every call the same way
-and asks the dialect, through ``Dialect`` and the per-stream ``DialectStream``, for everything
-that depends on the API:
+completions (``gateway.dialects.translation``). ``gateway.proxy.routes`` runs every call the
+same way and asks the dialect, through ``Dialect`` and the per-stream ``DialectStream``, for
+everything that depends on the API:
 
 =====================  =====================================================================
 client paths           ``client_paths`` under ``/v1``; the proxy serves each at ``/v1<path>``

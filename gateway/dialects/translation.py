@@ -30,7 +30,7 @@ from gateway.dialects.base import (
     Prepared,
     frame,
 )
-from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.chat_completions.serving import ChatCompletions
 from gateway.dialects.choices import ChoicesCapture
 from gateway.errors import InvalidRequestError
 

@@ -1,7 +1,7 @@
 """A chat completion from vLLM, rendered as an Anthropic ``Message``; errors in Anthropic's shape.
 
 Owns: the ``message`` object the client reads (unary, and piecewise in the stream events of
-``gateway.dialects.messages_stream``): its content blocks, ``stop_reason`` and
+``gateway.dialects.messages.stream``): its content blocks, ``stop_reason`` and
 ``stop_sequence``, usage; and Anthropic's error envelope
 ``{"type": "error", "error": {"type", "message"}}`` for the gateway's errors and for vLLM's
 own error bodies. The shapes are those the official ``anthropic`` SDK's ``Message`` and
@@ -37,7 +37,7 @@ import json
 import uuid
 from typing import Any
 
-from gateway.dialects.messages_request import tool_use_id
+from gateway.dialects.messages.request import tool_use_id
 from gateway.errors import TrajgateError, read_upstream_error
 
 # HTTP status → Anthropic error type (the SDK's ErrorObject union; the rest fall to the class).

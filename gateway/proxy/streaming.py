@@ -28,13 +28,13 @@ import anyio
 import httpx
 
 from datapool.models import StepOutcome
-from gateway.call import Call, commit, fail_call
 from gateway.dialects import DialectStream
 from gateway.errors import TrajgateError, UpstreamError, UpstreamTimeoutError
+from gateway.proxy.call import Call, commit, fail_call
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
-from gateway.upstreams import ReplicaResponse
-from gateway.weight_update import ABORTED_FOR_WEIGHT_UPDATE, CallAborted, aborted_error
+from gateway.upstream.replicas import ReplicaResponse
+from gateway.upstream.weight_update import ABORTED_FOR_WEIGHT_UPDATE, CallAborted, aborted_error
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -181,8 +181,8 @@ async def relay_stream(
     A client disconnect closes the upstream response (vLLM aborts the request) and records the
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with the
     dialect's error event and records ``upstream_timeout``; so does an abort by a full-weight
-    update (``gateway.weight_update``), recorded ``aborted_for_weight_update``. Either way the
-    step is never left open, and the response (with its in-flight count) is closed.
+    update (``gateway.upstream.weight_update``), recorded ``aborted_for_weight_update``.
+    Either way the step is never left open, and the response (with its in-flight count) is closed.
     """
     replica = upstream.replica
     metrics = state.metrics

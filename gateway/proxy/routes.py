@@ -3,7 +3,7 @@
 Owns: attribution of a call to a trajectory (URL, header or API key), Idempotency-Key replays and
 re-send detection, the upstream attempt loop (retries only before any byte reached the client),
 the order "upstream answers → steps commit → client gets the (last part of the) answer" for
-unary answers (streams: ``gateway.streaming``), and the first-byte and total time limits, the
+unary answers (streams: ``gateway.proxy.streaming``), and the first-byte and total time limits, the
 same for every dialect. Never: looks inside a request or an answer (the dialect reads and renders
 them); never retries after a timeout (tokens may already have been generated).
 """
@@ -27,7 +27,17 @@ from sqlalchemy.exc import SQLAlchemyError
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
-from gateway.attribution import (
+from gateway.capture import dumps, loads, request_hash
+from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
+from gateway.dialects.messages.render import upstream_error
+from gateway.dialects.messages.serving import Messages, count_tokens
+from gateway.errors import (
+    PermissionDeniedError,
+    ServiceUnavailableError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from gateway.proxy.attribution import (
     Attribution,
     attribute,
     check_idempotency_key,
@@ -35,21 +45,11 @@ from gateway.attribution import (
     check_trajectory_id,
     read_json_object,
 )
-from gateway.call import Call, commit, fail_call, failed_choice
-from gateway.capture import dumps, loads, request_hash
-from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
-from gateway.dialects.messages import Messages, count_tokens
-from gateway.dialects.messages_render import upstream_error
-from gateway.errors import (
-    PermissionDeniedError,
-    ServiceUnavailableError,
-    UpstreamError,
-    UpstreamTimeoutError,
-)
+from gateway.proxy.call import Call, commit, fail_call, failed_choice
+from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState, StateDep
-from gateway.streaming import first_event, relay_stream
-from gateway.upstreams import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
-from gateway.weight_update import (
+from gateway.upstream.replicas import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
+from gateway.upstream.weight_update import (
     ABORTED_FOR_WEIGHT_UPDATE,
     CallAborted,
     Ticket,
@@ -176,7 +176,7 @@ async def proxy_call(
     read by the app's error handlers). The call counts as in flight for its trajectory
     (``PoolWriter.call_started``) until its commit ended, so the idle timeout never closes a
     trajectory under a call of this gateway. It passes the weight gate before its policy
-    version is resolved (held while a full-weight update is on: ``gateway.weight_update``).
+    version is resolved (held while a full-weight update is on: ``gateway.upstream.weight_update``).
     """
     request.state.render_error = dialect.render_error
     if url_trajectory_id is not None:

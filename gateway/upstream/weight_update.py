@@ -19,7 +19,8 @@ one stamped version. So a pause (one at a time):
 Every model-serving call is held, not only those naming the reloaded model: an adapter computes
 on the base weights being replaced. LoRA hot-loads never pause (each version is its own adapter).
 
-Never: resolves versions or records steps (``gateway.proxy`` and ``gateway.policy`` do);
+Never: resolves versions or records steps (``gateway.proxy.routes`` and
+``gateway.upstream.policy`` do);
 retries an aborted call (tokens were generated under the old policy; the client decides).
 """
 

@@ -4,7 +4,8 @@ Owns: checking a ``POST /v1/responses`` body item by item, and writing the equiv
 (``messages``, ``tools``, ``tool_choice``, sampling, ``response_format``), resolving
 ``previous_response_id`` from what the pool holds of the earlier call (``EarlierResponse``).
 Never: tokenizes, reads the pool itself, or sends anything; the capture fields
-(``return_token_ids``, logprobs, the usage chunk) are added by ``gateway.dialects.responses``.
+(``return_token_ids``, logprobs, the usage chunk) are added by
+``gateway.dialects.responses.serving``.
 
 How the items become chat messages (in order, one pass):
 

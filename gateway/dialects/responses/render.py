@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.dialects.responses_request import ECHO_ONLY
+from gateway.dialects.responses.request import ECHO_ONLY
 
 # finish_reason → (response status, incomplete_details.reason)
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}

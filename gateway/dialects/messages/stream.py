@@ -22,7 +22,7 @@ For one answer the client sees::
 count 0, 1, 2, ... in the order blocks open; a block closes when the next one opens or the
 finishing chunk arrives (vLLM streams one tool call after another, so a call is never reopened).
 A stream with no block gets one empty text block before ``message_delta``, as an unstreamed
-answer does (``gateway.dialects.messages_render``). A stream that cannot end normally ends in an
+answer does (``gateway.dialects.messages.render``). A stream that cannot end normally ends in an
 ``error`` event, ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -30,14 +30,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.dialects.messages_render import (
+from gateway.dialects.messages.render import (
     error_body,
     message_object,
     signature,
     stop_of,
     usage_object,
 )
-from gateway.dialects.messages_request import tool_use_id
+from gateway.dialects.messages.request import tool_use_id
 
 
 class MessagesEvents:

@@ -1,11 +1,11 @@
 """The Anthropic Messages API dialect: ``POST /v1/messages``, translated to chat completions.
 
 Owns: the dialect object the proxy runs (``Messages``): the client's Messages body becomes a
-chat body for vLLM's ``/v1/chat/completions`` (``gateway.dialects.messages_request``) with the
+chat body for vLLM's ``/v1/chat/completions`` (``gateway.dialects.messages.request``) with the
 capture fields added, the chat answer is captured like any chat answer
 (``gateway.dialects.choices``) and rendered back as an Anthropic ``message``
-(``gateway.dialects.messages_render``), a chat stream as Messages events as they come
-(``gateway.dialects.messages_stream``); errors in Anthropic's envelope; and
+(``gateway.dialects.messages.render``), a chat stream as Messages events as they come
+(``gateway.dialects.messages.stream``); errors in Anthropic's envelope; and
 ``count_tokens`` for ``POST /v1/messages/count_tokens``. Never: tokenizes or re-encodes text;
 the stored ids and logprobs are the ones vLLM sent for the chat call.
 
@@ -19,7 +19,7 @@ Why translate instead of calling vLLM's own ``/v1/messages`` (vLLM 0.32):
   vLLM's own Messages endpoint is itself a translation onto the same chat path, so nothing the
   engine does is lost by translating here.
 - Cost: the prompt is the chat template's rendering of the translated messages, so the
-  translation must be faithful (``messages_request``: how each block maps), and Messages
+  translation must be faithful (``messages.request``: how each block maps), and Messages
   features with no chat equivalent (server tools, images on a text model) are refused or left
   out, never emulated. The Messages API has no logprobs: the client never sees them.
 
@@ -35,15 +35,15 @@ from typing import Any
 
 from gateway.capture import dumps
 from gateway.dialects.base import Prepared, frame
-from gateway.dialects.messages_render import (
+from gateway.dialects.messages.render import (
     anthropic_envelope,
     error_type,
     new_message_id,
     render_message,
     upstream_error,
 )
-from gateway.dialects.messages_request import Translation, translate_request
-from gateway.dialects.messages_stream import MessagesEvents
+from gateway.dialects.messages.request import Translation, translate_request
+from gateway.dialects.messages.stream import MessagesEvents
 from gateway.dialects.translation import (
     TranslatedPrepared,
     TranslatedStream,
@@ -74,7 +74,7 @@ class Messages(TranslatingDialect):
 
     def prepare(self, body: dict[str, Any]) -> MessagesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
-        streaming, the usage chunk. Raises ``InvalidRequestError`` (``messages_request``)."""
+        streaming, the usage chunk. Raises ``InvalidRequestError`` (``messages.request``)."""
         translation = translate_request(body)
         return MessagesPrepared(
             body,

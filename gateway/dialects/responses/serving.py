@@ -1,11 +1,11 @@
 """The OpenAI Responses API dialect: ``POST /v1/responses``, translated to chat completions.
 
 Owns: the dialect object the proxy runs (``Responses``): the client's Responses body becomes a
-chat body for vLLM's ``/v1/chat/completions`` (``gateway.dialects.responses_request``) with the
+chat body for vLLM's ``/v1/chat/completions`` (``gateway.dialects.responses.request``) with the
 capture fields added, the chat answer is captured like any chat answer
 (``gateway.dialects.choices``) and rendered back as a ``response`` object
-(``gateway.dialects.responses_render``), a chat stream as Responses events as they come
-(``gateway.dialects.responses_stream``). Never: tokenizes or re-encodes text; the stored ids and
+(``gateway.dialects.responses.render``), a chat stream as Responses events as they come
+(``gateway.dialects.responses.stream``). Never: tokenizes or re-encodes text; the stored ids and
 logprobs are the ones vLLM sent for the chat call.
 
 Why translate instead of calling vLLM's own ``/v1/responses`` (vLLM 0.32):
@@ -18,7 +18,7 @@ Why translate instead of calling vLLM's own ``/v1/responses`` (vLLM 0.32):
   ``enable_response_messages``; and its stream is reported to miss done events that Codex
   waits for. A translated stream is written here, so every event a client relies on is sent.
 - Cost: the prompt is the chat template's rendering of the translated messages, so the
-  translation must be faithful (module docstring of ``responses_request``: how each item maps),
+  translation must be faithful (module docstring of ``responses.request``: how each item maps),
   and Responses features with no chat equivalent (hosted tools, encrypted reasoning) are
   refused or left out, never emulated.
 
@@ -38,15 +38,15 @@ from typing import Any
 
 from gateway.capture import dumps
 from gateway.dialects.base import Prepared, frame
-from gateway.dialects.responses_render import render_response
-from gateway.dialects.responses_request import (
+from gateway.dialects.responses.render import render_response
+from gateway.dialects.responses.request import (
     CHAT_TO_CLIENT,
     EarlierResponse,
     Translation,
     previous_response_id,
     translate_request,
 )
-from gateway.dialects.responses_stream import ResponsesEvents
+from gateway.dialects.responses.stream import ResponsesEvents
 from gateway.dialects.translation import (
     TranslatedPrepared,
     TranslatedStream,

@@ -3,8 +3,8 @@
 Owns: ``Call`` (the client's body, the dialect's preparation, the attribution, the policy
 version, the upstream attempts, the step ids named before a stream's commit), turning it into
 the pool's ``CallRecord``, the trajgate response headers, and committing it with its metrics and
-log line. Never: talks to an upstream (``gateway.proxy`` and ``gateway.streaming`` do) or reads
-an answer (the dialect does).
+log line. Never: talks to an upstream (``gateway.proxy.routes`` and ``gateway.proxy.streaming``
+do) or reads an answer (the dialect does).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 from datapool.models import StepOutcome
 from datapool.steps.calls import AttemptRecord
 from datapool.steps.records import CallRecord, ChoiceRecord
-from gateway.attribution import Attribution
 from gateway.dialects import Dialect, Prepared
+from gateway.proxy.attribution import Attribution
 from gateway.state import GatewayState
-from gateway.upstreams import Replica
-from gateway.weight_update import Ticket
+from gateway.upstream.replicas import Replica
+from gateway.upstream.weight_update import Ticket
 
 log = logging.getLogger("trajgate.proxy")
 

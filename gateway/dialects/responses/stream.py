@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.dialects.base import frame
-from gateway.dialects.responses_render import (
+from gateway.dialects.responses.render import (
     echo_fields,
     function_call_item,
     item_ids,

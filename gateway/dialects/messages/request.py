@@ -5,7 +5,7 @@ and writing the equivalent chat body (``messages``, ``tools``, ``tool_choice``, 
 ``chat_template_kwargs``), and the mapping between Anthropic ``tool_use`` ids and the chat tool
 call ids vLLM made (``tool_use_id``, ``chat_call_id``). Never: tokenizes, reads the pool, or
 sends anything; the capture fields (``return_token_ids``, logprobs, the usage chunk) are added
-by ``gateway.dialects.messages``.
+by ``gateway.dialects.messages.serving``.
 
 How the body becomes chat messages (in order, one pass):
 

@@ -6,7 +6,7 @@ dead replica out and bring it back, and per-replica in-flight counts. Never: ret
 the proxy decides when a retry is safe (only before any byte reached the client).
 ``InFlight`` is the one place the in-flight count goes up and down. ``UpstreamPool.gate``
 is the replicas' weight gate: calls wait there while their weights are replaced in place
-(``gateway.weight_update``).
+(``gateway.upstream.weight_update``).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.weight_update import WeightGate
+from gateway.upstream.weight_update import WeightGate
 
 log = logging.getLogger("trajgate.upstreams")
 

@@ -1,0 +1,11 @@
+"""The Anthropic Messages API dialect (``POST /v1/messages``), translated to chat upstream.
+
+Modules: ``serving`` (``Messages``: the dialect behind ``gateway.dialects.base.Dialect``),
+``request`` (a Messages body checked and translated into the chat body sent to vLLM, tool-use id
+mapping), ``render`` (a chat completion rendered as a Messages ``message``), ``stream`` (chat
+chunks as Messages events, as they come).
+"""
+
+from gateway.dialects.messages.serving import Messages
+
+__all__ = ["Messages"]

@@ -1,0 +1,20 @@
+"""The proxy core: one model call's path from a client's request to its committed steps.
+
+Modules:
+
+- ``routes``: the model-serving routes of every dialect (``add_dialect_routes``), forwarding a
+  call upstream with retries (``forward_call``), and ``/v1/models``.
+- ``call``: one logical call (``Call``): its attempts, its commit to the pool (``commit``,
+  ``fail_call``) and the ``x-trajgate-*`` headers.
+- ``streaming``: reading an upstream SSE stream in bytes and relaying it to the client, one write
+  per upstream read, while the dialect captures it (``first_event``, ``relay_stream``,
+  ``record_stream``).
+- ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
+  before any upstream call.
+
+Never: reads a client's dialect (``gateway.dialects`` does), talks to a replica's sockets
+(``gateway.upstream`` does) or writes SQL (``datapool`` does).
+
+Imports: ``gateway.dialects``, ``gateway.upstream``, ``gateway.state`` and the leaves below them;
+never ``gateway.app``, ``gateway.api`` or ``gateway.inspector``. This file imports nothing.
+"""
