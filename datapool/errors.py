@@ -4,6 +4,8 @@ PoolError                          (500)
  ├── TrajectoryClosedError         409: a call arrived after its trajectory closed
  ├── UnknownTargetError            404: a reward or action names no stored step/trajectory
  ├── InvalidPoolRequestError       400: a value the pool cannot accept (says expected vs got)
+ ├── VersionConflictError          409: a policy version is already registered with other
+ │                                      fields (one version, one weight set)
  ├── PoolUnavailableError          503: the database cannot take writes now (disk full,
  │                                      locked past its timeout, unreachable)
  └── payload.PayloadMissingError   500 (code payload_missing): a step's stored payload or
@@ -41,6 +43,10 @@ class UnknownTargetError(PoolError):
 
 class InvalidPoolRequestError(PoolError):
     """A request the pool understood but cannot accept."""
+
+
+class VersionConflictError(PoolError):
+    """A policy version registered again with another model name or weights location."""
 
 
 class PoolUnavailableError(PoolError):

@@ -1,16 +1,18 @@
 """The ``policy_versions`` table: which weights exist, and which one the policy alias serves.
 
-Owns: registering a version (idempotent for identical fields), making one version the only
-active one, and listing them in version order. Never: loads weights or resolves a request's
+Owns: registering a version (idempotent for identical fields, a conflict for others: one
+version is one weight set), making one version the only active one, and listing them in version
+order. Never: loads weights or resolves a request's
 model name (``gateway.upstream.policy`` keeps the in-memory view the gateway resolves against).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
 
 from datapool.db import Sessions
-from datapool.errors import InvalidPoolRequestError
+from datapool.errors import VersionConflictError
 from datapool.models import PolicyVersion, utc_now
 
 
@@ -22,22 +24,22 @@ def list_versions(sessions: Sessions) -> list[PolicyVersion]:
 
 def register(
     sessions: Sessions, version: int, model_name: str, weights_location: str | None
-) -> PolicyVersion:
-    """Add ``version`` as inactive, or return it unchanged when it exists with ``model_name``.
+) -> tuple[PolicyVersion, bool]:
+    """Add ``version`` as inactive, or return it unchanged when it exists with the same fields.
+
+    One version is one weight set: the row is inserted first and the primary key decides, so of
+    concurrent registrations of one version (threads, gateway workers, replicas sharing the
+    database) exactly one inserts it; the others then compare against the stored row.
+
+    Returns:
+        (the stored row, True when this call inserted it).
 
     Raises:
-        InvalidPoolRequestError: the version exists with a different model name
-            (``param="version"``).
+        VersionConflictError: the version exists with another model name or weights
+            location (``param="version"``); the stored row is unchanged.
     """
-    with sessions.begin() as session:
-        row = session.get(PolicyVersion, version)
-        if row is not None and row.model_name != model_name:
-            raise InvalidPoolRequestError(
-                f"policy version {version} is already registered for model "
-                f"{row.model_name!r}, not {model_name!r}",
-                param="version",
-            )
-        if row is None:
+    try:
+        with sessions.begin() as session:
             row = PolicyVersion(
                 version=version,
                 model_name=model_name,
@@ -46,7 +48,34 @@ def register(
                 created_at=utc_now(),
             )
             session.add(row)
-    return row
+        return row, True
+    except IntegrityError:
+        pass  # the version exists (maybe inserted a moment ago by another writer): compare
+    with sessions() as session:
+        stored = session.get(PolicyVersion, version)
+    if stored is None:  # deleted in between (a failed reload gave its claim back): try again
+        return register(sessions, version, model_name, weights_location)
+    sent = (model_name, weights_location)
+    if (stored.model_name, stored.weights_location) != sent:
+        raise VersionConflictError(
+            f"policy version {version} is already registered with model_name "
+            f"{stored.model_name!r} and weights_location {stored.weights_location!r}, not "
+            f"{model_name!r} and {weights_location!r}: one version is one weight set, publish "
+            "other weights under a new version (an identical re-send is accepted)",
+            param="version",
+        )
+    return stored, False
+
+
+def unregister_unused(sessions: Sessions, version: int) -> None:
+    """Delete ``version`` if it was never activated (a publish whose reload failed gives back
+    the version it claimed with ``register``); an activated version is kept."""
+    with sessions.begin() as session:
+        session.execute(
+            delete(PolicyVersion).where(
+                PolicyVersion.version == version, PolicyVersion.activated_at.is_(None)
+            )
+        )
 
 
 def activate(sessions: Sessions, version: int) -> PolicyVersion | None:

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
 
 from datapool import api_keys, policy_versions
 from datapool.db import Sessions, make_engine, make_sessionmaker
-from datapool.errors import InvalidPoolRequestError
+from datapool.errors import VersionConflictError
 from datapool.settings import PoolSettings
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -28,20 +30,40 @@ def sessions(pool_settings: PoolSettings) -> Sessions:
     return make_sessionmaker(make_engine(pool_settings.resolved_database_url()))
 
 
-def test_registering_a_version_for_another_model_is_400_naming_the_version(
-    admin: TestClient,
+@pytest.mark.parametrize(
+    ("again", "stored"),
+    [
+        (
+            {"model_name": "b", "weights_location": "/ckpt/1"},
+            "'a' and weights_location '/ckpt/1', not 'b' and '/ckpt/1'",
+        ),
+        (
+            {"model_name": "a", "weights_location": "/ckpt/1-b"},
+            "'a' and weights_location '/ckpt/1', not 'a' and '/ckpt/1-b'",
+        ),
+    ],
+)
+def test_registering_a_version_again_with_other_fields_is_409_and_keeps_the_first(
+    admin: TestClient, again: dict[str, str], stored: str
 ) -> None:
-    assert admin.post("/admin/policy-versions", json={"version": 1, "model_name": "a"}).is_success
-    again = admin.post("/admin/policy-versions", json={"version": 1, "model_name": "b"})
-    assert again.status_code == 400
-    assert again.json() == {
-        "error": {
-            "message": "policy version 1 is already registered for model 'a', not 'b'",
-            "type": "invalid_request_error",
-            "param": "version",
-            "code": "invalid_request",
-        }
-    }
+    first = {"version": 1, "model_name": "a", "weights_location": "/ckpt/1"}
+    assert admin.post("/admin/policy-versions", json=first).status_code == 201
+    refused = admin.post("/admin/policy-versions", json={"version": 1, **again})
+    assert refused.status_code == 409
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "conflict_error",
+        "version",
+        "policy_version_conflict",
+    )
+    assert "policy version 1 is already registered with model_name" in error["message"]
+    assert stored in error["message"]
+    # An identical re-send is idempotent; the registry still holds the first weight set.
+    assert admin.post("/admin/policy-versions", json=first).status_code == 201
+    listed = admin.get("/admin/policy-versions").json()
+    assert [(v["version"], v["model_name"], v["weights_location"]) for v in listed] == [
+        (1, "a", "/ckpt/1")
+    ]
 
 
 def test_activating_an_unknown_version_is_404_and_changes_nothing(admin: TestClient) -> None:
@@ -70,12 +92,56 @@ def test_revoking_an_unknown_key_is_404(admin: TestClient) -> None:
 
 
 def test_registering_the_same_version_twice_returns_the_first_row(sessions: Sessions) -> None:
-    first = policy_versions.register(sessions, 2, "m", "/lora/2")
-    second = policy_versions.register(sessions, 2, "m", "/elsewhere")
+    first, created = policy_versions.register(sessions, 2, "m", "/lora/2")
+    second, created_again = policy_versions.register(sessions, 2, "m", "/lora/2")
+    assert (created, created_again) == (True, False)
     assert (second.version, second.weights_location) == (2, "/lora/2")
     assert second.created_at == first.created_at
-    with pytest.raises(InvalidPoolRequestError, match="already registered for model 'm'"):
-        policy_versions.register(sessions, 2, "other", None)
+    with pytest.raises(VersionConflictError, match="with model_name 'm' and weights_location"):
+        policy_versions.register(sessions, 2, "other", "/lora/2")
+    with pytest.raises(VersionConflictError, match="not 'm' and '/elsewhere'"):
+        policy_versions.register(sessions, 2, "m", "/elsewhere")
+
+
+def test_concurrent_registrations_of_one_version_have_exactly_one_winner(
+    pool_settings: PoolSettings,
+) -> None:
+    """Eight writers, each with its own engine (as gateway workers or replicas sharing the
+    database are), register version 9 with eight weight sets at once: the database's primary
+    key lets exactly one insert; the seven others are refused and the stored row is the
+    winner's."""
+    writers = 8
+    url = pool_settings.resolved_database_url()
+    engines = [make_engine(url) for _ in range(writers)]
+    barrier = threading.Barrier(writers)
+
+    def publish(index: int) -> str:
+        barrier.wait()
+        try:
+            policy_versions.register(make_sessionmaker(engines[index]), 9, "m", f"/ckpt/v9-{index}")
+        except VersionConflictError:
+            return "refused"
+        return f"/ckpt/v9-{index}"
+
+    with ThreadPoolExecutor(writers) as pool:
+        outcomes = list(pool.map(publish, range(writers)))
+    for engine in engines:
+        engine.dispose()
+    winners = [outcome for outcome in outcomes if outcome != "refused"]
+    assert len(winners) == 1, outcomes
+    stored = policy_versions.list_versions(make_sessionmaker(make_engine(url)))
+    assert [(row.version, row.weights_location) for row in stored] == [(9, winners[0])]
+
+
+def test_a_claim_given_back_is_deleted_unless_the_version_was_activated(
+    sessions: Sessions,
+) -> None:
+    policy_versions.register(sessions, 3, "m", "/ckpt/3")
+    policy_versions.register(sessions, 4, "m", "/ckpt/4")
+    policy_versions.activate(sessions, 4)
+    policy_versions.unregister_unused(sessions, 3)
+    policy_versions.unregister_unused(sessions, 4)
+    assert [row.version for row in policy_versions.list_versions(sessions)] == [4]
 
 
 def test_activating_a_version_leaves_exactly_that_one_active(sessions: Sessions) -> None:

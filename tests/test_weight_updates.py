@@ -364,3 +364,67 @@ def test_train_loop_publishes_full_weights_through_the_pause_and_records_its_len
         assert after.headers["x-trajgate-policy-version"] == "1"
         assert "trajgate_weight_update_pause_seconds_count 1.0" in api.get("/metrics").text
         api.close()
+
+
+def test_one_version_gets_one_weight_set_through_gateways_sharing_the_database(
+    vllm: VLLMServer, tiny_model_dir: Path, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Version 9 published, then published again with other weights: 409 naming both weight
+    sets, nothing reloaded or paused (main answered 201, reloaded v9-b and kept v9-a in the
+    registry). Then two gateways on one database publish version 10 with two weight sets at
+    once: exactly one 201, one 409, and the registry holds the winner's. Both weight sets are
+    the base weights (the second through a directory of links), so vLLM ends as it began."""
+    linked = tmp_path / "v10-b"
+    linked.mkdir()
+    for file in tiny_model_dir.iterdir():
+        (linked / file.name).symlink_to(file)
+    ports = (free_port(), free_port())
+    with (
+        gateway_with(pool_settings, ports[0], upstream_url=vllm.url) as first,
+        gateway_with(pool_settings, ports[1], upstream_url=vllm.url) as second,
+    ):
+        api = [httpx.Client(base_url=g.url, timeout=300) for g in (first, second)]
+        publish = {"version": 9, "model_name": vllm.served_model_name}
+        sent = api[0].post(
+            "/admin/weight-updates", json={**publish, "weights_location": str(tiny_model_dir)}
+        )
+        assert sent.status_code == 201, sent.text
+        other = api[0].post(
+            "/admin/weight-updates", json={**publish, "weights_location": "/ckpt/v9-b"}
+        )
+        assert other.status_code == 409, other.text
+        error = other.json()["error"]
+        assert (error["code"], error["param"]) == ("policy_version_conflict", "version")
+        assert f"weights_location {str(tiny_model_dir)!r}, not" in error["message"]
+        assert "'/ckpt/v9-b'" in error["message"]
+        stamped = api[0].post(
+            "/t/after/v1/chat/completions",
+            json={"model": "policy", "messages": PROMPT, "max_tokens": 1},
+        )
+        assert stamped.headers["x-trajgate-policy-version"] == "9"
+
+        answers: list[httpx.Response] = []
+        barrier = threading.Barrier(2)
+
+        def publish_ten(client: httpx.Client, location: Path) -> None:
+            barrier.wait()
+            body = {**publish, "version": 10, "weights_location": str(location)}
+            answers.append(client.post("/admin/weight-updates", json=body))
+
+        racers = [
+            threading.Thread(target=publish_ten, args=(client, location))
+            for client, location in zip(api, (tiny_model_dir, linked), strict=True)
+        ]
+        for racer in racers:
+            racer.start()
+        for racer in racers:
+            racer.join()
+        assert sorted(a.status_code for a in answers) == [201, 409], [a.text for a in answers]
+        winner = next(a.json() for a in answers if a.status_code == 201)
+        listed = api[1].get("/admin/policy-versions").json()
+        assert [(v["version"], v["weights_location"], v["active"]) for v in listed] == [
+            (9, str(tiny_model_dir), False),
+            (10, winner["weights_location"], True),
+        ]
+        for client in api:
+            client.close()

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
 from gateway.auth import check_admin_token
-from gateway.errors import ConflictError, InvalidRequestError, UpstreamError
+from gateway.errors import ConflictError, UpstreamError
 from gateway.proxy.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.state import GatewayState
 from gateway.upstream.weight_update import ReloadError, reload_replicas
@@ -133,8 +133,10 @@ async def list_policy_versions(state: AdminDep) -> list[PolicyVersionPublic]:
 async def register_policy_version(
     body: PolicyVersionCreate, state: AdminDep
 ) -> PolicyVersionPublic:
-    """Register a version (and by default switch agents asking for the alias to it)."""
-    row = await run_in_threadpool(
+    """Register a version (and by default switch agents asking for the alias to it). An
+    identical re-send answers the stored row; 409 ``policy_version_conflict`` when the version
+    is registered with another model name or weights location (nothing changes)."""
+    row, _ = await run_in_threadpool(
         state.policy.register, body.version, body.model_name, body.weights_location, body.activate
     )
     return _public(row)
@@ -152,10 +154,11 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     """Publish full weights without a step that mixes two policies: hold new calls, let the
     calls in flight finish (abort them past ``weight_update_drain_timeout_s``), reload every
     replica in place and reset its prefix cache, register and activate ``version``, release the
-    held calls (stamped with ``version``). 400 when ``version`` is registered under another
-    model name (nothing paused); 409 when this gateway runs several worker processes (the pause
-    would hold only this one; nothing paused); 502 when a replica refused the reload (the
-    version is not registered, the held calls are released; publish again)."""
+    held calls (stamped with ``version``). 409 ``policy_version_conflict`` when ``version`` is
+    registered with another model name or weights location (nothing paused; an identical
+    re-send reloads the same weights again); 409 when this gateway runs several worker
+    processes (the pause would hold only this one; nothing paused); 502 when a replica refused
+    the reload (the version is not registered, the held calls are released; publish again)."""
     if state.settings.workers > 1:
         raise ConflictError(
             f"full-weight updates need a gateway with one worker process, this one runs "
@@ -164,13 +167,12 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
             "(never paused).",
             code="weight_update_needs_one_worker",
         )
-    registered = {row.version: row for row in await run_in_threadpool(state.policy.list)}
-    if body.version in registered and registered[body.version].model_name != body.model_name:
-        raise InvalidRequestError(
-            f"policy version {body.version} is already registered for model "
-            f"{registered[body.version].model_name!r}, not {body.model_name!r}",
-            param="version",
-        )
+    # The version is claimed in the database before anything pauses: of two publishes of one
+    # version with different weights (in turn, at once, or through gateways sharing the
+    # database) exactly one inserts the row; the other is refused here, nothing paused.
+    _, claimed = await run_in_threadpool(
+        state.policy.register, body.version, body.model_name, body.weights_location, False
+    )
     urls = [replica.url for replica in state.upstreams.replicas]
 
     async def reload_and_register() -> None:
@@ -187,6 +189,8 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
             drain_timeout_s = state.settings.weight_update_drain_timeout_s
         _, report = await state.upstreams.gate.pause(reload_and_register, drain_timeout_s)
     except ReloadError as exc:
+        if claimed:
+            await run_in_threadpool(state.policy.unregister_unused, body.version)
         raise UpstreamError(str(exc)) from exc
     state.metrics.record_weight_update(report)
     return WeightUpdatePublic(

@@ -95,17 +95,29 @@ class PolicyRegistry:
 
     def register(
         self, version: int, model_name: str, weights_location: str | None, activate: bool
-    ) -> PolicyVersion:
+    ) -> tuple[PolicyVersion, bool]:
         """Add a version (idempotent for identical fields); optionally make it active.
 
+        Returns:
+            (the stored row, True when this call inserted it).
+
         Raises:
-            InvalidPoolRequestError: the version exists with a different model name (400).
+            VersionConflictError: the version exists with another model name or weights
+                location (409; ``datapool.policy_versions.register``).
         """
-        row = policy_versions.register(self._sessions, version, model_name, weights_location)
+        row, created = policy_versions.register(
+            self._sessions, version, model_name, weights_location
+        )
         if activate:
-            return self.activate(version)
+            return self.activate(version), created
         self.refresh()
-        return row
+        return row, created
+
+    def unregister_unused(self, version: int) -> None:
+        """Give back a version this gateway claimed for a publish that failed (kept if it was
+        ever activated)."""
+        policy_versions.unregister_unused(self._sessions, version)
+        self.refresh()
 
     def activate(self, version: int) -> PolicyVersion:
         """Make ``version`` the one the alias serves; every other version becomes inactive.
