@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import AfterValidator
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -67,6 +68,26 @@ def _as_utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _in_utc_range(value: datetime) -> datetime:
+    """``value`` in UTC (naive taken as UTC); ValueError when UTC cannot hold it (Python's
+    years are 1 to 9999: ``0001-01-01T00:00:01+07:00`` is a year 0 instant)."""
+    try:
+        utc = _as_utc(value)
+    except OverflowError:
+        raise ValueError(
+            f"expected an instant from {datetime.min.isoformat()}Z to "
+            f"{datetime.max.isoformat()}Z in UTC, got {value.isoformat()}"
+        ) from None
+    assert utc is not None
+    return utc
+
+
+# A time a client filters by (query parameters and filter bodies): parsed by pydantic, then
+# converted to UTC at once, so an instant outside Python's UTC range is a 400 naming the field
+# instead of an OverflowError in the query (every such parameter uses this one type).
+UTCTimestamp = Annotated[datetime, AfterValidator(_in_utc_range)]
 
 
 # The largest value of an Integer column on PostgreSQL (INTEGER: 32 bits; SQLite's hold 64). Every

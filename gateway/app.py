@@ -79,6 +79,7 @@ def create_app(
             yield
 
     app = FastAPI(title="trajgate gateway", lifespan=lifespan)
+    app.state.settings = settings  # read before the lifespan too (gateway.server's deadlines)
     install_error_handlers(app)
     # Host names, cross-site writes, content types, the admin token and the body limit, before
     # any route reads a body (gateway.guard).

@@ -12,6 +12,8 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from gateway.http_protocol import protocol_factory
+
 
 class BackgroundServer:
     """A uvicorn server for ``app`` on ``host:port`` in a daemon thread.
@@ -23,8 +25,15 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
         # Keep-alive longer than clients' idle timeout (httpx: 5 s): the server must not close a
         # connection a client is about to reuse (under load that race reset connections).
+        settings = app.state.settings
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="on", timeout_keep_alive=75
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=75,
+            http=protocol_factory(settings.request_head_timeout_s, settings.request_body_timeout_s),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

@@ -218,6 +218,28 @@ class GatewaySettings(ConfigFileSettings):
         gt=0,
         description="Largest request body accepted; larger ones get 413 and nothing is recorded.",
     )
+    request_head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds a client has to send a request's head (request line and headers) from its "
+            "first byte, or from opening the connection: past it the connection gets 408 "
+            "request_timeout and is closed, before any key is checked. Guards against heads "
+            "dripped byte by byte (slowloris); real clients send theirs in milliseconds."
+        ),
+    )
+    request_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds a client has to send a request's whole body once its head arrived: past "
+            "it 408 request_timeout, the connection closed, nothing recorded. At the default "
+            "body limit (16 MiB) the default asks for at least 0.56 MB/s; raise it for large "
+            "bodies over slow links. Time the gateway itself has not read is not counted."
+        ),
+    )
     max_choices: int = Field(
         default=128,
         ge=1,

@@ -468,6 +468,13 @@ USER_Q = {"role": "user", "content": "q"}
             "tool_choice.type",
         ),
         ({"messages": [USER_Q], "max_tokens": 8, "thinking": {"type": "on"}}, "thinking.type"),
+        # Top-level bounds (gateway.dialects.messages.protocol; issue 29 item 10).
+        ({"messages": [USER_Q], "max_tokens": 8, "metadata": 5}, "metadata"),
+        ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"user_id": 5}}, "metadata"),
+        ({"messages": [USER_Q], "max_tokens": 8, "top_k": -5}, "top_k"),
+        ({"messages": [USER_Q], "max_tokens": 8, "temperature": 1.01}, "temperature"),
+        ({"messages": [USER_Q], "max_tokens": 8, "top_p": 2}, "top_p"),
+        ({"messages": [USER_Q], "max_tokens": 8, "service_tier": "priority"}, "service_tier"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
@@ -478,6 +485,14 @@ def test_bad_input_is_a_400_naming_the_field(body: dict[str, Any], param: str) -
         param,
     )
     assert error.message.startswith(f"{param}: ")
+
+
+def test_an_out_of_bounds_field_is_refused_with_its_bound_and_the_value_sent() -> None:
+    error = refusal({"messages": [USER_Q], "max_tokens": 8, "top_k": -5})
+    assert error.code == "invalid_value"
+    assert error.message == (
+        "top_k: is invalid: Input should be greater than or equal to 0; got -5"
+    )
 
 
 def test_an_image_block_is_refused_saying_the_model_takes_text_only() -> None:

@@ -318,6 +318,18 @@ def test_unknown_previous_response_id_is_a_400_naming_it() -> None:
         ({"input": "q", "temperature": True}, "temperature"),
         ({"input": "q", "include": "all"}, "include"),
         ({"input": "q", "conversation": "conv_1"}, "conversation"),
+        # Top-level bounds (gateway.dialects.responses.protocol; issue 29 item 10).
+        ({"input": []}, "input"),
+        ({"input": "q", "max_output_tokens": -1}, "max_output_tokens"),
+        ({"input": "q", "truncation": 5}, "truncation"),
+        ({"input": "q", "temperature": 2.5}, "temperature"),
+        ({"input": "q", "top_p": -1}, "top_p"),
+        ({"input": "q", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "q", "max_tool_calls": 0}, "max_tool_calls"),
+        ({"input": "q", "store": "yes"}, "store"),
+        ({"input": "q", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"input": "q", "safety_identifier": "x" * 65}, "safety_identifier"),
+        ({"input": "q", "service_tier": "fastest"}, "service_tier"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
@@ -326,6 +338,17 @@ def test_bad_input_is_a_400_naming_the_field(body: dict[str, Any], param: str) -
         400,
         "invalid_request_error",
         param,
+    )
+
+
+def test_an_out_of_bounds_field_is_refused_with_its_bound_and_the_value_sent() -> None:
+    error = refusal({"input": "q", "truncation": 5})
+    assert error.code == "invalid_value"
+    assert error.message == ("'truncation' is invalid: Input should be 'auto' or 'disabled'; got 5")
+    empty = refusal({"input": []})
+    assert empty.message == (
+        "'input' is invalid: Input should be a valid string or List should have at least 1 "
+        "item after validation, not 0; got []"
     )
 
 

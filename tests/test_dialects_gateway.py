@@ -345,6 +345,18 @@ BAD_MESSAGES = [
     {"model": "tiny", "max_tokens": "5", "messages": [{"role": "user", "content": "hi"}]},
     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
     {"model": "tiny", "max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]},
+    # Out of Anthropic's bounds (issue 29 item 10: main sent these to vLLM).
+    *(
+        {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **bad}
+        for bad in (
+            {"metadata": 5},
+            {"metadata": {"user_id": 5}},
+            {"top_k": -5},
+            {"temperature": 1.5},
+            {"top_p": -0.1},
+            {"service_tier": "fastest"},
+        )
+    ),
 ]
 BAD_RESPONSES = [
     {"model": "tiny", "input": 5},
@@ -352,6 +364,23 @@ BAD_RESPONSES = [
     {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_nope"}]}]},
     {"model": "tiny", "input": "hi", "max_output_tokens": "7"},
     {"model": "tiny", "input": "hi", "tools": [{"type": "function"}]},
+    # Out of the Responses API's bounds (issue 29 item 10: main sent these to vLLM).
+    {"model": "tiny", "input": []},
+    *(
+        {"model": "tiny", "input": "hi", **bad}
+        for bad in (
+            {"max_output_tokens": -1},
+            {"truncation": 5},
+            {"temperature": 3},
+            {"top_p": 1.5},
+            {"top_logprobs": -1},
+            {"max_tool_calls": 0},
+            {"service_tier": "fastest"},
+            {"metadata": {"k": 5}},
+            {"prompt_cache_retention": "forever"},
+            {"stream_options": {"include_usage": True}},
+        )
+    ),
 ]
 
 

@@ -288,6 +288,51 @@ def test_a_channel_bound_key_cannot_write_into_another_channels_trajectory(
     assert httpx.get(f"{url}/api/trajectories/ch-eval").json()["channel"] == "eval"
 
 
+def test_count_tokens_checks_a_keys_binding_as_a_call_does(loopback_gateway: Any) -> None:
+    """Issue 29 item 8: a channel-bound key counting tokens of another channel's trajectory got
+    200 on the tokenless loopback default (the route checked keys only when keys were
+    required); now the call's checks: 403 in Anthropic's envelope, by URL and by header, for
+    a channel-bound and a trajectory-bound key, and 200 in the key's own channel."""
+    url = loopback_gateway.url
+    channel_key = httpx.post(
+        f"{url}/admin/api-keys", json={"name": "evaluator", "channel": "eval"}
+    ).json()["key"]
+    trajectory_key = httpx.post(
+        f"{url}/admin/api-keys", json={"name": "one", "trajectory_id": "ct-own"}
+    ).json()["key"]
+    for trajectory_id, channel in (("ct-train", "train"), ("ct-eval", "eval")):
+        created = httpx.post(
+            f"{url}/api/trajectories", json={"id": trajectory_id, "channel": channel}
+        )
+        assert created.status_code == 201
+    count = {"model": "tiny", "messages": MESSAGES["messages"]}
+    refused = [
+        httpx.post(f"{url}/t/ct-train/v1/messages/count_tokens", json=count, headers=headers)
+        for headers in (
+            {"x-api-key": channel_key},
+            {"Authorization": f"Bearer {channel_key}"},
+            {"x-api-key": trajectory_key},
+        )
+    ]
+    refused.append(
+        httpx.post(
+            f"{url}/v1/messages/count_tokens",
+            json=count,
+            headers={"x-api-key": channel_key, "X-Trajgate-Trajectory": "ct-train"},
+        )
+    )
+    for answer in refused:
+        assert answer.status_code == 403, answer.text
+        assert answer.json()["type"] == "error"
+        assert answer.json()["error"]["type"] == "permission_error"
+    assert "bound to channel 'eval'" in refused[0].json()["error"]["message"]
+    own = httpx.post(
+        f"{url}/t/ct-eval/v1/messages/count_tokens", json=count, headers={"x-api-key": channel_key}
+    )
+    assert own.status_code == 200, own.text
+    assert own.json()["input_tokens"] > 0
+
+
 # -- item 11: admin token strength beyond loopback, the bounded key cache ---------------------
 
 

@@ -177,3 +177,49 @@ def test_a_tag_with_an_underscore_matches_only_itself(store: PoolStore, client: 
     assert inspector_ids(client, tag="a_b") == ["exact"]
     assert spec_ids(store, tags=["a_b"]) == ["exact"]
     assert api_ids(client, tag="%") == []
+
+
+# Instants Python's datetime cannot hold in UTC: 00:00:01+07:00 on 1 January of year 1 is
+# 17:00:01 UTC on 31 December of year 0, and 23:59:59-07:00 on 31 December 9999 is 06:59:59
+# UTC in year 10000 (main converted them in the query: OverflowError, 500).
+BEFORE_YEAR_1 = "0001-01-01T00:00:01+07:00"
+AFTER_YEAR_9999 = "9999-12-31T23:59:59-07:00"
+
+
+@pytest.mark.parametrize(
+    ("path", "param", "value"),
+    [
+        ("/api/trajectories", "created_after", BEFORE_YEAR_1),
+        ("/api/trajectories", "created_before", AFTER_YEAR_9999),
+        ("/api/inspector/trajectories", "created_after", BEFORE_YEAR_1),
+        ("/api/inspector/trajectories", "created_before", AFTER_YEAR_9999),
+        ("/api/inspector/trajectory-ids", "created_after", BEFORE_YEAR_1),
+        ("/api/inspector/trajectory-ids", "created_before", AFTER_YEAR_9999),
+        ("/api/charts", "since", "0001-01-01T00:00:00+01:00"),
+    ],
+)
+def test_a_time_outside_utc_range_is_400_naming_the_parameter(
+    timed: PoolStore, client: TestClient, path: str, param: str, value: str
+) -> None:
+    answer = client.get(
+        path, params={param: value, "bucket_s": 1} if param == "since" else {param: value}
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_request")
+    assert (
+        "expected an instant from 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999Z"
+        in (error["message"])
+    )
+    # The bounds themselves, in UTC, are instants like any other.
+    edge = "0001-01-01T00:00:00Z" if param != "created_before" else "9999-12-31T23:59:59Z"
+    assert client.get(path, params={param: edge}).status_code == 200
+
+
+def test_a_filter_body_time_outside_utc_range_is_400_and_labels_nothing(
+    timed: PoolStore, client: TestClient
+) -> None:
+    body = {"target": "trajectory", "tags": ["x"], "filter": {"created_after": BEFORE_YEAR_1}}
+    answer = client.post("/api/labels/bulk", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "filter.created_after"

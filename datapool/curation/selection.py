@@ -17,7 +17,7 @@ from sqlalchemy import Text, cast, exists, select
 from sqlalchemy.orm import Session
 
 from datapool.curation.labels import Quality, current_labels
-from datapool.models import INTEGER_MAX, Step, Trajectory
+from datapool.models import INTEGER_MAX, Step, Trajectory, UTCTimestamp
 from datapool.rewards.values import current_rewards_query
 
 
@@ -39,8 +39,8 @@ class TrajectoryFilter(BaseModel):
     policy_version: int | None = Field(
         default=None, ge=0, le=INTEGER_MAX, description="Has a step of this version."
     )
-    created_after: datetime | None = None
-    created_before: datetime | None = None
+    created_after: UTCTimestamp | None = None
+    created_before: UTCTimestamp | None = None
     quality: list[Quality] | None = Field(
         default=None, description="Current quality label of the trajectory is one of these."
     )

@@ -13,7 +13,6 @@ JSON tags/flags and text search scan.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
@@ -24,7 +23,15 @@ from datapool.curation.labels import current_labels, labels_of_trajectories
 from datapool.curation.readiness import trajectory_readiness
 from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
 from datapool.db import Sessions, chunks
-from datapool.models import INTEGER_MAX, CurationMark, CurationRule, Reward, Step, Trajectory
+from datapool.models import (
+    INTEGER_MAX,
+    CurationMark,
+    CurationRule,
+    Reward,
+    Step,
+    Trajectory,
+    UTCTimestamp,
+)
 from datapool.queries.rewards import reward_names
 from datapool.queries.specs import channel_specs, judged_spec
 from datapool.rewards.values import current_rewards
@@ -55,8 +62,8 @@ class ListQuery(BaseModel):
     reward_max: float | None = None
     rewarded: bool | None = None
     policy_version: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
-    created_after: datetime | None = None
-    created_before: datetime | None = None
+    created_after: UTCTimestamp | None = None
+    created_before: UTCTimestamp | None = None
     q: str | None = Field(
         default=None, description="Text in a step's request JSON, any case (scans)."
     )

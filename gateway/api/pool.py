@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.db import Sessions
 from datapool.lifecycle import transitions as lifecycle
-from datapool.models import INTEGER_MAX, Step, Trajectory, TrajectoryStatus
+from datapool.models import INTEGER_MAX, Step, Trajectory, TrajectoryStatus, UTCTimestamp
 from datapool.queries import groups, steps, trajectories
 from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
@@ -243,8 +243,8 @@ async def list_trajectories(
     policy_version: Annotated[
         int | None, Query(ge=0, le=INTEGER_MAX, description="Has a step of this version.")
     ] = None,
-    created_after: datetime | None = None,
-    created_before: datetime | None = None,
+    created_after: UTCTimestamp | None = None,
+    created_before: UTCTimestamp | None = None,
     q: Annotated[
         str | None, Query(description="Text in a step's request JSON, any case (scans).")
     ] = None,

@@ -16,10 +16,13 @@ for the chat call.
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from gateway.capture import loads
 from gateway.dialects.base import (
@@ -67,6 +70,25 @@ class FieldErrors:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             raise self.fail(param, f"must be {what}, got {type_name(value)}")
+
+
+def check_top_level(protocol: type[BaseModel], body: dict[str, Any], errors: FieldErrors) -> None:
+    """Validate ``body``'s top-level fields against the dialect's typed ``protocol`` (bounds,
+    enums, non-empty lists, as its API specifies them), before anything is translated: a value
+    the API refuses must not reach vLLM. Raises ``errors.fail`` (400 ``invalid_value``) naming
+    the first field that fails, with every reason pydantic gave for it (a union field fails
+    once per member)."""
+    try:
+        protocol.model_validate(body)
+    except ValidationError as exc:
+        problems = exc.errors(include_url=False)
+        field_name = str(problems[0]["loc"][0])
+        reasons = [p["msg"] for p in problems if p["loc"] and p["loc"][0] == field_name]
+        got = json.dumps(body.get(field_name))
+        got = got if len(got) <= 80 else got[:77] + "..."
+        raise errors.fail(
+            field_name, f"is invalid: {' or '.join(dict.fromkeys(reasons))}; got {got}"
+        ) from None
 
 
 @dataclass(frozen=True)

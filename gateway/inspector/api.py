@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.errors import UnknownTargetError
-from datapool.models import INTEGER_MAX
+from datapool.models import INTEGER_MAX, UTCTimestamp
 from datapool.queries import charts, groups, listing, steps
 from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
@@ -262,7 +262,7 @@ async def preview_batch(spec: batches.BatchSpec, store: StoreDep) -> dict[str, A
 @router.get("/charts")
 async def chart_data(
     sessions: SessionsDep,
-    since: datetime | None = None,
+    since: UTCTimestamp | None = None,
     bucket_s: Annotated[int, Query(ge=1, le=INTEGER_MAX)] = 60,
     reward_name: str | None = None,
 ) -> dict[str, Any]:

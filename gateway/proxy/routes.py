@@ -118,12 +118,15 @@ async def answer_count_tokens(
     request: Request, state: GatewayState, trajectory_id: str | None
 ) -> Response:
     """The Messages API's token count (``gateway.dialects.messages.count_tokens``), rendered
-    by a replica's ``/tokenize``: ``{"input_tokens": N}``. Not a call: nothing is recorded.
-    Errors (the body's, vLLM's) in Anthropic's envelope."""
+    by a replica's ``/tokenize``: ``{"input_tokens": N}``. Not a call: nothing is recorded,
+    but the key passes the call's checks (401, 403 for another trajectory or channel). Errors
+    (the body's, vLLM's) in Anthropic's envelope."""
     request.state.render_error = Messages().render_error
-    if state.settings.api_key_required:
-        attribute(state, request, trajectory_id)
+    # A key's binding is checked as for a call (its trajectory, its channel): a bound key
+    # must not learn anything about another trajectory, not even its count.
+    attribution = attribute(state, request, trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
+    await refuse_other_channel(state, attribution)
     replica = state.upstreams.pick(trajectory_id or "count_tokens")
 
     async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:

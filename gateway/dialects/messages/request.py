@@ -40,7 +40,10 @@ for ``disabled``: the switch Qwen3-family templates read, ignored by templates w
 its ``budget_tokens`` is recorded only. ``output_config.format`` (structured output) →
 ``response_format``. ``metadata``, ``cache_control`` (anywhere), ``context_management``,
 ``output_config.effort`` and any other top-level field are accepted and change nothing: the
-client's body is stored as sent, and Claude Code adds beta fields often.
+client's body is stored as sent, and Claude Code adds beta fields often. Every top-level field
+Anthropic defines is checked against its type and bounds (``gateway.dialects.messages.protocol``:
+``metadata`` an object, ``top_k`` at least 0, ``temperature`` 0 to 1, ...) before anything goes
+upstream.
 
 Errors: a wrong type, a missing field, an unknown block type, a block in the wrong role is an
 ``InvalidRequestError`` (400) whose ``param`` is the field's path in Anthropic's dotted form
@@ -53,9 +56,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.dialects.messages.protocol import MessagesRequest
 from gateway.dialects.translation import (
     Field,
     FieldErrors,
+    check_top_level,
     copy_fields,
     named_tool_choice,
     translate_tools,
@@ -171,6 +176,9 @@ def translate_request(body: dict[str, Any], *, counting: bool = False) -> Transl
         _expect(body["stream"], bool, "stream", "a boolean")
         chat["stream"] = body["stream"]
     ignored = sorted(set(body) - TRANSLATED_FIELDS)
+    # Last: the walk above names a nested field's type error first; the protocol adds the
+    # bounds and enums of every top-level field, the ignored ones (metadata) included.
+    check_top_level(MessagesRequest, body, _FIELDS)
     return Translation(chat, omitted, ignored)
 
 

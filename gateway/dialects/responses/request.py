@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.dialects.base import EarlierCall
+from gateway.dialects.responses.protocol import ResponsesRequest
 from gateway.dialects.translation import (
     Field,
     FieldErrors,
+    check_top_level,
     copy_fields,
     invalid_value,
     named_tool_choice,
@@ -162,7 +164,8 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
 
     ``earlier`` is what the pool holds for ``body["previous_response_id"]``, looked up by the
     caller (None when unknown). Raises ``InvalidRequestError`` (400) naming the field for an
-    unknown field, item or part type, a wrong type, or an unknown ``previous_response_id``.
+    unknown field, item or part type, a wrong type, a value out of the field's bounds
+    (``gateway.dialects.responses.protocol``), or an unknown ``previous_response_id``.
     """
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
@@ -211,7 +214,11 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
     if "stream" in body:
         _expect(body["stream"], bool, "stream", "a boolean")
         chat["stream"] = body["stream"]
-    return Translation(chat, LOGPROBS_INCLUDE in _include(body.get("include")), omitted)
+    logprobs_asked = LOGPROBS_INCLUDE in _include(body.get("include"))
+    # Last: the walk above names a nested field's type error first; the protocol adds the
+    # bounds and enums of every top-level field, the echo-only ones included.
+    check_top_level(ResponsesRequest, body, _FIELDS)
+    return Translation(chat, logprobs_asked, omitted)
 
 
 def _include(include: Any) -> list[str]:

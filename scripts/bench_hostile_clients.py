@@ -1,0 +1,200 @@
+"""Slow and heavy clients against a real ``trajgate serve`` (issue 29 items 5 and 6).
+
+Starts the emulator (``trajgate.bench.emulator``) in this process and ``trajgate serve`` as a
+child process (tokenless loopback default, SQLite in a temporary directory) in front of it, so
+the RSS read from ``/proc/<pid>/status`` is the gateway's alone. Prints one JSON line.
+
+- ``slow``: ``--connections`` connections drip a request head at 1 byte per 2 s, as many drip
+  a body at 1 byte/s after a whole head; reports how long the gateway held them (seconds,
+  capped at ``--cap-s``) and its RSS before and after (MB).
+- ``bodies``: ``--connections`` concurrent chat calls with one user message of
+  ``--body-mib`` MiB each; reports the gateway's RSS before and at its peak (sampled every
+  20 ms) and the latency of ``GET /health`` polled meanwhile (ms).
+
+Run it from two trees in turns to compare them (the machine's load changes the figures):
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py slow
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py bodies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def held_s(port: int, whole: bytes, dripped: bytes, every_s: float, cap_s: float) -> float:
+    """Seconds until the gateway closed a connection that sent ``whole`` then dripped."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=cap_s) as client:
+        client.sendall(whole)
+        for byte in dripped:
+            if time.monotonic() - started > cap_s:
+                return cap_s
+            try:
+                client.sendall(bytes([byte]))
+                client.settimeout(every_s)
+                if client.recv(65536) == b"":
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+    return min(time.monotonic() - started, cap_s)
+
+
+def slow(port: int, pid: int, args: argparse.Namespace) -> dict[str, object]:
+    body = json.dumps({"model": "emulated", "messages": [{"role": "user", "content": "hi"}]})
+    head = (
+        "POST /t/slow/v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    before = rss_mb(pid)
+    jobs = [(b"", head + body.encode(), 2.0)] * args.connections
+    jobs += [(head, body.encode(), 1.0)] * args.connections
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        held = list(pool.map(lambda job: held_s(port, *job, args.cap_s), jobs))
+    heads, bodies = held[: args.connections], held[args.connections :]
+    return {
+        "mode": "slow",
+        "connections_each": args.connections,
+        "cap_s": args.cap_s,
+        "head_held_s_max": round(max(heads), 1),
+        "head_held_s_median": round(statistics.median(heads), 1),
+        "body_held_s_max": round(max(bodies), 1),
+        "body_held_s_median": round(statistics.median(bodies), 1),
+        "rss_mb_before": round(before, 1),
+        "rss_mb_after": round(rss_mb(pid), 1),
+    }
+
+
+def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
+    content = "x" * int(args.body_mib * 1024 * 1024)
+    body = {"model": "emulated", "messages": [{"role": "user", "content": content}]}
+    payload = json.dumps(body).encode()
+    before = rss_mb(pid)
+    peak = [before]
+    health_ms: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb(pid))
+            time.sleep(0.02)
+
+    def poll_health() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                client.get(f"{url}/health")
+                health_ms.append((time.perf_counter() - started) * 1000)
+                time.sleep(0.05)
+
+    def call(index: int) -> int:
+        with httpx.Client(timeout=300) as client:
+            answer = client.post(
+                f"{url}/t/big-{index}/v1/chat/completions",
+                content=payload,
+                headers={"content-type": "application/json"},
+            )
+            return answer.status_code
+
+    watchers = [threading.Thread(target=sample), threading.Thread(target=poll_health)]
+    for watcher in watchers:
+        watcher.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    with ThreadPoolExecutor(args.connections) as pool:
+        statuses = list(pool.map(call, range(args.connections)))
+    elapsed = time.monotonic() - started
+    done.set()
+    for watcher in watchers:
+        watcher.join()
+    return {
+        "mode": "bodies",
+        "connections": args.connections,
+        "body_mib": args.body_mib,
+        "statuses": sorted(set(statuses)),
+        "seconds": round(elapsed, 2),
+        "rss_mb_before": round(before, 1),
+        "rss_mb_peak": round(peak[0], 1),
+        "health_ms_median": round(statistics.median(health_ms), 1),
+        "health_ms_max": round(max(health_ms), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("slow", "bodies"))
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--cap-s", type=float, default=40.0)
+    parser.add_argument("--body-mib", type=float, default=10.7)
+    args = parser.parse_args()
+    upstream = EmulatorThread(EmulatorSettings(port=free_port(), response_tokens=4)).start()
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            **os.environ,
+            "TRAJGATE_UPSTREAM_URL": upstream.url,
+            "TRAJGATE_PORT": str(port),
+            "TRAJGATE_DATA_DIR": str(Path(tmp) / "data"),
+            "TRAJGATE_DATABASE_URL": f"sqlite:///{tmp}/pool.sqlite3",
+            "TRAJGATE_MAX_BODY_BYTES": str(64 * 1024 * 1024),
+        }
+        trajgate = Path(sys.executable).parent / "trajgate"
+        gateway = subprocess.Popen(
+            [str(trajgate), "serve", "--no-access-log"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(300):
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            warm = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
+            httpx.post(f"{url}/t/warm/v1/chat/completions", json=warm, timeout=60)
+            if args.mode == "slow":
+                result = slow(port, gateway.pid, args)
+            else:
+                result = bodies(url, gateway.pid, args)
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+            upstream.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
