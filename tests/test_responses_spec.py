@@ -16,11 +16,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from gateway_helpers import gateway_with, sse_payloads
 from jsonschema import Draft202012Validator
+from tests_support import free_port
 
+from datapool.settings import PoolSettings
 from gateway.dialects.responses.serving import Responses
 from gateway.dialects.responses.stream import ResponsesEvents
+from trajgate.vllm_server import VLLMServer
 
 DATA = Path(__file__).parent / "data"
 SPEC: dict[str, Any] = json.loads((DATA / "openresponses" / "openapi.json").read_text())
@@ -145,3 +150,27 @@ def test_a_failed_stream_ends_with_an_event_that_validates() -> None:
     event = json.loads(failed[0].decode().split("data: ", 1)[1])
     assert event["type"] == "response.failed"
     assert errors_of(EVENT, event) == [] and errors_of(RESPONSE, event["response"]) == []
+
+
+def test_the_real_gateway_in_front_of_vllm_answers_spec_valid_objects_and_events(
+    vllm: VLLMServer, pool_settings: PoolSettings
+) -> None:
+    """The same through ``trajgate``'s gateway and the real vLLM: a unary call and a stream,
+    with a bare function tool, each object and event validated."""
+    body = {
+        "model": "tiny",
+        "input": "What is the weather in Paris?",
+        "max_output_tokens": 8,
+        "tools": [BARE_TOOL],
+        "reasoning": {"effort": "low"},
+    }
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as gateway:
+        url = f"{gateway.url}/t/spec/v1/responses"
+        unary = httpx.post(url, json=body, timeout=120)
+        assert unary.status_code == 200, unary.text
+        assert errors_of(RESPONSE, unary.json()) == []
+        streamed = httpx.post(url, json={**body, "stream": True}, timeout=120)
+        assert streamed.status_code == 200, streamed.text
+    events = [json.loads(payload) for payload in sse_payloads(streamed.text)]
+    assert events[0]["type"] == "response.created" and len(events) > 3
+    check_events(events)
