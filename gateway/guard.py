@@ -19,6 +19,10 @@ objects on the path of an accepted call), which refuses, in this order:
                                    sent without a length is counted as it is read and cut there
 =====  ==========================  =============================================================
 
+A request that passes waits, unread, for room in the process's budget of body bytes
+(``gateway.body_budget``: its ``Content-Length`` out of ``max_body_bytes_in_flight``) and holds
+it until its answer is complete.
+
 Errors are rendered in the envelope of the dialect whose path was asked (Anthropic's for
 ``/v1/messages``), OpenAI's everywhere else. Never: reads or buffers a body; decides what a
 route does with one (a route still checks its own body, and its own token, behind this).
@@ -38,6 +42,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import check_admin_token
+from gateway.body_budget import BodyBudget
 from gateway.dialects import DIALECTS
 from gateway.errors import (
     AuthenticationError,
@@ -65,12 +70,19 @@ class _BodyTooLarge(HTTPException):
         super().__init__(413, f"request body exceeds the limit of {max_body_bytes} bytes")
 
 
+def declared_length(content_length: bytes | None) -> int:
+    """A ``Content-Length`` header's bytes; 0 when absent or not digits (the HTTP parser
+    refuses such a head before the app sees it)."""
+    return int(content_length) if content_length and content_length.isdigit() else 0
+
+
 class EdgeGuard:
     """The checks of the module docstring, configured once from ``settings``."""
 
     def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
         self.app = app
         self.max_body_bytes = settings.max_body_bytes
+        self.body_budget = BodyBudget(settings.max_body_bytes_in_flight)
         self.admin_token = settings.admin_token
         self.host_names = allowed_host_names(settings)  # None: any host name
         # Longest first, so "/v1/messages/count_tokens" finds the Messages dialect.
@@ -108,7 +120,14 @@ class EdgeGuard:
             return
         if chunked and content_length is None:
             receive = self._counted(receive)
-        await self.app(scope, receive, send)
+            declared = self.max_body_bytes  # the most it may be
+        else:
+            declared = declared_length(content_length)
+        if declared == 0:
+            await self.app(scope, receive, send)
+            return
+        async with self.body_budget.reserve(declared):
+            await self.app(scope, receive, send)
 
     def _refusal(
         self,
@@ -148,7 +167,7 @@ class EdgeGuard:
                 check_admin_token(Request(scope), self.admin_token)
             except AuthenticationError as refused:
                 return refused
-        declared = int(content_length) if content_length and content_length.isdigit() else 0
+        declared = declared_length(content_length)
         if declared > self.max_body_bytes:
             return PayloadTooLargeError(
                 f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes} bytes"

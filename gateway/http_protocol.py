@@ -72,17 +72,18 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
+        cycle = self.cycle
         waiting_for_app = self.flow.read_paused or (
             # A client that sent "Expect: 100-continue" sends its body once the app reads it.
-            self._reading_body and self.cycle.waiting_for_100_continue
+            self._reading_body and cycle is not None and cycle.waiting_for_100_continue
         )
         if waiting_for_app:  # the app has not taken what came: not the client's delay
             self._arm(self.body_timeout_s)
             return
         if self._reading_body:
-            answer = not self.cycle.response_started
+            answer = cycle is not None and not cycle.response_started
         else:  # no answer while an earlier pipelined request's response is still going out
-            answer = self.cycle is None or self.cycle.response_complete
+            answer = cycle is None or cycle.response_complete
         if answer:
             self.transport.write(REQUEST_TIMEOUT_ANSWER)
         self.transport.close()
@@ -105,6 +106,10 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         self._reading_body = True
         self._arm(self.body_timeout_s)
+
+    def handle_websocket_upgrade(self) -> None:
+        self._disarm()  # the connection is the WebSocket protocol's from here
+        super().handle_websocket_upgrade()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -218,6 +218,18 @@ class GatewaySettings(ConfigFileSettings):
         gt=0,
         description="Largest request body accepted; larger ones get 413 and nothing is recorded.",
     )
+    max_body_bytes_in_flight: int = Field(
+        default=64 * 1024 * 1024,
+        gt=0,
+        description=(
+            "Bytes of request bodies one gateway process works on at once (their declared "
+            "Content-Length; max_body_bytes for a body sent without one). A request that does "
+            "not fit waits, unread, in arrival order, until earlier answers are complete; "
+            "requests without a body never wait. A call holds about 3 times its body in memory "
+            "while it is processed (docs/gateway.md, 'Large bodies'), so this bounds that "
+            "memory; at least max_body_bytes (one largest body must fit)."
+        ),
+    )
     request_head_timeout_s: float = Field(
         default=10.0,
         gt=0,
@@ -328,6 +340,16 @@ class GatewaySettings(ConfigFileSettings):
                 except ValueError as exc:
                     raise ValueError(f"sampling_defaults[{channel!r}]: {exc}") from exc
         return value
+
+    @model_validator(mode="after")
+    def _largest_body_fits_the_budget(self) -> GatewaySettings:
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must be at least "
+                f"max_body_bytes ({self.max_body_bytes}): a body of the largest accepted size "
+                "would wait forever"
+            )
+        return self
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> GatewaySettings:

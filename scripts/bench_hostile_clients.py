@@ -161,12 +161,14 @@ def main() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         env = {
+            # Bodies up to 64 MiB unless the caller's environment says otherwise (set
+            # TRAJGATE_MAX_BODY_BYTES_IN_FLIGHT too to try another budget).
+            "TRAJGATE_MAX_BODY_BYTES": str(64 * 1024 * 1024),
             **os.environ,
             "TRAJGATE_UPSTREAM_URL": upstream.url,
             "TRAJGATE_PORT": str(port),
             "TRAJGATE_DATA_DIR": str(Path(tmp) / "data"),
             "TRAJGATE_DATABASE_URL": f"sqlite:///{tmp}/pool.sqlite3",
-            "TRAJGATE_MAX_BODY_BYTES": str(64 * 1024 * 1024),
         }
         trajgate = Path(sys.executable).parent / "trajgate"
         gateway = subprocess.Popen(

@@ -324,7 +324,7 @@ def test_unknown_previous_response_id_is_a_400_naming_it() -> None:
         ({"input": "q", "truncation": 5}, "truncation"),
         ({"input": "q", "temperature": 2.5}, "temperature"),
         ({"input": "q", "top_p": -1}, "top_p"),
-        ({"input": "q", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "q", "top_logprobs": -1}, "top_logprobs"),
         ({"input": "q", "max_tool_calls": 0}, "max_tool_calls"),
         ({"input": "q", "store": "yes"}, "store"),
         ({"input": "q", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),

@@ -372,8 +372,9 @@ def test_one_version_gets_one_weight_set_through_gateways_sharing_the_database(
     """Version 9 published, then published again with other weights: 409 naming both weight
     sets, nothing reloaded or paused (main answered 201, reloaded v9-b and kept v9-a in the
     registry). Then two gateways on one database publish version 10 with two weight sets at
-    once: exactly one 201, one 409, and the registry holds the winner's. Both weight sets are
-    the base weights (the second through a directory of links), so vLLM ends as it began."""
+    once: exactly one 201, one 409, and the registry holds the winner's; a publish whose reload
+    the replica refuses (502) leaves its version free. Both weight sets are the base weights
+    (the second through a directory of links), so vLLM ends as it began."""
     linked = tmp_path / "v10-b"
     linked.mkdir()
     for file in tiny_model_dir.iterdir():
@@ -426,5 +427,17 @@ def test_one_version_gets_one_weight_set_through_gateways_sharing_the_database(
             (9, str(tiny_model_dir), False),
             (10, winner["weights_location"], True),
         ]
+        # A reload the replica refuses gives the claim back: the version can be published
+        # again, with other weights.
+        eleven = {**publish, "version": 11}
+        refused = api[0].post(
+            "/admin/weight-updates", json={**eleven, "weights_location": str(tmp_path / "none")}
+        )
+        assert refused.status_code == 502, refused.text
+        assert 11 not in [v["version"] for v in api[0].get("/admin/policy-versions").json()]
+        again = api[0].post(
+            "/admin/weight-updates", json={**eleven, "weights_location": str(tiny_model_dir)}
+        )
+        assert again.status_code == 201, again.text
         for client in api:
             client.close()

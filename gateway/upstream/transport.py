@@ -34,6 +34,8 @@ import httpx
 IDLE_EXPIRY_S = 4.0
 # A response head larger than this is refused (vLLM's are a few hundred bytes).
 MAX_HEAD_BYTES = 65_536
+# A request body up to this size is written in one piece with its head; a larger one apart.
+JOIN_BODY_BYTES = 65_536
 # The socket is paused while this much of a body is buffered and unread (a slow client).
 HIGH_WATER_BYTES = 1 << 20
 
@@ -297,7 +299,15 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         key = (url.host, url.port or 80)
         connection = await self._connection(key, timeouts.get("connect"))
         try:
-            connection.transport.write(_request_bytes(request, await _body_of(request)))  # type: ignore[union-attr]
+            body = await _body_of(request)
+            head = _request_head(request, body)
+            # One write (one syscall) for the usual small body; a large one apart, not copied
+            # once more into a joined buffer (issue 29 item 6).
+            if len(body) <= JOIN_BODY_BYTES:
+                connection.transport.write(head + body)  # type: ignore[union-attr]
+            else:
+                connection.transport.write(head)  # type: ignore[union-attr]
+                connection.transport.write(body)  # type: ignore[union-attr]
             status, reason, headers, http_11 = await _read_head(connection, read_limit_s)
         except BaseException as exc:
             connection.close()
@@ -418,9 +428,9 @@ async def _body_of(request: httpx.Request) -> bytes:
         return await request.aread()
 
 
-def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
-    """The request head and body as one write. A streamed body httpx would send chunked is
-    sent whole with its length instead (the gateway's bodies are bytes)."""
+def _request_head(request: httpx.Request, body: bytes) -> bytes:
+    """The request head for ``body``. A streamed body httpx would send chunked is sent whole
+    with its length instead (the gateway's bodies are bytes)."""
     url = request.url
     target = url.raw_path or b"/"
     lines = [request.method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
@@ -435,7 +445,6 @@ def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
     if not has_length and (body or request.method in ("POST", "PUT", "PATCH")):
         lines.append(b"Content-Length: %d\r\n" % len(body))
     lines.append(b"\r\n")
-    lines.append(body)
     return b"".join(lines)
 
 

@@ -42,7 +42,8 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # The upper bound is TRAJGATE_MAX_TOP_LOGPROBS (checked on what goes upstream), not 20.
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     text: dict[str, Any] | None = None

@@ -1,10 +1,13 @@
 """A chat completion from vLLM, rendered as a Responses API ``response`` object.
 
 Owns: the ``response`` object the client reads (unary, and in ``response.created`` /
-``response.completed`` when streaming): its output items (a ``reasoning`` item, a ``message``
-item with one ``output_text`` part, one ``function_call`` item per tool call), its status, usage,
-and the request fields a Response echoes. The shape is the one the official ``openai`` SDK's
-``openai.types.responses.Response`` model parses (a test checks it). Never: changes the text, the
+``response.in_progress`` / ``response.completed`` when streaming): its output items (a
+``reasoning`` item, a ``message`` item with one ``output_text`` part, one ``function_call`` item
+per tool call), its status, usage,
+and the request fields a Response echoes. The shape is the Open Responses specification's
+``ResponseResource`` (tests validate every object and event against its ``openapi.json``, kept
+in tests/data/openresponses/) and the one the official ``openai`` SDK's
+``openai.types.responses.Response`` model parses. Never: changes the text, the
 tool call arguments or the logprobs vLLM sent; counts tokens (usage is vLLM's).
 
 Ids: the response's id is the caller's (``resp_...``); its items take the same suffix
@@ -19,6 +22,7 @@ delta its own chunk's entries.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gateway.dialects.responses.request import ECHO_ONLY
@@ -43,29 +47,73 @@ def status_of(finish_reason: str | None) -> tuple[str, str | None]:
     return ("incomplete", reason) if reason else ("completed", None)
 
 
+# What the echo says of a sampling field that neither the client nor a gateway default set
+# (nothing was sent upstream): the Responses API's defaults. The Open Responses schema wants a
+# number there, not null; vLLM itself may apply the model's generation config instead.
+API_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "top_logprobs": 0,
+}
+
+
 def echo_fields(body: dict[str, Any], chat_body: dict[str, Any]) -> dict[str, Any]:
-    """The request fields a Response repeats: the client's, except sampling, which is what was
-    sent upstream (so a gateway default the client omitted shows)."""
+    """The request fields a Response repeats, every one the Open Responses ``ResponseResource``
+    requires: the client's, except sampling, which is what was sent upstream (so a gateway
+    default the client omitted shows; ``API_DEFAULTS`` when nothing was). ``tools`` are the
+    function tools offered to the model, each with ``description``, ``parameters`` and
+    ``strict`` (``null`` when not sent); the tools chat cannot offer were not available to the
+    model and are not listed. ``background`` is false and ``service_tier`` ``default``: the
+    gateway has neither."""
+    sampling = {name: chat_body.get(name, default) for name, default in API_DEFAULTS.items()}
     echo: dict[str, Any] = {
         "instructions": body.get("instructions"),
-        "tools": body.get("tools") or [],
+        "tools": [echoed_tool(tool) for tool in body.get("tools") or [] if _is_function(tool)],
         "tool_choice": body.get("tool_choice", "auto"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "temperature": chat_body.get("temperature"),
-        "top_p": chat_body.get("top_p"),
+        **sampling,
         "max_output_tokens": chat_body.get("max_tokens"),
-        "top_logprobs": body.get("top_logprobs"),
+        "max_tool_calls": body.get("max_tool_calls"),
         "previous_response_id": body.get("previous_response_id"),
-        "reasoning": body.get("reasoning"),
+        "reasoning": _echoed_reasoning(body.get("reasoning")),
         "text": body.get("text") or {"format": {"type": "text"}},
         "store": body.get("store", True),
+        "background": False,
+        "service_tier": "default",
         "metadata": body.get("metadata") or {},
         "truncation": body.get("truncation", "disabled"),
+        "safety_identifier": body.get("safety_identifier"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
     }
     for name in ECHO_ONLY:
         if name in body and name not in echo and name not in ("client_metadata", "stream_options"):
             echo[name] = body[name]
     return echo
+
+
+def _is_function(tool: Any) -> bool:
+    return isinstance(tool, dict) and tool.get("type") == "function"
+
+
+def echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as a Response lists it (the spec's ``FunctionTool``: every field
+    present, ``null`` for one the client did not send)."""
+    return {
+        "type": "function",
+        "name": tool["name"],
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict"),
+    }
+
+
+def _echoed_reasoning(reasoning: Any) -> dict[str, Any] | None:
+    """The spec's ``Reasoning``: both ``effort`` and ``summary`` (``null`` when not sent)."""
+    if not isinstance(reasoning, dict):
+        return None
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
 
 
 def response_object(
@@ -79,11 +127,13 @@ def response_object(
     usage: dict[str, Any] | None,
     incomplete_reason: str | None = None,
 ) -> dict[str, Any]:
-    """One ``response`` object (``created_at`` in Unix seconds)."""
+    """One ``response`` object (``created_at``, ``completed_at`` in Unix seconds;
+    ``completed_at`` is now for a ``completed`` response, null for any other status)."""
     return {
         "id": response_id,
         "object": "response",
         "created_at": created_at,
+        "completed_at": int(time.time()) if status == "completed" else None,
         "status": status,
         "error": None,
         "incomplete_details": None if status != "incomplete" else {"reason": incomplete_reason},

@@ -28,9 +28,9 @@ role ``assistant``          ``assistant``; joins a preceding assistant message t
 
 Tools that are not function tools (Codex also offers ``custom``, ``web_search``,
 ``local_shell``) cannot be called through chat completions: they are left out of the upstream
-body and named in ``Translation.omitted_tools``; the echo keeps them. Anything else this module
-cannot translate (an unknown item or part type, a wrong type) is a 400 naming the field, as in
-``input[2].type``.
+body and named in ``Translation.omitted_tools``; the echo lists only the function tools
+(``render.echo_fields``). Anything else this module cannot translate (an unknown item or part
+type, a wrong type) is a 400 naming the field, as in ``input[2].type``.
 """
 
 from __future__ import annotations
