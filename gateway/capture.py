@@ -68,6 +68,23 @@ def loads(data: bytes) -> Any:
     return json.loads(data)
 
 
+# What reading an upstream answer the capture cannot read raises: bytes that are not UTF-8 or
+# not JSON (``ValueError``: ``UnicodeDecodeError``, ``JSONDecodeError``), and a value of the wrong
+# kind where a dialect reads a field (``{"choices": 5}``: ``TypeError``, ``AttributeError``,
+# ``KeyError``, ``IndexError``). vLLM never sends such an answer; the proxy turns any of them,
+# raised while a dialect reads one event or one unary body, into ``upstream_error``.
+UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, IndexError)
+
+
+def loads_object(data: bytes) -> dict[str, Any]:
+    """``loads`` of an upstream answer or stream event, which must be a JSON object. Raises
+    ``ValueError`` (one of ``UNREADABLE``) for invalid UTF-8, invalid JSON or another value."""
+    value = loads(data)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}: {data[:80]!r}")
+    return value
+
+
 def dumps(value: dict[str, Any]) -> bytes:
     """JSON as vLLM serialises it (pydantic: compact, UTF-8 as is, shortest float digits).
 

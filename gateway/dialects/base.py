@@ -190,7 +190,9 @@ class DialectStream(ABC):
 
     @abstractmethod
     def feed(self, data: bytes) -> list[bytes]:
-        """Take one upstream ``data`` payload; return the events to flush to the client now."""
+        """Take one upstream ``data`` payload; return the events to flush to the client now.
+        Raises one of ``gateway.capture.UNREADABLE`` for a payload it cannot read (not UTF-8,
+        not a JSON object, a field of the wrong kind): the proxy then ends the stream in error."""
 
     @abstractmethod
     def closing(self) -> list[bytes]:
@@ -246,7 +248,8 @@ class Dialect(ABC):
 
     @abstractmethod
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
-        """The capture of a unary upstream answer (its parsed JSON)."""
+        """The capture of a unary upstream answer (its parsed JSON object). Raises one of
+        ``gateway.capture.UNREADABLE`` for an answer it cannot read (a field of the wrong kind)."""
 
     @abstractmethod
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from gateway.capture import (
     check_against_usage,
     dumps,
     integrity_flags,
-    loads,
+    loads_object,
     quality_flags,
 )
 from gateway.dialects.base import (
@@ -361,9 +361,7 @@ class ChoicesStream(DialectStream):
         self._held: list[dict[str, Any]] = []
 
     def feed(self, data: bytes) -> list[bytes]:
-        chunk = loads(data)
-        if not isinstance(chunk, dict):
-            return [sse_event(data)]
+        chunk = loads_object(data)  # raises UNREADABLE: the proxy ends the stream in error
         if "error" in chunk and "choices" not in chunk:
             self.error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk}
             return [*self._release(), sse_event(data)]

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.capture import loads
+from gateway.capture import loads_object
 from gateway.dialects.base import (
     Captured,
     ClientAsked,
@@ -224,9 +224,9 @@ class TranslatedStream(DialectStream):
         """The client's event that ends the stream at vLLM's in-stream ``error`` object."""
 
     def feed(self, data: bytes) -> list[bytes]:
-        chunk = loads(data)
-        if not isinstance(chunk, dict) or self.error is not None:
+        if self.error is not None:
             return []
+        chunk = loads_object(data)  # raises UNREADABLE: the proxy ends the stream in error
         if "error" in chunk and "choices" not in chunk:
             error = chunk["error"]
             self.error = error if isinstance(error, dict) else {"message": str(error)}

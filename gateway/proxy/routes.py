@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
-from gateway.capture import dumps, loads, request_hash
+from gateway.capture import UNREADABLE, dumps, loads, loads_object, request_hash
 from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
 from gateway.dialects.messages.render import upstream_error
 from gateway.dialects.messages.serving import Messages, count_tokens
@@ -544,17 +544,26 @@ def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx
 
 
 async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
+    """Capture a 200 answer, commit its steps, answer the client. A body the capture cannot
+    read (not UTF-8, not a JSON object, a field of the wrong kind: ``capture.UNREADABLE``) is
+    recorded as an ``upstream_error`` step and answered 502."""
     replica = upstream.replica
+    dialect = call.dialect
     try:
         content = upstream.response.content
-        answer = loads(content)
     finally:
         await upstream.aclose()
-    dialect = call.dialect
-    captured = dialect.read_answer(call.prepared, answer)
+    try:
+        answer = loads_object(content)
+        captured = dialect.read_answer(call.prepared, answer)
+        client_answer = dialect.client_answer(call.prepared, answer)
+    except UNREADABLE as exc:
+        error = f"upstream {replica.url} answered 200 with a body the capture cannot read: {exc!r}"
+        call.add_attempt(replica, StepOutcome.UPSTREAM_ERROR, status_code=200, error=error)
+        await fail_call(state, call, replica, StepOutcome.UPSTREAM_ERROR, error)
+        raise UpstreamError(error) from exc
     if replica.system_fingerprint is None:
         replica.system_fingerprint = captured.system_fingerprint
-    client_answer = dialect.client_answer(call.prepared, answer)
     # The answer is kept for Idempotency-Key replays (``find_replay`` looks up only by key):
     # a call without a key is never replayed, so its answer is not written twice.
     response_body = client_answer if call.idempotency_key else None

@@ -28,6 +28,7 @@ import anyio
 import httpx
 
 from datapool.models import StepOutcome
+from gateway.capture import UNREADABLE
 from gateway.dialects import DialectStream
 from gateway.errors import TrajgateError, UpstreamError, UpstreamTimeoutError
 from gateway.proxy.call import Call, commit, fail_call
@@ -181,7 +182,9 @@ async def relay_stream(
     A client disconnect closes the upstream response (vLLM aborts the request) and records the
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with the
     dialect's error event and records ``upstream_timeout``; so does an abort by a full-weight
-    update (``gateway.upstream.weight_update``), recorded ``aborted_for_weight_update``.
+    update (``gateway.upstream.weight_update``), recorded ``aborted_for_weight_update``, and a
+    broken upstream stream or an event the dialect cannot read (``gateway.capture.UNREADABLE``),
+    recorded ``upstream_error``.
     Either way the step is never left open, and the response (with its in-flight count) is closed.
     """
     replica = upstream.replica
@@ -203,11 +206,16 @@ async def relay_stream(
                 if payloads is None:
                     break
             out: list[bytes] = []
-            for data in payloads:
-                if data == DONE:
-                    finished = True
-                    break
-                out += feed(data)
+            try:
+                for data in payloads:
+                    if data == DONE:
+                        finished = True
+                        break
+                    out += feed(data)
+            except UNREADABLE as exc:
+                raise UpstreamError(
+                    f"upstream {replica.url} sent an event the capture cannot read: {exc!r}"
+                ) from exc
             if out:
                 yield out[0] if len(out) == 1 else b"".join(out)
             if ttft_ms is None and stream.first_token_seen:
@@ -227,10 +235,13 @@ async def relay_stream(
     except (asyncio.CancelledError, GeneratorExit):
         abort_reason = StepOutcome.CLIENT_DISCONNECT
         raise
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, UpstreamError) as exc:
+        # a broken connection or framing, or an event the capture cannot read: the step keeps
+        # the tokens before it, flagged ``aborted`` with outcome upstream_error (never trained)
         abort_reason = StepOutcome.UPSTREAM_ERROR
         call.add_attempt(replica, abort_reason, status_code=200, error=repr(exc))
-        yield stream.error_event(UpstreamError(f"upstream stream failed: {exc!r}"))
+        error = exc if isinstance(exc, UpstreamError) else None
+        yield stream.error_event(error or UpstreamError(f"upstream stream failed: {exc!r}"))
     finally:
         with anyio.CancelScope(shield=True):
             not_recorded = await record_stream(
