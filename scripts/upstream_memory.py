@@ -27,10 +27,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
+
+from trajgate.bench.raw_upstream import RawUpstream
 
 MIB = 1024 * 1024
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -85,38 +88,6 @@ def endless(_size: int) -> Iterator[bytes]:
     block = piece(one * (65536 // len(one)))
     while True:
         yield block
-
-
-class RawUpstream:
-    """Answers GET with 200 and each POST with ``answer(size)``, on a real socket."""
-
-    def __init__(self, answer: Callable[[int], Iterator[bytes]], size: int) -> None:
-        self.answer, self.size = answer, size
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            connection, _ = self.server.accept()
-            threading.Thread(target=self._handle, args=(connection,), daemon=True).start()
-
-    def _handle(self, connection: socket.socket) -> None:
-        with connection:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = connection.recv(65536)
-                if not data:
-                    return
-                head += data
-            try:
-                if head.startswith(b"GET"):
-                    connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    return
-                for data in self.answer(self.size):
-                    connection.sendall(data)
-            except OSError:
-                return
 
 
 def rss_mib(pid: int) -> float:
@@ -208,7 +179,7 @@ def main() -> None:
         upstream_url = emulator.url
     else:
         answers = {"unary_body": unary_body, "sse_line": sse_line, "endless": endless}
-        upstream_url = RawUpstream(answers[args.scenario], args.size_mb * MIB).url
+        upstream_url = RawUpstream(partial(answers[args.scenario], args.size_mb * MIB)).url
     data_dir = tempfile.mkdtemp(prefix="upstream-memory-")
     port = free_port()
     env = {

@@ -10,8 +10,6 @@ or a 502), and the call is one step with outcome ``upstream_error``, flagged, ne
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +26,7 @@ from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
 from gateway.settings import GatewaySettings
+from trajgate.bench.raw_upstream import RawUpstream
 
 # One body per dialect; all three are chat completions upstream.
 DIALECT_CALLS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -191,48 +190,6 @@ def test_an_unreadable_unary_answer_is_502_and_records_upstream_error(
     assert_failed_and_never_trained(pool_settings, trajectory_id)
 
 
-class RawReplica:
-    """A replica on a real socket that answers ``GET /health`` with 200 and every POST with the
-    bytes ``answer()`` yields, then closes the connection: for answers that break HTTP itself
-    or are too long to build in memory (``httpx.MockTransport`` frames its answers properly)."""
-
-    def __init__(self, answer: Callable[[], Iterator[bytes]]) -> None:
-        self._answer = answer
-        self._socket = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self.posts = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                connection, _ = self._socket.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(connection,), daemon=True).start()
-
-    def _handle(self, connection: socket.socket) -> None:
-        with connection:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = connection.recv(65536)
-                if not data:
-                    return
-                head += data
-            try:
-                if head.startswith(b"GET"):
-                    connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                    return
-                self.posts += 1
-                for piece in self._answer():
-                    connection.sendall(piece)
-            except OSError:
-                return  # the gateway closed the connection: the answer was refused
-
-    def close(self) -> None:
-        self._socket.close()
-
-
 def raw_gateway_call(
     pool_settings: PoolSettings,
     answer: Callable[[], Iterator[bytes]],
@@ -240,9 +197,9 @@ def raw_gateway_call(
     *,
     stream: bool,
     **settings: Any,
-) -> tuple[httpx.Response, RawReplica]:
-    """One chat call through a gateway in front of a ``RawReplica`` sending ``answer``."""
-    replica = RawReplica(answer)
+) -> httpx.Response:
+    """One chat call through a gateway in front of a ``RawUpstream`` sending ``answer``."""
+    replica = RawUpstream(answer)
     path, body = DIALECT_CALLS["chat"]
     try:
         with gateway_with(
@@ -257,7 +214,7 @@ def raw_gateway_call(
             )
     finally:
         replica.close()
-    return response, replica
+    return response
 
 
 SSE_HEAD = (
@@ -283,7 +240,7 @@ def test_a_protocol_error_of_a_reachable_replica_is_upstream_error_unary_and_str
     pool_settings: PoolSettings, fault: str, stream: bool
 ) -> None:
     trajectory_id = f"protocol-{fault}-{stream}".replace("_", "-").lower()
-    response, _ = raw_gateway_call(
+    response = raw_gateway_call(
         pool_settings, lambda: iter([PROTOCOL_ERRORS[fault]]), trajectory_id, stream=stream
     )
     # nothing reached the client before the fault: a 502 in both modes
@@ -302,7 +259,7 @@ def test_a_protocol_error_mid_stream_is_upstream_error(pool_settings: PoolSettin
         time.sleep(0.3)  # a read of its own: the first events reach the client before the fault
         yield b"zz\r\n"
 
-    response, _ = raw_gateway_call(pool_settings, answer, "protocol-mid", stream=True)
+    response = raw_gateway_call(pool_settings, answer, "protocol-mid", stream=True)
     assert response.status_code == 200
     assert_ends_in_error_event("chat", response.text)
     (step,) = steps_of(pool_settings, "protocol-mid")
@@ -358,7 +315,7 @@ def test_an_answer_past_upstream_max_answer_bytes_is_upstream_error(
     pool_settings: PoolSettings, answer: Callable[[], Iterator[bytes]], stream: bool
 ) -> None:
     trajectory_id = f"too-long-{stream}-{answer.__name__}".replace("_", "-").lower()
-    response, _ = raw_gateway_call(
+    response = raw_gateway_call(
         pool_settings, answer, trajectory_id, stream=stream, upstream_max_answer_bytes=2 * MIB
     )
     if stream:  # the first events went out: the stream ends in its error event
@@ -376,7 +333,7 @@ def test_an_answer_past_upstream_max_answer_bytes_is_upstream_error(
 def test_an_event_past_upstream_max_event_bytes_is_upstream_error(
     pool_settings: PoolSettings,
 ) -> None:
-    response, _ = raw_gateway_call(
+    response = raw_gateway_call(
         pool_settings,
         one_endless_line,
         "too-long-event",
