@@ -42,6 +42,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import routes as proxy
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
+from gateway.upstream.answer_limit import AnswerLimit
 from gateway.upstream.policy import PolicyRegistry
 from gateway.upstream.replicas import UpstreamPool
 from gateway.upstream.transport import UpstreamTransport
@@ -179,12 +180,20 @@ def _upstream_client(
         read=settings.upstream_between_chunks_timeout_s,
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    most_bytes = settings.upstream_max_answer_bytes
     if transport is not None:  # a test's transport for shapes the real vLLM cannot produce
-        return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        return httpx.AsyncClient(
+            timeout=timeout, limits=limits, transport=AnswerLimit(transport, most_bytes)
+        )
     # Plain-HTTP replicas through our own transport (gateway.upstream.transport: the capture
-    # hot path); https:// ones through httpx's default transport.
+    # hot path); https:// ones through httpx's default transport. Every answer is limited in
+    # bytes (gateway.upstream.answer_limit).
     return httpx.AsyncClient(
-        timeout=timeout, limits=limits, mounts={"http://": UpstreamTransport()}
+        timeout=timeout,
+        mounts={
+            "http://": AnswerLimit(UpstreamTransport(), most_bytes),
+            "https://": AnswerLimit(httpx.AsyncHTTPTransport(limits=limits), most_bytes),
+        },
     )
 
 

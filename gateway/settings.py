@@ -192,6 +192,27 @@ class GatewaySettings(ConfigFileSettings):
     upstream_retry_backoff_ms: float = Field(
         default=50.0, ge=0, description="Pause before a retry, doubled each attempt."
     )
+    upstream_max_answer_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        gt=0,
+        description=(
+            "Most bytes of one upstream answer (a unary body, a whole stream, an error body). "
+            "Past it the call ends as upstream_error (502, or the stream's error event), step "
+            "recorded and flagged. 256 MiB holds a 131,072-token answer with 20 top logprobs per "
+            "token (about 1.2 KiB a token streamed); a unary answer is held whole while it is "
+            "read, so this is also the memory one call may take for its body."
+        ),
+    )
+    upstream_max_event_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        gt=0,
+        description=(
+            "Most bytes of one server-sent event of an upstream stream (its data lines, or a line "
+            "not ended yet). Past it the stream ends as upstream_error. vLLM's largest event is "
+            "the first, with the prompt's ids (about 7 bytes a token: 1 MiB for 131,072 tokens); "
+            "prompt_logprobs on a long prompt need more."
+        ),
+    )
     weight_update_drain_timeout_s: float = Field(
         default=30.0,
         ge=0,

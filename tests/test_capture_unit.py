@@ -140,7 +140,7 @@ def test_sse_payloads_follow_the_sse_rules_whatever_the_chunking() -> None:
             httpx.AsyncClient(transport=transport) as client,
             client.stream("GET", "http://upstream.test/") as response,
         ):
-            return [data async for data in sse_data(response)]
+            return [data async for data in sse_data(response, 1 << 20)]
 
     # CRLF, a comment, two data lines of one event joined by a newline (their CRLFs split
     # between reads when read byte by byte), CR endings, a field without data (no event), a

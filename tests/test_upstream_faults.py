@@ -10,6 +10,8 @@ or a 502), and the call is one step with outcome ``upstream_error``, flagged, ne
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -23,6 +25,8 @@ from datapool.lifecycle import transitions as lifecycle
 from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
+from gateway.settings import GatewaySettings
+from trajgate.bench.raw_upstream import RawUpstream
 
 # One body per dialect; all three are chat completions upstream.
 DIALECT_CALLS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -184,3 +188,166 @@ def test_an_unreadable_unary_answer_is_502_and_records_upstream_error(
     error = response.json()["error"]
     assert error["type"] == ("api_error" if dialect == "messages" else "upstream_error")
     assert_failed_and_never_trained(pool_settings, trajectory_id)
+
+
+def raw_gateway_call(
+    pool_settings: PoolSettings,
+    answer: Callable[[], Iterator[bytes]],
+    trajectory_id: str,
+    *,
+    stream: bool,
+    **settings: Any,
+) -> httpx.Response:
+    """One chat call through a gateway in front of a ``RawUpstream`` sending ``answer``."""
+    replica = RawUpstream(answer)
+    path, body = DIALECT_CALLS["chat"]
+    try:
+        with gateway_with(
+            pool_settings,
+            free_port(),
+            upstream_url=replica.url,
+            upstream_max_attempts=1,
+            **settings,
+        ) as gw:
+            response = httpx.post(
+                f"{gw.url}/t/{trajectory_id}/v1/{path}", json={**body, "stream": stream}, timeout=60
+            )
+    finally:
+        replica.close()
+    return response
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+def chunked_piece(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+# Answers from a reachable replica that break HTTP/1.1 (item 9), each at the head or in the body.
+PROTOCOL_ERRORS: dict[str, bytes] = {
+    "bad_status_line": b"HTTP/1.1 OK 200\r\ncontent-length: 2\r\n\r\n{}",
+    "head_too_large": b"HTTP/1.1 200 OK\r\nx-filler: " + b"x" * 70_000 + b"\r\n\r\n",
+    "bad_chunk_size": b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("fault", sorted(PROTOCOL_ERRORS))
+def test_a_protocol_error_of_a_reachable_replica_is_upstream_error_unary_and_streamed(
+    pool_settings: PoolSettings, fault: str, stream: bool
+) -> None:
+    trajectory_id = f"protocol-{fault}-{stream}".replace("_", "-").lower()
+    response = raw_gateway_call(
+        pool_settings, lambda: iter([PROTOCOL_ERRORS[fault]]), trajectory_id, stream=stream
+    )
+    # nothing reached the client before the fault: a 502 in both modes
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_error"
+    (step,) = steps_of(pool_settings, trajectory_id)
+    assert step.outcome == "upstream_error"  # not upstream_unreachable: the replica answered
+
+
+def test_a_protocol_error_mid_stream_is_upstream_error(pool_settings: PoolSettings) -> None:
+    role = {**chunk([], ""), "prompt_token_ids": [1, 2]}
+    first = sse_body([role, chunk([7], "a")]).removesuffix(b"data: [DONE]\n\n")
+
+    def answer() -> Iterator[bytes]:
+        yield SSE_HEAD + chunked_piece(first)
+        time.sleep(0.3)  # a read of its own: the first events reach the client before the fault
+        yield b"zz\r\n"
+
+    response = raw_gateway_call(pool_settings, answer, "protocol-mid", stream=True)
+    assert response.status_code == 200
+    assert_ends_in_error_event("chat", response.text)
+    (step,) = steps_of(pool_settings, "protocol-mid")
+    assert (step.outcome, step.response_token_ids) == ("upstream_error", [7])
+
+
+MIB = 1024 * 1024
+
+
+def endless_chunked() -> Iterator[bytes]:
+    """A stream of valid one-token events that never ends (64 KiB per write)."""
+    yield SSE_HEAD + chunked_piece(
+        sse_body([{**chunk([], ""), "prompt_token_ids": [1, 2]}]).removesuffix(b"data: [DONE]\n\n")
+    )
+    event = sse_body([chunk([7], "a")]).removesuffix(b"data: [DONE]\n\n")
+    piece = chunked_piece(event * (65536 // len(event)))
+    while True:
+        yield piece
+
+
+def one_endless_line() -> Iterator[bytes]:
+    """A stream whose second event is one line that never ends."""
+    yield SSE_HEAD + chunked_piece(
+        sse_body([{**chunk([], ""), "prompt_token_ids": [1, 2]}]).removesuffix(b"data: [DONE]\n\n")
+    )
+    yield chunked_piece(b'data: {"id": "c", "x": "')
+    piece = chunked_piece(b"x" * 65536)
+    while True:
+        yield piece
+
+
+def unary_body(declared: bool) -> Callable[[], Iterator[bytes]]:
+    """A unary 200 of 8 MiB, with its length declared or sent until close."""
+
+    def answer() -> Iterator[bytes]:
+        length = b"content-length: %d\r\n" % (8 * MIB) if declared else b""
+        yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + length + b"\r\n"
+        yield b'{"id": "' + b"x" * (8 * MIB - 10) + b'"}'
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "stream"),
+    [
+        (unary_body(declared=True), False),
+        (unary_body(declared=False), False),
+        (endless_chunked, True),
+    ],
+    ids=["unary_declared", "unary_until_close", "endless_stream"],
+)
+def test_an_answer_past_upstream_max_answer_bytes_is_upstream_error(
+    pool_settings: PoolSettings, answer: Callable[[], Iterator[bytes]], stream: bool
+) -> None:
+    trajectory_id = f"too-long-{stream}-{answer.__name__}".replace("_", "-").lower()
+    response = raw_gateway_call(
+        pool_settings, answer, trajectory_id, stream=stream, upstream_max_answer_bytes=2 * MIB
+    )
+    if stream:  # the first events went out: the stream ends in its error event
+        assert response.status_code == 200
+        assert_ends_in_error_event("chat", response.text)
+        assert "upstream_max_answer_bytes" in response.text
+    else:
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "upstream_error"
+    (step,) = steps_of(pool_settings, trajectory_id)
+    assert step.outcome == "upstream_error" and step.flags
+    assert "upstream_max_answer_bytes" in (step.error or "")
+
+
+def test_an_event_past_upstream_max_event_bytes_is_upstream_error(
+    pool_settings: PoolSettings,
+) -> None:
+    response = raw_gateway_call(
+        pool_settings,
+        one_endless_line,
+        "too-long-event",
+        stream=True,
+        upstream_max_event_bytes=1 * MIB,
+    )
+    assert response.status_code == 200
+    assert_ends_in_error_event("chat", response.text)
+    assert "upstream_max_event_bytes" in response.text
+    (step,) = steps_of(pool_settings, "too-long-event")
+    assert step.outcome == "upstream_error" and "aborted" in step.flags
+
+
+def test_answer_limits_must_be_positive() -> None:
+    for name in ("upstream_max_answer_bytes", "upstream_max_event_bytes"):
+        with pytest.raises(ValueError, match=name):
+            GatewaySettings(**{name: 0})

@@ -48,6 +48,7 @@ from gateway.proxy.attribution import (
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState, StateDep
+from gateway.upstream.answer_limit import AnswerTooLargeError
 from gateway.upstream.replicas import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
 from gateway.upstream.weight_update import (
     ABORTED_FOR_WEIGHT_UPDATE,
@@ -369,7 +370,13 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
     """A non-200 answer the attempt loop did not retry: recorded as one failed step, passed to
     the client with its status (its body as the dialect shows upstream errors)."""
     replica, response = upstream.replica, upstream.response
-    content = await response.aread()
+    try:
+        content = await response.aread()
+    except httpx.HTTPError as exc:  # a stream's error body broken or past the answer limit
+        await upstream.aclose()
+        call.add_attempt(replica, StepOutcome.UPSTREAM_ERROR, status_code=response.status_code)
+        await fail_call(state, call, replica, StepOutcome.UPSTREAM_ERROR, repr(exc))
+        raise UpstreamError(f"upstream {replica.url} answered badly: {exc!r}") from exc
     await upstream.aclose()
     error = content.decode("utf-8", "replace")
     call.add_attempt(
@@ -494,16 +501,16 @@ async def try_replica(
         raise UpstreamTimeoutError(
             f"upstream {replica.url} did not answer within {limit_s:g} s", code=outcome
         ) from exc
-    except httpx.TransportError as exc:
-        state.upstreams.mark_failure(replica)
-        call.add_attempt(replica, StepOutcome.UPSTREAM_UNREACHABLE, error=repr(exc))
-        state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_UNREACHABLE).inc()
-        if not last:
-            return None
-        await fail_call(state, call, replica, StepOutcome.UPSTREAM_UNREACHABLE, repr(exc))
-        raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
+    except (httpx.TransportError, httpx.DecodingError) as exc:
+        await failed_attempt(state, call, replica, exc, last=last)  # raises unless retried
+        return None
     if response.status_code in RETRYABLE_STATUS and not last:
-        content = await response.aread()
+        try:
+            content = await response.aread()
+        except (httpx.TransportError, httpx.DecodingError) as exc:
+            await response.aclose()
+            await failed_attempt(state, call, replica, exc, last=last)
+            return None
         await response.aclose()
         state.upstreams.mark_failure(replica)
         call.add_attempt(
@@ -516,6 +523,32 @@ async def try_replica(
         return None
     state.upstreams.mark_success(replica)
     return response
+
+
+async def failed_attempt(
+    state: GatewayState, call: Call, replica: Replica, exc: httpx.HTTPError, *, last: bool
+) -> None:
+    """An attempt that failed at the transport: returns to try another replica, else the call
+    is recorded as failed and ``UpstreamError`` (502) raised.
+
+    A replica that could not be reached (refused, reset, ...) is ``upstream_unreachable``. One
+    that answered, but not in HTTP (a bad status line, a head too large, a bad chunk size, an
+    undecodable body: ``httpx.ProtocolError``, ``httpx.DecodingError``) or past
+    ``upstream_max_answer_bytes`` is ``upstream_error``, as the same fault is on a stream once
+    its 200 went out: the replica was reached and its answer is what failed. An answer too large
+    is not retried: the tokens were generated, and another replica would sample as long.
+    """
+    reached = isinstance(exc, httpx.ProtocolError | httpx.DecodingError | AnswerTooLargeError)
+    outcome = StepOutcome.UPSTREAM_ERROR if reached else StepOutcome.UPSTREAM_UNREACHABLE
+    state.upstreams.mark_failure(replica)
+    call.add_attempt(replica, outcome, error=repr(exc))
+    state.metrics.attempts_failed.labels(outcome).inc()
+    if not last and not isinstance(exc, AnswerTooLargeError):
+        return
+    await fail_call(state, call, replica, outcome, repr(exc))
+    if reached:
+        raise UpstreamError(f"upstream {replica.url} answered badly: {exc!r}") from exc
+    raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
 
 
 def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx.Request:

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import NoReturn
 
 import anyio
 import httpx
@@ -52,15 +53,21 @@ class SSEPayloads:
     when it had a ``data`` line; other fields (``event``, ``id``, ``retry``) are read past; an
     unfinished event at the end of the stream is dropped. Bytes are never decoded: a UTF-8
     sequence holds no CR or LF byte, so a piece boundary inside one is kept as is.
+
+    ``most_event_bytes`` bounds what is held of one event (its data lines and the line not
+    ended yet): ``feed`` raises ``UpstreamError`` past it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, most_event_bytes: int) -> None:
+        self._most = most_event_bytes
         self._tail = b""  # the unfinished line (never holds a CR: pieces are normalised first)
         self._data: list[bytes] | None = None  # the current event's data lines
+        self._data_bytes = 0  # their bytes
         self._skip_lf = False  # the last piece ended in CR: a LF starting the next one is its pair
 
     def feed(self, piece: bytes) -> list[bytes]:
-        """The payloads of the events ``piece`` completes, in order (often none or one)."""
+        """The payloads of the events ``piece`` completes, in order (often none or one).
+        Raises ``UpstreamError`` when one event holds more than ``most_event_bytes``."""
         if self._skip_lf:
             self._skip_lf = False
             if piece[:1] == b"\n":
@@ -70,43 +77,58 @@ class SSEPayloads:
             piece = piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         end = piece.rfind(b"\n")
         if end < 0:
+            if len(self._tail) + len(piece) + self._data_bytes > self._most:
+                self._too_large()
             self._tail += piece
             return []
         lines = (self._tail + piece[:end]).split(b"\n") if self._tail else piece[:end].split(b"\n")
         self._tail = piece[end + 1 :]
         payloads: list[bytes] = []
         data = self._data
+        held = self._data_bytes
         for line in lines:
             if not line:
                 if data is not None:
                     payloads.append(data[0] if len(data) == 1 else b"\n".join(data))
                     data = None
+                    held = 0
             elif line.startswith(b"data:"):
                 value = line[6:] if line[5:6] == b" " else line[5:]
+                held += len(value)
+                if held > self._most:
+                    self._too_large()
                 if data is None:
                     data = [value]
                 else:
                     data.append(value)
             elif line == b"data":  # a field name without a colon has an empty value
                 data = [b""] if data is None else [*data, b""]
+        if held + len(self._tail) > self._most:
+            self._too_large()
         self._data = data
+        self._data_bytes = held
         return payloads
 
+    def _too_large(self) -> NoReturn:
+        raise UpstreamError(
+            f"an upstream event passed the {self._most} bytes of upstream_max_event_bytes"
+        )
 
-async def sse_reads(response: httpx.Response) -> AsyncIterator[list[bytes]]:
+
+async def sse_reads(response: httpx.Response, most_event_bytes: int) -> AsyncIterator[list[bytes]]:
     """The ``data`` payloads of ``response``'s server-sent events, one list per read that
     completed at least one event. A silence longer than the client's read timeout raises
-    ``httpx.ReadTimeout`` from here."""
-    parser = SSEPayloads()
+    ``httpx.ReadTimeout`` from here, an event past ``most_event_bytes`` ``UpstreamError``."""
+    parser = SSEPayloads(most_event_bytes)
     async for piece in response.aiter_bytes():
         payloads = parser.feed(piece)
         if payloads:
             yield payloads
 
 
-async def sse_data(response: httpx.Response) -> AsyncIterator[bytes]:
+async def sse_data(response: httpx.Response, most_event_bytes: int) -> AsyncIterator[bytes]:
     """The ``data`` payload of each server-sent event of ``response``, in order."""
-    async for payloads in sse_reads(response):
+    async for payloads in sse_reads(response, most_event_bytes):
         for payload in payloads:
             yield payload
 
@@ -122,14 +144,14 @@ async def first_event(
     recording the failed call.
     """
     replica = upstream.replica
-    reads = sse_reads(upstream.response)
+    reads = sse_reads(upstream.response, state.settings.upstream_max_event_bytes)
     limit_s = state.settings.upstream_first_byte_timeout_s
     try:
         with anyio.fail_after(max(limit_s - call.elapsed_ms() / 1000, 0.0)):
             return reads, await reads.__anext__()
     except StopAsyncIteration:
         return reads, None
-    except (TimeoutError, httpx.HTTPError) as exc:
+    except (TimeoutError, httpx.HTTPError, UpstreamError) as exc:
         await upstream.aclose()
         timeout = isinstance(exc, TimeoutError | httpx.TimeoutException)
         outcome = StepOutcome.UPSTREAM_TIMEOUT if timeout else StepOutcome.UPSTREAM_ERROR
@@ -139,6 +161,8 @@ async def first_event(
             raise UpstreamTimeoutError(
                 f"upstream {replica.url} sent no first chunk within {limit_s:g} s", code=outcome
             ) from exc
+        if isinstance(exc, UpstreamError):
+            raise
         raise UpstreamError(f"upstream {replica.url} stream failed: {exc!r}") from exc
 
 
@@ -193,6 +217,7 @@ async def relay_stream(
     feed = stream.feed
     deadline = call.started + state.settings.upstream_total_timeout_s
     abort_reason: str | None = None
+    abort_error: str | None = None  # stored on the step of a stream that broke
     ttft_ms: float | None = None
     finished = False
     try:
@@ -238,14 +263,21 @@ async def relay_stream(
     except (httpx.HTTPError, UpstreamError) as exc:
         # a broken connection or framing, or an event the capture cannot read: the step keeps
         # the tokens before it, flagged ``aborted`` with outcome upstream_error (never trained)
-        abort_reason = StepOutcome.UPSTREAM_ERROR
-        call.add_attempt(replica, abort_reason, status_code=200, error=repr(exc))
+        abort_reason, abort_error = StepOutcome.UPSTREAM_ERROR, repr(exc)
+        call.add_attempt(replica, abort_reason, status_code=200, error=abort_error)
         error = exc if isinstance(exc, UpstreamError) else None
         yield stream.error_event(error or UpstreamError(f"upstream stream failed: {exc!r}"))
     finally:
         with anyio.CancelScope(shield=True):
             not_recorded = await record_stream(
-                state, call, upstream, stream, abort_reason, finished=finished, ttft_ms=ttft_ms
+                state,
+                call,
+                upstream,
+                stream,
+                abort_reason,
+                finished=finished,
+                ttft_ms=ttft_ms,
+                abort_error=abort_error,
             )
     if abort_reason is None and not_recorded is not None:
         # The status line went out before the commit could fail: the stream ends in an error
@@ -265,11 +297,13 @@ async def record_stream(
     *,
     finished: bool,
     ttft_ms: float | None,
+    abort_error: str | None = None,
 ) -> TrajgateError | None:
     """Close the upstream response and commit what the stream captured; returns the error when
     the pool refused the commit (the client is told in-stream), else None.
 
-    ``finished``: the upstream sent ``[DONE]``; ``abort_reason`` why the stream was cut short.
+    ``finished``: the upstream sent ``[DONE]``; ``abort_reason`` why the stream was cut short,
+    ``abort_error`` what broke it (stored as the step's ``error``).
     """
     replica = upstream.replica
     await upstream.aclose()  # closing the connection makes vLLM abort the request
@@ -290,7 +324,7 @@ async def record_stream(
         prompt_tokens=captured.prompt_tokens,
         model=captured.model,
         outcome=outcome,
-        error=json.dumps(captured.error) if captured.error else None,
+        error=json.dumps(captured.error) if captured.error else abort_error,
         ttft_ms=ttft_ms,
     )
     not_recorded: TrajgateError | None = None

@@ -457,9 +457,10 @@ async def _read_head(
     while True:
         buffer = connection.buffer
         end = buffer.find(b"\r\n\r\n")
+        if end > MAX_HEAD_BYTES or (end < 0 and len(buffer) > MAX_HEAD_BYTES):
+            # a head that came whole in one read is as refused as one still coming
+            raise httpx.RemoteProtocolError("response head too large")
         if end < 0:
-            if len(buffer) > MAX_HEAD_BYTES:
-                raise httpx.RemoteProtocolError("response head too large")
             if connection.closed:
                 if connection.error is not None and not isinstance(connection.error, EOFError):
                     raise httpx.ReadError(repr(connection.error))

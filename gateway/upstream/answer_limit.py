@@ -1,0 +1,71 @@
+"""The most bytes one upstream answer may have, for every transport (ours and httpx's).
+
+Owns: ``AnswerLimit``, a transport wrapper that refuses an answer whose ``content-length``
+exceeds the limit before reading its body, and counts the body as it is read (chunked, until
+close, or mis-declared), raising ``AnswerTooLargeError`` at the first read past the limit. So a
+unary read, a non-200 body and a stream are all bounded, whatever the replica sends: an endless
+chunked body ends at the limit, not at the total time limit. Never: buffers (a piece passes
+through as it came), decodes ``content-encoding`` (counted bytes are the framed body's, before
+httpx decodes it), or decides what the failure is recorded as (``gateway.proxy`` does:
+``upstream_error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+
+class AnswerTooLargeError(httpx.TransportError):
+    """An upstream answer's body is longer than ``upstream_max_answer_bytes``."""
+
+
+class AnswerLimit(httpx.AsyncBaseTransport):
+    """``inner`` with every answer's body limited to ``most_bytes``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, most_bytes: int) -> None:
+        self._inner = inner
+        self._most_bytes = most_bytes
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._most_bytes:
+            await response.aclose()
+            raise AnswerTooLargeError(
+                f"the upstream answer declares {declared} bytes, more than the "
+                f"{self._most_bytes} of upstream_max_answer_bytes"
+            )
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_Counted(response.stream, self._most_bytes),
+            extensions=response.extensions,
+            request=request,
+        )
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _Counted(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream | httpx.SyncByteStream, most: int) -> None:
+        if not isinstance(inner, httpx.AsyncByteStream):
+            raise TypeError(f"expected an async byte stream, got {type(inner).__name__}")
+        self._inner = inner
+        self._most = most
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        read = 0
+        async for piece in self._inner:
+            read += len(piece)
+            if read > self._most:
+                raise AnswerTooLargeError(
+                    f"the upstream answer passed the {self._most} bytes of "
+                    "upstream_max_answer_bytes"
+                )
+            yield piece
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
