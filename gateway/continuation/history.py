@@ -28,7 +28,6 @@ from typing import Any
 # any of them differently from the turn it extends is no extension.
 RENDER_FIELDS = (
     "tools",
-    "tool_choice",
     "chat_template",
     "chat_template_kwargs",
     "documents",
@@ -64,8 +63,12 @@ class Extension:
 
 
 def render_key(body: Mapping[str, Any]) -> str:
-    """The ``RENDER_FIELDS`` of an upstream chat body as JSON text (absent fields omitted)."""
-    return json.dumps({name: body[name] for name in RENDER_FIELDS if name in body})
+    """The ``RENDER_FIELDS`` of an upstream chat body as JSON text (absent fields omitted),
+    and whether ``tool_choice`` is "none" (vLLM can leave the tools out of the rendering
+    then); another tool choice (a forced call, then an answer) renders the same."""
+    fields = {name: body[name] for name in RENDER_FIELDS if name in body}
+    fields["tool_choice_none"] = body.get("tool_choice") == "none"
+    return json.dumps(fields)
 
 
 def _text(content: Any) -> str | None:
@@ -87,10 +90,12 @@ def _arguments(arguments: Any) -> str | None:
     client (spaces, key order, an object instead of its string: case C08) is the same call."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            value: Any = json.loads(arguments)
         except ValueError:
             return "\0" + arguments  # not JSON: only the very same string matches
-    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+    else:
+        value = arguments
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def _calls(message: Mapping[str, Any]) -> list[tuple[Any, Any, str | None]] | None:
