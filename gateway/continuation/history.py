@@ -14,6 +14,8 @@ stores. ``T`` below is one turn's sequence length in tokens.
 
 Memory: per trajectory at most ``turns_per_trajectory`` turns, each its messages as JSON text
 and ``S`` as int32 bytes (4 bytes a token); at most ``trajectories`` trajectories (LRU).
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ differently from ``S`` (re-serialised arguments, earlier reasoning it strips): t
 is exactly what exact continuation keeps out of the prompt. It relies on each turn closing
 with ``e`` and on ``e`` never being sampled inside a response (it ends sampling); a rendering
 with fewer than ``m`` closes is no boundary (None: the call falls back to the template).
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations
