@@ -336,6 +336,9 @@ def test_exact_mode_tool_loop_is_one_token_sequence(
         # The grammar's tool call ends without the end token: the template's close is added.
         assert step.prompt_token_ids[: len(sequence)] == sequence
         assert step.suffix_tokens == len(step.prompt_token_ids) - len(sequence)
+    # The pool API (the inspector's step view) says what built each prompt.
+    shown = httpx.get(f"{exact_gateway.url}/api/steps/{steps[1].id}", timeout=30).json()
+    assert (shown["continuation"], shown["suffix_tokens"]) == ("exact", steps[1].suffix_tokens)
 
 
 def test_template_mode_breaks_where_exact_mode_does_not(
@@ -430,3 +433,104 @@ def test_merged_rows_of_an_exact_trajectory_are_one_row_the_trainer_scores_exact
         assert sequence[start:end] == step.response_token_ids
         got = recomputed[0, start:end].numpy()
         assert np.abs(got - np.asarray(step.response_logprobs)).max() < 1e-5
+
+
+def messages_loop(server: BackgroundServer, trajectory_id: str, *, stream: bool) -> None:
+    """Anthropic's Messages API: a forced tool_use, its tool_result, an answer."""
+    url = f"{server.url}/t/{trajectory_id}/v1/messages"
+    tool = {
+        "name": "get_weather",
+        "strict": True,
+        "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
+    }
+    history: list[Any] = [{"role": "user", "content": USER["content"]}]
+    base = {"model": MODEL, "system": SYSTEM["content"], "tools": [tool], "max_tokens": 96}
+    forced = {**base, "tool_choice": {"type": "tool", "name": "get_weather"}, "temperature": 0.0}
+    for body in (forced, {**base, "max_tokens": 4}):
+        content = sse_or_json(url, {**body, "messages": history, "stream": stream}, "messages")
+        if body is not forced:
+            return
+        use = next((b for b in content if b["type"] == "tool_use"), None)
+        assert use is not None, content
+        history = [
+            *history,
+            {"role": "assistant", "content": content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "21"}],
+            },
+        ]
+
+
+def responses_loop(server: BackgroundServer, trajectory_id: str, *, stream: bool) -> None:
+    """The Responses API with the whole history as input items: a forced function_call, its
+    output, an answer."""
+    url = f"{server.url}/t/{trajectory_id}/v1/responses"
+    function = WEATHER["function"]
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "strict": True,
+        "parameters": function["parameters"],  # type: ignore[index]
+    }
+    items: list[Any] = [{"role": "user", "content": USER["content"]}]
+    base = {"model": MODEL, "instructions": SYSTEM["content"], "tools": [tool], "store": False}
+    forced = {
+        **base,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 96,
+        "temperature": 0.0,
+    }
+    for body in (forced, {**base, "max_output_tokens": 16}):
+        output = sse_or_json(url, {**body, "input": items, "stream": stream}, "responses")
+        if body is not forced:
+            return
+        call = next(item for item in output if item["type"] == "function_call")
+        items = [
+            *items,
+            *output,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "21"},
+        ]
+
+
+def sse_or_json(url: str, body: dict[str, Any], dialect: str) -> list[Any]:
+    """The answer's content blocks (Messages) or output items (Responses), streamed or not."""
+    if not body["stream"]:
+        answer = httpx.post(url, json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        found: list[Any] = answer.json()["content" if dialect == "messages" else "output"]
+        return found
+    with httpx.stream("POST", url, json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    final = events[-1] if dialect == "responses" else None
+    if final is not None:
+        assert final["type"] == "response.completed", final
+        completed: list[Any] = final["response"]["output"]
+        return completed
+    blocks: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event["type"] == "content_block_start":
+            blocks[event["index"]] = dict(event["content_block"])
+        elif event["type"] == "content_block_delta":
+            delta, block = event["delta"], blocks[event["index"]]
+            if delta["type"] == "text_delta":
+                block["text"] = block.get("text", "") + delta["text"]
+            elif delta["type"] == "input_json_delta":
+                block["partial"] = block.get("partial", "") + delta["partial_json"]
+    for block in blocks.values():
+        if block["type"] == "tool_use" and "partial" in block:
+            block["input"] = json.loads(block.pop("partial"))
+    return [blocks[i] for i in sorted(blocks)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("loop", [messages_loop, responses_loop], ids=["messages", "responses"])
+def test_exact_mode_serves_every_dialect_as_one_token_sequence(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings, loop: Any, stream: bool
+) -> None:
+    loop(exact_gateway, "dialect-loop", stream=stream)
+    steps = steps_of(pool_settings, "dialect-loop")
+    assert [s.continuation for s in steps] == ["template", "exact"]
+    assert steps[1].extends_parent and "prefix_break" not in steps[1].flags
+    assert steps[1].suffix_tokens and steps[1].suffix_tokens > 0
