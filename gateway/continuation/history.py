@@ -141,15 +141,15 @@ def find_extension(
     """The turn that ``messages`` (the new call's upstream messages) extend, longest first.
 
     A turn with conversation ``M`` (``k`` messages) and response ``R`` is extended when
-    ``messages[:k]`` equals ``M`` as JSON text, ``messages[k]`` echoes ``R`` (``echoes``), at
-    least one message follows, and the call renders with the same fields (``body_render_key``
+    ``messages[:k]`` equals ``M`` as JSON text, ``messages[k]`` echoes ``R`` (``echoes``), and
+    the call renders with the same fields (``body_render_key``
     equals the turn's ``render_key``). None when no turn is extended.
     """
     keys: list[str] | None = None
     best: Extension | None = None
     for turn in reversed(turns):  # the latest turn is the usual answer
         k = len(turn.message_keys)
-        if k + 1 >= len(messages) or turn.render_key != body_render_key:
+        if k + 1 > len(messages) or turn.render_key != body_render_key:
             continue
         if best is not None and k + 1 <= best.new_from:
             continue
