@@ -26,7 +26,7 @@ from gateway.continuation.history import Turn, echoes, find_extension, render_ke
 from gateway.continuation.prompt import exact_prompt
 from gateway.server import BackgroundServer
 from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
-from tests.gateway_helpers import gateway_with, steps_of
+from tests.gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
 from trajgate import vllm_server
 
 
@@ -37,19 +37,7 @@ def empty_database_url(tmp_path: Path) -> str:
 
 
 MODEL = vllm_server.SERVED_MODEL_NAME
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = WEATHER_TOOL
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
 SYSTEM = {"role": "system", "content": "Answer with the temperature as a number."}
 USER = {"role": "user", "content": "What is the temperature in Paris?"}
