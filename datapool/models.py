@@ -212,6 +212,11 @@ class Step(Base):
     # How long the gateway held the call before sending it upstream because a full-weight
     # reload was in progress (part of ``latency_ms``); None when it was not held.
     held_ms: Mapped[float | None] = mapped_column(Float)
+    # What built the prompt (migration 0011): "exact" (a turn's own ids, then the template's
+    # rendering of only the new messages, ``suffix_tokens`` of them) or "template" (the whole
+    # conversation rendered); NULL when the gateway did not say (completions, older rows).
+    continuation: Mapped[str | None] = mapped_column(String(16))
+    suffix_tokens: Mapped[int | None] = mapped_column(Integer)
     stop_reason: Mapped[str | None] = mapped_column(String(200))
     flags: Mapped[list[Any]] = mapped_column(default=list)
     extends_parent: Mapped[bool | None] = mapped_column()

@@ -34,6 +34,7 @@ from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
+from gateway.continuation.history import TurnMemory
 from gateway.errors import install_error_handlers
 from gateway.guard import EdgeGuard
 from gateway.inspector import page as inspector
@@ -135,6 +136,7 @@ async def _running_state(
         )
         state.writer = writer
         state.hooks = hooks
+        state.turns = TurnMemory(settings.continuation_memory_trajectories, TURNS_PER_TRAJECTORY)
         state.worker_dir = worker_dir
         # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
         # the start before any task runs. With several workers the parent holds the port and
@@ -196,6 +198,10 @@ def _upstream_client(
         },
     )
 
+
+# Turns kept per trajectory for exact continuation: an agent extends its latest turn, a retry or
+# a fork one of the few before it.
+TURNS_PER_TRAJECTORY = 8
 
 probes = APIRouter()
 

@@ -12,7 +12,7 @@ import ipaddress
 import math
 import re
 import string
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -337,6 +337,36 @@ class GatewaySettings(ConfigFileSettings):
         ),
     )
 
+    continuation: Literal["exact", "template"] = Field(
+        default="exact",
+        description=(
+            "How a call's prompt is built when its conversation extends an earlier turn of its "
+            "trajectory (docs/gateway.md, 'Exact continuation'). 'exact': the turn's own prompt "
+            "and sampled ids, then the template's rendering of only the new messages (one "
+            "token sequence per trajectory; needs vLLM with --enable-scale-out, else 'template' "
+            "with a log line). 'template': the chat template renders the whole conversation on "
+            "every call, as a deployment would (a sampled text the template renders otherwise "
+            "is a prefix break). Per channel: continuation_channels."
+        ),
+    )
+    continuation_channels: dict[str, Literal["exact", "template"]] = Field(
+        default_factory=dict,
+        description=(
+            'The continuation per channel, as JSON: {"eval": "template"}; a channel not named '
+            "gets 'continuation'."
+        ),
+    )
+    continuation_memory_trajectories: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Exact continuation: trajectories whose recent turns the gateway keeps in memory "
+            "(LRU; ~4 bytes per token of each kept turn plus its messages as JSON). A call of "
+            "a trajectory evicted, or served by another gateway replica, is rendered by the "
+            "template (a recorded break when the text differs)."
+        ),
+    )
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _split_allowed_hosts(cls, value: Any) -> Any:
@@ -400,6 +430,10 @@ class GatewaySettings(ConfigFileSettings):
             "prompt_logprobs": alternatives,
             "logprobs": alternatives,  # completions' integer; chat's boolean is not a count
         }
+
+    def continuation_for(self, channel: str | None) -> Literal["exact", "template"]:
+        """The continuation of a call on ``channel`` (None: the pool's default channel)."""
+        return self.continuation_channels.get(channel or "train", self.continuation)
 
     def sampling_defaults_for(self, channel: str | None) -> dict[str, Any]:
         """The defaults of a call on ``channel`` (None: the pool's default channel 'train'):

@@ -22,6 +22,7 @@ from datapool.steps.records import CallRecord
 from datapool.steps.store import PoolStore
 from datapool.steps.writer import PoolWriter
 from gateway.auth import KeyRing
+from gateway.continuation.history import TurnMemory
 from gateway.errors import from_pool_error
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
@@ -49,6 +50,8 @@ class GatewayState:
     tokenizer_dirs: TokenizerDirs = field(default_factory=TokenizerDirs)
     # one of several worker processes (gateway.workers): where its siblings answer
     worker_dir: Path | None = None
+    # the recent turns of each trajectory, for exact continuation (gateway.continuation)
+    turns: TurnMemory = field(default_factory=lambda: TurnMemory(4096, 8))
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
         """Make one call durable (its steps and its attempts, one group-commit transaction);

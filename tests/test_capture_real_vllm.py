@@ -9,12 +9,14 @@ from typing import Any
 import httpx
 from openai import OpenAI
 from sqlalchemy import func, select
+from tests_support import free_port
 
 from datapool.db import make_engine
 from datapool.models import Step
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
 from gateway.server import BackgroundServer
+from tests.gateway_helpers import gateway_with
 from trajgate.vllm_server import VLLMServer
 
 REQUEST: dict[str, Any] = {
@@ -101,10 +103,8 @@ def test_client_that_asks_for_logprobs_and_ids_gets_them_unchanged(
     assert len(through_gateway["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
 
-def test_second_call_of_a_trajectory_is_numbered_and_linked_to_the_first(
-    gateway: BackgroundServer, pool_settings: PoolSettings
-) -> None:
-    client = OpenAI(base_url=f"{gateway.url}/t/skeleton-4/v1", api_key="unused")
+def _two_turns(server: BackgroundServer, trajectory_id: str) -> None:
+    client = OpenAI(base_url=f"{server.url}/t/{trajectory_id}/v1", api_key="unused")
     first = client.chat.completions.create(**REQUEST)
     history = [
         *REQUEST["messages"],
@@ -113,9 +113,30 @@ def test_second_call_of_a_trajectory_is_numbered_and_linked_to_the_first(
     ]
     client.chat.completions.create(**{**REQUEST, "messages": history})
 
+
+def test_second_call_of_a_trajectory_is_numbered_and_linked_to_the_first(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    _two_turns(gateway, "skeleton-4")
     steps = _store(pool_settings).steps_of("skeleton-4")
     assert [step.step_index for step in steps] == [0, 1]
     assert steps[1].parent_step_id == steps[0].id
+    # Exact continuation (the default): the second prompt is the first prompt + response, then
+    # the template's rendering of the new user turn, whatever the text re-encodes to.
+    first_sequence = [*steps[0].prompt_token_ids, *steps[0].response_token_ids]
+    assert steps[1].continuation == "exact"
+    assert steps[1].extends_parent is True and "prefix_break" not in steps[1].flags
+    assert steps[1].prompt_token_ids[: len(first_sequence)] == first_sequence
+
+
+def test_a_re_rendered_second_call_is_a_retokenised_break_in_template_mode(
+    vllm: VLLMServer, pool_settings: PoolSettings
+) -> None:
+    with gateway_with(
+        pool_settings, free_port(), upstream_url=vllm.url, continuation="template"
+    ) as server:
+        _two_turns(server, "skeleton-4t")
+    steps = _store(pool_settings).steps_of("skeleton-4t")
     # The second prompt does NOT extend the first prompt + response (case C01, retokenisation):
     # the agent sends back only the text, and vLLM re-encodes it. The tiny model samples freely
     # from a vocabulary trained with GPT-2's pre-tokenizer (multi-digit tokens such as " 60"),
@@ -125,6 +146,7 @@ def test_second_call_of_a_trajectory_is_numbered_and_linked_to_the_first(
     # turns render identically, so the break lies inside the echoed response, and the messages
     # match exactly, so it is classified as retokenised.
     first_sequence_length = len(steps[0].prompt_token_ids) + len(steps[0].response_token_ids)
+    assert steps[1].continuation == "template"
     assert steps[1].extends_parent is False
     assert "prefix_break" in steps[1].flags
     assert steps[1].divergence_kind == "retokenised"

@@ -4,7 +4,9 @@ Each agent is the pinned npm release that ``scripts/setup.sh`` installs (``trajg
 run as a subprocess in a temporary HOME and work directory, attributed by the ``/t/<id>`` base
 URL. The tiny model's answers are nonsense; what is tested is the protocol: the agent exits 0
 (its streams were read to the end without error), and every call it made is a complete step of
-that one trajectory whose prompt ids are vLLM's own tokenization of the request sent upstream.
+that one trajectory whose prompt ids are vLLM's own tokenization of the request sent upstream
+(or, where a call continues the previous turn, that turn's ids followed by the template's
+rendering of the new messages: exact continuation, the default).
 
 Their requests are large (Qwen Code ~28k prompt tokens with the tiny model's tokenizer, Claude
 Code ~17k plus ``max_tokens`` 32,000, Codex ~10k), which is why the tiny model has 131,072
@@ -141,7 +143,13 @@ def _assert_one_complete_trajectory(
         assert step.response_logprobs is not None, where
         assert len(step.response_logprobs) == len(step.response_token_ids), where
         assert step.upstream_request is not None, where
-        assert step.prompt_token_ids == _vllm_tokenize(vllm, step.upstream_request), where
+        rendered = _vllm_tokenize(vllm, step.upstream_request)
+        if step.continuation == "exact":  # the parent's ids, then the template's new tail
+            suffix = step.suffix_tokens
+            assert suffix and step.extends_parent, where
+            assert step.prompt_token_ids[-suffix:] == rendered[-suffix:], where
+        else:
+            assert step.prompt_token_ids == rendered, where
     print(
         f"{trajectory_id}: {len(steps)} steps, prompt tokens {[s.prompt_tokens for s in steps]}, "
         f"completion tokens {[s.completion_tokens for s in steps]}"

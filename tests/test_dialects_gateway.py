@@ -65,12 +65,18 @@ def _rendered_prompt(vllm: VLLMServer, upstream: dict[str, Any]) -> list[int]:
 
 def _check_exact(vllm: VLLMServer, step: StoredStep, client_body: dict[str, Any]) -> None:
     """The step holds the client's body as sent, the chat body sent upstream, the prompt as
-    vLLM tokenizes it, one logprob per sampled id, and the answer in the common form."""
+    vLLM tokenizes it (an exact continuation: the parent's ids, then the last ``suffix_tokens``
+    of that rendering), one logprob per sampled id, and the answer in the common form."""
     assert step.request == client_body
     upstream = step.upstream_request
     assert upstream is not None and upstream["return_token_ids"] is True
     assert upstream["logprobs"] is True
-    assert step.prompt_token_ids == _rendered_prompt(vllm, upstream)
+    rendered = _rendered_prompt(vllm, upstream)
+    if step.continuation == "exact":
+        assert step.extends_parent is True and step.suffix_tokens
+        assert step.prompt_token_ids[-step.suffix_tokens :] == rendered[-step.suffix_tokens :]
+    else:
+        assert step.prompt_token_ids == rendered
     assert step.response_token_ids is not None and step.response_logprobs is not None
     assert len(step.response_token_ids) == len(step.response_logprobs) == step.completion_tokens
     assert step.response_message is not None and "content" in step.response_message

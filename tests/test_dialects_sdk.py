@@ -6,9 +6,12 @@ SDK, ``/t/<trajectory_id>`` for ``anthropic`` (its SDK appends ``/v1/messages``)
 send chat completions to vLLM, so for every step recorded:
 
 - the prompt ids are vLLM's own ``/tokenize`` of the stored upstream chat body (its messages,
-  tools and the template switches it carries, with the generation prompt);
+  tools and the template switches it carries, with the generation prompt), or, for a call that
+  continues the previous turn (exact continuation, the default: docs/gateway.md), that turn's
+  prompt and sampled ids followed by the last ``suffix_tokens`` of that rendering;
 - the response ids and logprobs are those vLLM samples when that stored body is asked again
-  directly. Every call here decodes greedily (temperature 0), so the replay samples the same
+  directly (an exact step: its stored prompt ids, with the sampling parameters vLLM renders
+  for the body). Every call here decodes greedily (temperature 0), so the replay samples the same
   ids, compared exactly; logprobs agree to 1e-5, not bit for bit (``_assert_exact``);
 - the text or tool call the client received is the one the step stores;
 - the calls of one conversation are the steps of one trajectory, each on its predecessor.
@@ -16,9 +19,9 @@ send chat completions to vLLM, so for every step recorded:
 The tiny model writes nonsense, so a tool call is forced by naming the tool in ``tool_choice``
 with a strict schema (vLLM 0.32 constrains a named tool only when the function is ``strict``;
 without it the model writes free text), and the assertions are on the protocol, never on words.
-A forced call's sampled ids are the bare arguments JSON while the next prompt renders the call
-in the template's tool-call markup, so the turn after a forced call is a prefix break by
-construction: it is asserted as one, with its kind recorded.
+A forced call's sampled ids are the grammar's text while a re-rendered prompt would write the
+call in the template's tool-call markup (a prefix break by construction); with exact
+continuation the turn after it extends it, with no break, and that is asserted.
 """
 
 from __future__ import annotations
@@ -117,6 +120,25 @@ def _vllm_direct(vllm: VLLMServer, upstream: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def _vllm_generate(
+    vllm: VLLMServer, upstream: dict[str, Any], prompt_ids: list[int]
+) -> dict[str, Any]:
+    """vLLM's sampling from ``prompt_ids`` with the parameters it renders for ``upstream``
+    (``/v1/chat/completions/render``, then ``/inference/v1/generate``), in the chat answer's
+    shape the checks read: ``choices[0]`` with ``token_ids``, ``logprobs.content``,
+    ``finish_reason``; ``usage``."""
+    body = {
+        key: value for key, value in upstream.items() if key not in ("stream", "stream_options")
+    }
+    render = httpx.post(f"{vllm.url}/v1/chat/completions/render", json=body, timeout=60)
+    assert render.status_code == 200, render.text
+    request = {**render.json(), "token_ids": prompt_ids}
+    response = httpx.post(f"{vllm.url}/inference/v1/generate", json=request, timeout=120)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
 def _assert_exact(vllm: VLLMServer, step: StoredStep) -> dict[str, Any]:
     """Check that ``step`` holds exactly what vLLM renders and samples for its upstream body;
     return vLLM's direct choice for further checks."""
@@ -124,9 +146,16 @@ def _assert_exact(vllm: VLLMServer, step: StoredStep) -> dict[str, Any]:
     assert not INTEGRITY_FLAGS & set(step.flags), (step.step_index, step.flags)
     upstream: dict[str, Any] = step.upstream_request
     assert upstream["temperature"] == 0  # greedy: the replay below must sample the same ids
-    assert step.prompt_token_ids == _vllm_tokenize(vllm, upstream), step.step_index
-    direct = _vllm_direct(vllm, upstream)
-    assert step.prompt_token_ids == direct["prompt_token_ids"]
+    rendered = _vllm_tokenize(vllm, upstream)
+    if step.continuation == "exact":
+        suffix = step.suffix_tokens
+        assert suffix, step.step_index
+        assert step.prompt_token_ids[-suffix:] == rendered[-suffix:], step.step_index
+        direct = _vllm_generate(vllm, upstream, step.prompt_token_ids)
+    else:
+        assert step.prompt_token_ids == rendered, step.step_index
+        direct = _vllm_direct(vllm, upstream)
+        assert step.prompt_token_ids == direct["prompt_token_ids"]
     choice: dict[str, Any] = direct["choices"][0]
     assert step.response_token_ids == choice["token_ids"], step.step_index
     direct_logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
@@ -142,9 +171,9 @@ def _assert_exact(vllm: VLLMServer, step: StoredStep) -> dict[str, Any]:
     return choice
 
 
-def _assert_forced_call_then_break(steps: list[StoredStep]) -> dict[str, Any]:
+def _assert_forced_call_then_extension(steps: list[StoredStep]) -> dict[str, Any]:
     """The first step is one whole forced ``get_weather`` call, every later step hangs on its
-    predecessor, and the one right after the call is a prefix break (module docstring); return
+    predecessor, and the one right after the call extends it exactly (module docstring); return
     the stored call."""
     assert [step.step_index for step in steps] == list(range(len(steps)))
     assert steps[0].finish_reason == "stop"  # the strict schema closed the JSON, not max tokens
@@ -155,9 +184,10 @@ def _assert_forced_call_then_break(steps: list[StoredStep]) -> dict[str, Any]:
     for previous, step in itertools.pairwise(steps):
         assert step.parent_step_id == previous.id, step.step_index
         assert step.extends_parent is not None, step.step_index
-    assert steps[1].extends_parent is False
-    assert "prefix_break" in steps[1].flags
-    assert steps[1].divergence_kind is not None
+    assert steps[1].continuation == "exact"
+    assert steps[1].extends_parent is True
+    assert "prefix_break" not in steps[1].flags
+    assert steps[1].divergence_kind is None
     stored: dict[str, Any] = call
     return stored
 
@@ -284,7 +314,7 @@ def test_responses_function_tool_loop_lands_as_one_trajectory_of_exact_steps(
     assert len(steps) == 2  # one step per call
     for step in steps:
         _assert_exact(vllm, step)
-    stored_call = _assert_forced_call_then_break(steps)
+    stored_call = _assert_forced_call_then_extension(steps)
     assert calls[0].name == "get_weather"
     assert json.loads(calls[0].arguments) == json.loads(stored_call["function"]["arguments"])
     # The function_call_output went upstream as the tool message answering that very call.
@@ -357,7 +387,7 @@ def test_openai_agents_sdk_default_responses_model_lands_every_call_as_an_exact_
         (stored,) = step.response_message["tool_calls"]
         assert calls[0].name == stored["function"]["name"] == "get_weather"
         assert json.loads(calls[0].arguments) == json.loads(stored["function"]["arguments"])
-    _assert_forced_call_then_break(steps)
+    _assert_forced_call_then_extension(steps)
     assert steps[1].request["input"][-1]["type"] == "function_call_output"
 
 
@@ -453,7 +483,7 @@ def test_anthropic_tool_use_tool_result_loop_lands_as_one_trajectory_of_exact_st
     assert len(steps) == 2  # one step per call
     for step in steps:
         _assert_exact(vllm, step)
-    stored_call = _assert_forced_call_then_break(steps)
+    stored_call = _assert_forced_call_then_extension(steps)
     assert uses[0].name == "get_weather"
     assert uses[0].input == json.loads(stored_call["function"]["arguments"])
     # The tool_result went upstream as the tool message answering the call vLLM made.

@@ -7,6 +7,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -112,9 +113,21 @@ def test_c01_every_later_step_records_whether_it_extends_its_parent(
     assert len(second.response_token_ids) == len(second.response_logprobs) == 8
 
 
+@pytest.fixture
+def template_gateway(vllm: VLLMServer, pool_settings: PoolSettings) -> Iterator[BackgroundServer]:
+    """A gateway whose calls the template renders whole (``continuation='template'``): the
+    breaks below are what re-rendering does to a history; exact continuation keeps the turn's
+    own ids instead (tests/test_exact_continuation.py)."""
+    with gateway_with(
+        pool_settings, free_port(), upstream_url=vllm.url, continuation="template"
+    ) as server:
+        yield server
+
+
 def test_c02_thinking_dropped_from_history_is_a_prefix_break_of_its_own_kind(
-    gateway: BackgroundServer, pool_settings: PoolSettings
+    template_gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
+    gateway = template_gateway  # a re-rendered history (exact mode heals it)
     # vLLM's structured outputs make the random tiny model answer "<think>...</think>answer".
     first_body = {
         "model": "tiny",
@@ -147,8 +160,9 @@ def test_c02_thinking_dropped_from_history_is_a_prefix_break_of_its_own_kind(
 
 
 def test_c02_reasoning_dropped_after_a_plain_turn_is_a_break_from_the_latest_step(
-    gateway: BackgroundServer, pool_settings: PoolSettings
+    template_gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
+    gateway = template_gateway  # a re-rendered history (exact mode heals it)
     # Turn 0 plain, turn 1 "<think>...</think>answer", turn 2 plain. The template drops turn 1's
     # reasoning, so P_2 leaves S_1 but still extends S_0: the parent is turn 0 (P_2 extends it),
     # and the step also says it diverges from turn 1, where, and why (issue 17 item 13).
@@ -224,8 +238,9 @@ def test_c03_stored_prompt_ids_are_the_templates_rendering_for_tool_turns(
 
 
 def test_c04_reserialised_tool_arguments_are_reported_and_returned_byte_for_byte(
-    gateway: BackgroundServer, pool_settings: PoolSettings
+    template_gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
+    gateway = template_gateway  # a re-rendered history (exact mode heals it)
     message = _tool_call_turn(gateway, "c04")
     generated = message["tool_calls"][0]["function"]["arguments"]
     compact = json.dumps(json.loads(generated), separators=(",", ":"))

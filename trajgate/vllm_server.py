@@ -194,6 +194,11 @@ def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> lis
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
+        # Exact continuation (docs/gateway.md): /v1/chat/completions/render (the template's
+        # rendering and vLLM's own sampling parameters of a chat body), /inference/v1/generate
+        # (token ids in) and /v1/chat/completions/derender (vLLM's own tool and reasoning
+        # parsers over the sampled ids).
+        "--enable-scale-out",
         "--enable-lora",
         "--max-lora-rank",
         str(MAX_LORA_RANK),

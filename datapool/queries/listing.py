@@ -387,6 +387,8 @@ STEP_COLUMNS = (
     "completion_tokens",
     "latency_ms",
     "ttft_ms",
+    "continuation",
+    "suffix_tokens",
     "request",
     "response_message",
     "created_at",

@@ -80,6 +80,11 @@ class CallRecord:
     # The upstream attempts of the call (retries included), committed in the same transaction as
     # its steps; none when the call was refused (trajectory closed).
     attempts: tuple[AttemptRecord, ...] = ()
+    # What built the prompt: ``exact`` (a turn's own ids, then the template's rendering of the
+    # new messages only: ``suffix_tokens`` of them) or ``template`` (the whole conversation
+    # rendered); None when the gateway did not say (a completions prompt, older records).
+    continuation: str | None = None
+    suffix_tokens: int | None = None
 
 
 @dataclass(frozen=True)

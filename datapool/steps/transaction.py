@@ -179,6 +179,8 @@ class WriteBatch:
                     "latency_ms": call.latency_ms,
                     "ttft_ms": call.ttft_ms,
                     "held_ms": call.held_ms,
+                    "continuation": call.continuation,
+                    "suffix_tokens": call.suffix_tokens,
                     "flags": flags,
                     "extends_parent": lineage.extends_parent,
                     "divergence_offset": lineage.divergence_offset,

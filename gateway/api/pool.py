@@ -115,6 +115,16 @@ class StepPublic(StepSummary):
         default=None,
         description="Milliseconds a full-weight reload held the call before it went upstream.",
     )
+    continuation: str | None = Field(
+        default=None,
+        description=(
+            "What built the prompt: 'exact' (the extended turn's ids, then the template's "
+            "rendering of the new messages) or 'template'; null for completions and older steps."
+        ),
+    )
+    suffix_tokens: int | None = Field(
+        default=None, description="In exact mode: tokens the template rendered for this call."
+    )
     error: str | None
     prompt_token_ids: list[int] | None
     response_token_ids: list[int] | None

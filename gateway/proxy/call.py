@@ -9,6 +9,7 @@ do) or reads an answer (the dialect does).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -17,7 +18,11 @@ from typing import Any
 
 from datapool.models import StepOutcome
 from datapool.steps.calls import AttemptRecord
+from datapool.steps.payloads import pack_ids
 from datapool.steps.records import CallRecord, ChoiceRecord
+from gateway.capture import IDS_INCOMPLETE
+from gateway.continuation.engine import Continuation
+from gateway.continuation.history import Turn, render_key
 from gateway.dialects import Dialect, Prepared
 from gateway.proxy.attribution import Attribution
 from gateway.state import GatewayState
@@ -46,6 +51,8 @@ class Call:
     step_ids: list[str] = field(default_factory=list)
     # Admission through the weight gate: how long it was held, and the abort of its sampling.
     ticket: Ticket = field(default_factory=Ticket)
+    # How its prompt is built: the template's rendering, or an exact continuation of a turn.
+    continuation: Continuation = field(default_factory=lambda: Continuation("template"))
 
     @property
     def trajectory_id(self) -> str:
@@ -125,6 +132,8 @@ class Call:
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
             attempts=tuple(self.attempts),
+            continuation=self.continuation.built,
+            suffix_tokens=self.continuation.suffix_tokens,
         )
 
     def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:
@@ -160,6 +169,8 @@ async def fail_call(
 async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[str]:
     """Make the call durable (steps and attempts) and count it."""
     step_ids = await state.record(call.trajectory_id, record)
+    if call.continuation.mode == "exact" and record.outcome == StepOutcome.OK:
+        remember_turns(state, call, record)
     state.metrics.steps_written.inc(len(step_ids))
     for choice in record.choices:
         for flag in choice.flags:
@@ -182,3 +193,28 @@ async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[st
         call.policy_version,
     )
     return step_ids
+
+
+def remember_turns(state: GatewayState, call: Call, record: CallRecord) -> None:
+    """Keep each choice of a committed call of an exact channel as a turn a later call of the
+    trajectory may extend (``gateway.continuation.history``): its upstream messages, the
+    response message returned, ``P + R``."""
+    messages = call.upstream_body.get("messages")
+    prompt = record.prompt_token_ids
+    if not isinstance(messages, list) or prompt is None:
+        return
+    keys = tuple(json.dumps(message) for message in messages)
+    body_key = render_key(call.upstream_body)
+    for choice in record.choices:
+        response = choice.response_token_ids
+        if response is None or choice.response_message is None or IDS_INCOMPLETE in choice.flags:
+            continue
+        state.turns.add(
+            call.trajectory_id,
+            Turn(
+                keys,
+                choice.response_message,
+                body_key,
+                pack_ids([*prompt, *response]),
+            ),
+        )

@@ -28,6 +28,8 @@ from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.capture import UNREADABLE, dumps, loads, loads_object, request_hash
+from gateway.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
+from gateway.continuation.history import find_extension, render_key
 from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
 from gateway.dialects.messages.render import upstream_error
 from gateway.dialects.messages.serving import Messages, count_tokens
@@ -62,6 +64,7 @@ T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 JSON_CONTENT = {"content-type": "application/json"}
+CHAT_PATH = "/v1/chat/completions"  # the upstream path exact continuation answers for
 
 
 router = APIRouter()
@@ -320,6 +323,7 @@ async def new_call(
         state.settings.sampling_defaults_for(attribution.channel),
     )
     check_limits(dialect, prepared, state.settings.generation_limits)
+    continuation = plan_continuation(state, attribution, prepared.upstream_body, dialect)
     return Call(
         dialect=dialect,
         attribution=attribution,
@@ -330,7 +334,26 @@ async def new_call(
         request_hash=digest,
         idempotency_key=idempotency_key,
         resend_of=resend_of,
+        continuation=continuation,
     )
+
+
+def plan_continuation(
+    state: GatewayState, attribution: Attribution, upstream_body: dict[str, Any], dialect: Dialect
+) -> Continuation:
+    """How the call's prompt will be built: on an exact channel, the turn of the trajectory its
+    upstream chat messages extend (``gateway.continuation.history``), if any; the template's
+    rendering otherwise."""
+    mode = state.settings.continuation_for(attribution.channel)
+    if mode == "template" or dialect.upstream_path != CHAT_PATH:
+        return Continuation(mode)
+    if mode != "exact":
+        raise ValueError(f"continuation {mode!r}; valid: {', '.join(CONTINUATION_MODES)}")
+    messages = upstream_body.get("messages")
+    turns = state.turns.turns_of(attribution.trajectory_id)
+    if not turns or not isinstance(messages, list):
+        return Continuation(mode)
+    return Continuation(mode, find_extension(turns, messages, render_key(upstream_body)))
 
 
 async def earlier_call(
@@ -485,9 +508,21 @@ async def try_replica(
     )
     try:
         with anyio.fail_after(limit_s):
-            response = await state.client.send(upstream_request(state, call, replica), stream=True)
-            if not stream:
-                await response.aread()
+            if call.continuation.extension is not None and replica.end_token is not None:
+                response = await send_exact(
+                    state.client,
+                    replica.url,
+                    call.upstream_body,
+                    call.continuation,
+                    replica.end_token,
+                    None if stream else upstream_timeout(state),
+                )
+            else:
+                response = await state.client.send(
+                    upstream_request(state, call, replica), stream=True
+                )
+                if not stream:
+                    await response.aread()
     except (TimeoutError, httpx.TimeoutException) as exc:
         connect = isinstance(exc, httpx.ConnectTimeout)
         outcome = StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
@@ -557,14 +592,7 @@ def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx
     A non-streaming answer arrives whole after generation: its only limit is the total one (the
     client's read timeout is the silence allowed between stream chunks).
     """
-    settings = state.settings
-    timeout = (
-        httpx.USE_CLIENT_DEFAULT
-        if call.prepared.stream
-        else httpx.Timeout(
-            settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
-        )
-    )
+    timeout = httpx.USE_CLIENT_DEFAULT if call.prepared.stream else upstream_timeout(state)
     return state.client.build_request(
         "POST",
         replica.endpoint(call.dialect.upstream_path),
@@ -573,6 +601,14 @@ def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx
         content=dumps(call.upstream_body),
         headers=JSON_CONTENT,
         timeout=timeout,
+    )
+
+
+def upstream_timeout(state: GatewayState) -> httpx.Timeout:
+    """The limits of a non-streaming upstream call: connect, then the total time."""
+    settings = state.settings
+    return httpx.Timeout(
+        settings.upstream_total_timeout_s, connect=settings.upstream_connect_timeout_s
     )
 
 

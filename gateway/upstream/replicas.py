@@ -37,6 +37,10 @@ class Replica:
     # Whether the replica returns token ids when asked (probed once it is healthy): None until
     # known. A replica that answers without them is never routed to (case C06).
     returns_token_ids: bool | None = None
+    # Whether it serves the endpoints exact continuation needs (gateway.continuation.engine;
+    # probed once it is healthy): None until known. False: its calls use the template.
+    serves_exact: bool | None = None
+    end_token: int | None = None  # the template's end-of-turn token (``probe_exact``)
     # Parsed once per path: httpx parses a URL string on every request (its host as an IP
     # address included), a measurable share of a call's CPU.
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
@@ -168,6 +172,8 @@ class UpstreamPool:
                 self.mark_success(replica)
                 if replica.returns_token_ids is None:
                     replica.returns_token_ids = await probe_token_ids(client, replica, timeout_s)
+                if replica.serves_exact is None:
+                    replica.serves_exact = await probe_exact(client, replica, timeout_s)
             else:
                 replica.consecutive_failures = max(
                     replica.consecutive_failures + 1, self.failures_to_eject
@@ -189,6 +195,66 @@ class UpstreamPool:
 
 def _rendezvous(key: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
+
+
+# The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.continuation.engine).
+RENDER_PATH = "/v1/chat/completions/render"
+GENERATE_PATH = "/inference/v1/generate"
+DERENDER_PATH = "/v1/chat/completions/derender"
+
+
+async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> bool | None:
+    """Whether the replica serves the render, generate and derender endpoints (an empty body
+    is refused as invalid, 400/422, where a route exists; 404 where none does), and its
+    template's end-of-turn token (``replica.end_token``, ``end_of_turn``). None when the probe
+    could not run (unknown: tried again at the next health check)."""
+    try:
+        for path in (RENDER_PATH, GENERATE_PATH, DERENDER_PATH):
+            answer = await client.post(f"{replica.url}{path}", json={}, timeout=timeout_s)
+            if answer.status_code in (404, 405):
+                log.warning(
+                    "upstream %s has no %s (start vLLM with --enable-scale-out, as `trajgate "
+                    "vllm start` does): its calls use continuation 'template'",
+                    replica.url,
+                    path,
+                )
+                return False
+        models = (await client.get(f"{replica.url}/v1/models", timeout=timeout_s)).json()
+        model = models["data"][0]["id"]
+        rendered = []
+        for text in ("y", "z"):
+            body = {
+                "model": model,
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": text},
+                ],
+                "add_generation_prompt": False,
+            }
+            answer = await client.post(f"{replica.url}{RENDER_PATH}", json=body, timeout=timeout_s)
+            rendered.append(answer.json()["token_ids"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    replica.end_token = end_of_turn(rendered[0], rendered[1])
+    if replica.end_token is None:
+        log.warning(
+            "upstream %s: its template closes no assistant turn with one token: its calls use "
+            "continuation 'template'",
+            replica.url,
+        )
+        return False
+    return True
+
+
+def end_of_turn(with_y: list[int], with_z: list[int]) -> int | None:
+    """The token the template closes an assistant turn with, from its renderings of the same
+    conversation ending in an assistant message "y" and "z": after the content they differ in,
+    both end with the same closing tokens (end-of-turn, then any separator), whose first is it.
+    None when the two renderings share no closing tokens."""
+    common = 0
+    while common < min(len(with_y), len(with_z)) and with_y[-1 - common] == with_z[-1 - common]:
+        common += 1
+    return with_y[-common] if common else None
 
 
 async def probe_token_ids(

@@ -1,0 +1,66 @@
+"""The prompt of an exact continuation: the turn's own tokens, then the template's suffix.
+
+Owns: ``exact_prompt``, which splices ``S = P + R`` of the turn a call extends with the part of
+the template's rendering of the whole new conversation that follows the turn's response.
+Never: tokenizes or decodes; every token comes from the engine's sampling (``S``) or from the
+template's own rendering of the new conversation (the suffix), so the separator after the
+end-of-turn token is the template's (case C03).
+
+The boundary (``e`` the end-of-turn token, the last token of a response that stopped on it):
+with ``m`` the number of ``e`` in ``S``, the response of the turn is the ``m``-th turn the
+template closes with ``e``, so the suffix is the rendering after the ``m``-th ``e`` of the
+full rendering ``F`` (the new messages and the generation prompt). A response that stopped
+before ``e`` (a length cut, a stop string, the end of a grammar) is closed with ``e`` as the
+template closes every turn, and that close is the ``(m + 1)``-th. Counting closes, not
+comparing tokens, keeps the boundary right where the template renders the earlier history
+differently from ``S`` (re-serialised arguments, earlier reasoning it strips): that difference
+is exactly what exact continuation keeps out of the prompt. It relies on each turn closing
+with ``e`` and on ``e`` never being sampled inside a response (it ends sampling); a rendering
+with fewer than ``m`` closes is no boundary (None: the call falls back to the template).
+
+Case codes (Cnn) are defined in docs/capture-cases.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TOKEN_DTYPE = "<i4"  # S is kept as int32 bytes (4 bytes a token)
+
+
+@dataclass(frozen=True)
+class ExactPrompt:
+    """``token_ids``: ``S + suffix`` (``[P']``); ``suffix_tokens``: ``len(suffix)``, the
+    tokens the template rendered for this call."""
+
+    token_ids: list[int]
+    suffix_tokens: int
+
+
+def exact_prompt(sequence: bytes, end_token: int, rendered: Sequence[int]) -> ExactPrompt | None:
+    """The exact prompt after turn ``S`` (int32 bytes) for the template's rendering ``F``
+    (``rendered``) of the new conversation.
+
+    With ``m`` the count of ``end_token`` in ``S``: when ``S`` ends with ``end_token`` (the
+    response stopped on it), ``S + F[j_m + 1:]``; else (a length cut, a stop string, a grammar
+    that ended) the template closes the response's turn: ``S + [end_token] + F[j_{m+1} + 1:]``,
+    ``j_i`` the index of the ``i``-th ``end_token`` in ``F``. None when ``F`` closes fewer turns
+    or nothing follows the boundary.
+    """
+    ids = np.frombuffer(sequence, dtype=TOKEN_DTYPE)
+    if ids.size == 0:
+        return None
+    closes = int(np.count_nonzero(ids == end_token))
+    closed = int(ids[-1]) == end_token
+    close: list[int] = [] if closed else [end_token]
+    closes += len(close)
+    positions = np.flatnonzero(np.asarray(rendered, dtype=np.int64) == end_token)
+    if positions.size < closes:
+        return None
+    suffix = [int(token) for token in rendered[int(positions[closes - 1]) + 1 :]]
+    if not suffix:
+        return None
+    return ExactPrompt([*ids.tolist(), *close, *suffix], len(close) + len(suffix))

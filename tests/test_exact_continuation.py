@@ -1,0 +1,525 @@
+"""Exact continuation (issue 26) on the real vLLM: the suffix the gateway splices, the calls it
+serves from a turn's own tokens, the fallbacks it records as breaks, and the proof that the
+engine saw exactly the merged sequence the trainer scores.
+
+The vLLM fixture starts the server with ``trajgate vllm start``'s flags (``--enable-scale-out``
+among them). Case codes (Cnn) are defined in docs/capture-cases.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from tests_support import free_port
+
+from datapool.batches.rows import StepTokens, segments
+from datapool.settings import PoolSettings
+from datapool.steps.payloads import pack_ids
+from gateway.continuation.history import Turn, echoes, find_extension, render_key
+from gateway.continuation.prompt import exact_prompt
+from gateway.server import BackgroundServer
+from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
+from tests.gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
+from trajgate import vllm_server
+
+
+@pytest.fixture
+def empty_database_url(tmp_path: Path) -> str:
+    """SQLite only: the continuation is the gateway's; the pool's backends are tested apart."""
+    return f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+
+
+MODEL = vllm_server.SERVED_MODEL_NAME
+WEATHER = WEATHER_TOOL
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+SYSTEM = {"role": "system", "content": "Answer with the temperature as a number."}
+USER = {"role": "user", "content": "What is the temperature in Paris?"}
+
+
+def render(vllm: vllm_server.VLLMServer, messages: list[Any], **body: Any) -> list[int]:
+    """The template's ids for ``messages`` (vLLM's render endpoint)."""
+    answer = httpx.post(
+        f"{vllm.url}{RENDER_PATH}",
+        json={"model": MODEL, "messages": messages, **body},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    ids: list[int] = answer.json()["token_ids"]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def end_token(vllm: vllm_server.VLLMServer) -> int:
+    replica = Replica(vllm.url)
+
+    async def probe() -> bool | None:
+        async with httpx.AsyncClient() as client:
+            return await probe_exact(client, replica, 60)
+
+    import asyncio
+
+    assert asyncio.run(probe()) is True
+    assert replica.end_token is not None
+    return replica.end_token
+
+
+def test_probe_finds_the_templates_end_of_turn_token(end_token: int, tiny_model_dir: Path) -> None:
+    # The tiny model's template closes each turn with <|im_end|>, its eos (generation_config).
+    config = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert end_token == config["eos_token_id"]
+
+
+def tool_call(i: int, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
+
+
+def assistant_turn(
+    vllm: vllm_server.VLLMServer, history: list[Any], message: dict[str, Any], end_token: int
+) -> list[int]:
+    """``R`` as the template renders ``message`` after ``history``: the tokens between the
+    history's generation prompt and the message's end-of-turn token (included), as if the model
+    had sampled exactly the template's text."""
+    prompt = render(vllm, history, tools=[WEATHER], add_generation_prompt=True)
+    closed = render(vllm, [*history, message], tools=[WEATHER], add_generation_prompt=False)
+    assert closed[: len(prompt)] == prompt
+    end = len(closed) - 1 - closed[::-1].index(end_token)
+    return closed[len(prompt) : end + 1]
+
+
+@pytest.mark.parametrize("tool_turns", [1, 2, 5])
+def test_exact_prompt_equals_the_templates_rendering_over_tool_turns(
+    vllm: vllm_server.VLLMServer, end_token: int, tool_turns: int
+) -> None:
+    # C03: when the model samples exactly what the template renders, the spliced prompt of
+    # every turn is the template's full rendering token for token: the separator after each
+    # end-of-turn token and the tool results come from the template's own rendering.
+    history: list[Any] = [SYSTEM, USER]
+    sequence = render(vllm, history, tools=[WEATHER], add_generation_prompt=True)
+    for i in range(tool_turns):
+        message = {"role": "assistant", "content": "", "tool_calls": [tool_call(i, '{"a": 1}')]}
+        sequence = sequence + assistant_turn(vllm, history, message, end_token)
+        history = [
+            *history,
+            message,
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "21"},
+        ]
+        full = render(vllm, history, tools=[WEATHER], add_generation_prompt=True)
+        built = exact_prompt(pack_ids(sequence), end_token, full)
+        assert built is not None
+        assert built.token_ids == full
+        sequence = built.token_ids
+
+
+@pytest.mark.parametrize(
+    "new_messages",
+    [
+        [{"role": "user", "content": "And in Rome?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Rome?"}],
+        [
+            {"role": "tool", "tool_call_id": "call_0", "content": "21"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22"},
+        ],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "too"}],
+            }
+        ],
+    ],
+    ids=["user", "system_mid_history", "two_tool_results", "content_parts"],
+)
+def test_exact_prompt_equals_the_templates_rendering_for_every_message_kind(
+    vllm: vllm_server.VLLMServer, end_token: int, new_messages: list[Any]
+) -> None:
+    history: list[Any] = [SYSTEM, USER]
+    message = {"role": "assistant", "content": "It is 21."}
+    sequence = render(vllm, history, tools=[WEATHER], add_generation_prompt=True)
+    sequence += assistant_turn(vllm, history, message, end_token)
+    full = render(
+        vllm, [*history, message, *new_messages], tools=[WEATHER], add_generation_prompt=True
+    )
+    built = exact_prompt(pack_ids(sequence), end_token, full)
+    assert built is not None and built.token_ids == full
+    # The suffix is everything after the response's end-of-turn token: len(full) - len(S).
+    assert built.suffix_tokens == len(full) - len(sequence)
+
+
+def test_exact_prompt_keeps_reasoning_the_thinking_template_strips(
+    vllm: vllm_server.VLLMServer, end_token: int
+) -> None:
+    # The tiny model's template drops an earlier assistant turn's <think>...</think> once a
+    # later user turn follows; exact continuation keeps the tokens the model sampled, so the
+    # prompt differs from the template's exactly by that reasoning, and the suffix is still
+    # the template's (what follows the turn's end token in its rendering).
+    history: list[Any] = [SYSTEM, USER]
+    message = {"role": "assistant", "content": "<think>\nhot\n</think>\n\nIt is 21."}
+    sequence = render(vllm, history, tools=[WEATHER], add_generation_prompt=True)
+    sequence += assistant_turn(vllm, history, message, end_token)
+    # A tool result: no user turn after it, nothing stripped: the template agrees.
+    tool_result = {"role": "tool", "tool_call_id": "call_0", "content": "21"}
+    with_tool = render(
+        vllm, [*history, message, tool_result], tools=[WEATHER], add_generation_prompt=True
+    )
+    built = exact_prompt(pack_ids(sequence), end_token, with_tool)
+    assert built is not None and built.token_ids == with_tool
+    # A user turn: the template strips the reasoning; the exact prompt keeps it.
+    user = {"role": "user", "content": "And in Rome?"}
+    stripped = render(vllm, [*history, message, user], tools=[WEATHER], add_generation_prompt=True)
+    built = exact_prompt(pack_ids(sequence), end_token, stripped)
+    assert built is not None
+    assert built.token_ids[: len(sequence)] == sequence
+    suffix = built.token_ids[len(sequence) :]
+    assert stripped[-len(suffix) :] == suffix
+    assert len(stripped) < len(built.token_ids)  # the template's version lost the reasoning
+
+
+def test_a_client_echo_matches_despite_empty_fields_and_reserialised_arguments() -> None:
+    returned = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [tool_call(0, '{"city":"Paris" }')],
+    }
+    echoed = {
+        "role": "assistant",
+        "content": "",
+        "refusal": None,
+        "tool_calls": [tool_call(0, '{"city": "Paris"}')],
+    }
+    assert echoes(returned, echoed)
+    assert echoes(
+        returned,
+        {
+            **echoed,
+            "tool_calls": [
+                {
+                    **tool_call(0, ""),
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+    )
+    assert not echoes(returned, {**echoed, "tool_calls": [tool_call(0, '{"city": "Rome"}')]})
+    assert not echoes(returned, {**echoed, "tool_calls": [tool_call(1, '{"city": "Paris"}')]})
+    thought = {"role": "assistant", "content": "21", "reasoning": "hot"}
+    assert echoes(thought, {"role": "assistant", "content": "21", "reasoning_content": "hot"})
+    assert not echoes(thought, {"role": "assistant", "content": "21"})  # reasoning dropped
+
+
+def test_find_extension_needs_the_same_history_an_echo_and_a_new_message() -> None:
+    messages = [SYSTEM, USER]
+    response = {"role": "assistant", "content": "21"}
+    key = render_key({"model": MODEL, "tools": [WEATHER]})
+    turn = Turn(tuple(json.dumps(m) for m in messages), response, key, pack_ids([1, 2, 3]))
+    follow = {"role": "user", "content": "thanks"}
+    found = find_extension([turn], [*messages, response, follow], key)
+    assert found is not None and found.new_from == 3
+    again = find_extension([turn], [*messages, response], key)  # asked again, nothing new
+    assert again is not None and again.new_from == 3
+    assert find_extension([turn], [SYSTEM, follow, response, follow], key) is None  # rewritten
+    other_tools = render_key({"model": MODEL, "tools": []})
+    assert find_extension([turn], [*messages, response, follow], other_tools) is None
+
+
+@pytest.fixture
+def exact_gateway(
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
+) -> Iterator[BackgroundServer]:
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as server:
+        yield server
+
+
+def chat(server: BackgroundServer, trajectory_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat call through the gateway: the answer's message (streamed calls reassembled)."""
+    url = f"{server.url}/t/{trajectory_id}/v1/chat/completions"
+    if not body.get("stream"):
+        answer = httpx.post(url, json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        message: dict[str, Any] = answer.json()["choices"][0]["message"]
+        return message
+    text, calls = [], {}
+    with httpx.stream("POST", url, json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                delta = choice.get("delta", {})
+                text.append(delta.get("content") or "")
+                for part in delta.get("tool_calls") or []:
+                    slot = calls.setdefault(
+                        part["index"],
+                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                    )
+                    slot["id"] = part.get("id") or slot["id"]
+                    function = part.get("function") or {}
+                    slot["function"]["name"] += function.get("name") or ""
+                    slot["function"]["arguments"] += function.get("arguments") or ""
+    streamed: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        streamed["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return streamed
+
+
+def tool_loop(
+    server: BackgroundServer, trajectory_id: str, turns: int, *, stream: bool
+) -> list[Any]:
+    """An agent's loop: a forced, grammar-constrained tool call per turn (sampled as plain
+    characters where the template renders the <tool_call> special token: a formatting the
+    template does not produce), its result, then an answer; returns the history sent last."""
+    messages: list[Any] = [SYSTEM, USER]
+    for _turn in range(turns):
+        message = chat(
+            server,
+            trajectory_id,
+            {
+                "model": MODEL,
+                "messages": messages,
+                "tools": [WEATHER],
+                "tool_choice": FORCED,
+                "max_tokens": 96,
+                "temperature": 0.0,
+                "stream": stream,
+            },
+        )
+        assert message.get("tool_calls"), message
+        call = message["tool_calls"][0]
+        # The client echoes the message as it came, minus what it does not keep.
+        echo = {"role": "assistant", "content": message.get("content"), "tool_calls": [call]}
+        messages = [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
+    chat(
+        server,
+        trajectory_id,
+        {
+            "model": MODEL,
+            "messages": messages,
+            "tools": [WEATHER],
+            "max_tokens": 4,
+            "stream": stream,
+        },
+    )
+    return messages
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_exact_mode_tool_loop_is_one_token_sequence(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings, stream: bool
+) -> None:
+    tool_loop(exact_gateway, "exact-loop", 3, stream=stream)
+    steps = steps_of(pool_settings, "exact-loop")
+    assert [s.continuation for s in steps] == ["template", "exact", "exact", "exact"]
+    assert all(s.extends_parent for s in steps[1:])
+    assert not any("prefix_break" in s.flags for s in steps)
+    for parent, step in itertools.pairwise(steps):
+        sequence = [*parent.prompt_token_ids, *parent.response_token_ids]
+        # The grammar's tool call ends without the end token: the template's close is added.
+        assert step.prompt_token_ids[: len(sequence)] == sequence
+        assert step.suffix_tokens == len(step.prompt_token_ids) - len(sequence)
+    # The pool API (the inspector's step view) says what built each prompt.
+    shown = httpx.get(f"{exact_gateway.url}/api/steps/{steps[1].id}", timeout=30).json()
+    assert (shown["continuation"], shown["suffix_tokens"]) == ("exact", steps[1].suffix_tokens)
+
+
+def test_template_mode_breaks_where_exact_mode_does_not(
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
+) -> None:
+    with gateway_with(
+        pool_settings, free_port(), upstream_url=vllm.url, continuation="template"
+    ) as server:
+        tool_loop(server, "template-loop", 2, stream=False)
+    steps = steps_of(pool_settings, "template-loop")
+    assert {s.continuation for s in steps} == {"template"}
+    assert all("prefix_break" in s.flags for s in steps[1:])  # 3 of 3 re-rendered
+
+
+def test_compaction_falls_back_to_the_template_and_is_recorded_as_a_break(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    messages = tool_loop(exact_gateway, "compacted", 1, stream=False)
+    # The agent compacts: its history is replaced by a summary (the tool turn dropped).
+    summary = [SYSTEM, {"role": "user", "content": "Summary: Paris is 21. Answer now."}]
+    assert len(messages) > len(summary)
+    chat(exact_gateway, "compacted", {"model": MODEL, "messages": summary, "max_tokens": 4})
+    steps = steps_of(pool_settings, "compacted")
+    last = steps[-1]
+    assert last.continuation == "template" and last.suffix_tokens is None
+    assert last.extends_parent is False and "prefix_break" in last.flags
+
+
+def test_a_rewritten_tool_result_falls_back_and_an_unknown_model_is_refused_cleanly(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    messages = tool_loop(exact_gateway, "rewritten", 1, stream=False)
+    rewritten = [*messages[:2], {**messages[2], "content": "changed"}, *messages[3:]]
+    chat(exact_gateway, "rewritten", {"model": MODEL, "messages": rewritten, "max_tokens": 4})
+    assert steps_of(pool_settings, "rewritten")[-1].continuation == "template"
+    # A bad body on an extension: vLLM's render refuses it; the client gets its 4xx, a
+    # failed step is recorded, nothing is sampled.
+    answer = httpx.post(
+        f"{exact_gateway.url}/t/rewritten/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [*messages, {"role": "user", "content": "x"}],
+            "max_tokens": -1,
+        },
+        timeout=60,
+    )
+    assert 400 <= answer.status_code < 500, answer.text
+    assert "error" in answer.json()
+
+
+def test_merged_rows_of_an_exact_trajectory_are_one_row_the_trainer_scores_exactly(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings, tiny_model_dir: Path
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.logprobs import token_logprobs
+
+    # Free sampling (a grammar's forced call reports the narrowed distribution's logprobs,
+    # invariant 9: such steps are kept out of training by the demo's curation rule): three
+    # user turns, each answer cut at 8 tokens and closed by the template's end token.
+    messages: list[Any] = [SYSTEM, USER]
+    for turn in range(4):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": turn % 2 == 1}
+        answer = chat(exact_gateway, "proof", {**body, "temperature": 1.0, "seed": turn})
+        echo = {"role": "assistant", "content": answer["content"]}
+        messages = [*messages, echo, {"role": "user", "content": f"And {turn}?"}]
+    steps = steps_of(pool_settings, "proof")
+    assert [s.continuation for s in steps] == ["template", "exact", "exact", "exact"]
+    tokens = [
+        StepTokens(
+            s.row,
+            np.asarray(s.prompt_token_ids, dtype=np.int64),
+            np.asarray(s.response_token_ids, dtype=np.int64),
+            np.asarray(s.response_logprobs, dtype=np.float32),
+        )
+        for s in steps
+    ]
+    merged, dropped = segments(tokens, "merged", None)
+    per_step, _ = segments(tokens, "per_step", None)
+    assert (len(merged), dropped, len(per_step)) == (1, 0, 4)
+    # The merged row is the last step's P + R; loss mask 1 on each step's response.
+    last = steps[-1]
+    sequence = [*last.prompt_token_ids, *last.response_token_ids]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.tensor([sequence])
+    with torch.no_grad():
+        recomputed, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    for step in steps:
+        start = len(step.prompt_token_ids)
+        end = start + len(step.response_token_ids)
+        assert sequence[start:end] == step.response_token_ids
+        got = recomputed[0, start:end].numpy()
+        assert np.abs(got - np.asarray(step.response_logprobs)).max() < 1e-5
+
+
+def messages_loop(server: BackgroundServer, trajectory_id: str, *, stream: bool) -> None:
+    """Anthropic's Messages API: a forced tool_use, its tool_result, an answer."""
+    url = f"{server.url}/t/{trajectory_id}/v1/messages"
+    tool = {
+        "name": "get_weather",
+        "strict": True,
+        "input_schema": WEATHER["function"]["parameters"],  # type: ignore[index]
+    }
+    history: list[Any] = [{"role": "user", "content": USER["content"]}]
+    base = {"model": MODEL, "system": SYSTEM["content"], "tools": [tool], "max_tokens": 96}
+    forced = {**base, "tool_choice": {"type": "tool", "name": "get_weather"}, "temperature": 0.0}
+    for body in (forced, {**base, "max_tokens": 4}):
+        content = sse_or_json(url, {**body, "messages": history, "stream": stream}, "messages")
+        if body is not forced:
+            return
+        use = next((b for b in content if b["type"] == "tool_use"), None)
+        assert use is not None, content
+        history = [
+            *history,
+            {"role": "assistant", "content": content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "21"}],
+            },
+        ]
+
+
+def responses_loop(server: BackgroundServer, trajectory_id: str, *, stream: bool) -> None:
+    """The Responses API with the whole history as input items: a forced function_call, its
+    output, an answer."""
+    url = f"{server.url}/t/{trajectory_id}/v1/responses"
+    function = WEATHER["function"]
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "strict": True,
+        "parameters": function["parameters"],  # type: ignore[index]
+    }
+    items: list[Any] = [{"role": "user", "content": USER["content"]}]
+    base = {"model": MODEL, "instructions": SYSTEM["content"], "tools": [tool], "store": False}
+    forced = {
+        **base,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 96,
+        "temperature": 0.0,
+    }
+    for body in (forced, {**base, "max_output_tokens": 16}):
+        output = sse_or_json(url, {**body, "input": items, "stream": stream}, "responses")
+        if body is not forced:
+            return
+        call = next(item for item in output if item["type"] == "function_call")
+        items = [
+            *items,
+            *output,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "21"},
+        ]
+
+
+def sse_or_json(url: str, body: dict[str, Any], dialect: str) -> list[Any]:
+    """The answer's content blocks (Messages) or output items (Responses), streamed or not."""
+    if not body["stream"]:
+        answer = httpx.post(url, json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        found: list[Any] = answer.json()["content" if dialect == "messages" else "output"]
+        return found
+    with httpx.stream("POST", url, json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    final = events[-1] if dialect == "responses" else None
+    if final is not None:
+        assert final["type"] == "response.completed", final
+        completed: list[Any] = final["response"]["output"]
+        return completed
+    blocks: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event["type"] == "content_block_start":
+            blocks[event["index"]] = dict(event["content_block"])
+        elif event["type"] == "content_block_delta":
+            delta, block = event["delta"], blocks[event["index"]]
+            if delta["type"] == "text_delta":
+                block["text"] = block.get("text", "") + delta["text"]
+            elif delta["type"] == "input_json_delta":
+                block["partial"] = block.get("partial", "") + delta["partial_json"]
+    for block in blocks.values():
+        if block["type"] == "tool_use" and "partial" in block:
+            block["input"] = json.loads(block.pop("partial"))
+    return [blocks[i] for i in sorted(blocks)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("loop", [messages_loop, responses_loop], ids=["messages", "responses"])
+def test_exact_mode_serves_every_dialect_as_one_token_sequence(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings, loop: Any, stream: bool
+) -> None:
+    loop(exact_gateway, "dialect-loop", stream=stream)
+    steps = steps_of(pool_settings, "dialect-loop")
+    assert [s.continuation for s in steps] == ["template", "exact"]
+    assert steps[1].extends_parent and "prefix_break" not in steps[1].flags
+    assert steps[1].suffix_tokens and steps[1].suffix_tokens > 0
