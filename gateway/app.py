@@ -34,13 +34,13 @@ from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
-from gateway.continuation.history import TurnMemory
 from gateway.errors import install_error_handlers
 from gateway.guard import EdgeGuard
 from gateway.inspector import page as inspector
 from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import routes as proxy
+from gateway.proxy.continuation.history import TurnMemory
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
 from gateway.upstream.answer_limit import AnswerLimit

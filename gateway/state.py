@@ -22,9 +22,9 @@ from datapool.steps.records import CallRecord
 from datapool.steps.store import PoolStore
 from datapool.steps.writer import PoolWriter
 from gateway.auth import KeyRing
-from gateway.continuation.history import TurnMemory
 from gateway.errors import from_pool_error
 from gateway.metrics import GatewayMetrics
+from gateway.proxy.continuation.history import TurnMemory
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_dirs import TokenizerDirs
 from gateway.upstream.policy import PolicyRegistry
@@ -50,7 +50,7 @@ class GatewayState:
     tokenizer_dirs: TokenizerDirs = field(default_factory=TokenizerDirs)
     # one of several worker processes (gateway.workers): where its siblings answer
     worker_dir: Path | None = None
-    # the recent turns of each trajectory, for exact continuation (gateway.continuation)
+    # the recent turns of each trajectory, for exact continuation (gateway.proxy.continuation)
     turns: TurnMemory = field(default_factory=lambda: TurnMemory(4096, 8))
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:

@@ -22,8 +22,8 @@ from tests_support import free_port
 from datapool.batches.rows import StepTokens, segments
 from datapool.settings import PoolSettings
 from datapool.steps.payloads import pack_ids
-from gateway.continuation.history import Turn, echoes, find_extension, render_key
-from gateway.continuation.prompt import exact_prompt
+from gateway.proxy.continuation.history import Turn, echoes, find_extension, render_key
+from gateway.proxy.continuation.prompt import exact_prompt
 from gateway.server import BackgroundServer
 from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
 from tests.gateway_helpers import WEATHER_TOOL, gateway_with, steps_of

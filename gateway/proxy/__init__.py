@@ -11,6 +11,10 @@ Modules:
   ``record_stream``).
 - ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
   before any upstream call.
+- ``continuation/``: exact continuation: whether a call's history extends an earlier turn
+  (``history``), the engine prompt built from that turn's own ids plus the template's rendering
+  of only the new messages (``prompt``), and the call through vLLM's render, generate and
+  derender endpoints (``engine``).
 
 Never: reads a client's dialect (``gateway.dialects`` does), talks to a replica's sockets
 (``gateway.upstream`` does) or writes SQL (``datapool`` does).

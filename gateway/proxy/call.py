@@ -21,10 +21,10 @@ from datapool.steps.calls import AttemptRecord
 from datapool.steps.payloads import pack_ids
 from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.capture import IDS_INCOMPLETE
-from gateway.continuation.engine import Continuation
-from gateway.continuation.history import Turn, render_key
 from gateway.dialects import Dialect, Prepared
 from gateway.proxy.attribution import Attribution
+from gateway.proxy.continuation.engine import Continuation
+from gateway.proxy.continuation.history import Turn, render_key
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica
 from gateway.upstream.weight_update import Ticket
@@ -197,7 +197,7 @@ async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[st
 
 def remember_turns(state: GatewayState, call: Call, record: CallRecord) -> None:
     """Keep each choice of a committed call of an exact channel as a turn a later call of the
-    trajectory may extend (``gateway.continuation.history``): its upstream messages, the
+    trajectory may extend (``gateway.proxy.continuation.history``): its upstream messages, the
     response message returned, ``P + R``."""
     messages = call.upstream_body.get("messages")
     prompt = record.prompt_token_ids

@@ -28,8 +28,6 @@ from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.capture import UNREADABLE, dumps, loads, loads_object, request_hash
-from gateway.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
-from gateway.continuation.history import find_extension, render_key
 from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
 from gateway.dialects.messages.render import upstream_error
 from gateway.dialects.messages.serving import Messages, count_tokens
@@ -48,6 +46,8 @@ from gateway.proxy.attribution import (
     read_json_object,
 )
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
+from gateway.proxy.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
+from gateway.proxy.continuation.history import find_extension, render_key
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState, StateDep
 from gateway.upstream.answer_limit import AnswerTooLargeError
@@ -342,7 +342,7 @@ def plan_continuation(
     state: GatewayState, attribution: Attribution, upstream_body: dict[str, Any], dialect: Dialect
 ) -> Continuation:
     """How the call's prompt will be built: on an exact channel, the turn of the trajectory its
-    upstream chat messages extend (``gateway.continuation.history``), if any; the template's
+    upstream chat messages extend (``gateway.proxy.continuation.history``), if any; the template's
     rendering otherwise."""
     mode = state.settings.continuation_for(attribution.channel)
     if mode == "template" or dialect.upstream_path != CHAT_PATH:

@@ -37,7 +37,7 @@ class Replica:
     # Whether the replica returns token ids when asked (probed once it is healthy): None until
     # known. A replica that answers without them is never routed to (case C06).
     returns_token_ids: bool | None = None
-    # Whether it serves the endpoints exact continuation needs (gateway.continuation.engine;
+    # Whether it serves the endpoints exact continuation needs (gateway.proxy.continuation.engine;
     # probed once it is healthy): None until known. False: its calls use the template.
     serves_exact: bool | None = None
     end_token: int | None = None  # the template's end-of-turn token (``probe_exact``)
@@ -197,7 +197,7 @@ def _rendezvous(key: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
 
 
-# The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.continuation.engine).
+# The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.proxy.continuation).
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
 DERENDER_PATH = "/v1/chat/completions/derender"

@@ -1,7 +1,7 @@
 """Asking vLLM for an exact continuation: render, generate from our ids, derender.
 
 Owns: ``send_exact``, which answers a chat completions body as vLLM's ``/v1/chat/completions``
-would, for the prompt ``gateway.continuation.prompt`` builds: vLLM renders the body
+would, for the prompt ``gateway.proxy.continuation.prompt`` builds: vLLM renders the body
 (``/v1/chat/completions/render``: the template's ids and vLLM's own sampling parameters for
 it), samples from the spliced prompt (``/inference/v1/generate``), and turns the sampled ids
 into the chat answer with its own tool and reasoning parsers (``/v1/chat/completions/derender``).
@@ -32,8 +32,8 @@ from typing import Any, Literal
 import httpx
 
 from gateway.capture import dumps, loads
-from gateway.continuation.history import Extension
-from gateway.continuation.prompt import exact_prompt
+from gateway.proxy.continuation.history import Extension
+from gateway.proxy.continuation.prompt import exact_prompt
 from gateway.upstream.replicas import DERENDER_PATH, GENERATE_PATH, RENDER_PATH
 
 log = logging.getLogger("trajgate.continuation")

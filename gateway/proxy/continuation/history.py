@@ -4,7 +4,7 @@ Owns: ``TurnMemory``, a bounded memory per trajectory of its recent turns (each 
 call: the conversation it was asked, the response message the gateway returned, ``S = P + R``,
 its token sequence), and ``find_extension``, which finds the turn whose conversation plus
 response message a new call's conversation starts with, followed by new messages only.
-Never: tokenizes, renders or talks to an engine (``gateway.continuation.engine`` does), and
+Never: tokenizes, renders or talks to an engine (``gateway.proxy.continuation.engine`` does), and
 never guesses: a history the client changed in any way is no extension (the call is rendered by
 the template and the pool records the break, as for any call).
 
