@@ -191,6 +191,14 @@ class Step(Base):
     # How long the gateway held the call before sending it upstream because a full-weight
     # reload was in progress (part of ``latency_ms``); None when it was not held.
     held_ms: Mapped[float | None] = mapped_column(Float)
+    # What the call sampled with (migration 0013; ``gateway.sampling.sampling_record``): the
+    # effective fields, what narrowed them, the server's logprobs mode and the temperature its
+    # stored logprobs are at. NULL: written before 0013 (temperature unknown).
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
+    # Which policy version sampled which response tokens, [[version, start, end), ...] in
+    # order, when a full-weight update replaced the weights while the step was sampling
+    # (``gateway.weight_update``, mode 'keep'); NULL: every token is ``policy_version``'s.
+    policy_version_spans: Mapped[list[Any] | None] = mapped_column(JSONColumn)
     stop_reason: Mapped[str | None] = mapped_column(String(200))
     flags: Mapped[list[Any]] = mapped_column(default=list)
     extends_parent: Mapped[bool | None] = mapped_column()

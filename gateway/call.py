@@ -20,6 +20,7 @@ from datapool.steps.calls import AttemptRecord
 from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.attribution import Attribution
 from gateway.dialects import Dialect, Prepared
+from gateway.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstreams import Replica
 from gateway.weight_update import Ticket
@@ -46,6 +47,8 @@ class Call:
     step_ids: list[str] = field(default_factory=list)
     # Admission through the weight gate: how long it was held, and the abort of its sampling.
     ticket: Ticket = field(default_factory=Ticket)
+    # What it samples with (``gateway.sampling.sampling_record``), stored as ``steps.sampling``.
+    sampling: dict[str, Any] | None = None
 
     @property
     def trajectory_id(self) -> str:
@@ -95,8 +98,11 @@ class Call:
         error: str | None = None,
         ttft_ms: float | None = None,
     ) -> CallRecord:
+        added = [] if self.sampling is None else sampling_flags(self.sampling)
         if self.resend_of is not None:
-            choices = [replace(c, flags=[*c.flags, "resend"]) for c in choices]
+            added.append("resend")
+        if added:
+            choices = [replace(c, flags=[*c.flags, *added]) for c in choices]
         if self.step_ids:
             choices = [
                 replace(c, step_id=self.step_ids[c.choice_index])
@@ -122,6 +128,7 @@ class Call:
             idempotency_key=self.idempotency_key,
             ttft_ms=ttft_ms,
             held_ms=self.ticket.held_ms,
+            sampling=self.sampling,
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
             attempts=tuple(self.attempts),

@@ -46,6 +46,7 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from gateway.sampling import apply_policy, sampling_record
 from gateway.state import GatewayState, StateDep
 from gateway.streaming import first_event, relay_stream
 from gateway.upstreams import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
@@ -311,11 +312,14 @@ async def new_call(
         )
     call_id = resend_of or str(uuid.uuid4())
     earlier = await earlier_call(state, dialect, body, attribution)
-    prepared = with_sampling_defaults(
-        dialect.prepare_call(client_body, call_id, earlier),
-        state.settings.sampling_defaults_for(attribution.channel),
-    )
+    defaults = state.settings.sampling_defaults_for(attribution.channel)
+    prepared = with_sampling_defaults(dialect.prepare_call(client_body, call_id, earlier), defaults)
+    policy = state.settings.sampling_policy_for(attribution.channel)
+    prepared, replaced = apply_policy(dialect, prepared, policy, defaults)
     check_limits(dialect, prepared, state.settings.generation_limits)
+    sampling = sampling_record(
+        prepared.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
+    )
     return Call(
         dialect=dialect,
         attribution=attribution,
@@ -326,6 +330,7 @@ async def new_call(
         request_hash=digest,
         idempotency_key=idempotency_key,
         resend_of=resend_of,
+        sampling=sampling,
     )
 
 

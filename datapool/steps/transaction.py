@@ -179,6 +179,8 @@ class WriteBatch:
                     "latency_ms": call.latency_ms,
                     "ttft_ms": call.ttft_ms,
                     "held_ms": call.held_ms,
+                    "sampling": call.sampling,
+                    "policy_version_spans": choice.policy_version_spans,
                     "flags": flags,
                     "extends_parent": lineage.extends_parent,
                     "divergence_offset": lineage.divergence_offset,
