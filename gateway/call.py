@@ -23,7 +23,7 @@ from gateway.dialects import Dialect, Prepared
 from gateway.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstreams import Replica
-from gateway.weight_update import Ticket
+from gateway.weight_update import POLICY_VERSION_SPLIT_UNKNOWN, Ticket
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -98,6 +98,7 @@ class Call:
         error: str | None = None,
         ttft_ms: float | None = None,
     ) -> CallRecord:
+        choices = [self._with_versions(c) for c in choices]
         added = [] if self.sampling is None else sampling_flags(self.sampling)
         if self.resend_of is not None:
             added.append("resend")
@@ -133,6 +134,18 @@ class Call:
             channel=self.attribution.channel,
             attempts=tuple(self.attempts),
         )
+
+    def _with_versions(self, choice: ChoiceRecord) -> ChoiceRecord:
+        """``choice`` with the policy version spans of a kept weight reload it sampled across,
+        or flagged ``policy_version_split_unknown`` where the split is not known."""
+        if not self.ticket.marks:
+            return choice
+        tokens = len(choice.response_token_ids or [])
+        try:
+            spans = self.ticket.version_spans(self.policy_version, choice.choice_index, tokens)
+        except LookupError:
+            return replace(choice, flags=[*choice.flags, POLICY_VERSION_SPLIT_UNKNOWN])
+        return replace(choice, policy_version_spans=spans)
 
     def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:
         """The trajgate headers of the answer. ``committed``: ``step_ids`` came back from the

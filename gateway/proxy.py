@@ -194,6 +194,8 @@ async def proxy_call(
     writer.call_started(attribution.trajectory_id)
     try:
         ticket = await state.upstreams.gate.admit()
+        if body.get("stream") is True:
+            ticket.streams()  # its tokens are counted as read: a kept reload can split them
         try:
             response = await forward_call(state, request, dialect, body, attribution, ticket)
         except BaseException:

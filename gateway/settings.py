@@ -91,6 +91,9 @@ SAMPLING_POLICIES: tuple[str, ...] = get_args(SamplingPolicy)
 # vLLM's --logprobs-mode values trajgate knows how to train from (gateway.sampling).
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+# How a full-weight update treats the calls in flight (gateway.weight_update).
+UpdateMode = Literal["keep", "drain"]
+UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
 # A channel name as the attribution checks it, or ``*`` for every channel.
 _CHANNEL_KEY = re.compile(r"^(\*|[A-Za-z0-9][A-Za-z0-9._:-]{0,99})$")
 
@@ -202,10 +205,22 @@ class GatewaySettings(ConfigFileSettings):
         default=30.0,
         ge=0,
         description=(
-            "Full-weight update (POST /admin/weight-updates): seconds the calls in flight get to "
-            "finish sampling while new calls are held; those still sampling then are aborted "
-            "(503 aborted_for_weight_update, step kept out of training), so that no step mixes "
-            "two policies. Longer: fewer aborted calls, a longer pause for every agent."
+            "Full-weight update in mode 'drain' (POST /admin/weight-updates): seconds the calls "
+            "in flight get to finish sampling while new calls are held; those still sampling "
+            "then are aborted (503 aborted_for_weight_update, step kept out of training), so "
+            "that no step mixes two policies. Longer: fewer aborted calls, a longer pause for "
+            "every agent."
+        ),
+    )
+    weight_update_mode: UpdateMode = Field(
+        default="keep",
+        description=(
+            "Full-weight update: 'keep' pauses vLLM keeping the calls in flight (POST "
+            "/pause?mode=keep), reloads, and resumes them on the new weights: nothing aborted, "
+            "each streamed step records which tokens each version sampled "
+            "(policy_version_spans), a unary call sampling across it is flagged "
+            "policy_version_split_unknown (not trained on). 'drain' waits for the calls in "
+            "flight up to weight_update_drain_timeout_s and aborts the rest."
         ),
     )
     health_check_interval_s: float = Field(

@@ -16,7 +16,6 @@ from gateway_helpers import gateway_with, sse_payloads, steps_of
 from sqlalchemy import select
 from tests_support import free_port
 
-from datapool import db
 from datapool.db import make_engine
 from datapool.models import Step
 from datapool.settings import PoolSettings
@@ -27,14 +26,6 @@ from gateway.settings import GatewaySettings
 from trajgate.vllm_server import VLLMServer
 
 CAPTURE = {"return_token_ids": True, "logprobs": True}
-
-
-@pytest.fixture
-def sqlite_pool(tmp_path: Path) -> PoolSettings:
-    """One backend is enough here: the storage paths are the chat ones, tested on both."""
-    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
-    db.upgrade(url)
-    return PoolSettings(data_dir=tmp_path / "data", database_url=url)
 
 
 @pytest.fixture

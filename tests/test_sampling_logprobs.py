@@ -25,7 +25,6 @@ from batch_helpers import make_store
 from gateway_helpers import gateway_with, steps_of
 from tests_support import free_port
 
-from datapool import db
 from datapool.batches.build import build_rows
 from datapool.batches.spec import BatchSpec
 from datapool.settings import PoolSettings
@@ -39,13 +38,6 @@ TOLERANCE = 1e-5
 TEMPERATURE = 0.6
 TOP_P = 0.8
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture
-def sqlite_pool(tmp_path: Path) -> PoolSettings:
-    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
-    db.upgrade(url)
-    return PoolSettings(data_dir=tmp_path / "data", database_url=url)
 
 
 def _logits(model: Any, step: Any) -> torch.Tensor:
