@@ -217,6 +217,14 @@ class Step(Base):
     # conversation rendered); NULL when the gateway did not say (completions, older rows).
     continuation: Mapped[str | None] = mapped_column(String(16))
     suffix_tokens: Mapped[int | None] = mapped_column(Integer)
+    # What the call sampled with (migration 0012; ``gateway.proxy.sampling.sampling_record``): the
+    # effective fields, what narrowed them, the server's logprobs mode and the temperature its
+    # stored logprobs are at. NULL: written before 0012 (temperature unknown).
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
+    # Which policy version sampled which response tokens, [[version, start, end), ...] in
+    # order, when a full-weight update replaced the weights while the step was sampling
+    # (``gateway.upstream.weight_update``, mode 'keep'); NULL: every token is ``policy_version``'s.
+    policy_version_spans: Mapped[list[Any] | None] = mapped_column(JSONColumn)
     stop_reason: Mapped[str | None] = mapped_column(String(200))
     flags: Mapped[list[Any]] = mapped_column(default=list)
     extends_parent: Mapped[bool | None] = mapped_column()

@@ -92,7 +92,8 @@ class GatewayMetrics:
         self.weight_update_calls = Counter(
             "trajgate_weight_update_calls",
             "Calls met by full-weight updates: drained (finished within the limit), aborted "
-            "(still sampling at the limit), held (arrived during the pause).",
+            "(still sampling at the limit), held (arrived during the pause), kept (in flight "
+            "across a 'keep' reload), split_unknown (kept, tokens before it unknown).",
             ["fate"],
             registry=r,
         )
@@ -121,6 +122,8 @@ class GatewayMetrics:
         self.weight_update_calls.labels("drained").inc(report.drained_calls)
         self.weight_update_calls.labels("aborted").inc(report.aborted_calls)
         self.weight_update_calls.labels("held").inc(report.held_calls)
+        self.weight_update_calls.labels("kept").inc(report.kept_calls)
+        self.weight_update_calls.labels("split_unknown").inc(report.split_unknown_calls)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

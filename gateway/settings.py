@@ -12,7 +12,7 @@ import ipaddress
 import math
 import re
 import string
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -85,6 +85,15 @@ SAMPLING_RANGES: dict[str, tuple[bool, float, bool, float | None]] = {
     "repetition_penalty": (False, 0.0, False, None),
     "seed": (True, -(2**63), True, 2**63 - 1),
 }
+# What a channel does with sampling fields that narrow the distribution (gateway.proxy.sampling).
+SamplingPolicy = Literal["flag", "override", "enforce", "refuse"]
+SAMPLING_POLICIES: tuple[str, ...] = get_args(SamplingPolicy)
+# vLLM's --logprobs-mode values trajgate knows how to train from (gateway.proxy.sampling).
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+# How a full-weight update treats the calls in flight (gateway.upstream.weight_update).
+UpdateMode = Literal["keep", "drain"]
+UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
 # A channel name as the attribution checks it, or ``*`` for every channel.
 _CHANNEL_KEY = re.compile(r"^(\*|[A-Za-z0-9][A-Za-z0-9._:-]{0,99})$")
 
@@ -217,10 +226,22 @@ class GatewaySettings(ConfigFileSettings):
         default=30.0,
         ge=0,
         description=(
-            "Full-weight update (POST /admin/weight-updates): seconds the calls in flight get to "
-            "finish sampling while new calls are held; those still sampling then are aborted "
-            "(503 aborted_for_weight_update, step kept out of training), so that no step mixes "
-            "two policies. Longer: fewer aborted calls, a longer pause for every agent."
+            "Full-weight update in mode 'drain' (POST /admin/weight-updates): seconds the calls "
+            "in flight get to finish sampling while new calls are held; those still sampling "
+            "then are aborted (503 aborted_for_weight_update, step kept out of training), so "
+            "that no step mixes two policies. Longer: fewer aborted calls, a longer pause for "
+            "every agent."
+        ),
+    )
+    weight_update_mode: UpdateMode = Field(
+        default="keep",
+        description=(
+            "Full-weight update: 'keep' pauses vLLM keeping the calls in flight (POST "
+            "/pause?mode=keep), reloads, and resumes them on the new weights: nothing aborted, "
+            "each streamed step records which tokens each version sampled "
+            "(policy_version_spans), a unary call sampling across it is flagged "
+            "policy_version_split_unknown (not trained on). 'drain' waits for the calls in "
+            "flight up to weight_update_drain_timeout_s and aborts the rest."
         ),
     )
     health_check_interval_s: float = Field(
@@ -366,6 +387,29 @@ class GatewaySettings(ConfigFileSettings):
             "template (a recorded break when the text differs)."
         ),
     )
+    sampling_policy: dict[str, SamplingPolicy] = Field(
+        default_factory=dict,
+        description=(
+            "What each channel does with sampling fields that narrow the distribution beyond "
+            "its temperature (top_p < 1, top_k, min_p, penalties, min_tokens, logit_bias, "
+            'allowed_token_ids, bad_words; greedy), as JSON {"*": "flag", "train": "override"}: '
+            "'flag' (default) passes them and flags the step 'narrowed'; 'override' resets them "
+            "to neutral values; 'enforce' makes the channel's sampling_defaults replace the "
+            "client's values; 'refuse' answers 400 (sampling_refused). What was replaced is "
+            "recorded on the step (sampling.replaced)."
+        ),
+    )
+    upstream_logprobs_mode: LogprobsMode = Field(
+        default="processed_logprobs",
+        description=(
+            "The --logprobs-mode the vLLM replicas run with (server-wide): "
+            "'processed_logprobs' (what `trajgate vllm start` passes) reports logprobs of the "
+            "distribution that sampled (temperature, penalties, top-k/top-p masks applied); "
+            "'raw_logprobs' (vLLM's own default) reports temperature 1, so steps sampled at "
+            "another temperature are flagged raw_logprobs and never trained on. Must match "
+            "the server: the step records it and the trainer divides by its temperature."
+        ),
+    )
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
@@ -390,6 +434,17 @@ class GatewaySettings(ConfigFileSettings):
                     check_sampling_value(name, field_value)
                 except ValueError as exc:
                     raise ValueError(f"sampling_defaults[{channel!r}]: {exc}") from exc
+        return value
+
+    @field_validator("sampling_policy")
+    @classmethod
+    def _check_sampling_policy(cls, value: dict[str, SamplingPolicy]) -> dict[str, SamplingPolicy]:
+        for channel in value:
+            if not _CHANNEL_KEY.match(channel):
+                raise ValueError(
+                    f"sampling_policy: channel {channel!r} must be '*' or 1-100 of letters, "
+                    "digits, '.', '_', ':' or '-' starting with a letter or digit"
+                )
         return value
 
     @model_validator(mode="after")
@@ -434,6 +489,11 @@ class GatewaySettings(ConfigFileSettings):
     def continuation_for(self, channel: str | None) -> Literal["exact", "template"]:
         """The continuation of a call on ``channel`` (None: the pool's default channel)."""
         return self.continuation_channels.get(channel or "train", self.continuation)
+
+    def sampling_policy_for(self, channel: str | None) -> SamplingPolicy:
+        """The sampling policy of a call on ``channel`` (None: 'train'): the channel's own,
+        else the '*' entry, else 'flag'."""
+        return self.sampling_policy.get(channel or "train", self.sampling_policy.get("*", "flag"))
 
     def sampling_defaults_for(self, channel: str | None) -> dict[str, Any]:
         """The defaults of a call on ``channel`` (None: the pool's default channel 'train'):

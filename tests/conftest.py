@@ -96,6 +96,14 @@ def pool_settings(empty_database_url: str, tmp_path: Path) -> PoolSettings:
 
 
 @pytest.fixture
+def sqlite_pool(tmp_path: Path) -> PoolSettings:
+    """A SQLite pool only, for tests whose storage paths are tested on both backends elsewhere."""
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    db.upgrade(url)
+    return PoolSettings(data_dir=tmp_path / "data", database_url=url)
+
+
+@pytest.fixture
 def gateway(
     vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
 ) -> Iterator[BackgroundServer]:

@@ -72,7 +72,7 @@ def test_openai_client_call_stores_the_engines_exact_ids_and_logprobs(
     assert step.upstream_request == {**REQUEST, "return_token_ids": True, "logprobs": True}
     assert step.latency_ms > 0
     assert step.policy_version == 0
-    assert step.flags == ["truncated"]
+    assert step.flags == ["truncated", "narrowed"]  # greedy: a narrowed distribution
 
 
 def test_client_receives_what_vllm_returns_without_fields_it_did_not_ask_for(

@@ -172,7 +172,7 @@ def test_openai_client_call_stores_the_ids_and_logprobs_vllm_samples_for_that_re
     assert view.step_id_header == step.id  # streamed steps are named before the first token
     assert step.outcome == "ok"
     # Greedy decoding of this prompt does not reach the end token within 16 tokens.
-    assert step.flags == ["truncated"]
+    assert step.flags == ["truncated", "narrowed"]  # greedy: a narrowed distribution
     assert step.finish_reason == direct_choice["finish_reason"] == "length"
     assert step.prompt_token_ids == direct["prompt_token_ids"]
     assert step.response_token_ids == direct_ids

@@ -155,7 +155,7 @@ def test_c02_thinking_dropped_from_history_is_a_prefix_break_of_its_own_kind(
     assert step2.extends_parent is False
     assert step2.divergence_kind == "thinking_stripped"
     # Each call stays trainable against its own exact prompt.
-    assert step1.flags == ["constrained"] and step1.response_token_ids
+    assert step1.flags == ["constrained", "narrowed"] and step1.response_token_ids  # greedy
     assert step2.prompt_token_ids is not None and step2.response_token_ids
 
 

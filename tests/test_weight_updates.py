@@ -2,9 +2,10 @@
 model is stamped with when several versions share that name (issue 17 item 15).
 
 A full reload happens in place in vLLM, so the gateway holds new calls, lets the calls in flight
-finish (aborting them past the drain limit), reloads, and releases the held calls on the new
-version. The proof that no step mixes two versions: every recorded step's behaviour logprobs
-equal the trainer's logprobs of the same tokens under the weights of the version the step is
+finish (aborting them past the drain limit: mode 'drain', tested here; mode 'keep' is in
+test_weight_updates_kept.py), reloads, and releases the held calls on the new version. The
+proof that no step mixes two versions: every recorded step's behaviour logprobs equal the
+trainer's logprobs of the same tokens under the weights of the version the step is
 stamped with (the usual sampler/trainer gap, 1e-5 nats on the CPU build in float32), while the
 versions' weights differ by far more than that.
 
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ import pytest
 import torch
 from gateway_helpers import gateway_with
 from tests_support import free_port
+from weight_helpers import base_weights_put_back, noisy_versions
 
-from datapool import db
 from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
 from trainer_bridge.collate import collate, row_from_step
@@ -37,12 +36,6 @@ from trajgate.vllm_server import VLLMServer
 
 # Mean |trainer - vLLM| logprob of sampled tokens, as in test_trainer_bridge (measured 1.5e-7).
 GAP_TOLERANCE = 1e-5
-# Each version's weights are the base weights plus N(0, 0.02^2) noise (seed = version) on every
-# parameter, the input embedding and the output head included: enough to move a logprob by
-# ~1e-2 nats, three orders of magnitude above the tolerance. The tiny model's embeddings are
-# untied; vLLM 0.32's in-place reload cannot update a tied output head (docs/gateway.md,
-# "Full-weight updates").
-NOISE_STD = 0.02
 ABORTED = "aborted_for_weight_update"
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -50,36 +43,7 @@ PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def version_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Checkpoint directories of versions 0 (the base weights), 1 and 2."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("weights")
-    dirs = [tiny_model_dir]
-    for version in (1, 2):
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-        noise = torch.Generator().manual_seed(version)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=noise) * NOISE_STD)
-        model.save_pretrained(root / f"v{version}", safe_serialization=True)
-        dirs.append(root / f"v{version}")
-    return dirs
-
-
-@contextmanager
-def base_weights_put_back(vllm: VLLMServer, tiny_model_dir: Path) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model_dir)}}
-        httpx.post(f"{vllm.url}/collective_rpc", json=reload, timeout=300).raise_for_status()
-        httpx.post(f"{vllm.url}/reset_prefix_cache", timeout=60).raise_for_status()
-
-
-@pytest.fixture
-def sqlite_pool(tmp_path: Path) -> PoolSettings:
-    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
-    db.upgrade(url)
-    return PoolSettings(data_dir=tmp_path / "data", database_url=url)
+    return noisy_versions(tiny_model_dir, tmp_path_factory.mktemp("weights"), 2)
 
 
 class Agent(threading.Thread):
@@ -180,7 +144,9 @@ def test_full_weight_updates_under_load_never_mix_versions_in_a_step(
     api_port = free_port()
     with (
         base_weights_put_back(vllm, tiny_model_dir),
-        gateway_with(sqlite_pool, api_port, upstream_url=vllm.url) as gateway,
+        gateway_with(
+            sqlite_pool, api_port, upstream_url=vllm.url, weight_update_mode="drain"
+        ) as gateway,
     ):
         api = httpx.Client(base_url=gateway.url, timeout=600)
         sync = WeightSync([vllm.url], gateway.url, base_model_name=vllm.served_model_name)

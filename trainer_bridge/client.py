@@ -172,15 +172,20 @@ class PoolClient:
 
 def rows_from_table(table: pa.Table, *, skip_unscored: bool = False) -> list[Row]:
     """``Row``s of a batch table (columns ``input_ids``, ``loss_mask``, ``behaviour_logprobs``,
-    ``advantage``).
+    ``advantage``, and ``temperature`` where the batch has it, else 1.0).
 
     A NaN advantage (a row without a baseline, e.g. ``rloo`` with one rewarded member) raises
     ``ValueError`` unless ``skip_unscored``, which drops such rows: NaN never becomes 0.
     """
     columns = table.select(["input_ids", "loss_mask", "behaviour_logprobs", "advantage"])
+    temperatures = (
+        table["temperature"].to_pylist()
+        if "temperature" in table.column_names
+        else [1.0] * table.num_rows  # a batch built before rows carried it
+    )
     rows: list[Row] = []
-    for ids, mask, logprobs, advantage in zip(
-        *(columns[name].to_pylist() for name in columns.column_names), strict=True
+    for ids, mask, logprobs, advantage, temperature in zip(
+        *(columns[name].to_pylist() for name in columns.column_names), temperatures, strict=True
     ):
         if advantage is None or math.isnan(advantage):
             if skip_unscored:
@@ -189,7 +194,7 @@ def rows_from_table(table: pa.Table, *, skip_unscored: bool = False) -> list[Row
                 "a row has no advantage (NaN: unrewarded, or no baseline in its group); "
                 "pass skip_unscored=True to drop such rows"
             )
-        rows.append(Row(ids, mask, logprobs, float(advantage)))
+        rows.append(Row(ids, mask, logprobs, float(advantage), float(temperature or 1.0)))
     return rows
 
 

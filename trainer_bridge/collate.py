@@ -3,7 +3,8 @@
 Owns: padding rows into ``[B, T]`` tensors and ordering them by length so micro-batches carry
 little padding. Shape legend: ``B`` rows, ``T`` the longest row's tokens. A row is what a
 materialised batch holds: ``input_ids``, ``loss_mask`` (1 on sampled tokens),
-``behaviour_logprobs`` (0 where the mask is 0) and one advantage. Never: builds token IDs from
+``behaviour_logprobs`` (0 where the mask is 0), one advantage and the temperature its
+behaviour logprobs are at. Never: builds token IDs from
 text; rows come from captured IDs only.
 
 Not done here: packing several rows into one sequence. With right padding and length-sorted
@@ -29,6 +30,8 @@ class Row:
     loss_mask: Sequence[int]
     behaviour_logprobs: Sequence[float]
     advantage: float
+    # The temperature the behaviour logprobs are at; the trainer divides the logits by it.
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         lengths = {len(self.input_ids), len(self.loss_mask), len(self.behaviour_logprobs)}
@@ -44,6 +47,7 @@ def row_from_step(
     response_ids: Sequence[int],
     logprobs: Sequence[float],
     advantage: float,
+    temperature: float = 1.0,
 ) -> Row:
     """A ``per_step`` row: the exact prompt (mask 0) followed by the sampled response (mask 1)."""
     if len(response_ids) != len(logprobs):
@@ -56,6 +60,7 @@ def row_from_step(
         loss_mask=[0] * len(prompt_ids) + [1] * len(response_ids),
         behaviour_logprobs=[0.0] * len(prompt_ids) + list(logprobs),
         advantage=advantage,
+        temperature=temperature,
     )
 
 
@@ -80,4 +85,7 @@ def collate(rows: Sequence[Row], pad_token_id: int) -> TrainBatch:
         loss_mask[i, :n] = torch.tensor(row.loss_mask, dtype=torch.long)
         behaviour[i, :n] = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)
     advantages = torch.tensor([row.advantage for row in ordered], dtype=torch.float32)  # [B]
-    return TrainBatch(input_ids, attention, loss_mask, behaviour, advantages)
+    temperatures = None
+    if any(row.temperature != 1.0 for row in ordered):
+        temperatures = torch.tensor([row.temperature for row in ordered])  # [B]
+    return TrainBatch(input_ids, attention, loss_mask, behaviour, advantages, temperatures)

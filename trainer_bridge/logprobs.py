@@ -20,13 +20,16 @@ def token_logprobs(
     attention_mask: Tensor | None,
     *,
     with_entropy: bool = False,
-    temperature: float = 1.0,
+    temperature: float | Tensor = 1.0,
     position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities ``[B, T]`` (and entropies ``[B, T]``) of ``input_ids`` under ``model``.
 
-    ``temperature`` divides the logits first; vLLM's behaviour logprobs are raw (temperature 1)
-    by default (``--logprobs-mode raw_logprobs``), so compare at 1.0.
+    ``temperature`` (a number, or ``[B, T]``: the temperature of each token, aligned with
+    ``input_ids``) divides the logits that predict each token: the policy a token was sampled
+    from at temperature ``t`` is ``softmax(logits / t)``. A batch row's ``temperature`` is the
+    one its behaviour logprobs are at (vLLM run with ``--logprobs-mode processed_logprobs``
+    reports them at the sampling temperature; ``gateway.proxy.sampling``).
 
     Packed rows (``trainer_bridge.packing``): ``attention_mask`` None and ``position_ids [1, N]``
     restarting at 0 on each row; a row's first token then holds 0, as unpacked. The forward
@@ -42,7 +45,11 @@ def token_logprobs(
         position_ids=position_ids,
         use_cache=False,
     ).logits  # [B, T, V]
-    logits = logits[:, :-1, :].float() / temperature  # predicts tokens 1..T-1: [B, T-1, V]
+    if isinstance(temperature, Tensor):
+        divisor: float | Tensor = temperature[:, 1:].unsqueeze(-1).float()  # [B, T-1, 1]
+    else:
+        divisor = temperature
+    logits = logits[:, :-1, :].float() / divisor  # predicts tokens 1..T-1: [B, T-1, V]
     log_softmax = torch.log_softmax(logits, dim=-1)  # [B, T-1, V]
     targets = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
     picked = log_softmax.gather(-1, targets).squeeze(-1)  # [B, T-1]

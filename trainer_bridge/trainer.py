@@ -44,13 +44,15 @@ from trainer_bridge.sharding import full, gather_trainable, save_full_safetensor
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """Tensors of one update; all ``[B, T]`` except ``advantages`` (``[B, T]`` or ``[B]``)."""
+    """Tensors of one update; all ``[B, T]`` except ``advantages`` (``[B, T]`` or ``[B]``) and
+    ``temperatures`` (``[B]``: each row's, which divides its logits; None: all 1)."""
 
     input_ids: Tensor
     attention_mask: Tensor
     loss_mask: Tensor
     behaviour_logprobs: Tensor
     advantages: Tensor
+    temperatures: Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -72,21 +74,24 @@ class TrainBatch:
             self.loss_mask[index, :width],
             self.behaviour_logprobs[index, :width],
             advantages[:, :width] if advantages.ndim == 2 else advantages,
+            None if self.temperatures is None else self.temperatures[index],
         )
 
     def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch(
-            *(
-                t.to(device)
-                for t in (
-                    self.input_ids,
-                    self.attention_mask,
-                    self.loss_mask,
-                    self.behaviour_logprobs,
-                    self.advantages,
-                )
-            )
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            self.behaviour_logprobs.to(device),
+            self.advantages.to(device),
+            None if self.temperatures is None else self.temperatures.to(device),
         )
+
+    def token_temperatures(self) -> Tensor | float:
+        """Each token's temperature ``[B, T]`` (its row's), or 1.0 when every row's is 1."""
+        if self.temperatures is None:
+            return 1.0
+        return self.temperatures[:, None].expand(self.input_ids.shape)  # [B, T]
 
 
 @dataclass(frozen=True)
@@ -227,13 +232,26 @@ class PolicyTrainer:
         if self.settings.micro_batch_tokens is None:
             with self._autocast():
                 return token_logprobs(
-                    model, micro.input_ids, micro.attention_mask, with_entropy=with_entropy
+                    model,
+                    micro.input_ids,
+                    micro.attention_mask,
+                    with_entropy=with_entropy,
+                    temperature=micro.token_temperatures(),
                 )
         lengths = micro.lengths
         ids, positions = pack(micro.input_ids, lengths)  # [1, N] each
+        temperature: float | Tensor = 1.0
+        if micro.temperatures is not None:
+            counts = torch.tensor(lengths, device=micro.temperatures.device)  # [b]
+            temperature = micro.temperatures.repeat_interleave(counts)[None]  # [1, N]
         with self._autocast():
             values, entropy = token_logprobs(
-                model, ids, None, with_entropy=with_entropy, position_ids=positions
+                model,
+                ids,
+                None,
+                with_entropy=with_entropy,
+                position_ids=positions,
+                temperature=temperature,
             )
         width = int(micro.input_ids.shape[1])
         return (

@@ -959,6 +959,31 @@ def bench_export(
     typer.echo(json.dumps(report, indent=None if as_json else 2))
 
 
+@bench_app.command("weight-updates")
+def bench_weight_updates(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    vllm_port: Annotated[int, typer.Option(help="Port of a vLLM in dev mode to pause.")] = 8400,
+    agents: Annotated[int, typer.Option(help="Agents, one long generation each per round.")] = 4,
+    tokens: Annotated[int, typer.Option(help="Tokens per generation (end token ignored).")] = 200,
+    rounds: Annotated[int, typer.Option(help="Rounds per mode.")] = 2,
+    drain_timeout_s: Annotated[float, typer.Option(help="Drain limit of mode 'drain'.")] = 2.0,
+) -> None:
+    """Full-weight updates against the real vLLM: rounds without updates, with 'drain' and with
+    'keep' updates side by side: round wall time, aborted and kept calls per update."""
+    from trajgate import vllm_server
+    from trajgate.bench.weight_updates import run_weight_update_benchmark
+
+    report = run_weight_update_benchmark(
+        f"http://127.0.0.1:{vllm_port}",
+        vllm_server.default_model_dir(),
+        agents=agents,
+        tokens=tokens,
+        rounds=rounds,
+        drain_timeout_s=drain_timeout_s,
+    )
+    typer.echo(json.dumps(report, indent=None if as_json else 2))
+
+
 @bench_app.command("inspector")
 def bench_inspector(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,

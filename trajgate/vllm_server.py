@@ -164,7 +164,8 @@ def serving_mismatch(url: str, model_dir: Path) -> str | None:
 
 
 def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> list[str]:
-    """The vLLM command line: hermes tool parser, runtime LoRA, eager mode (no ~40 s warm-up)."""
+    """The vLLM command line: hermes tool parser, runtime LoRA, eager mode (no ~40 s warm-up),
+    processed logprobs."""
     return [
         str(venv_python(venv_dir)),
         "-m",
@@ -191,6 +192,11 @@ def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> lis
         "float32",
         "--seed",
         "0",
+        # Behaviour logprobs of the distribution that sampled (temperature, penalties, top-k /
+        # top-p masks applied), not vLLM's default raw ones at temperature 1: the gateway's
+        # upstream_logprobs_mode default says so (gateway.proxy.sampling).
+        "--logprobs-mode",
+        "processed_logprobs",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",

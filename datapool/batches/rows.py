@@ -15,6 +15,12 @@ all rows. A segment of steps ``s_1..s_m`` becomes one row:
 
 which equals ``P_m + R_m``. In the ``per_step`` layout every segment is one step
 (``P + R``, mask ``0^P 1^R``).
+
+Each row also carries the temperature its behaviour logprobs are at (``temperature``: the
+trainer divides its logits by it; a merged row only joins steps of one temperature), each
+step's sampling record (``sampling_json``), and ``policy_version_spans``: ``[start, end)`` of
+the row's token positions with the policy version that sampled them, one span per step's
+version span (a step sampled across a kept full-weight update has several).
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from datapool.steps.payloads import StepRef, prompts_of
 from datapool.steps.store import PoolStore
 
 IntArray = npt.NDArray[np.int32]
+# A row's ``policy_version_spans``: [start, end) of its token positions and the version.
+VERSION_SPANS = pa.list_(
+    pa.struct([("version", pa.int32()), ("start", pa.int32()), ("end", pa.int32())])
+)
 FloatArray = npt.NDArray[np.float32]
 
 
@@ -48,6 +58,20 @@ class StepTokens:
     @property
     def tokens(self) -> int:
         return len(self.prompt) + len(self.response)
+
+    @property
+    def temperature(self) -> float:
+        """The temperature the stored logprobs are at (1.0 for steps recorded before it was)."""
+        sampling = self.row.sampling
+        return 1.0 if not sampling else float(sampling.get("logprobs_temperature", 1.0))
+
+    def version_spans(self) -> list[tuple[int | None, int, int]]:
+        """``(version, start, end)`` over the response tokens, in order (one span when the
+        step was sampled by one version)."""
+        spans = self.row.policy_version_spans
+        if not spans:
+            return [(self.row.policy_version, 0, len(self.response))]
+        return [(int(v), int(start), int(end)) for v, start, end in spans]
 
 
 def load_tokens(
@@ -84,6 +108,7 @@ def _extends(tail: StepTokens, step: StepTokens) -> bool:
     return (
         step.row.parent_step_id == tail.row.id
         and bool(step.row.extends_parent)
+        and step.temperature == tail.temperature
         and len(step.prompt) >= n
         and np.array_equal(step.prompt[: len(tail.prompt)], tail.prompt)
         and np.array_equal(step.prompt[len(tail.prompt) : n], tail.response)
@@ -97,7 +122,8 @@ def segments(
     steps dropped because a single step exceeds max_tokens_per_row)``.
 
     ``merged`` grows a segment only across token-exact extensions (a prefix break, a fork, a
-    dropped step in between or the row cap start a new one); ``per_step`` is one step each.
+    dropped step in between, another temperature or the row cap start a new one); ``per_step``
+    is one step each.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -130,6 +156,8 @@ class TokenColumns:
     behaviour_logprobs: pa.Array
     position_ids: pa.Array
     step_ids: pa.Array
+    policy_version_spans: pa.Array
+    temperature: npt.NDArray[np.float32]
     num_tokens: npt.NDArray[np.int32]
     num_loss_tokens: npt.NDArray[np.int32]
     prompt_tokens: npt.NDArray[np.int32]
@@ -145,9 +173,17 @@ def assemble(rows: Sequence[Sequence[StepTokens]]) -> TokenColumns:
     first_prompt = np.zeros(len(rows), dtype=np.int32)  # [B]
     step_ids: list[str] = []
     steps_per_row = np.zeros(len(rows), dtype=np.int32)  # [B]
+    temperature = np.ones(len(rows), dtype=np.float32)  # [B]
+    spans: list[list[dict[str, int | None]]] = []
     for i, segment in enumerate(rows):
         covered = 0
+        row_spans: list[dict[str, int | None]] = []
         for step in segment:
+            start = len(step.prompt)  # the response's first position in the row
+            row_spans += [
+                {"version": version, "start": start + begin, "end": start + end}
+                for version, begin, end in step.version_spans()
+            ]
             environment = step.prompt[covered:]  # [E]: the tokens the next prompt adds
             id_pieces += (environment, step.response)
             piece_lengths += (len(environment), len(step.response))
@@ -158,6 +194,8 @@ def assemble(rows: Sequence[Sequence[StepTokens]]) -> TokenColumns:
         row_lengths[i] = covered
         first_prompt[i] = len(segment[0].prompt)
         steps_per_row[i] = len(segment)
+        temperature[i] = segment[0].temperature
+        spans.append(row_spans)
     total = int(row_lengths.sum())
     values = np.concatenate(id_pieces) if id_pieces else np.zeros(0, np.int32)  # [N]
     pattern = np.tile(np.array([0, 1], dtype=np.int8), len(piece_lengths) // 2)
@@ -179,6 +217,8 @@ def assemble(rows: Sequence[Sequence[StepTokens]]) -> TokenColumns:
         behaviour_logprobs=pa.ListArray.from_arrays(arrow_offsets, pa.array(logprobs)),
         position_ids=pa.ListArray.from_arrays(arrow_offsets, pa.array(positions)),
         step_ids=pa.ListArray.from_arrays(pa.array(step_offsets), pa.array(step_ids, pa.string())),
+        policy_version_spans=pa.array(spans, VERSION_SPANS),
+        temperature=temperature,
         num_tokens=row_lengths.astype(np.int32),
         num_loss_tokens=loss_lengths,
         prompt_tokens=first_prompt,

@@ -55,7 +55,14 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from datapool.batches.advantages import discounted_returns, estimate_advantages, estimator
-from datapool.batches.rows import StepTokens, assemble, load_tokens, segment_tokens, segments
+from datapool.batches.rows import (
+    VERSION_SPANS,
+    StepTokens,
+    assemble,
+    load_tokens,
+    segment_tokens,
+    segments,
+)
 from datapool.batches.spec import REWARD_TO_STEPS, BatchSpec
 from datapool.batches.step_credit import StepScores, credit_rows
 from datapool.curation.readiness import Verdict, assess
@@ -85,6 +92,9 @@ ROW_SCHEMA = pa.schema(
         ("segment_index", pa.int32()),
         ("step_ids", pa.list_(pa.string())),
         ("policy_version", pa.int32()),
+        ("policy_version_spans", VERSION_SPANS),
+        ("temperature", pa.float32()),
+        ("sampling_json", pa.string()),
         ("reward", pa.float64()),
         ("step_reward", pa.float64()),
         ("rewards_json", pa.string()),
@@ -223,7 +233,12 @@ def trainable_steps(
 
 def is_stale(policy_version: int | None, spec: BatchSpec, current_version: int | None) -> bool:
     """A step sampled by ``policy_version`` is stale when it is more than
-    ``spec.max_staleness_versions`` behind ``current_version`` (never when any is unknown)."""
+    ``spec.max_staleness_versions`` behind ``current_version`` (never when any is unknown).
+
+    Per step, by its oldest version: a step sampled across a kept full-weight update
+    (``policy_version_spans``) is stamped with the version of its first token, the oldest of
+    its spans, so the bound holds for every token of it. Per token would cut a response in
+    the middle and train its tail on a context whose head was dropped."""
     return (
         spec.max_staleness_versions is not None
         and current_version is not None
@@ -555,6 +570,9 @@ def assemble_table(
             "segment_index": np.asarray(plan.segment_index, dtype=np.int32),
             "step_ids": columns.step_ids,
             "policy_version": pa.array([oldest_version(seg) for seg in plan.segments], pa.int32()),
+            "policy_version_spans": columns.policy_version_spans,
+            "temperature": columns.temperature,
+            "sampling_json": [json.dumps([s.row.sampling for s in seg]) for seg in plan.segments],
             "reward": scores.reward[member],
             "step_reward": scores.reward[member] * share,
             "rewards_json": [json.dumps(members[n].rewards) for n in member],

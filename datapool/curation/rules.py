@@ -11,7 +11,8 @@ Rule kinds (``params`` in brackets; ``target`` = ``step`` (default) or ``traject
 step-level kinds accept it):
 
 - ``integrity`` [flags, target]: steps with an integrity flag (default ``ids_missing``,
-  ``ids_incomplete``, ``prompt_ids_missing``, ``aborted``), an outcome other than ``ok``
+  ``ids_incomplete``, ``prompt_ids_missing``, ``aborted``, ``raw_logprobs``,
+  ``policy_version_split_unknown``), an outcome other than ``ok``
   (upstream errors, timeouts, client disconnects) or ``finish_reason == "abort"``.
 - ``prefix_break`` []: trajectories with a prefix break (batches split at breaks anyway; this
   rule drops such trajectories entirely).
@@ -86,6 +87,11 @@ INTEGRITY_FLAGS: tuple[str, ...] = (
     "ids_incomplete",
     "prompt_ids_missing",
     "aborted",
+    # Behaviour logprobs not of the distribution that sampled (gateway.proxy.sampling; invariant 9).
+    "raw_logprobs",
+    # Sampled across a full-weight reload where the gateway could not tell which tokens each
+    # version sampled (a unary call; gateway.upstream.weight_update).
+    "policy_version_split_unknown",
 )
 STEP_TARGETS: tuple[str, ...] = ("step", "trajectory")
 _PARAMS: dict[str, set[str]] = {

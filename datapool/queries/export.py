@@ -15,6 +15,10 @@ One row per step:
     trainable: bool   (outcome ok, ids present, no integrity flag, trajectory not empty/incomplete)
     step_rewards_json, trajectory_rewards_json: string (JSON {name: value}; "{}" = unrewarded)
     messages_json, response_message_json: string; created_at: timestamp[us, UTC]
+    sampling_json: string (JSON: effective sampling fields, ``logprobs_temperature``, what
+        narrowed them; "null" = written before they were recorded)
+    policy_version_spans_json: string (JSON [[version, start, end), ...] over the response
+        tokens; "null" = every token is ``policy_version``'s)
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import select
 
+from datapool.curation import rules as curation_rules
 from datapool.models import EMPTY, INCOMPLETE, Trajectory
 from datapool.rewards.values import current_rewards
 from datapool.steps.messages import engine_chat
 from datapool.steps.store import PoolStore
 
 ExportFormat = Literal["parquet", "jsonl"]
-INTEGRITY_FLAGS = {"ids_missing", "ids_incomplete", "prompt_ids_missing"}
+INTEGRITY_FLAGS = frozenset(curation_rules.INTEGRITY_FLAGS)
 CHUNK_TRAJECTORIES = 256
 
 SCHEMA = pa.schema(
@@ -63,6 +68,8 @@ SCHEMA = pa.schema(
         ("messages_json", pa.string()),
         ("response_message_json", pa.string()),
         ("created_at", pa.timestamp("us", tz="UTC")),
+        ("sampling_json", pa.string()),
+        ("policy_version_spans_json", pa.string()),
     ]
 )
 
@@ -132,6 +139,8 @@ def _rows(store: PoolStore, trajectory_ids: list[str]) -> Iterator[dict[str, Any
                 "messages_json": json.dumps(engine_chat(step.request, step.upstream_request)[0]),
                 "response_message_json": json.dumps(step.response_message),
                 "created_at": step.created_at,
+                "sampling_json": json.dumps(step.sampling),
+                "policy_version_spans_json": json.dumps(step.policy_version_spans),
             }
 
 

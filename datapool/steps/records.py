@@ -28,6 +28,9 @@ class ChoiceRecord:
     # Set by the gateway when it must name the step before it is written (streaming answers
     # carry ``x-trajgate-step-id`` in headers sent before the first token); else the pool picks.
     step_id: str | None = None
+    # [[version, start, end], ...] over the response tokens when a full-weight update replaced
+    # the weights while this choice was sampling (``steps.policy_version_spans``).
+    policy_version_spans: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class CallRecord:
     idempotency_key: str | None = None
     ttft_ms: float | None = None
     held_ms: float | None = None
+    # The effective sampling parameters and the channel's policy (``gateway.proxy.sampling``).
+    sampling: dict[str, Any] | None = None
     group_id: str | None = None
     channel: str | None = None
     # The upstream attempts of the call (retries included), committed in the same transaction as

@@ -162,7 +162,12 @@ class WriteBatch:
                     "idempotency_key": call.idempotency_key,
                     "step_index": step_index,
                     "choice_index": choice.choice_index,
-                    "policy_version": call.policy_version,
+                    # A step sampled across a kept reload: the version of its first token.
+                    "policy_version": (
+                        choice.policy_version_spans[0][0]
+                        if choice.policy_version_spans
+                        else call.policy_version
+                    ),
                     "model": call.model,
                     "upstream": call.upstream,
                     "outcome": call.outcome,
@@ -181,6 +186,8 @@ class WriteBatch:
                     "held_ms": call.held_ms,
                     "continuation": call.continuation,
                     "suffix_tokens": call.suffix_tokens,
+                    "sampling": call.sampling,
+                    "policy_version_spans": choice.policy_version_spans,
                     "flags": flags,
                     "extends_parent": lineage.extends_parent,
                     "divergence_offset": lineage.divergence_offset,

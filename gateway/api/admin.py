@@ -19,8 +19,15 @@ from gateway.api.bodies import PoolRoute
 from gateway.auth import check_admin_token
 from gateway.errors import ConflictError, UpstreamError
 from gateway.proxy.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
+from gateway.settings import UPDATE_MODES, UpdateMode
 from gateway.state import GatewayState
-from gateway.upstream.weight_update import ReloadError, reload_replicas
+from gateway.upstream.weight_update import (
+    ReloadError,
+    pause_replicas,
+    reload_kept_replicas,
+    reload_replicas,
+    resume_replicas,
+)
 
 
 def _admin_state(request: Request) -> GatewayState:
@@ -75,8 +82,14 @@ class WeightUpdateCreate(BaseModel):
         default=None,
         ge=0,
         le=3600,
-        description="Seconds calls in flight may take to finish before they are aborted "
-        "(default: the gateway's weight_update_drain_timeout_s).",
+        description="Mode 'drain': seconds calls in flight may take to finish before they "
+        "are aborted (default: the gateway's weight_update_drain_timeout_s).",
+    )
+    mode: UpdateMode | None = Field(
+        default=None,
+        description="'keep': calls in flight are paused in vLLM and continue on the new "
+        "weights, each token recording its version; 'drain': they finish or are aborted "
+        "(default: the gateway's weight_update_mode).",
     )
 
 
@@ -89,6 +102,12 @@ class WeightUpdatePublic(BaseModel):
     drained_calls: int = Field(description="Calls in flight that finished within the limit.")
     aborted_calls: int = Field(description="Calls still sampling at the limit: aborted.")
     held_calls: int = Field(description="Calls that arrived during the pause and were held.")
+    mode: UpdateMode = Field(description="How the calls in flight were treated.")
+    kept_calls: int = Field(description="Mode 'keep': calls in flight across the reload.")
+    split_unknown_calls: int = Field(
+        description="Kept calls whose tokens before the reload are not known (unary calls, "
+        "streams too slow to read): flagged policy_version_split_unknown, never trained on."
+    )
 
 
 class ApiKeyCreate(BaseModel):
@@ -151,14 +170,17 @@ async def activate_policy_version(
 
 @router.post("/weight-updates", status_code=201)
 async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpdatePublic:
-    """Publish full weights without a step that mixes two policies: hold new calls, let the
-    calls in flight finish (abort them past ``weight_update_drain_timeout_s``), reload every
-    replica in place and reset its prefix cache, register and activate ``version``, release the
-    held calls (stamped with ``version``). 409 ``policy_version_conflict`` when ``version`` is
-    registered with another model name or weights location (nothing paused; an identical
-    re-send reloads the same weights again); 409 when this gateway runs several worker
-    processes (the pause would hold only this one; nothing paused); 502 when a replica refused
-    the reload (the version is not registered, the held calls are released; publish again)."""
+    """Publish full weights without a step whose tokens' versions are unknown: hold new calls;
+    mode ``keep`` pauses every replica keeping its requests, reloads, registers and activates
+    ``version``, records on each call in flight which tokens came before, and resumes (nothing
+    aborted); mode ``drain`` lets the calls in flight finish (aborting them past
+    ``weight_update_drain_timeout_s``), then reloads every replica in place, resets its prefix
+    cache and registers ``version``. Then the held calls are released (stamped with
+    ``version``). 409 ``policy_version_conflict`` when ``version`` is registered with another
+    model name or weights location (nothing paused; an identical re-send reloads the same
+    weights again); 409 when this gateway runs several worker processes (the pause
+    would hold only this one; nothing paused); 502 when a replica refused the reload (the
+    version is not registered, the held calls are released; publish again)."""
     if state.settings.workers > 1:
         raise ConflictError(
             f"full-weight updates need a gateway with one worker process, this one runs "
@@ -175,19 +197,39 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     )
     urls = [replica.url for replica in state.upstreams.replicas]
 
-    async def reload_and_register() -> None:
-        await reload_replicas(
-            state.client, urls, body.weights_location, state.settings.upstream_total_timeout_s
-        )
+    timeout_s = state.settings.upstream_total_timeout_s
+    mode = body.mode or state.settings.weight_update_mode
+
+    async def register() -> None:
         await run_in_threadpool(
             state.policy.register, body.version, body.model_name, body.weights_location, True
         )
 
+    async def reload_and_register() -> None:
+        await reload_replicas(state.client, urls, body.weights_location, timeout_s)
+        await register()
+
+    async def pause_reload_and_register() -> None:
+        await pause_replicas(state.client, urls, timeout_s)
+        await reload_kept_replicas(
+            state.client, urls, body.weights_location, body.version, timeout_s
+        )
+        await register()
+
+    async def resume() -> None:
+        await resume_replicas(state.client, urls, timeout_s)
+
+    gate = state.upstreams.gate
     try:
-        drain_timeout_s = body.drain_timeout_s
-        if drain_timeout_s is None:
-            drain_timeout_s = state.settings.weight_update_drain_timeout_s
-        _, report = await state.upstreams.gate.pause(reload_and_register, drain_timeout_s)
+        if mode == "keep":
+            _, report = await gate.keep(pause_reload_and_register, resume, body.version)
+        elif mode == "drain":
+            drain_timeout_s = body.drain_timeout_s
+            if drain_timeout_s is None:
+                drain_timeout_s = state.settings.weight_update_drain_timeout_s
+            _, report = await gate.pause(reload_and_register, drain_timeout_s)
+        else:
+            raise ValueError(f"weight update mode must be one of {UPDATE_MODES}, got {mode!r}")
     except ReloadError as exc:
         if claimed:
             await run_in_threadpool(state.policy.unregister_unused, body.version)
@@ -202,6 +244,9 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
         drained_calls=report.drained_calls,
         aborted_calls=report.aborted_calls,
         held_calls=report.held_calls,
+        mode=report.mode,
+        kept_calls=report.kept_calls,
+        split_unknown_calls=report.split_unknown_calls,
     )
 
 

@@ -125,6 +125,16 @@ class StepPublic(StepSummary):
     suffix_tokens: int | None = Field(
         default=None, description="In exact mode: tokens the template rendered for this call."
     )
+    sampling: dict[str, Any] | None = Field(
+        default=None,
+        description="Effective sampling fields, what narrowed them, the logprobs mode and the "
+        "temperature the behaviour logprobs are at (null: recorded before they were).",
+    )
+    policy_version_spans: list[list[int]] | None = Field(
+        default=None,
+        description="[[version, start, end], ...] over the response tokens when a kept "
+        "full-weight update changed the weights mid-call; null: all policy_version's.",
+    )
     error: str | None
     prompt_token_ids: list[int] | None
     response_token_ids: list[int] | None

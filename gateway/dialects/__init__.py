@@ -17,10 +17,10 @@ from gateway.dialects.base import (
     check_limits,
     with_sampling_defaults,
 )
-from gateway.dialects.chat_completions import ChatCompletions
-from gateway.dialects.completions import Completions
-from gateway.dialects.messages import Messages
-from gateway.dialects.responses import Responses
+from gateway.dialects.chat_completions.serving import ChatCompletions
+from gateway.dialects.completions.serving import Completions
+from gateway.dialects.messages.serving import Messages
+from gateway.dialects.responses.serving import Responses
 
 DIALECTS: tuple[Dialect, ...] = (
     ChatCompletions(),

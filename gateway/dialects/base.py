@@ -204,6 +204,11 @@ class DialectStream(ABC):
         """The event that ends a stream in ``error`` (the status line already said 200)."""
 
     @abstractmethod
+    def sampled_counts(self) -> dict[int, int]:
+        """Sampled tokens read so far, by choice index (where a kept weight reload splits the
+        call's versions: ``gateway.upstream.weight_update``)."""
+
+    @abstractmethod
     def captured(self, abort_reason: str | None) -> Captured:
         """The capture so far. ``abort_reason`` (``client_disconnect``, ``upstream_timeout``,
         ``upstream_error``) replaces a missing finish reason and flags the step ``aborted``."""

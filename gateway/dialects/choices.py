@@ -304,6 +304,10 @@ class ChoicesCapture:
             system_fingerprint=system_fingerprint,
         )
 
+    def sampled_counts(self) -> dict[int, int]:
+        """Sampled tokens read so far, by choice index."""
+        return {index: len(state.ids) for index, state in self.states.items()}
+
     def all_finished(self) -> bool:
         finished = sum(1 for s in self.states.values() if s.finish_reason is not None)
         return finished >= self.n_choices
@@ -387,6 +391,9 @@ class ChoicesStream(DialectStream):
 
     def error_event(self, error: TrajgateError) -> bytes:
         return sse_error_event(error)
+
+    def sampled_counts(self) -> dict[int, int]:
+        return self.capture.sampled_counts()
 
     def captured(self, abort_reason: str | None) -> Captured:
         return self.capture.captured(

@@ -240,5 +240,8 @@ class TranslatedStream(DialectStream):
             return []  # the error event was the last one
         return [frame(event) for event in self.closing_events()]
 
+    def sampled_counts(self) -> dict[int, int]:
+        return self.capture.sampled_counts()
+
     def captured(self, abort_reason: str | None) -> Captured:
         return self.capture.captured(abort_reason, error=self.error)

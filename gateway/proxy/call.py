@@ -25,9 +25,10 @@ from gateway.dialects import Dialect, Prepared
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.continuation.engine import Continuation
 from gateway.proxy.continuation.history import Turn, render_key
+from gateway.proxy.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica
-from gateway.upstream.weight_update import Ticket
+from gateway.upstream.weight_update import POLICY_VERSION_SPLIT_UNKNOWN, Ticket
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -53,6 +54,9 @@ class Call:
     ticket: Ticket = field(default_factory=Ticket)
     # How its prompt is built: the template's rendering, or an exact continuation of a turn.
     continuation: Continuation = field(default_factory=lambda: Continuation("template"))
+    # What it samples with (``gateway.proxy.sampling.sampling_record``), stored as
+    # ``steps.sampling``.
+    sampling: dict[str, Any] | None = None
 
     @property
     def trajectory_id(self) -> str:
@@ -102,8 +106,12 @@ class Call:
         error: str | None = None,
         ttft_ms: float | None = None,
     ) -> CallRecord:
+        choices = [self._with_versions(c) for c in choices]
+        added = [] if self.sampling is None else sampling_flags(self.sampling)
         if self.resend_of is not None:
-            choices = [replace(c, flags=[*c.flags, "resend"]) for c in choices]
+            added.append("resend")
+        if added:
+            choices = [replace(c, flags=[*c.flags, *added]) for c in choices]
         if self.step_ids:
             choices = [
                 replace(c, step_id=self.step_ids[c.choice_index])
@@ -129,12 +137,25 @@ class Call:
             idempotency_key=self.idempotency_key,
             ttft_ms=ttft_ms,
             held_ms=self.ticket.held_ms,
+            sampling=self.sampling,
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
             attempts=tuple(self.attempts),
             continuation=self.continuation.built,
             suffix_tokens=self.continuation.suffix_tokens,
         )
+
+    def _with_versions(self, choice: ChoiceRecord) -> ChoiceRecord:
+        """``choice`` with the policy version spans of a kept weight reload it sampled across,
+        or flagged ``policy_version_split_unknown`` where the split is not known."""
+        if not self.ticket.marks:
+            return choice
+        tokens = len(choice.response_token_ids or [])
+        try:
+            spans = self.ticket.version_spans(self.policy_version, choice.choice_index, tokens)
+        except LookupError:
+            return replace(choice, flags=[*choice.flags, POLICY_VERSION_SPLIT_UNKNOWN])
+        return replace(choice, policy_version_spans=spans)
 
     def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:
         """The trajgate headers of the answer. ``committed``: ``step_ids`` came back from the

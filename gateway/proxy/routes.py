@@ -48,6 +48,7 @@ from gateway.proxy.attribution import (
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
 from gateway.proxy.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
 from gateway.proxy.continuation.history import find_extension, render_key
+from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState, StateDep
 from gateway.upstream.answer_limit import AnswerTooLargeError
@@ -200,6 +201,8 @@ async def proxy_call(
     writer.call_started(attribution.trajectory_id)
     try:
         ticket = await state.upstreams.gate.admit()
+        if body.get("stream") is True:
+            ticket.streams()  # its tokens are counted as read: a kept reload can split them
         try:
             response = await forward_call(state, request, dialect, body, attribution, ticket)
         except BaseException:
@@ -318,12 +321,15 @@ async def new_call(
         )
     call_id = resend_of or str(uuid.uuid4())
     earlier = await earlier_call(state, dialect, body, attribution)
-    prepared = with_sampling_defaults(
-        dialect.prepare_call(client_body, call_id, earlier),
-        state.settings.sampling_defaults_for(attribution.channel),
-    )
+    defaults = state.settings.sampling_defaults_for(attribution.channel)
+    prepared = with_sampling_defaults(dialect.prepare_call(client_body, call_id, earlier), defaults)
+    policy = state.settings.sampling_policy_for(attribution.channel)
+    prepared, replaced = apply_policy(dialect, prepared, policy, defaults)
     check_limits(dialect, prepared, state.settings.generation_limits)
     continuation = plan_continuation(state, attribution, prepared.upstream_body, dialect)
+    sampling = sampling_record(
+        prepared.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
+    )
     return Call(
         dialect=dialect,
         attribution=attribution,
@@ -335,6 +341,7 @@ async def new_call(
         idempotency_key=idempotency_key,
         resend_of=resend_of,
         continuation=continuation,
+        sampling=sampling,
     )
 
 

@@ -214,6 +214,7 @@ async def relay_stream(
     replica = upstream.replica
     metrics = state.metrics
     stream = call.dialect.open_stream(call.prepared, replica.system_fingerprint)
+    call.ticket.sampled = stream.sampled_counts  # what a kept weight reload splits at
     feed = stream.feed
     deadline = call.started + state.settings.upstream_total_timeout_s
     abort_reason: str | None = None

@@ -6,7 +6,7 @@ close, or mis-declared), raising ``AnswerTooLargeError`` at the first read past 
 unary read, a non-200 body and a stream are all bounded, whatever the replica sends: an endless
 chunked body ends at the limit, not at the total time limit. Never: buffers (a piece passes
 through as it came), decodes ``content-encoding`` (counted bytes are the framed body's, before
-httpx decodes it), or decides what the failure is recorded as (``gateway.proxy`` does:
+httpx decodes it), or decides what the failure is recorded as (``gateway.proxy.routes`` does:
 ``upstream_error``).
 """
 

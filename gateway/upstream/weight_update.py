@@ -1,20 +1,41 @@
-"""Full-weight updates: hold new calls, drain or abort the calls in flight, reload, release.
+"""Full-weight updates: hold new calls, keep or drain the calls in flight, reload, release.
 
 Owns: the gate every model-serving call passes before its policy version is resolved
 (``WeightGate.admit``), the ``Ticket`` an admitted call holds until its upstream stopped
-sampling, the pause around a reload (``WeightGate.pause``), and the reload of every replica
-(``reload_replicas``: vLLM's ``collective_rpc reload_weights``, then ``reset_prefix_cache``).
+sampling, the pause around a reload (``WeightGate.pause``, two modes), which policy version
+sampled which of a call's tokens (``Ticket.version_spans``), and the reload of every replica
+(``reload_replicas``, ``pause_replicas`` / ``resume_replicas``).
 
 Why: vLLM reloads full weights in place, between two engine steps, while requests run. A call
-sampling across the reload would get tokens (and behaviour logprobs) from two policies under
-one stamped version. So a pause (one at a time):
+sampling across the reload gets tokens (and behaviour logprobs) from two policies, so either no
+call samples across it (``drain``) or every token knows its version (``keep``). Both close the
+gate first: calls arriving from now on wait in ``admit`` (held, never refused), and resolve
+their policy version only once it opens, so they are stamped with the new one. Pauses run one
+at a time.
 
-1. closes the gate: calls arriving from now on wait in ``admit`` (held, never refused);
-2. gives the calls already admitted ``drain_timeout_s`` to finish sampling;
-3. aborts the ones still sampling (``Ticket.guard`` raises ``CallAborted`` in the call's own
-   task; the call records its step as ``aborted_for_weight_update`` and answers 503);
-4. runs the reload (and the registration of the new version), then opens the gate: the held
-   calls resolve their policy version only now, so they are stamped with the new one.
+``keep`` (the default; vLLM 0.32 dev mode, checked on the CPU build):
+
+1. ``POST /pause?mode=keep`` on every replica: vLLM stops scheduling and freezes the requests
+   in its queue; it answers once its engine finished the step in flight and sent its outputs;
+2. ``collective_rpc reload_weights``, ``reset_prefix_cache?reset_running_requests=true`` (the
+   frozen requests are preempted, so on resume their prompt and tokens so far are recomputed
+   under the new weights: no token of the new version attends to KV of the old one; vLLM
+   0.32's pause already does so, its ``clear_cache`` defaulting to true even with ``keep``,
+   whatever its docstring says, and the forced reset keeps it so where it does not) and
+   ``POST /update_weight_version`` (what ``/inference/v1/generate`` reports per token);
+3. the split: each streamed call in flight records how many tokens of each choice it has read
+   (``Ticket.mark``). Exact, because the engine samples nothing between 1 and 4 and the
+   gateway reads every chunk sent before: a stream counts once its read has waited
+   ``QUIET_S`` with nothing arriving (its socket empty while the engine is frozen); one that
+   does not within ``SETTLE_S`` (a client too slow to take its chunks), and every unary call
+   in flight (its answer comes whole, the split cannot be known), is marked unknown: its step
+   is flagged ``policy_version_split_unknown`` and kept out of training (invariant 9);
+4. ``POST /resume`` on every replica (whatever failed before), then the gate opens.
+
+Nothing is aborted and nothing waits longer than the reload. ``drain`` (the former behaviour):
+the calls admitted get ``drain_timeout_s`` to finish sampling, those still sampling are aborted
+(``Ticket.guard`` raises ``CallAborted`` in the call's own task; the call records its step as
+``aborted_for_weight_update`` and answers 503), then the reload runs.
 
 Every model-serving call is held, not only those naming the reloaded model: an adapter computes
 on the base weights being replaced. LoRA hot-loads never pause (each version is its own adapter).
@@ -36,6 +57,7 @@ import httpx
 
 from datapool.models import StepOutcome
 from gateway.errors import ServiceUnavailableError
+from gateway.settings import UpdateMode
 
 T = TypeVar("T")
 ABORTED_FOR_WEIGHT_UPDATE = StepOutcome.ABORTED_FOR_WEIGHT_UPDATE
@@ -45,6 +67,14 @@ ABORTED_FOR_WEIGHT_UPDATE = StepOutcome.ABORTED_FOR_WEIGHT_UPDATE
 ABORT_GRACE_S = 10.0
 # Seconds a replica's prefix-cache reset is retried before it is forced (see reload_replicas).
 RESET_RETRY_S = 5.0
+# ``keep``: a stream's read must have waited this long with nothing arriving to count its
+# tokens, and the split waits at most SETTLE_S in all for the streams to get there.
+QUIET_S = 0.05
+SETTLE_S = 2.0
+POLICY_VERSION_SPLIT_UNKNOWN = "policy_version_split_unknown"
+
+# A choice's tokens read so far, by choice index (``Ticket.sampled``).
+Counts = dict[int, int]
 
 
 class CallAborted(Exception):
@@ -74,10 +104,52 @@ class Ticket:
     def __init__(self, gate: WeightGate | None = None, held_ms: float | None = None) -> None:
         self.held_ms = held_ms
         self.aborted = False
+        # Streams: the tokens of each choice read so far (set by the stream's relay; before it
+        # starts, none were). None: a unary call, whose tokens arrive at once at the end.
+        self.sampled: Callable[[], Counts] | None = None
+        # Each kept reload this call sampled across: (the new version, its counts at the
+        # split, None when unknown).
+        self.marks: list[tuple[int, Counts | None]] = []
         self._gate = gate
         self._waiting: asyncio.Task[Any] | None = None  # the task inside ``guard``, if any
         self._cut = False  # ``abort`` cancelled ``_waiting``: that cancellation is ours
+        self._last_read_at = time.monotonic()  # when a read inside ``guard`` last returned
         self._loop = asyncio.get_running_loop() if gate is not None else None
+
+    def streams(self) -> None:
+        """This call is a stream: its tokens are counted as they are read (none yet)."""
+        if self.sampled is None:
+            self.sampled = dict
+
+    def quiet(self, now: float) -> bool:
+        """Waiting on its upstream with nothing read for ``QUIET_S`` (see the module doc)."""
+        return self._waiting is not None and now - self._last_read_at >= QUIET_S
+
+    def mark(self, version: int, known: bool) -> None:
+        """Record the split of a kept reload to ``version`` (``known``: the counts are exact)."""
+        counts = self.sampled() if known and self.sampled is not None else None
+        self.marks.append((version, counts))
+
+    def version_spans(
+        self, policy_version: int, choice_index: int, tokens: int
+    ) -> list[list[int]] | None:
+        """``[[version, start, end], ...]`` of a choice's ``tokens`` response tokens (empty
+        spans left out), starting with ``policy_version``; None when the call sampled under
+        one version. Raises ``LookupError`` when a split is unknown (a unary call)."""
+        if not self.marks:
+            return None
+        spans: list[list[int]] = []
+        version, start = policy_version, 0
+        for new_version, counts in self.marks:
+            if counts is None:
+                raise LookupError("the tokens sampled before a kept reload are not known")
+            end = min(counts.get(choice_index, 0), tokens)
+            if end > start:
+                spans.append([version, start, end])
+            version, start = new_version, max(start, end)
+        if tokens > start or not spans:
+            spans.append([version, start, tokens])
+        return None if len(spans) == 1 and spans[0][0] == policy_version else spans
 
     async def guard(self, awaitable: Coroutine[Any, Any, T]) -> T:
         """Await ``awaitable`` unless the gate aborts this call first or meanwhile.
@@ -98,7 +170,9 @@ class Ticket:
         task = asyncio.current_task()
         self._waiting = task
         try:
-            return await awaitable
+            result = await awaitable
+            self._last_read_at = time.monotonic()
+            return result
         except asyncio.CancelledError:
             if not self._cut or task is None:
                 raise
@@ -130,14 +204,19 @@ class Ticket:
 class PauseReport:
     """What one pause did: its length (ms, gate closed to gate open) and the calls it touched.
 
-    ``drained_calls``: in flight at the start and finished within the drain limit;
-    ``aborted_calls``: still sampling at the limit; ``held_calls``: arrived during the pause.
+    ``drained_calls``: in flight at the start and finished within the drain limit (``drain``);
+    ``aborted_calls``: still sampling at the limit; ``held_calls``: arrived during the pause;
+    ``kept_calls``: in flight across a ``keep`` reload, ``split_unknown_calls`` of which could
+    not tell which tokens came before it (kept out of training).
     """
 
     pause_ms: float
     drained_calls: int
     aborted_calls: int
     held_calls: int
+    mode: UpdateMode = "drain"
+    kept_calls: int = 0
+    split_unknown_calls: int = 0
 
 
 class WeightGate:
@@ -212,6 +291,64 @@ class WeightGate:
                 self._open.set()
         return result, PauseReport(pause_ms, in_flight - aborted, aborted, held)
 
+    async def keep(
+        self,
+        reload: Callable[[], Awaitable[T]],
+        resume: Callable[[], Awaitable[None]],
+        version: int,
+    ) -> tuple[T, PauseReport]:
+        """Close the gate, run ``reload`` (pause the replicas keeping their requests, reload,
+        register ``version``), mark the split on every call in flight, run ``resume``, reopen.
+
+        ``resume`` runs however ``reload`` ends; when ``reload`` fails the calls in flight are
+        marked unknown (some replicas may hold weights of no registered version) and its error
+        propagates. One pause at a time, as ``pause``.
+        """
+        async with self._lock:
+            self._open.clear()
+            self._held = 0
+            started = time.perf_counter()
+            in_flight = list(self._tickets)
+            known = False
+            try:
+                result = await reload()
+                known = True
+            finally:
+                try:
+                    unknown = await self._split(in_flight, version, known)
+                    await resume()
+                finally:
+                    pause_ms = (time.perf_counter() - started) * 1000.0
+                    held = self._held
+                    self._open.set()
+        report = PauseReport(pause_ms, 0, 0, held, "keep", len(in_flight), unknown)
+        return result, report
+
+    async def _split(self, tickets: list[Ticket], version: int, known: bool) -> int:
+        """Mark ``version``'s split on the ``tickets`` still sampling; returns how many were
+        marked unknown. Waits up to ``SETTLE_S`` for streams to be ``quiet``."""
+        deadline = time.monotonic() + SETTLE_S
+        waiting = [t for t in tickets if t in self._tickets]
+        unknown = 0
+        while waiting:
+            now = time.monotonic()
+            late = now >= deadline or not known
+            pending = []
+            for ticket in waiting:
+                if ticket not in self._tickets:  # sampling ended meanwhile: one version
+                    continue
+                if ticket.sampled is None or late:
+                    ticket.mark(version, known=False)
+                    unknown += 1
+                elif ticket.quiet(now):
+                    ticket.mark(version, known=True)
+                else:
+                    pending.append(ticket)
+            waiting = pending
+            if waiting:
+                await asyncio.sleep(QUIET_S / 5)
+        return unknown
+
 
 async def reload_replicas(
     client: httpx.AsyncClient, urls: list[str], weights_location: str, timeout_s: float
@@ -242,6 +379,50 @@ async def reload_replicas(
                     raise ReloadError(url, done, "its prefix cache could not be reset")
                 break
             await asyncio.sleep(0.05)
+        done.append(url)
+
+
+async def pause_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
+    """``POST /pause?mode=keep`` on each replica: vLLM freezes its requests, answering once its
+    engine finished the step in flight (vLLM 0.32, dev mode). Raises ``ReloadError``."""
+    paused: list[str] = []
+    for url in urls:
+        await _post(client, url, "/pause?mode=keep", {}, timeout_s, paused)
+        paused.append(url)
+
+
+async def resume_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
+    """``POST /resume`` on every replica, each tried even when another failed (a frozen
+    replica stalls every call on it); raises ``ReloadError`` for the first that failed."""
+    failed: ReloadError | None = None
+    for url in urls:
+        try:
+            await _post(client, url, "/resume", {}, timeout_s, [])
+        except ReloadError as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
+async def reload_kept_replicas(
+    client: httpx.AsyncClient,
+    urls: list[str],
+    weights_location: str,
+    version: int,
+    timeout_s: float,
+) -> None:
+    """The reload of a ``keep`` update on paused replicas: ``reload_weights``, the prefix cache
+    reset with the frozen requests preempted (recomputed under the new weights on resume),
+    then the engine's weight version set to ``version``. Raises ``ReloadError``."""
+    done: list[str] = []
+    for url in urls:
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
+        await _post(client, url, "/collective_rpc", reload, timeout_s, done)
+        if not await _reset_prefix_cache(client, url, timeout_s, done, force=True):
+            raise ReloadError(url, done, "its prefix cache could not be reset")
+        await _post(
+            client, url, "/update_weight_version", {"new_version": str(version)}, timeout_s, done
+        )
         done.append(url)
 
 
