@@ -20,11 +20,16 @@ fi
 
 # Reinstall the project only when its dependencies changed: pyproject.toml (dependencies, extras,
 # entry points) or the constraints that pick this machine's CPU torch wheel.
-deps_stamp=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1)
+deps_stamp=$(cat pyproject.toml constraints/cpu.txt constraints/verl-runtime.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.trajgate-deps 2>/dev/null || true)" != "$deps_stamp" ]; then
   echo "== installing trajgate into .venv"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check \
     -c constraints/cpu.txt -e '.[dev]'
+  # verl's data path for tests/test_integrations.py, without its pins (constraints/verl-runtime.txt)
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    "$(grep '^verl==' constraints/verl-runtime.txt)"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints/cpu.txt \
+    $(grep -v '^#\|^verl==' constraints/verl-runtime.txt | tr '\n' ' ')
   echo "$deps_stamp" > .venv/.trajgate-deps
 fi
 

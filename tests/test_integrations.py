@@ -1,0 +1,178 @@
+"""TRL 1.16 and verl 0.9.1 (the real libraries) train on the pool's rows: a batch materialised
+from real SQLite/PostgreSQL pools goes through TRL's GRPOTrainer on the CPU via ``rollout_func``,
+and through verl's own ``AgentLoopWorker`` post-processing into a ``DataProto``; the tokens,
+masks, logprobs and rewards the libraries hold equal the pool's.
+
+Trajectories (``agent_turns``): two turns, prompt P_1 = 5 ids, R_1 = 2, 3 tool ids, R_2 = 2, so a
+merged row is 5 prompt ids then completion C = R_1 + E_2 + R_2 = 7 ids, mask 1 1 0 0 0 1 1.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
+
+from datapool.batches.build import materialise, read_rows
+from datapool.batches.settings import BatchSettings
+from datapool.batches.spec import BatchSpec
+from datapool.settings import PoolSettings
+from trainer_bridge.integrations.rows import PoolRow, pool_rows
+from trainer_bridge.integrations.trl import pool_reward, rollout_output
+
+EXPECTED_MASK = [1, 1, 0, 0, 0, 1, 1]
+
+
+def _pool_batch(pool_settings: PoolSettings, tmp_path: Path) -> list[PoolRow]:
+    """Two groups of two trajectories, rewards 1/0 and 0/1, one merged row each."""
+    store = make_store(pool_settings)
+    for i, (group, reward) in enumerate([("g1", 1.0), ("g1", 0.0), ("g2", 0.0), ("g2", 1.0)]):
+        write_trajectory(store, f"t{i}", agent_turns(i + 1, 2), group_id=group, reward=reward)
+    spec = BatchSpec(layout="merged", algorithm="grpo", exclude_batched=False)
+    batch = materialise(store, spec, BatchSettings(batch_uri=str(tmp_path / "batches")))
+    return pool_rows(read_rows(batch))
+
+
+def test_pool_rows_cut_each_merged_row_at_its_first_prompt(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    rows = {row.trajectory_id: row for row in _pool_batch(pool_settings, tmp_path)}
+    (p1, r1), (_, r2) = agent_turns(1, 2)
+    row = rows["t0"]
+    assert row.prompt_ids == p1
+    assert row.completion_ids == [*r1, 7, 8, 9, *r2]
+    assert row.completion_mask == EXPECTED_MASK
+    assert row.completion_logprobs == [*logprobs_of(r1), 0.0, 0.0, 0.0, *logprobs_of(r2)]
+    assert (row.group_id, row.reward, row.policy_version) == ("g1", 1.0, 0)
+    # grpo in a group of rewards 1, 0: mean 0.5, sample std sqrt(0.5) = 0.7071 -> +-0.7071
+    assert rows["t0"].advantage == pytest.approx(0.7071, abs=1e-4)
+    assert rows["t1"].advantage == pytest.approx(-0.7071, abs=1e-4)
+
+
+def test_rollout_output_refuses_an_episode_without_exactly_one_row(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    rows = _pool_batch(pool_settings, tmp_path)
+    with pytest.raises(ValueError, match=r"\{'missing': 0\}"):
+        rollout_output(rows, ["t0", "missing"])
+    with pytest.raises(ValueError, match=r"\{'t0': 2\}"):
+        rollout_output([rows[0], rows[0]], ["t0"])
+
+
+def test_trl_grpo_trainer_updates_on_the_pool_rows_it_received(
+    pool_settings: PoolSettings, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = _pool_batch(pool_settings, tmp_path)
+    order = ["t0", "t1", "t2", "t3"]  # TRL's groups: consecutive num_generations rows
+    answered: list[dict[str, Any]] = []
+
+    def rollout_func(prompts: list[Any], trainer: GRPOTrainer) -> dict[str, list[Any]]:
+        assert len(prompts) == 4
+        answer = rollout_output(rows, order)
+        answered.append(answer)
+        return answer
+
+    seen: list[dict[str, Any]] = []
+
+    class Recording(GRPOTrainer):  # what TRL built from the rollout, as its loss reads it
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            out = super()._generate_and_score_completions(inputs)
+            seen.append(out)
+            return out
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_steps=1,
+        learning_rate=1e-2,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        beta=0.0,
+    )
+    dataset = Dataset.from_dict({"prompt": ["a", "b"] * 4})
+    trainer = Recording(
+        model=str(tiny_model_dir),
+        reward_funcs=pool_reward,
+        args=args,
+        train_dataset=dataset,
+        rollout_func=rollout_func,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
+    assert changed, "no weight changed"
+
+    [out] = seen
+    by_row = {r.trajectory_id: r for r in rows}
+    for i, trajectory_id in enumerate(order):
+        row = by_row[trajectory_id]
+        n = len(row.completion_ids)
+        got_ids = out["completion_ids"][i][:n].tolist()
+        assert got_ids == row.completion_ids
+        assert out["completion_mask"][i][:n].tolist() == [1] * n
+        assert out["tool_mask"][i][:n].tolist() == row.completion_mask
+        assert out["sampling_per_token_logps"][i][:n].tolist() == pytest.approx(
+            row.completion_logprobs, abs=0
+        )
+        assert out["prompt_ids"][i][-len(row.prompt_ids) :].tolist() == row.prompt_ids
+    # TRL's own advantages from the pool's rewards (1, 0 | 0, 1): +-0.5/(std 0.7071 + 1e-4)
+    assert out["advantages"].tolist() == pytest.approx([0.7070, -0.7070, -0.7070, 0.7070], abs=1e-3)
+
+
+def test_verl_post_processing_puts_the_pool_rows_into_its_data_proto(
+    pool_settings: PoolSettings, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    from trainer_bridge.integrations.verl import agent_loop_outputs
+
+    rows = _pool_batch(pool_settings, tmp_path)
+    outputs = agent_loop_outputs(rows)
+    prompt_length, response_length = 8, 10
+    # verl's worker, without its Ray/Hydra start-up: the attributes its post-processing reads
+    worker = object.__new__(AgentLoopWorker)
+    worker.rollout_config = SimpleNamespace(
+        prompt_length=prompt_length, response_length=response_length
+    )
+    worker.tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    worker.processor = None
+    worker.reward_loop_worker_handles = None
+    worker.distillation_enabled = False
+    worker.mm_processor_kwargs = {}
+
+    async def postprocess() -> Any:
+        padded = [await worker._agent_loop_postprocess(o, False, raw_prompt=[]) for o in outputs]
+        return worker._postprocess(padded)
+
+    proto = asyncio.run(postprocess())
+    batch = proto.batch
+    for i, row in enumerate(rows):
+        n, p = len(row.completion_ids), len(row.prompt_ids)
+        assert batch["prompts"][i, prompt_length - p :].tolist() == row.prompt_ids
+        assert batch["responses"][i, :n].tolist() == row.completion_ids
+        assert batch["response_mask"][i].tolist() == row.completion_mask + [0] * (
+            response_length - n
+        )
+        assert batch["rollout_log_probs"][i, :n].tolist() == row.completion_logprobs
+        # the reward sits on the last response token, nowhere else
+        expected = [0.0] * response_length
+        expected[n - 1] = row.reward or 0.0
+        assert batch["rm_scores"][i].tolist() == expected
+        assert proto.non_tensor_batch["trajectory_id"][i] == row.trajectory_id
+        assert proto.non_tensor_batch["policy_version"][i] == row.policy_version
