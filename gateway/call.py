@@ -125,6 +125,8 @@ class Call:
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
             attempts=tuple(self.attempts),
+            canonical=self.dialect.canonical(self.upstream_body),
+            history_field=self.dialect.history_field,
         )
 
     def headers(self, step_ids: list[str], *, committed: bool = True) -> dict[str, str]:

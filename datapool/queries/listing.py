@@ -381,6 +381,7 @@ STEP_COLUMNS = (
     "latency_ms",
     "ttft_ms",
     "request",
+    "canonical",
     "response_message",
     "created_at",
 )

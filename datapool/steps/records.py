@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from datapool.steps.canonical import CanonicalCall
+
 
 @dataclass(frozen=True)
 class ChoiceRecord:
@@ -80,6 +82,12 @@ class CallRecord:
     # The upstream attempts of the call (retries included), committed in the same transaction as
     # its steps; none when the call was refused (trajectory closed).
     attempts: tuple[AttemptRecord, ...] = ()
+    # What the engine was asked, in the one form every reader of the pool uses (written by the
+    # call's dialect); None only for a call recorded without one.
+    canonical: CanonicalCall | None = None
+    # The field of ``request`` that holds the history the client resends (named by its
+    # dialect; None: none), stored as a delta on the parent's (``datapool.steps.messages``).
+    history_field: str | None = None
 
 
 @dataclass(frozen=True)

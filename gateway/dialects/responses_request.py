@@ -34,7 +34,7 @@ cannot translate (an unknown item or part type, a wrong type) is a 400 naming th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.dialects.base import EarlierCall
@@ -119,12 +119,15 @@ class Translation:
     """A Responses body as a chat body.
 
     ``chat_body`` has no capture fields yet; ``logprobs_asked`` is True when ``include`` has
-    ``message.output_text.logprobs``; ``omitted_tools`` names the tools chat cannot offer.
+    ``message.output_text.logprobs``; ``omitted_tools`` names the tools chat cannot offer;
+    ``history_at`` is where an earlier response's history goes in ``chat_body["messages"]``
+    (after the ``instructions`` system message).
     """
 
     chat_body: dict[str, Any]
     logprobs_asked: bool
     omitted_tools: list[str] = field(default_factory=list)
+    history_at: int = 0
 
 
 # Responses errors quote the field first, as OpenAI's do: "'model' must be a string, got int".
@@ -157,11 +160,40 @@ def history_messages(earlier: EarlierResponse) -> list[dict[str, Any]]:
 
 
 def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = None) -> Translation:
-    """The chat body for a Responses ``body`` (never mutated).
+    """The chat body for a Responses ``body`` (never mutated): ``translate_body`` then
+    ``continued`` with ``earlier``, what the pool holds for ``body["previous_response_id"]``
+    (None when unknown). Raises ``InvalidRequestError`` as both do."""
+    return continued(translate_body(body), body, earlier)
 
-    ``earlier`` is what the pool holds for ``body["previous_response_id"]``, looked up by the
-    caller (None when unknown). Raises ``InvalidRequestError`` (400) naming the field for an
-    unknown field, item or part type, a wrong type, or an unknown ``previous_response_id``.
+
+def continued(
+    translation: Translation, body: dict[str, Any], earlier: EarlierResponse | None
+) -> Translation:
+    """``translation`` of ``body`` with the history of the earlier response its
+    ``previous_response_id`` names put after the ``instructions`` (the same object when it
+    names none). Raises ``InvalidRequestError`` (``previous_response_not_found``) when it names
+    one and ``earlier`` is None."""
+    earlier_id = previous_response_id(body)
+    if earlier_id is None:
+        return translation
+    if earlier is None:
+        raise InvalidRequestError(
+            f"previous_response_id '{earlier_id}' is unknown: no response with that id is "
+            "in the pool",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    messages = translation.chat_body["messages"]
+    at = translation.history_at
+    spliced = [*messages[:at], *history_messages(earlier), *messages[at:]]
+    return replace(translation, chat_body={**translation.chat_body, "messages": spliced})
+
+
+def translate_body(body: dict[str, Any]) -> Translation:
+    """The chat body for a Responses ``body`` (never mutated) without the history of any
+    ``previous_response_id`` (``continued`` adds it, once the pool was read): the call's one
+    translation, so every check runs before any lookup. Raises ``InvalidRequestError`` (400)
+    naming the field for an unknown field, item or part type, or a wrong type.
     """
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
@@ -177,16 +209,8 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
     if instructions is not None:
         _expect(instructions, str, "instructions", "a string")
         messages.append({"role": "system", "content": instructions})
-    earlier_id = previous_response_id(body)
-    if earlier_id is not None:
-        if earlier is None:
-            raise InvalidRequestError(
-                f"previous_response_id '{earlier_id}' is unknown: no response with that id is "
-                "in the pool",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        messages.extend(history_messages(earlier))
+    history_at = len(messages)
+    previous_response_id(body)  # its type is checked here; the lookup comes later
     messages.extend(input_messages(body.get("input")))
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
     chat.update(copy_fields(body, SAMPLING, _FIELDS))
@@ -210,7 +234,9 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
     if "stream" in body:
         _expect(body["stream"], bool, "stream", "a boolean")
         chat["stream"] = body["stream"]
-    return Translation(chat, LOGPROBS_INCLUDE in _include(body.get("include")), omitted)
+    return Translation(
+        chat, LOGPROBS_INCLUDE in _include(body.get("include")), omitted, history_at=history_at
+    )
 
 
 def _include(include: Any) -> list[str]:

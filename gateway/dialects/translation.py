@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from datapool.steps.canonical import CanonicalCall
 from gateway.capture import loads
 from gateway.dialects.base import (
     Captured,
@@ -30,7 +31,7 @@ from gateway.dialects.base import (
     Prepared,
     frame,
 )
-from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.chat_completions import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
 from gateway.errors import InvalidRequestError
 
@@ -168,6 +169,11 @@ class TranslatingDialect(Dialect):
     """A dialect whose upstream is vLLM's chat completions: the capture reads the chat answer."""
 
     upstream_path = "/v1/chat/completions"
+
+    def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
+        """The record of the chat body sent: the engine's conversation, whatever the client's
+        API called its turns."""
+        return canonical_of_chat(upstream_body)
 
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
         return CHAT.read_answer(translated(prepared).chat_prepared(), answer)
