@@ -167,8 +167,9 @@ def classify_divergence(
     kind names what the tokens diverge at:
 
     - ``side_call``: the new call shares no more than the parent's leading system messages and
-      first user message, and does not answer the parent's turn (a title or summary call, a
-      sub-agent): a new root of the trajectory's tree, not a break of its chain;
+      first user message, and is itself only a conversation's start (system messages and one
+      user message: a title or summary call, a sub-agent's first call): a new root of the
+      trajectory's tree, not a break of its chain;
     - ``history_truncated``: the new messages are a prefix of the parent's (fewer turns);
     - in an earlier turn: ``system_changed`` (a system message), ``thinking_stripped`` (its
       reasoning dropped or changed), ``tool_arguments_changed`` (a tool call's argument string
@@ -187,13 +188,8 @@ def classify_divergence(
         if old != new:
             break
         shared += 1
-    answers_parent = (
-        parent_response is not None
-        and len(new_messages) > len(parent_messages)
-        and shared >= len(parent_messages)
-        and new_messages[len(parent_messages)].role == "assistant"
-    )
-    if shared <= len(first_turns(parent_messages)) and not answers_parent:
+    starts_over = len(first_turns(new_messages)) == len(new_messages) < len(history)
+    if shared <= len(first_turns(parent_messages)) and starts_over:
         return SIDE_CALL
     if shared == len(new_messages) and len(new_messages) <= len(parent_messages):
         return HISTORY_TRUNCATED
