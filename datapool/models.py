@@ -204,6 +204,13 @@ class Step(Base):
     upstream_request: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     upstream_request_patch: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     response_message: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
+    # The request's field that holds the history (named by the call's dialect), so the pool
+    # cuts and rebuilds it without knowing the dialect (migration 0013).
+    history_field: Mapped[str | None] = mapped_column(String(32))
+    # The canonical record (``datapool.steps.canonical``), its messages a delta on the parent's
+    # canonical messages and response: ``canonical["messages"]`` holds ``C[canonical_base:]``.
+    canonical: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
+    canonical_base: Mapped[int | None] = mapped_column(Integer)
     finish_reason: Mapped[str | None] = mapped_column(String(50))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

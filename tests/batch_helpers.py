@@ -11,6 +11,7 @@ from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
+from gateway.dialects.chat_completions import ChatCompletions
 
 
 def make_store(pool_settings: PoolSettings) -> PoolStore:
@@ -31,9 +32,12 @@ def call(
     policy_version: int = 0,
     finish_reason: str = "stop",
 ) -> CallRecord:
+    request = {"messages": [{"role": "user", "content": f"task {prompt[:3] if prompt else ''}"}]}
     return CallRecord(
-        request={"messages": [{"role": "user", "content": f"task {prompt[:3] if prompt else ''}"}]},
+        request=request,
         upstream_request={},
+        canonical=ChatCompletions().canonical(request),
+        history_field="messages",
         model="tiny",
         upstream="http://up",
         policy_version=policy_version,

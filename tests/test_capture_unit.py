@@ -27,8 +27,9 @@ CHAT = ChatCompletions()
 def read_choices(
     body: dict[str, Any], response: dict[str, Any]
 ) -> tuple[list[int] | None, list[ChoiceRecord]]:
-    """Prompt ids and choices of a unary chat answer, as the chat dialect reads them."""
-    captured = CHAT.read_answer(CHAT.prepare(body), response)
+    """Prompt ids and choices of a unary chat answer, as the chat dialect reads them (``body``
+    completed to one the dialect accepts)."""
+    captured = CHAT.read_answer(CHAT.prepare({"messages": [{}], **body}), response)
     return captured.prompt_ids, captured.choices
 
 
@@ -57,7 +58,7 @@ def _response(
 
 
 def test_prepare_adds_ids_and_logprobs_and_remembers_what_the_client_asked() -> None:
-    body = {"model": "m", "messages": [], "top_logprobs": 3, "vendor_field": {"a": 1}}
+    body = {"model": "m", "messages": [{}], "top_logprobs": 3, "vendor_field": {"a": 1}}
     prepared = CHAT.prepare(body)
     assert prepared.upstream_body == {**body, "return_token_ids": True, "logprobs": True}
     assert prepared.asked == ClientAsked(return_token_ids=False, logprobs=False, include_usage=True)

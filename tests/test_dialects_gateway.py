@@ -434,6 +434,8 @@ def _call(request: dict[str, Any], prompt: list[int], answer: dict[str, Any]) ->
         prompt_token_ids=prompt,
         prompt_tokens=len(prompt),
         choices=[ChoiceRecord(0, [7, 8], [-0.5, -0.25], answer, "stop")],
+        # As the dialect names it: the Responses API's ``input``, else ``messages``.
+        history_field="input" if "input" in request else "messages",
     )
 
 

@@ -17,7 +17,10 @@ from datapool.settings import PoolSettings
 from datapool.steps.messages import apply_merge_patch, expand_requests, merge_patch
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
+from gateway.dialects.chat_completions import ChatCompletions
 from gateway.server import BackgroundServer
+
+CHAT = ChatCompletions()
 
 
 def make_store(pool_settings: PoolSettings) -> PoolStore:
@@ -112,10 +115,13 @@ def agent_call(
     outcome: str = "ok",
 ) -> CallRecord:
     request = {"model": "tiny", "messages": messages, "temperature": 0.5}
+    upstream = {**request, "return_token_ids": True, "logprobs": True}
     choices = [ChoiceRecord(i, response, [-0.25] * len(response), answer, "stop") for i in range(n)]
     return CallRecord(
         request=request,
-        upstream_request={**request, "return_token_ids": True, "logprobs": True},
+        upstream_request=upstream,
+        canonical=CHAT.canonical(upstream),
+        history_field=CHAT.history_field,
         model="tiny",
         upstream="http://up",
         policy_version=0,

@@ -33,6 +33,7 @@ from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
 from gateway.app import create_app
+from gateway.dialects.chat_completions import ChatCompletions
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trajgate.vllm_server import VLLMServer
@@ -67,6 +68,8 @@ def record(
         CallRecord(
             request=request,
             upstream_request=request,
+            canonical=ChatCompletions().canonical(request),
+            history_field="messages",
             model="tiny",
             upstream="http://up",
             policy_version=0,

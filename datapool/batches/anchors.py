@@ -63,7 +63,7 @@ def anchor_keys(
     if anchor_key == "last_observation":
         result: list[str | None] = []
         for step in steps:
-            messages, _tools = engine_chat(step.row.request, step.row.upstream_request)
+            messages, _tools = engine_chat(step.row)
             observed = [
                 m
                 for m in messages or []

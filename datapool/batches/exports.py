@@ -104,7 +104,7 @@ def export_batch(
         with out.open("w") as sink:
             for i, step_id in enumerate(last_steps):
                 step = steps[step_id]
-                history, tools = engine_chat(step.request, step.upstream_request)
+                history, tools = engine_chat(step)
                 messages = history or []
                 if step.response_message is not None:
                     messages.append(step.response_message)

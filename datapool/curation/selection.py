@@ -67,7 +67,8 @@ def json_contains(column: Any, value: str) -> Any:
 
 
 def request_text_contains(text: str) -> Any:
-    """Some step of the trajectory has ``text`` in its stored request JSON (any case; scans).
+    """Some step of the trajectory has ``text`` in its stored canonical record's JSON (any case;
+    scans), so the same words are found whatever API the agent spoke.
 
     The JSON text holds message contents and roles, tool definitions and sampling parameters,
     each message once (steps store a delta on their parent). ``text`` is matched as the JSON
@@ -77,7 +78,7 @@ def request_text_contains(text: str) -> Any:
     as_json = json.dumps(text)[1:-1]  # the string's JSON spelling, without the quotes
     return exists().where(
         Step.trajectory_id == Trajectory.id,
-        cast(Step.request, Text).ilike(_like_substring(as_json), escape=_LIKE_ESCAPE),
+        cast(Step.canonical, Text).ilike(_like_substring(as_json), escape=_LIKE_ESCAPE),
     )
 
 

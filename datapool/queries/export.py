@@ -136,7 +136,7 @@ def _rows(store: PoolStore, trajectory_ids: list[str]) -> Iterator[dict[str, Any
                 "trainable": trainable,
                 "step_rewards_json": json.dumps(step_rewards.get(step.id, {})),
                 "trajectory_rewards_json": json.dumps(trajectory_rewards.get(trajectory_id, {})),
-                "messages_json": json.dumps(engine_chat(step.request, step.upstream_request)[0]),
+                "messages_json": json.dumps(engine_chat(step.row)[0]),
                 "response_message_json": json.dumps(step.response_message),
                 "created_at": step.created_at,
                 "sampling_json": json.dumps(step.sampling),

@@ -390,6 +390,7 @@ STEP_COLUMNS = (
     "continuation",
     "suffix_tokens",
     "request",
+    "canonical",
     "response_message",
     "created_at",
 )

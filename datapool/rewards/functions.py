@@ -43,14 +43,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
 from datapool.rewards.step_rewards import StepRewardContext
 from datapool.rewards.values import RewardContext
-from datapool.steps.messages import engine_chat
+from datapool.steps.canonical import CanonicalCall, ToolCall, conversation
 from datapool.steps.store import StoredStep
 
 REWARD_MODEL_BODY = '{"reward": number} or {"rewards": {"name": number, ...}}'
@@ -101,21 +100,23 @@ def exact_match(context: RewardContext) -> float:
 def tool_call_format(context: RewardContext) -> float | None:
     """The share of the trajectory's generated tool calls that are well-formed, in [0, 1].
 
-    Counts every tool call in ``response_message["tool_calls"]`` of every ok step. A call is
-    well-formed when (1) its function name is one of the step's request ``tools`` of type
-    ``function``; (2) its ``arguments`` string parses as a JSON object; (3) that object has every
-    key in the tool's ``parameters.required``. Not checked: value types, enums, nested schemas,
-    ``additionalProperties``. A call cut at ``max_tokens`` (flag ``tool_call_truncated``) does
-    not parse, so it counts as malformed.
+    Counts every tool call of every ok step's generated message (``step.response``), whatever
+    the dialect: it reads the canonical record (``datapool.steps.canonical``), so a Messages
+    ``tool_use`` block and a Responses ``function_call`` count as a chat tool call does. A call
+    is well-formed when (1) its name is one of the step's offered tools (``step.call.tools``) of
+    type ``function``; (2) its ``arguments`` string parses as a JSON object; (3) that object has
+    every key in the tool's ``parameters.required``. Not checked: value types, enums, nested
+    schemas, ``additionalProperties``. A call cut at ``max_tokens`` (flag
+    ``tool_call_truncated``) does not parse, so it counts as malformed.
 
     Returns None (unrewarded) for a trajectory that generated no tool call: 0.0 would punish a
     plain answer and 1.0 reward it. Raises nothing for any stored trajectory.
     """
     verdicts = [
-        _well_formed(call, _offered_tools(step.request))
+        _well_formed(call, step.call)
         for step in context.steps
         if step.outcome == "ok" and step.response_message is not None
-        for call in step.response_message.get("tool_calls") or []
+        for call in step.response.tool_calls
     ]
     if not verdicts:
         return None
@@ -127,7 +128,8 @@ async def http_reward_model(context: RewardContext) -> float | dict[str, float]:
 
     POSTs ``{"trajectory_id", "group_id", "channel", "metadata", "messages"}`` as JSON to
     ``reward_model_url`` (``TRAJGATE_REWARD_MODEL_URL``); ``messages`` are the final step's
-    request messages followed by its generated message. Expects a 2xx JSON object with
+    canonical messages (every dialect's, the history of a Responses ``previous_response_id``
+    included) followed by its generated message. Expects a 2xx JSON object with
     ``"reward": number`` (returned as a float, recorded as ``http_reward_model``) or
     ``"rewards": {name: number}`` (returned as a mapping, one record per name); other keys are
     ignored. Values are the model's, any finite number.
@@ -150,7 +152,7 @@ async def http_reward_model(context: RewardContext) -> float | dict[str, float]:
         "group_id": context.group_id,
         "channel": context.channel,
         "metadata": context.metadata,
-        "messages": [*step.request.get("messages", []), step.response_message],
+        "messages": _conversation(step),
     }
     return await _ask_reward_model(url, timeout_s, body)
 
@@ -159,11 +161,10 @@ def step_tool_call_format(context: StepRewardContext) -> float | None:
     """The share of the step's generated tool calls that are well-formed, in [0, 1] (the rules
     of ``tool_call_format``, on one step); None (unrewarded) when the step made no tool call."""
     step = context.step
-    calls = (step.response_message or {}).get("tool_calls") or []
+    calls = step.response.tool_calls
     if not calls:
         return None
-    offered = _offered_tools(step.request)
-    return sum(_well_formed(call, offered) for call in calls) / len(calls)
+    return sum(_well_formed(call, step.call) for call in calls) / len(calls)
 
 
 async def http_step_reward_model(context: StepRewardContext) -> float | dict[str, float]:
@@ -171,9 +172,9 @@ async def http_step_reward_model(context: StepRewardContext) -> float | dict[str
 
     POSTs ``{"trajectory_id", "group_id", "channel", "metadata", "step_id", "step_index",
     "messages"}`` as JSON to ``step_reward_model_url`` (``TRAJGATE_STEP_REWARD_MODEL_URL``), one
-    request per ok step; ``messages`` are the chat messages the engine saw (every dialect's, as
-    in exports) followed by its generated
-    message (``{"role": "assistant"}`` with no content when it generated none). Answers as for
+    request per ok step; ``messages`` are the canonical messages the engine saw (every
+    dialect's, as in exports) followed by its generated message (``{"role": "assistant",
+    "content": null}`` when it generated none). Answers as for
     ``http_reward_model``: ``{"reward": number}`` or ``{"rewards": {name: number}}``, within
     ``reward_model_timeout_s``.
 
@@ -195,10 +196,7 @@ async def http_step_reward_model(context: StepRewardContext) -> float | dict[str
         "metadata": trajectory.metadata,
         "step_id": step.id,
         "step_index": step.step_index,
-        "messages": [
-            *(engine_chat(step.request, step.upstream_request)[0] or []),
-            step.response_message or {"role": "assistant"},
-        ],
+        "messages": _conversation(step),
     }
     return await _ask_reward_model(
         settings.step_reward_model_url, settings.reward_model_timeout_s, body
@@ -248,35 +246,25 @@ def _final_step(context: RewardContext, function: str) -> StoredStep:
     return final
 
 
-def _offered_tools(request: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """``{name: function}`` of the request's ``tools`` of type ``function``."""
-    offered: dict[str, Mapping[str, Any]] = {}
-    for tool in request.get("tools") or []:
-        if not (isinstance(tool, Mapping) and tool.get("type") == "function"):
-            continue
-        function = tool.get("function")
-        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
-            offered[function["name"]] = function
-    return offered
+def _conversation(step: StoredStep) -> list[dict[str, Any]]:
+    """The step's canonical messages then its generated message, as JSON."""
+    return conversation(step.call or CanonicalCall(messages=None), step.row.response_message)
 
 
-def _well_formed(call: Any, offered: Mapping[str, Mapping[str, Any]]) -> bool:
-    """Whether ``call`` names an offered tool with a JSON-object argument string that has the
-    tool's required keys (see ``tool_call_format``)."""
-    function = call.get("function") if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping):
-        return False
-    name = function.get("name")
-    if not isinstance(name, str) or name not in offered:
+def _well_formed(call: ToolCall, asked: CanonicalCall | None) -> bool:
+    """Whether ``call`` names a tool ``asked`` offered, with a JSON-object argument string that
+    has the tool's required keys (see ``tool_call_format``)."""
+    tool = None if asked is None else asked.tool_named(call.name)
+    if tool is None:
         return False
     try:
-        arguments = json.loads(function.get("arguments"))  # type: ignore[arg-type]
-    except (TypeError, ValueError):  # None or a non-string (TypeError), not JSON (ValueError)
+        arguments = json.loads(call.arguments)
+    except ValueError:
         return False
     if not isinstance(arguments, dict):
         return False
-    parameters = offered[name].get("parameters")
-    required = parameters.get("required") if isinstance(parameters, Mapping) else None
+    parameters = tool.parameters or {}
+    required = parameters.get("required")
     return all(key in arguments for key in required or [])
 
 

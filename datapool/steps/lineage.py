@@ -27,9 +27,24 @@ from typing import Any
 import numpy as np
 
 from datapool.models import Step, StepOutcome
-from datapool.steps.messages import history_keys, history_of, message_key
+from datapool.steps.canonical import CanonicalCall, Message
+from datapool.steps.messages import (
+    ParentKeys,
+    RequestDelta,
+    canonical_response_key,
+    history_keys,
+    history_of,
+    message_key,
+)
 from datapool.steps.payloads import TOKEN_BYTES, TokenPayload, pack_ids
-from datapool.steps.prefix import RETOKENISED, Lineage, classify_divergence, divergence_window
+from datapool.steps.prefix import (
+    RETOKENISED,
+    SIDE_CALL,
+    Lineage,
+    classify_divergence,
+    divergence_window,
+    latest_of_tree,
+)
 from datapool.steps.records import CallRecord
 
 
@@ -41,8 +56,9 @@ class Placement:
     divergence_kind: str | None  # at a prefix break: ``prefix.classify_divergence``
     divergence_detail: dict[str, Any] | None  # at a prefix break: ``prefix.divergence_window``
     parent_tokens: int  # ``len(S_parent)`` when the prompt extends its parent, else 0
-    # ``H_p`` of ``datapool.steps.messages`` when the parent is a candidate, else None.
-    parent_message_keys: list[str] | None
+    # ``H_p`` and ``C_p + [R_p]`` of ``datapool.steps.messages`` when the parent is a
+    # candidate, else None.
+    parent_keys: ParentKeys
 
 
 @dataclass
@@ -53,13 +69,18 @@ class _Candidate:
     # ``message_key`` of each of its request messages then of its response message (``H`` in
     # ``datapool.steps.messages``), strings shared with its parent's; None: no messages list.
     message_keys: list[str] | None = None
-    has_response: bool = False  # whether the last message key is its response message
+    # Whether it has a response message: then the last key of each list is that response.
+    has_response: bool = False
     prompt_length_bytes: int = -1  # ``len(P)`` in bytes; -1: unknown (never a fork's twin)
     call: int = -1  # the call it answered: choices of one call share it
     # Its own place, repeated by a fork at the same prompt (``prefix.choose_parent`` rule 2).
     lineage: Lineage = field(default_factory=lambda: Lineage(None, None, None))
     divergence_kind: str | None = None
     divergence_detail: dict[str, Any] | None = None
+    # The same as ``message_keys`` for its canonical messages then response (``C + [R]``);
+    # None: no record.
+    canonical_keys: list[str] | None = None
+    tree: str | None = None  # the side call whose tree it is in (``prefix.Candidate.tree``)
 
 
 @dataclass
@@ -84,7 +105,7 @@ class TrajectoryTokens:
             reverse=True,
         )
         best = next((self.candidates[i] for i in order if self._extends(prompt, i)), None)
-        latest = self.candidates[-1]
+        latest = latest_of_tree(self.candidates, None if best is None else best.tree)
         if best is not None and (best.call == latest.call or self._extends_call(prompt, latest)):
             return Lineage(best.step_id, True, None)
         for candidate in reversed(self.candidates):
@@ -123,8 +144,17 @@ class TrajectoryTokens:
         candidate or had no messages list."""
         for candidate in reversed(self.candidates):
             if candidate.step_id == step_id:
-                return candidate.message_keys, candidate.has_response
+                keys = candidate.message_keys
+                return keys, keys is not None and candidate.has_response
         return None, False
+
+    def keys_of(self, step_id: str | None) -> ParentKeys:
+        """Both key lists of step ``step_id`` (``ParentKeys``; None each when it is no
+        candidate)."""
+        for candidate in reversed(self.candidates):
+            if candidate.step_id == step_id:
+                return ParentKeys(candidate.message_keys, candidate.canonical_keys)
+        return ParentKeys(None, None)
 
     def tokens_of(self, step_id: str) -> int:
         """``len(S)`` of step ``step_id``, without copying its sequence."""
@@ -153,6 +183,8 @@ class TrajectoryTokens:
                 kind, detail = twin.divergence_kind, twin.divergence_detail
             else:
                 kind, detail = self._divergence(call, lineage)
+                if kind == SIDE_CALL:  # a new root of the tree, not a break of the chain
+                    lineage, detail = Lineage(None, None, None), None
         parent = lineage.parent_step_id
         # Only a candidate's keys are known, so a failed or token-less parent gets None and the
         # messages are stored whole.
@@ -161,7 +193,7 @@ class TrajectoryTokens:
             kind,
             detail,
             self.tokens_of(parent) if lineage.extends_parent and parent is not None else 0,
-            None if parent is None else self.message_keys_of(parent)[0],
+            self.keys_of(parent),
         )
 
     def _divergence(
@@ -177,17 +209,18 @@ class TrajectoryTokens:
             return None, None
         compared = lineage.diverges_from or lineage.parent_step_id
         assert compared is not None and call.prompt_token_ids is not None
-        keys, has_response = self.message_keys_of(compared)
-        new_messages = history_of(call.request)
-        if keys is None or new_messages is None:
-            # Either side has no history list (a completions prompt, a Responses ``input``
-            # string): nothing to compare the messages with.
+        candidate = self._candidate(compared)
+        keys = candidate.canonical_keys
+        new = call.canonical
+        if keys is None or new is None or new.messages is None:
+            # Either side has no conversation (a completions prompt): nothing to compare.
             kind = RETOKENISED
         else:
+            has_response = candidate.has_response
             request_keys = keys[:-1] if has_response else keys
-            parent_messages = [json.loads(key) for key in request_keys]
-            parent_response = json.loads(keys[-1]) if has_response else None
-            kind = classify_divergence(parent_messages, parent_response, new_messages)
+            parent = CanonicalCall(tuple(Message.from_json(json.loads(k)) for k in request_keys))
+            response = Message.from_json(json.loads(keys[-1])) if has_response else None
+            kind = classify_divergence(parent.messages or (), response, new.messages)
         sequence = np.frombuffer(self.sequence_of(compared), dtype="<i4")
         detail = divergence_window(
             sequence.tolist(), call.prompt_token_ids, lineage.divergence_offset
@@ -201,24 +234,31 @@ class TrajectoryTokens:
         placement: Placement,
         prompt: bytes | None,
         responses: Sequence[bytes | None],
-        messages_base: int | None,
+        request: RequestDelta,
     ) -> None:
         """Take in ``call``'s steps (``step_ids`` in choice order): each choice of an ok call
         with prompt and response IDs (``responses``, int32 bytes) becomes a candidate with its
-        message keys, sharing the parent's for the first ``messages_base`` messages; the first
-        step becomes the latest."""
+        message keys, sharing the parent's for the first ``messages_base`` (and
+        ``canonical_base``) messages; the first step becomes the latest."""
         if call.outcome == StepOutcome.OK and prompt is not None:
-            messages = history_of(call.request)
+            messages = history_of(call.request, call.history_field)
+            parent = placement.parent_keys
             for step_id, response, choice in zip(step_ids, responses, call.choices, strict=True):
                 if response is not None:
                     keys = history_keys(
-                        placement.parent_message_keys,
+                        parent.request,
                         messages,
-                        messages_base or 0,
+                        request.messages_base or 0,
                         choice.response_message,
                     )
-                    # Without a history list there are no keys, so no response key either.
-                    answered = keys is not None and choice.response_message is not None
+                    answer = choice.response_message
+                    canonical_keys = history_keys(
+                        parent.canonical,
+                        request.canonical_messages,
+                        request.canonical_base or 0,
+                        None if answer is None else canonical_response_key(answer),
+                    )
+                    answered = choice.response_message is not None
                     self.add(
                         step_id,
                         placement.lineage,
@@ -229,6 +269,7 @@ class TrajectoryTokens:
                         call=self.call_count,
                         kind=placement.divergence_kind,
                         detail=placement.divergence_detail,
+                        canonical_keys=canonical_keys,
                     )
         if step_ids:
             self.latest_step_id = step_ids[0]
@@ -245,11 +286,20 @@ class TrajectoryTokens:
         call: int | None = None,
         kind: str | None = None,
         detail: dict[str, Any] | None = None,
+        canonical_keys: list[str] | None = None,
     ) -> None:
         """Remember step ``step_id`` placed at ``parent`` with sequence ``prompt + response``
         (int32 bytes), its message keys (``datapool.steps.messages.history_keys``), the call it
         answered (its ``step_index``; choices of one call share it, None: a call of its own)
         and its break facts (``kind``, ``detail``)."""
+        tree = None
+        if parent.parent_step_id is None and kind == SIDE_CALL:
+            tree = step_id
+        elif parent.parent_step_id is not None:
+            tree = next(
+                (c.tree for c in reversed(self.candidates) if c.step_id == parent.parent_step_id),
+                None,
+            )
         buffer = None
         if parent.extends_parent and parent.parent_step_id is not None:
             base = self._candidate(parent.parent_step_id)
@@ -274,6 +324,8 @@ class TrajectoryTokens:
                 parent,
                 kind,
                 detail,
+                canonical_keys,
+                tree,
             )
         )
 
@@ -308,22 +360,29 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
             known = {c.step_id for c in tokens.candidates}
             if row.parent_step_id not in known:
                 lineage = Lineage(None, None, None)
-            messages = history_of(row.request)
+            messages = history_of(row.request, row.history_field)
             keys = None
             if messages is not None:
                 keys = [key(m) for m in messages]
                 if row.response_message is not None:
                     keys.append(key(row.response_message))
+            canonical = (row.canonical or {}).get("messages")
+            canonical_keys = None
+            if isinstance(canonical, list):
+                canonical_keys = [key(m) for m in canonical]
+                if row.response_message is not None:
+                    canonical_keys.append(message_key(canonical_response_key(row.response_message)))
             tokens.add(
                 row.id,
                 lineage,
                 pack_ids(payload.prompt_token_ids),
                 pack_ids(payload.response_token_ids),
                 keys,
-                keys is not None and row.response_message is not None,
+                row.response_message is not None,
                 call=row.step_index,
                 kind=row.divergence_kind,
                 detail=detail,
+                canonical_keys=canonical_keys,
             )
     return tokens
 

@@ -1,7 +1,8 @@
 """Request JSON as stored: messages as a delta on the parent step, the upstream request as a patch.
 
-Owns: how a step's client request and upstream request are written to ``steps.request``,
-``steps.messages_base``, ``steps.upstream_request`` and ``steps.upstream_request_patch``
+Owns: how a step's client request, upstream request and canonical record are written to
+``steps.request``, ``steps.messages_base``, ``steps.upstream_request``,
+``steps.upstream_request_patch``, ``steps.canonical`` and ``steps.canonical_base``
 (``request_delta``), and their exact reconstruction on read (``expand_requests`` puts the full
 JSON back on loaded rows, through the delta-chain walk of ``datapool.steps.chain``).
 Never: rewrites what the client sent; a reader always sees the request exactly as it came.
@@ -17,12 +18,16 @@ full history list, ``R_p`` its response message):
   message, dropped thinking, truncation) only stops the prefix earlier. b = 0: the request holds
   every message; b NULL: a row written before migration 0007, or a request without a
   history list; ``request`` is then the whole request.
-- The history list is the request's first list among ``HISTORY_FIELDS``: ``messages`` (chat
-  completions; the Messages API, whose messages hold content blocks) or ``input`` (the
-  Responses API's items; an ``input`` string is no list, so such a request is stored whole).
-  The rule reads only the request itself, and cutting a list leaves a list, so the reader
-  finds the same field the writer cut. A parent of another dialect is fine: the items are
-  compared and copied as JSON, whatever their shape.
+- The history list is the request's field named by the call's dialect
+  (``CallRecord.history_field``, stored as ``steps.history_field``: e.g. chat's ``messages``,
+  the Responses API's ``input``); a value that is no list (an ``input`` string) is stored
+  whole. Cutting a list leaves a list, so the reader finds the same field the writer cut. A
+  parent of another dialect is fine: the items are compared and copied as JSON, whatever their
+  shape. This module never names a dialect's field.
+- The canonical record (``datapool.steps.canonical``) is stored the same way: ``canonical`` =
+  its JSON with ``messages`` cut to ``C[c:]``, ``canonical_base`` = c, the longest common prefix
+  of its messages ``C`` and the parent's ``C_p + [R_p]`` (``R_p`` in canonical form,
+  ``canonical.response_of``). NULL ``canonical``: a call recorded without one.
 - ``upstream_request_patch`` = the JSON Merge Patch (RFC 7396 §2, which obsoletes RFC 7386 with
   the same algorithm) that turns the full client request into the upstream request: only what
   the gateway added or changed (``return_token_ids``, ``logprobs``, ``stream_options``). When a
@@ -48,6 +53,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from datapool.db import chunks
 from datapool.models import Step
 from datapool.steps import chain
+from datapool.steps.canonical import CanonicalCall, response_of
 
 # Marks a loaded Step whose ``request`` attribute already holds the full request (the value is
 # that very dict, so a row reloaded from the database is not mistaken for an expanded one).
@@ -58,26 +64,18 @@ class RequestMissingError(LookupError):
     """A step's messages are a delta on a parent whose request is not stored (or too short)."""
 
 
-# The request fields that can hold the history an agent resends, in the order they are tried.
-HISTORY_FIELDS = ("messages", "input")
-
-
-def history_field(request: Mapping[str, Any]) -> str | None:
-    """The name of ``request``'s history list: the first of ``HISTORY_FIELDS`` whose value is
-    a list; None when none is."""
-    for name in HISTORY_FIELDS:
-        if isinstance(request.get(name), list):
-            return name
-    return None
-
-
-def history_of(request: Mapping[str, Any]) -> list[Any] | None:
-    """``request``'s history list (``M`` of the module docstring), None when it has none."""
-    name = history_field(request)
-    if name is None:
+def history_of(request: Mapping[str, Any], field_name: str | None) -> list[Any] | None:
+    """``request``'s history list (``M`` of the module docstring): its ``field_name`` when that
+    is a list, else None."""
+    if field_name is None:
         return None
-    history: list[Any] = request[name]
-    return history
+    history = request.get(field_name)
+    return history if isinstance(history, list) else None
+
+
+def canonical_response_key(response_message: Any) -> Any:
+    """The JSON of a step's response as its canonical message (``R_p`` of ``C_p + [R_p]``)."""
+    return response_of(response_message).to_json()
 
 
 def message_key(message: Any) -> str:
@@ -118,13 +116,15 @@ def messages_base(parent_keys: Sequence[str] | None, messages: Any) -> int | Non
     return base
 
 
-def stored_request(request: dict[str, Any], base: int | None) -> dict[str, Any]:
+def stored_request(
+    request: dict[str, Any], field_name: str | None, base: int | None
+) -> dict[str, Any]:
     """The request as stored: its history list cut to ``M[b:]`` (a new dict; ``request`` is
     kept)."""
-    name = history_field(request)
-    if not base or name is None:
+    if not base or history_of(request, field_name) is None:
         return request
-    return {**request, name: request[name][base:]}
+    assert field_name is not None
+    return {**request, field_name: request[field_name][base:]}
 
 
 @dataclass(frozen=True)
@@ -135,21 +135,46 @@ class RequestDelta:
     messages_base: int | None  # b
     upstream_request: dict[str, Any] | None  # whole, only when no merge patch says it
     upstream_request_patch: dict[str, Any] | None
+    canonical: dict[str, Any] | None = None  # ``steps.canonical``: its JSON with ``C[c:]``
+    canonical_base: int | None = None  # c
+    canonical_messages: list[Any] | None = None  # C whole (not stored: for the lineage memory)
+
+
+@dataclass(frozen=True)
+class ParentKeys:
+    """The parent's message keys (``message_key``): ``H_p`` of its request history and of its
+    canonical messages; None when the parent is not a lineage candidate (stored whole)."""
+
+    request: Sequence[str] | None
+    canonical: Sequence[str] | None
 
 
 def request_delta(
-    parent_keys: Sequence[str] | None, request: dict[str, Any], upstream_request: dict[str, Any]
+    parent: ParentKeys,
+    request: dict[str, Any],
+    upstream_request: dict[str, Any],
+    history_field: str | None,
+    canonical: CanonicalCall | None,
 ) -> RequestDelta:
-    """Store ``request`` as a delta on the parent's ``H_p`` (``parent_keys``; None when the
-    parent is not a lineage candidate, so the messages are stored whole) and
-    ``upstream_request`` as a merge patch on ``request``."""
-    base = messages_base(parent_keys, history_of(request))
+    """Store ``request`` as a delta on the parent's ``H_p``, ``canonical`` as a delta on its
+    ``C_p + [R_p]``, and ``upstream_request`` as a merge patch on ``request``."""
+    base = messages_base(parent.request, history_of(request, history_field))
     patch = merge_patch(request, upstream_request)
+    stored_canonical, canonical_base, messages = None, None, None
+    if canonical is not None:
+        stored_canonical = canonical.to_json()
+        messages = stored_canonical["messages"]
+        canonical_base = messages_base(parent.canonical, messages)
+        if canonical_base:
+            stored_canonical["messages"] = messages[canonical_base:]
     return RequestDelta(
-        stored_request(request, base),
+        stored_request(request, history_field, base),
         base,
         upstream_request if patch is None else None,
         patch,
+        stored_canonical,
+        canonical_base,
+        messages,
     )
 
 
@@ -221,38 +246,73 @@ class StoredRequest:
     upstream_request: dict[str, Any] | None
     upstream_request_patch: dict[str, Any] | None
     response_message: dict[str, Any] | None
+    history_field: str | None = None
+    canonical: dict[str, Any] | None = None
+    canonical_base: int | None = None
 
 
 @dataclass(frozen=True)
 class FullRequest:
-    """A step's requests exactly as the client sent them and as they went upstream."""
+    """A step's requests exactly as the client sent them and as they went upstream, and its
+    canonical record's JSON (None when it has none)."""
 
     request: dict[str, Any]
     upstream_request: dict[str, Any]
+    canonical: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class _History:
+    """One delta-stored list of a step (its request history, or its canonical messages)."""
+
+    entry: StoredRequest
+    canonical: bool
+
+    @property
+    def base(self) -> int | None:
+        return self.entry.canonical_base if self.canonical else self.entry.messages_base
+
+    @property
+    def tail(self) -> list[Any] | None:
+        entry = self.entry
+        if self.canonical:
+            messages = (entry.canonical or {}).get("messages")
+            return messages if isinstance(messages, list) else None
+        return history_of(entry.request, entry.history_field)
+
+    def response(self) -> Any:
+        response = self.entry.response_message
+        if self.canonical and response is not None:
+            return canonical_response_key(response)
+        return response
 
 
 def reconstruct_messages(
     stored: Mapping[str, StoredRequest],
     step_ids: Iterable[str],
     known: Mapping[str, list[Any]] | None = None,
+    *,
+    canonical: bool = False,
 ) -> dict[str, list[Any] | None]:
-    """Full history lists ``[M]`` of ``step_ids`` (and of every ancestor they needed);
-    ``stored`` must hold each one's chain of parents down to a step with b = 0 or NULL, or one
-    in ``known`` (full lists already at hand). None for a request without a history list.
+    """Full history lists ``[M]`` of ``step_ids`` (and of every ancestor they needed), or with
+    ``canonical`` their canonical messages ``[C]``; ``stored`` must hold each one's chain of
+    parents down to a step with base 0 or NULL, or one in ``known`` (full lists already at
+    hand). None for a step without such a list.
 
     One walk per chain (``datapool.steps.chain``), every step computed once. Raises
     ``RequestMissingError`` when a parent is absent or shorter than a base.
     """
+    histories = {step_id: _History(entry, canonical) for step_id, entry in stored.items()}
 
-    def apply(entry: StoredRequest, full: Mapping[str, list[Any] | None]) -> list[Any] | None:
-        return _messages(entry, full, stored)
+    def apply(history: _History, full: Mapping[str, list[Any] | None]) -> list[Any] | None:
+        return _messages(history, full, histories)
 
-    return chain.resolve(step_ids, stored, _based_on, apply, _request_missing, known)
+    return chain.resolve(step_ids, histories, _based_on, apply, _request_missing, known)
 
 
-def _based_on(entry: StoredRequest) -> str | None:
-    """The step whose history ``entry``'s messages are a delta on; None when stored whole."""
-    return entry.parent_step_id if entry.messages_base else None
+def _based_on(history: _History) -> str | None:
+    """The step whose list ``history``'s is a delta on; None when stored whole."""
+    return history.entry.parent_step_id if history.base else None
 
 
 def _request_missing(step_id: str) -> RequestMissingError:
@@ -260,37 +320,40 @@ def _request_missing(step_id: str) -> RequestMissingError:
 
 
 def _messages(
-    entry: StoredRequest,
+    history: _History,
     full: Mapping[str, list[Any] | None],
-    stored: Mapping[str, StoredRequest],
+    histories: Mapping[str, _History],
 ) -> list[Any] | None:
-    """``H_p[:b] + M[b:]`` (module docstring); the parent's full messages are in ``full``."""
-    messages = history_of(entry.request)
-    if not entry.messages_base:
-        return messages if isinstance(messages, list) else None
+    """``H_p[:b] + M[b:]`` (module docstring); the parent's full list is in ``full``."""
+    entry, base, messages = history.entry, history.base, history.tail
+    if not base:
+        return messages
     parent_id = entry.parent_step_id
     parent = full.get(parent_id) if parent_id is not None else None
-    if parent_id is None or parent is None or not isinstance(messages, list):
+    if parent_id is None or parent is None or messages is None:
         raise RequestMissingError(
             f"step {entry.step_id} stores its messages as a delta on parent {parent_id}, "
             "whose messages are missing"
         )
     head = parent
-    if len(head) < entry.messages_base:
-        response = stored[parent_id].response_message if parent_id in stored else None
+    if len(head) < base and parent_id in histories:
+        response = histories[parent_id].response()
         head = [*parent, response] if response is not None else parent
-    if len(head) < entry.messages_base:
+    if len(head) < base:
         raise RequestMissingError(
-            f"step {entry.step_id} needs {entry.messages_base} messages of its parent's "
-            f"history, which has {len(head)}"
+            f"step {entry.step_id} needs {base} messages of its parent's history, which has "
+            f"{len(head)}"
         )
-    return [*head[: entry.messages_base], *messages]
+    return [*head[:base], *messages]
 
 
-def full_request(entry: StoredRequest, messages: list[Any] | None) -> FullRequest:
-    """A step's full client and upstream requests, given its full ``messages``."""
+def full_request(
+    entry: StoredRequest, messages: list[Any] | None, canonical: list[Any] | None = None
+) -> FullRequest:
+    """A step's full client and upstream requests, given its full ``messages``, and its
+    canonical record given its full ``canonical`` messages."""
     request = entry.request
-    name = history_field(request)
+    name = entry.history_field
     if entry.messages_base is not None and messages is not None and name is not None:
         request = {**request, name: messages}
     if entry.upstream_request_patch is not None:
@@ -299,19 +362,28 @@ def full_request(entry: StoredRequest, messages: list[Any] | None) -> FullReques
         upstream = entry.upstream_request
     else:
         raise RequestMissingError(f"step {entry.step_id} has neither upstream request nor patch")
-    return FullRequest(request, upstream)
+    record = entry.canonical
+    if record is not None and entry.canonical_base:
+        record = {**record, "messages": canonical}
+    return FullRequest(request, upstream, record)
+
+
+_STORED_COLUMNS = (
+    Step.id,
+    Step.parent_step_id,
+    Step.messages_base,
+    Step.request,
+    Step.upstream_request,
+    Step.upstream_request_patch,
+    Step.response_message,
+    Step.history_field,
+    Step.canonical,
+    Step.canonical_base,
+)
 
 
 def _stored_of(row: Step) -> StoredRequest:
-    return StoredRequest(
-        row.id,
-        row.parent_step_id,
-        row.messages_base,
-        row.request,
-        row.upstream_request,
-        row.upstream_request_patch,
-        row.response_message,
-    )
+    return StoredRequest(*(getattr(row, column.key) for column in _STORED_COLUMNS))
 
 
 def is_expanded(row: Step) -> bool:
@@ -320,8 +392,9 @@ def is_expanded(row: Step) -> bool:
 
 
 def expand_requests(session: Session, rows: Iterable[Step]) -> None:
-    """Put the full client and upstream requests on loaded ``rows`` (``row.request``,
-    ``row.upstream_request``), as committed values: nothing is written back.
+    """Put the full client and upstream requests and canonical record on loaded ``rows``
+    (``row.request``, ``row.upstream_request``, ``row.canonical``), as committed values:
+    nothing is written back.
 
     Ancestors missing from ``rows`` are read with one query per batch of trajectories (the
     stored requests of a whole trajectory are about the size of its last full request, since
@@ -332,51 +405,55 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
     if not todo:
         return
     stored: dict[str, StoredRequest] = {}
-    known: dict[str, list[Any]] = {}
     for row in todo:
         stored[row.id] = _stored_of(row)
-    # Trajectories whose rows lack an ancestor some row's messages are a delta on.
-    needed = {row.trajectory_id for row in todo if chain.walk(row.id, stored, _based_on)[1]}
+
+    views = [{k: _History(v, canonical) for k, v in stored.items()} for canonical in (False, True)]
+    # Trajectories whose rows lack an ancestor some row's lists are a delta on.
+    needed = {
+        row.trajectory_id
+        for row in todo
+        if any(chain.walk(row.id, view, _based_on)[1] for view in views)
+    }
     if needed:
         trajectory_ids = sorted(needed)
         for chunk in chunks(trajectory_ids):
             for values in session.execute(
-                select(
-                    Step.id,
-                    Step.parent_step_id,
-                    Step.messages_base,
-                    Step.request,
-                    Step.upstream_request,
-                    Step.upstream_request_patch,
-                    Step.response_message,
-                ).where(Step.trajectory_id.in_(chunk))
+                select(*_STORED_COLUMNS).where(Step.trajectory_id.in_(chunk))
             ):
                 stored.setdefault(values[0], StoredRequest(*values))
-    for row in rows:  # rows already expanded serve as known full messages
+    known: dict[str, list[Any]] = {}
+    known_canonical: dict[str, list[Any]] = {}
+    for row in rows:  # rows already expanded serve as known full lists
         if is_expanded(row):
-            messages = history_of(row.request)
+            messages = history_of(row.request, row.history_field)
             if messages is not None:
                 known[row.id] = messages
-    full = reconstruct_messages(stored, [row.id for row in todo], known)
+            canonical = (row.canonical or {}).get("messages")
+            if isinstance(canonical, list):
+                known_canonical[row.id] = canonical
+    ids = [row.id for row in todo]
+    full = reconstruct_messages(stored, ids, known)
+    full_canonical = reconstruct_messages(stored, ids, known_canonical, canonical=True)
     for row in todo:
-        result = full_request(stored[row.id], full[row.id])
+        result = full_request(stored[row.id], full[row.id], full_canonical[row.id])
         set_committed_value(row, "request", result.request)
         set_committed_value(row, "upstream_request", result.upstream_request)
+        set_committed_value(row, "canonical", result.canonical)
         inspect(row).info[_EXPANDED] = result.request
 
 
-def engine_chat(
-    request: Mapping[str, Any], upstream_request: Mapping[str, Any] | None
-) -> tuple[list[Any] | None, Any]:
-    """The chat messages and tools the engine rendered for a step's full requests.
+def canonical_call(row: Step) -> CanonicalCall | None:
+    """The canonical record of an expanded step row (``expand_requests``), None without one."""
+    return None if row.canonical is None else CanonicalCall.from_json(row.canonical)
 
-    They are the upstream body's: for chat completions the client's own; for a translating
-    dialect (Responses, Messages) the chat form the gateway sent, with any
-    ``previous_response_id`` history included. ``(None, None)`` for completions (a prompt, no
-    messages). Exports use these so every dialect exports the conversation the policy saw.
-    """
-    for body in (upstream_request or {}, request):  # a step without an upstream body: the client's
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            return list(messages), body.get("tools")
-    return None, None
+
+def engine_chat(row: Step) -> tuple[list[Any] | None, list[Any] | None]:
+    """The messages and tools (JSON of the canonical record) the engine was asked with, for an
+    expanded step row; ``(None, None)`` for a call without messages (a completions prompt) or
+    without a record. Exports use these, so every dialect exports the conversation the policy
+    saw, in one form. ``tools`` is None when none was offered."""
+    record = row.canonical
+    if record is None or not isinstance(record.get("messages"), list):
+        return None, None
+    return list(record["messages"]), record.get("tools") or None

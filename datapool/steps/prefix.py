@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+from datapool.steps.canonical import Message, first_turns
 
 
 def first_divergence(sequence: Sequence[int], prompt: Sequence[int]) -> int | None:
@@ -67,19 +69,23 @@ class Lineage:
 class Candidate:
     """An earlier step: its id, its full sequence ``prompt_ids + response_ids``, how many of
     those are its prompt (None: unknown, never a fork's twin), the call it answered (choices of
-    one call share it; None: a call of its own) and its own lineage."""
+    one call share it; None: a call of its own), its own lineage, and the side call whose tree
+    it is in (``tree``: the root's step id; None: the trajectory's main tree)."""
 
     step_id: str
     sequence: Sequence[int]
     prompt_length: int | None = None
     call: int | None = None
     lineage: Lineage | None = None
+    tree: str | None = None
 
 
 def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lineage:
     """Pick the parent of a new step with ``prompt`` among ``candidates`` (oldest first).
 
-    No candidates: a root step (parent None, extends None). Otherwise, in order:
+    No candidates: a root step (parent None, extends None). Otherwise, with "the latest
+    candidate" the latest of the longest extending candidate's tree, or of the main tree when
+    none extends (a side call's steps never make a break of the main chain), in order:
 
     1. the longest extending candidate, when the prompt extends one of the latest call's
        candidates (the usual next turn) → ``Lineage(k, True, None)``;
@@ -96,7 +102,7 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
             best is None or len(candidate.sequence) >= len(best.sequence)
         ):
             best = candidate
-    latest = candidates[-1]
+    latest = latest_of_tree(candidates, None if best is None else best.tree)
     latest_call = [c for c in candidates if _same_call(c, latest)]
     if best is not None and any(first_divergence(c.sequence, prompt) is None for c in latest_call):
         return Lineage(best.step_id, True, None)
@@ -113,6 +119,20 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
     return Lineage(latest.step_id, False, offset)
 
 
+class _InTree(Protocol):
+    @property
+    def tree(self) -> str | None: ...
+
+
+C = TypeVar("C", bound=_InTree)
+
+
+def latest_of_tree(candidates: Sequence[C], tree: str | None) -> C:
+    """The latest of ``candidates`` (oldest first, not empty) in ``tree`` (None: the main
+    tree), or the latest of all when that tree has none."""
+    return next((c for c in reversed(candidates) if c.tree == tree), candidates[-1])
+
+
 def _same_call(candidate: Candidate, latest: Candidate) -> bool:
     if latest.call is None:
         return candidate is latest
@@ -122,73 +142,92 @@ def _same_call(candidate: Candidate, latest: Candidate) -> bool:
 # Kinds of prefix break, from the most to the least specific explanation.
 THINKING_STRIPPED = "thinking_stripped"
 TOOL_ARGUMENTS_CHANGED = "tool_arguments_changed"
+SYSTEM_CHANGED = "system_changed"
 HISTORY_REWRITTEN = "history_rewritten"
 HISTORY_TRUNCATED = "history_truncated"
 TOOL_CALL_RERENDERED = "tool_call_rerendered"
 RETOKENISED = "retokenised"
+# Not a break of the chain: a call sharing at most the first system/user turns (a title or
+# summary call, a sub-agent) is a new root of the trajectory's tree.
+SIDE_CALL = "side_call"
 DIVERGENCE_WINDOW_TOKENS = 8
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return str(content)
-
-
-def _tool_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    """``{tool_call_id: arguments}`` exactly as the message carries them (string or object)."""
-    calls = message.get("tool_calls") or []
-    return {
-        str(call.get("id")): (call.get("function") or {}).get("arguments")
-        for call in calls
-        if isinstance(call, dict)
-    }
-
-
 def classify_divergence(
-    parent_messages: Sequence[dict[str, Any]],
-    parent_response: dict[str, Any] | None,
-    new_messages: Sequence[dict[str, Any]],
+    parent_messages: Sequence[Message],
+    parent_response: Message | None,
+    new_messages: Sequence[Message],
 ) -> str:
-    """Explain a prefix break from the messages alone (never by re-tokenising).
+    """Explain a prefix break from the canonical conversations alone (never by re-tokenising),
+    so the same change reads the same in every dialect.
 
-    Compares the new request's messages with the parent's messages plus the message the parent
-    generated. Returns one of: ``history_truncated`` (fewer messages than the parent saw),
-    ``history_rewritten`` (an earlier message changed, or the generated content was edited),
-    ``tool_arguments_changed`` (an echoed tool call's arguments differ from the generated string,
-    matched by tool_call id: case C04), ``thinking_stripped`` (the generated turn had reasoning
-    that the template or the agent dropped: case C02), ``tool_call_rerendered`` (every message
-    matches, but the template renders the parsed tool call, not the sampled text: spacing and
-    argument formatting differ), ``retokenised`` (every message matches, so the same text was
-    rendered into other IDs: case C01).
+    Compares the new call's messages with the parent's messages then the message it generated
+    (``H_p``), and reads the kind from the first message that differs, field by field in the
+    order a chat template renders a turn (reasoning, then content, then tool calls), so the
+    kind names what the tokens diverge at:
+
+    - ``side_call``: the new call shares no more than the parent's leading system messages and
+      first user message, and is itself only a conversation's start (system messages and one
+      user message: a title or summary call, a sub-agent's first call): a new root of the
+      trajectory's tree, not a break of its chain;
+    - ``history_truncated``: the new messages are a prefix of the parent's (fewer turns);
+    - in an earlier turn: ``system_changed`` (a system message), ``thinking_stripped`` (its
+      reasoning dropped or changed), ``tool_arguments_changed`` (a tool call's argument string
+      differs, same call ids and names: case C04), else ``history_rewritten``;
+    - at the echoed generated turn: ``thinking_stripped`` (its reasoning dropped, or a
+      ``<think>`` block cut from its content: case C02), ``history_rewritten`` (the content
+      edited), ``tool_arguments_changed`` (arguments re-serialised), ``history_rewritten``
+      (other tool calls); when the echo equals the generated message, the template rendered it
+      differently: ``thinking_stripped`` when it had reasoning (templates drop past
+      reasoning), ``tool_call_rerendered`` when it had tool calls (the parsed call is rendered,
+      not the sampled text), else ``retokenised`` (case C01).
     """
-    if len(new_messages) <= len(parent_messages):
-        return HISTORY_TRUNCATED
-    for old, new in zip(parent_messages, new_messages, strict=False):
+    history = [*parent_messages, *([] if parent_response is None else [parent_response])]
+    shared = 0
+    for old, new in zip(history, new_messages, strict=False):
         if old != new:
-            return HISTORY_REWRITTEN
-    if parent_response is None:
+            break
+        shared += 1
+    starts_over = len(first_turns(new_messages)) == len(new_messages) < len(history)
+    if shared <= len(first_turns(parent_messages)) and starts_over:
+        return SIDE_CALL
+    if shared == len(new_messages) and len(new_messages) <= len(parent_messages):
+        return HISTORY_TRUNCATED
+    if shared < len(parent_messages):
+        if shared >= len(new_messages):
+            return HISTORY_TRUNCATED
+        return _turn_changed(parent_messages[shared], new_messages[shared], generated=False)
+    if parent_response is None or shared >= len(new_messages):
         return RETOKENISED
     echoed = new_messages[len(parent_messages)]
-    generated_args = _tool_arguments(parent_response)
-    echoed_args = _tool_arguments(echoed)
-    if any(echoed_args.get(call_id) != args for call_id, args in generated_args.items()):
-        return TOOL_ARGUMENTS_CHANGED
-    generated_text = _text(parent_response.get("content"))
-    had_thinking = "</think>" in generated_text or bool(
-        parent_response.get("reasoning") or parent_response.get("reasoning_content")
-    )
-    if had_thinking:
-        return THINKING_STRIPPED
-    if _text(echoed.get("content")) != generated_text:
+    if shared > len(parent_messages):  # the echo is the generated message itself
+        if parent_response.reasoning or "</think>" in parent_response.text:
+            return THINKING_STRIPPED
+        if parent_response.tool_calls:
+            return TOOL_CALL_RERENDERED
+        return RETOKENISED
+    return _turn_changed(parent_response, echoed, generated=True)
+
+
+def _turn_changed(old: Message, new: Message, *, generated: bool) -> str:
+    """What differs first between two versions of one turn, in rendering order."""
+    if old.role != new.role:
         return HISTORY_REWRITTEN
-    if generated_args:
-        return TOOL_CALL_RERENDERED
-    return RETOKENISED
+    if old.role in ("system", "developer"):
+        return SYSTEM_CHANGED
+    if old.reasoning != new.reasoning and old.reasoning:
+        return THINKING_STRIPPED
+    if old.content != new.content and old.text != new.text:
+        if "</think>" in old.text and old.text.split("</think>", 1)[1].strip() == new.text.strip():
+            return THINKING_STRIPPED
+        return HISTORY_REWRITTEN
+    if old.tool_calls != new.tool_calls:
+        same_calls = len(old.tool_calls) == len(new.tool_calls) and all(
+            (a.id, a.name) == (b.id, b.name)
+            for a, b in zip(old.tool_calls, new.tool_calls, strict=True)
+        )
+        return TOOL_ARGUMENTS_CHANGED if same_calls else HISTORY_REWRITTEN
+    return HISTORY_REWRITTEN if generated or old != new else RETOKENISED
 
 
 def divergence_window(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from datapool.steps.canonical import CanonicalCall
+
 
 @dataclass(frozen=True)
 class ChoiceRecord:
@@ -90,6 +92,12 @@ class CallRecord:
     # rendered); None when the gateway did not say (a completions prompt, older records).
     continuation: str | None = None
     suffix_tokens: int | None = None
+    # What the engine was asked, in the one form every reader of the pool uses (written by the
+    # call's dialect); None only for a call recorded without one.
+    canonical: CanonicalCall | None = None
+    # The field of ``request`` that holds the history the client resends (named by its
+    # dialect; None: none), stored as a delta on the parent's (``datapool.steps.messages``).
+    history_field: str | None = None
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from datapool.errors import TrajectoryClosedError
 from datapool.models import Step, Trajectory, TrajectoryStatus, utc_now
 from datapool.settings import PoolSettings
 from datapool.steps import chain
+from datapool.steps.canonical import CanonicalCall, Message, response_of
 from datapool.steps.lineage import LineageCache, TrajectoryTokens, rebuilt
-from datapool.steps.messages import expand_requests, request_delta
+from datapool.steps.messages import canonical_call, expand_requests, request_delta
 from datapool.steps.payloads import (
     PayloadFiles,
     StepRef,
@@ -58,6 +59,17 @@ class StoredStep:
     prompt_token_ids: list[int] | None
     response_token_ids: list[int] | None
     response_logprobs: list[float] | None
+
+    @property
+    def call(self) -> CanonicalCall | None:
+        """What the engine was asked (``datapool.steps.canonical``): the conversation, tools and
+        sampling parameters in one form for every dialect; None for a step recorded without."""
+        return canonical_call(self.row)
+
+    @property
+    def response(self) -> Message:
+        """The generated message as a canonical message (no content when none was generated)."""
+        return response_of(self.row.response_message)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.row, name)
@@ -175,10 +187,16 @@ class PoolStore:
         prompt = None if call.prompt_token_ids is None else pack_ids(call.prompt_token_ids)
         placement = tokens.place(call, prompt)
         payload = encode_payload(prompt, placement.lineage, placement.parent_tokens, call.choices)
-        request = request_delta(placement.parent_message_keys, call.request, call.upstream_request)
+        request = request_delta(
+            placement.parent_keys,
+            call.request,
+            call.upstream_request,
+            call.history_field,
+            call.canonical,
+        )
         step_index = batch.next_step_index(p.trajectory_id)
         step_ids = batch.add_call(p.trajectory_id, call, step_index, placement, payload, request)
-        tokens.remember(step_ids, call, placement, prompt, payload.responses, request.messages_base)
+        tokens.remember(step_ids, call, placement, prompt, payload.responses, request)
         tokens.call_count = step_index + 1  # the count this batch commits (see _refresh_lineage)
         return step_ids
 

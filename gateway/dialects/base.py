@@ -10,15 +10,21 @@ everything that depends on the API:
 client paths           ``client_paths`` under ``/v1``; the proxy serves each at ``/v1<path>``
                        and ``/t/{trajectory_id}/v1<path>`` (``router`` adds uncaptured routes)
 upstream path          ``upstream_path``: the vLLM path called, which need not be the client's
-body checks            ``check_body`` raises ``InvalidRequestError`` (400; every error of the
-                       dialect's routes is rendered by its ``render_error``)
-upstream body          ``prepare``: what the engine must be asked for to capture token-exactly
-                       (ids, logprobs, usage), translated when the upstream speaks another API
-                       (the proxy then adds the channel's sampling defaults a client omitted,
+upstream body          ``prepare``: the one translation of a call, run as soon as its body is
+                       read: it checks the body (``InvalidRequestError``, 400; every error of
+                       the dialect's routes is rendered by its ``render_error``) and writes
+                       what the engine must be asked for to capture token-exactly (ids,
+                       logprobs, usage), translated when the upstream speaks another API (the
+                       proxy then adds the channel's sampling defaults a client omitted,
                        ``with_sampling_defaults``: recorded, since the step stores the body)
 earlier calls          ``earlier_call_id``: the call a body continues (the Responses API's
                        ``previous_response_id``); the proxy reads that call's step from the
-                       pool and hands it to ``prepare_call`` with the new call's id
+                       pool and hands it to ``prepare_call`` with the prepared call, the
+                       resolved model and the new call's id (no second translation)
+canonical record       ``canonical``: the engine's body as the pool's ``CanonicalCall``
+                       (``datapool.steps.canonical``), written once per call when its record
+                       is made; ``history_field`` names the client body's list that repeats
+                       the history (stored as a delta on the parent's)
 unary capture          ``read_answer``: prompt ids, per choice the sampled ids, behaviour
                        logprobs, the response message in the common form (``content``,
                        ``tool_calls``, ``reasoning``) and finish reason
@@ -51,6 +57,7 @@ from typing import Any, ClassVar, NoReturn
 
 from fastapi import APIRouter
 
+from datapool.steps.canonical import CanonicalCall
 from datapool.steps.records import ChoiceRecord
 from gateway.errors import InvalidRequestError, TrajgateError, openai_envelope
 
@@ -108,6 +115,18 @@ def with_sampling_defaults(prepared: Prepared, defaults: dict[str, Any]) -> Prep
     if not missing:
         return prepared
     return replace(prepared, upstream_body={**upstream, **missing})
+
+
+def with_model(prepared: Prepared, model: Any) -> Prepared:
+    """``prepared`` with ``model`` in both bodies (the same object when it is there already):
+    every dialect's client and upstream bodies name the model in ``model``."""
+    if prepared.client_body.get("model") == model and prepared.upstream_body.get("model") == model:
+        return prepared
+    return replace(
+        prepared,
+        client_body={**prepared.client_body, "model": model},
+        upstream_body={**prepared.upstream_body, "model": model},
+    )
 
 
 def check_limits(
@@ -224,15 +243,21 @@ class Dialect(ABC):
     # Routes of the dialect that are not captured calls (e.g. counting tokens), served under
     # ``/v1`` and ``/t/{trajectory_id}/v1`` like the client paths.
     router: ClassVar[APIRouter | None] = None
-
-    @abstractmethod
-    def check_body(self, body: dict[str, Any]) -> None:
-        """Raise ``InvalidRequestError`` when the body cannot be captured; everything else is
-        the engine's to judge."""
+    # The client body's field that holds the history an agent resends (None: none), so the
+    # pool stores it as a delta on the parent's without knowing the dialect.
+    history_field: ClassVar[str | None] = None
 
     @abstractmethod
     def prepare(self, body: dict[str, Any]) -> Prepared:
-        """The upstream body for the client's ``body`` (never mutated) and what it asked for."""
+        """The upstream body for the client's ``body`` (never mutated) and what it asked for:
+        the call's one translation. Raises ``InvalidRequestError`` when the body cannot be
+        captured; everything else is the engine's to judge."""
+
+    @abstractmethod
+    def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
+        """The canonical record of a call whose engine body is ``upstream_body`` (the body
+        ``prepare`` wrote, sampling defaults included): called once per call, and by the pool's
+        migration for steps stored before the record existed."""
 
     def client_field(self, upstream_field: str) -> str:
         """The client's name of a field of the upstream body (default: the same name)."""
@@ -245,11 +270,12 @@ class Dialect(ABC):
         return None
 
     def prepare_call(
-        self, body: dict[str, Any], call_id: str, earlier: EarlierCall | None
+        self, prepared: Prepared, model: Any, call_id: str, earlier: EarlierCall | None
     ) -> Prepared:
-        """``prepare`` for the call ``call_id``, given the earlier call ``earlier_call_id``
-        named (None when it named none, or the pool has no such call). Default: ``prepare``."""
-        return self.prepare(body)
+        """``prepared`` for the call ``call_id`` with the policy's upstream ``model`` (the
+        alias resolved), given the earlier call ``earlier_call_id`` named (None when it named
+        none, or the pool has no such call). Default: ``with_model``."""
+        return with_model(prepared, model)
 
     @abstractmethod
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:

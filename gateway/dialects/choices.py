@@ -123,6 +123,7 @@ class ChoicesDialect(Dialect):
     # -- the shared part ------------------------------------------------------------------
 
     def check_body(self, body: dict[str, Any]) -> None:
+        """Raise ``InvalidRequestError`` when the body cannot be captured."""
         self.check_input(body)
         if "stream" in body and not isinstance(body["stream"], bool):
             raise InvalidRequestError("'stream' must be a boolean", param="stream")
@@ -131,9 +132,11 @@ class ChoicesDialect(Dialect):
             raise InvalidRequestError(f"'n' must be a positive integer, got {n!r}", param="n")
 
     def prepare(self, body: dict[str, Any]) -> Prepared:
-        """The client's body with ``return_token_ids: true``, logprobs on and, when streaming,
-        ``stream_options.include_usage: true`` (so sampled IDs can be checked against the usage
-        count). Everything else (``top_logprobs``, tools, vendor fields) passes through."""
+        """The client's body (checked: ``check_body``) with ``return_token_ids: true``,
+        logprobs on and, when streaming, ``stream_options.include_usage: true`` (so sampled
+        IDs can be checked against the usage count). Everything else (``top_logprobs``, tools,
+        vendor fields) passes through."""
+        self.check_body(body)
         upstream = dict(body)
         upstream["return_token_ids"] = True
         asked_logprobs, upstream["logprobs"] = self.upstream_logprobs(body)

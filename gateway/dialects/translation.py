@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from datapool.steps.canonical import CanonicalCall
 from gateway.capture import loads_object
 from gateway.dialects.base import (
     Captured,
@@ -33,7 +34,7 @@ from gateway.dialects.base import (
     Prepared,
     frame,
 )
-from gateway.dialects.chat_completions.serving import ChatCompletions
+from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
 from gateway.errors import InvalidRequestError
 
@@ -190,6 +191,11 @@ class TranslatingDialect(Dialect):
     """A dialect whose upstream is vLLM's chat completions: the capture reads the chat answer."""
 
     upstream_path = "/v1/chat/completions"
+
+    def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
+        """The record of the chat body sent: the engine's conversation, whatever the client's
+        API called its turns."""
+        return canonical_of_chat(upstream_body)
 
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
         return CHAT.read_answer(translated(prepared).chat_prepared(), answer)

@@ -143,6 +143,8 @@ class Call:
             attempts=tuple(self.attempts),
             continuation=self.continuation.built,
             suffix_tokens=self.continuation.suffix_tokens,
+            canonical=self.dialect.canonical(self.upstream_body),
+            history_field=self.dialect.history_field,
         )
 
     def _with_versions(self, choice: ChoiceRecord) -> ChoiceRecord:

@@ -28,7 +28,14 @@ from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.capture import UNREADABLE, dumps, loads, loads_object, request_hash
-from gateway.dialects import DIALECTS, Dialect, EarlierCall, check_limits, with_sampling_defaults
+from gateway.dialects import (
+    DIALECTS,
+    Dialect,
+    EarlierCall,
+    Prepared,
+    check_limits,
+    with_sampling_defaults,
+)
 from gateway.dialects.messages.render import upstream_error
 from gateway.dialects.messages.serving import Messages, count_tokens
 from gateway.errors import (
@@ -192,7 +199,7 @@ async def proxy_call(
     # The key first: an unauthenticated client never gets its body read.
     attribution = attribute(state, request, url_trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
-    dialect.check_body(body)
+    prepared = dialect.prepare(body)  # the call's one translation: a bad body is a 400 now
     check_model(body)
     await refuse_other_channel(state, attribution)
     writer = state.writer
@@ -204,7 +211,7 @@ async def proxy_call(
         if body.get("stream") is True:
             ticket.streams()  # its tokens are counted as read: a kept reload can split them
         try:
-            response = await forward_call(state, request, dialect, body, attribution, ticket)
+            response = await forward_call(state, request, dialect, prepared, attribution, ticket)
         except BaseException:
             ticket.release()
             raise
@@ -226,7 +233,7 @@ async def forward_call(
     state: GatewayState,
     request: Request,
     dialect: Dialect,
-    body: dict[str, Any],
+    prepared: Prepared,
     attribution: Attribution,
     ticket: Ticket,
 ) -> Response:
@@ -240,7 +247,7 @@ async def forward_call(
         replay = await replayed_answer(state, attribution, idempotency_key)
         if replay is not None:
             return replay
-    call = await new_call(state, dialect, body, attribution, idempotency_key)
+    call = await new_call(state, dialect, prepared, attribution, idempotency_key)
     call.ticket = ticket
     try:
         upstream = await ticket.guard(open_upstream(state, call))
@@ -294,20 +301,16 @@ async def replayed_answer(
 async def new_call(
     state: GatewayState,
     dialect: Dialect,
-    body: dict[str, Any],
+    prepared: Prepared,
     attribution: Attribution,
     idempotency_key: str | None,
 ) -> Call:
-    """The call with the policy alias resolved, the dialect's upstream body (with the channel's
-    sampling defaults where the client omitted a field), and the earlier call it re-sends
-    (same body within ``resend_window_s``), whose call id it then shares. A body continuing an
-    earlier call (``Dialect.earlier_call_id``) gets that call's step read from the pool."""
+    """The ``prepared`` call with the policy alias resolved, the channel's sampling defaults
+    where the client omitted a field, and the earlier call it re-sends (same body within
+    ``resend_window_s``), whose call id it then shares. A body continuing an earlier call
+    (``Dialect.earlier_call_id``) gets that call's step read from the pool."""
+    body = prepared.client_body
     resolution = state.policy.resolve(body.get("model"))
-    client_body = (
-        body
-        if resolution.upstream_model == body.get("model")
-        else {**body, "model": resolution.upstream_model}
-    )
     digest = request_hash(dialect.name, body)
     resend_of = None
     if state.settings.resend_window_s > 0 and not idempotency_key:
@@ -322,7 +325,9 @@ async def new_call(
     call_id = resend_of or str(uuid.uuid4())
     earlier = await earlier_call(state, dialect, body, attribution)
     defaults = state.settings.sampling_defaults_for(attribution.channel)
-    prepared = with_sampling_defaults(dialect.prepare_call(client_body, call_id, earlier), defaults)
+    prepared = with_sampling_defaults(
+        dialect.prepare_call(prepared, resolution.upstream_model, call_id, earlier), defaults
+    )
     policy = state.settings.sampling_policy_for(attribution.channel)
     prepared, replaced = apply_policy(dialect, prepared, policy, defaults)
     check_limits(dialect, prepared, state.settings.generation_limits)

@@ -35,6 +35,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     from datapool.steps.messages import StoredRequest, full_request, reconstruct_messages
+    from migrations.legacy import history_field_before_0013
 
     steps = sa.table(
         "steps",
@@ -65,7 +66,10 @@ def downgrade() -> None:
                 steps.c.response_message,
             ).where(steps.c.trajectory_id == trajectory_id)
         ).all()
-        stored = {row[0]: StoredRequest(*row) for row in rows}
+        stored = {
+            row[0]: StoredRequest(*row, history_field=history_field_before_0013(row[3]))
+            for row in rows
+        }
         messages = reconstruct_messages(stored, list(stored))
         for step_id, entry in stored.items():
             if entry.messages_base is None and entry.upstream_request is not None:

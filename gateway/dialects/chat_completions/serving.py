@@ -1,23 +1,77 @@
 """The chat completions dialect: ``POST /v1/chat/completions``, passed through to vLLM's own.
 
 Owns: where chat answers keep their fields (prompt IDs at the top level, logprobs under
-``logprobs.content``, the message under ``message`` or its ``delta`` parts) and reassembling a
-streamed message (content, reasoning, tool calls by index). Never: changes what the client
-receives beyond hiding the capture fields it did not ask for (``gateway.dialects.choices``).
+``logprobs.content``, the message under ``message`` or its ``delta`` parts), reassembling a
+streamed message (content, reasoning, tool calls by index), and the canonical record of a chat
+body (``canonical_of_chat``: also the record of every dialect translated to chat). Never:
+changes what the client receives beyond hiding the capture fields it did not ask for
+(``gateway.dialects.choices``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
+from datapool.steps.canonical import CanonicalCall, Message, Tool
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
 from gateway.errors import InvalidRequestError
+
+# The engine body's fields that are no sampling parameter: the conversation, the tools, the
+# model, and what the capture adds (``logprobs``: always asked for) or the transport reads.
+NOT_SAMPLING = frozenset(
+    (
+        "model",
+        "messages",
+        "prompt",
+        "tools",
+        "stream",
+        "stream_options",
+        "return_token_ids",
+        "logprobs",
+    )
+)
+
+
+def sampling_of(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling parameters of an engine body as sent (``CanonicalCall.sampling``)."""
+    return {name: value for name, value in body.items() if name not in NOT_SAMPLING}
+
+
+def canonical_of_chat(body: Mapping[str, Any]) -> CanonicalCall:
+    """The canonical record of a chat completions body (``datapool.steps.canonical``).
+
+    A chat message's ``reasoning_content`` (the older name) is its ``reasoning``; a tool call
+    whose ``arguments`` is not a string keeps its JSON text, a tool that is no function tool
+    its type and name (``Message.from_json``, ``Tool.from_json``).
+    """
+    messages = body.get("messages")
+    return CanonicalCall(
+        messages=tuple(_message(m) for m in messages if isinstance(m, Mapping))
+        if isinstance(messages, list)
+        else None,
+        tools=tuple(Tool.from_json(t) for t in body.get("tools") or () if isinstance(t, Mapping)),
+        sampling=sampling_of(body),
+    )
+
+
+def _message(message: Mapping[str, Any]) -> Message:
+    parsed = Message.from_json(message)
+    older = message.get("reasoning_content")
+    if parsed.reasoning is None and isinstance(older, str):
+        return replace(parsed, reasoning=older)
+    return parsed
 
 
 class ChatCompletions(ChoicesDialect):
     name = "chat.completions"
     client_paths = ("/chat/completions",)
     upstream_path = "/v1/chat/completions"
+    history_field = "messages"
+
+    def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
+        return canonical_of_chat(upstream_body)
 
     def check_input(self, body: dict[str, Any]) -> None:
         messages = body.get("messages")

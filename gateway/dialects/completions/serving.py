@@ -11,10 +11,13 @@ changes what the client receives beyond hiding the capture fields it did not ask
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from datapool.steps.canonical import CanonicalCall
 from gateway.dialects.base import Prepared
+from gateway.dialects.chat_completions.serving import sampling_of
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
 from gateway.errors import InvalidRequestError
 
@@ -23,6 +26,15 @@ class Completions(ChoicesDialect):
     name = "completions"
     client_paths = ("/completions",)
     upstream_path = "/v1/completions"
+
+    def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
+        """A prompt and its sampling parameters: no messages, no tools."""
+        prompt = upstream_body.get("prompt")
+        return CanonicalCall(
+            messages=None,
+            sampling=sampling_of(upstream_body),
+            prompt=prompt if isinstance(prompt, str | list) else None,
+        )
 
     def check_input(self, body: dict[str, Any]) -> None:
         prompt = body.get("prompt")

@@ -68,9 +68,7 @@ class MessagesPrepared(TranslatedPrepared):
 class Messages(TranslatingDialect):
     name = "messages"
     client_paths = ("/messages",)
-
-    def check_body(self, body: dict[str, Any]) -> None:
-        translate_request(body)
+    history_field = "messages"
 
     def prepare(self, body: dict[str, Any]) -> MessagesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when

@@ -35,7 +35,7 @@ type, a wrong type) is a 400 naming the field, as in ``input[2].type``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.dialects.base import EarlierCall
@@ -122,12 +122,15 @@ class Translation:
     """A Responses body as a chat body.
 
     ``chat_body`` has no capture fields yet; ``logprobs_asked`` is True when ``include`` has
-    ``message.output_text.logprobs``; ``omitted_tools`` names the tools chat cannot offer.
+    ``message.output_text.logprobs``; ``omitted_tools`` names the tools chat cannot offer;
+    ``history_at`` is where an earlier response's history goes in ``chat_body["messages"]``
+    (after the ``instructions`` system message).
     """
 
     chat_body: dict[str, Any]
     logprobs_asked: bool
     omitted_tools: list[str] = field(default_factory=list)
+    history_at: int = 0
 
 
 # Responses errors quote the field first, as OpenAI's do: "'model' must be a string, got int".
@@ -160,12 +163,41 @@ def history_messages(earlier: EarlierResponse) -> list[dict[str, Any]]:
 
 
 def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = None) -> Translation:
-    """The chat body for a Responses ``body`` (never mutated).
+    """The chat body for a Responses ``body`` (never mutated): ``translate_body`` then
+    ``continued`` with ``earlier``, what the pool holds for ``body["previous_response_id"]``
+    (None when unknown). Raises ``InvalidRequestError`` as both do."""
+    return continued(translate_body(body), body, earlier)
 
-    ``earlier`` is what the pool holds for ``body["previous_response_id"]``, looked up by the
-    caller (None when unknown). Raises ``InvalidRequestError`` (400) naming the field for an
-    unknown field, item or part type, a wrong type, a value out of the field's bounds
-    (``gateway.dialects.responses.protocol``), or an unknown ``previous_response_id``.
+
+def continued(
+    translation: Translation, body: dict[str, Any], earlier: EarlierResponse | None
+) -> Translation:
+    """``translation`` of ``body`` with the history of the earlier response its
+    ``previous_response_id`` names put after the ``instructions`` (the same object when it
+    names none). Raises ``InvalidRequestError`` (``previous_response_not_found``) when it names
+    one and ``earlier`` is None."""
+    earlier_id = previous_response_id(body)
+    if earlier_id is None:
+        return translation
+    if earlier is None:
+        raise InvalidRequestError(
+            f"previous_response_id '{earlier_id}' is unknown: no response with that id is "
+            "in the pool",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    messages = translation.chat_body["messages"]
+    at = translation.history_at
+    spliced = [*messages[:at], *history_messages(earlier), *messages[at:]]
+    return replace(translation, chat_body={**translation.chat_body, "messages": spliced})
+
+
+def translate_body(body: dict[str, Any]) -> Translation:
+    """The chat body for a Responses ``body`` (never mutated) without the history of any
+    ``previous_response_id`` (``continued`` adds it, once the pool was read): the call's one
+    translation, so every check runs before any lookup. Raises ``InvalidRequestError`` (400)
+    naming the field for an unknown field, item or part type, a wrong type, or a value out of
+    the field's bounds (``gateway.dialects.responses.protocol``).
     """
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
@@ -181,16 +213,8 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
     if instructions is not None:
         _expect(instructions, str, "instructions", "a string")
         messages.append({"role": "system", "content": instructions})
-    earlier_id = previous_response_id(body)
-    if earlier_id is not None:
-        if earlier is None:
-            raise InvalidRequestError(
-                f"previous_response_id '{earlier_id}' is unknown: no response with that id is "
-                "in the pool",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        messages.extend(history_messages(earlier))
+    history_at = len(messages)
+    previous_response_id(body)  # its type is checked here; the lookup comes later
     messages.extend(input_messages(body.get("input")))
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
     chat.update(copy_fields(body, SAMPLING, _FIELDS))
@@ -218,7 +242,7 @@ def translate_request(body: dict[str, Any], earlier: EarlierResponse | None = No
     # Last: the walk above names a nested field's type error first; the protocol adds the
     # bounds and enums of every top-level field, the echo-only ones included.
     check_top_level(ResponsesRequest, body, _FIELDS)
-    return Translation(chat, logprobs_asked, omitted)
+    return Translation(chat, logprobs_asked, omitted, history_at=history_at)
 
 
 def _include(include: Any) -> list[str]:

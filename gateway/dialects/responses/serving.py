@@ -33,18 +33,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.capture import dumps
-from gateway.dialects.base import Prepared, frame
+from gateway.dialects.base import Prepared, frame, with_model
 from gateway.dialects.responses.render import render_response
 from gateway.dialects.responses.request import (
     CHAT_TO_CLIENT,
     EarlierResponse,
     Translation,
+    continued,
     previous_response_id,
-    translate_request,
+    translate_body,
 )
 from gateway.dialects.responses.stream import ResponsesEvents
 from gateway.dialects.translation import (
@@ -97,14 +98,21 @@ class Responses(TranslatingDialect):
     name = "responses"
     client_paths = ("/responses",)
 
-    def check_body(self, body: dict[str, Any]) -> None:
-        """The whole translation's checks, with any ``previous_response_id`` taken as known
-        (it is looked up later)."""
-        placeholder = EarlierResponse({}, {}, {}) if previous_response_id(body) else None
-        translate_request(body, placeholder)
+    history_field = "input"
 
     def prepare(self, body: dict[str, Any]) -> ResponsesPrepared:
-        return self.prepare_with(body, None)
+        """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
+        streaming, the usage chunk, and a fresh response id; without the history of a
+        ``previous_response_id``, which ``prepare_call`` adds once the pool was read."""
+        translation = translate_body(body)
+        return ResponsesPrepared(
+            body,
+            with_capture_fields(translation.chat_body),
+            client_asked(logprobs=translation.logprobs_asked),
+            translation=translation,
+            response_id=new_response_id(),
+            created_at=int(time.time()),
+        )
 
     def earlier_call_id(self, body: dict[str, Any]) -> str | None:
         """The call ``previous_response_id`` names; None without one, or when it names no
@@ -113,28 +121,21 @@ class Responses(TranslatingDialect):
         return None if earlier is None else call_id_of(earlier)
 
     def prepare_call(
-        self, body: dict[str, Any], call_id: str, earlier: EarlierResponse | None
+        self, prepared: Prepared, model: Any, call_id: str, earlier: EarlierResponse | None
     ) -> ResponsesPrepared:
-        return self.prepare_with(body, earlier, response_id_of(call_id))
-
-    def prepare_with(
-        self,
-        body: dict[str, Any],
-        earlier: EarlierResponse | None,
-        response_id: str | None = None,
-    ) -> ResponsesPrepared:
-        """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
-        streaming, the usage chunk. ``earlier`` is what the pool holds for the body's
-        ``previous_response_id``; raises ``InvalidRequestError`` when it has one and
-        ``earlier`` is None. ``response_id``: the id to answer with (default: a fresh one)."""
-        translation = translate_request(body, earlier)
-        return ResponsesPrepared(
-            body,
-            with_capture_fields(translation.chat_body),
-            client_asked(logprobs=translation.logprobs_asked),
+        """``prepared`` answering as ``resp_<call id>``, with ``model``, and with the history
+        of ``earlier`` when the body has a ``previous_response_id``; raises
+        ``InvalidRequestError`` when it has one and ``earlier`` is None."""
+        call = _responses(with_model(prepared, model))
+        translation = continued(call.translation, call.client_body, earlier)
+        upstream = call.upstream_body
+        if translation is not call.translation:
+            upstream = {**upstream, "messages": translation.chat_body["messages"]}
+        return replace(
+            call,
+            upstream_body=upstream,
             translation=translation,
-            response_id=response_id or new_response_id(),
-            created_at=int(time.time()),
+            response_id=response_id_of(call_id),
         )
 
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:

@@ -414,13 +414,6 @@ document.addEventListener("alpine:init", () => {
       }
       return JSON.stringify(content);
     },
-    samplingOf(request) {
-      const out = {};
-      for (const [k, v] of Object.entries(request || {})) {
-        if (k !== "messages" && k !== "tools" && k !== "prompt") out[k] = v;
-      }
-      return out;
-    },
 
     // ---- tokens --------------------------------------------------------------------------
     // The token view's own functions (step rewards and other step facts go elsewhere).
