@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -25,7 +26,13 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
         # Keep-alive longer than clients' idle timeout (httpx: 5 s): the server must not close a
         # connection a client is about to reuse (under load that race reset connections).
-        settings = app.state.settings
+        # The gateway's read deadlines on a request's head and body; an app without the gateway's
+        # settings (a helper server of a test or bench) gets uvicorn's own protocol.
+        settings = getattr(app.state, "settings", None)
+        http: Any = "httptools"
+        if settings is not None:
+            head_s, body_s = settings.request_head_timeout_s, settings.request_body_timeout_s
+            http = protocol_factory(head_s, body_s)
         config = uvicorn.Config(
             app,
             host=host,
@@ -33,7 +40,7 @@ class BackgroundServer:
             log_level="warning",
             lifespan="on",
             timeout_keep_alive=75,
-            http=protocol_factory(settings.request_head_timeout_s, settings.request_body_timeout_s),
+            http=http,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
