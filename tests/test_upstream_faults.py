@@ -48,6 +48,13 @@ UNREADABLE: dict[str, bytes] = {
     "not_an_object": b"[1, 2, 3]",
     "choices_not_a_list": b'{"id": "c", "object": "chat.completion.chunk", "choices": 5}',
 }
+# A whole answer must hold at least one choice (a stream's usage chunk legitimately holds none):
+# a 200 without one was answered 200 with no step at all.
+UNREADABLE_ANSWERS: dict[str, bytes] = {
+    **UNREADABLE,
+    "no_choices": b'{"id": "c", "object": "chat.completion", "model": "tiny"}',
+    "empty_choices": b'{"id": "c", "object": "chat.completion", "choices": []}',
+}
 
 
 def chunk(ids: list[int], content: str, finish: str | None = None) -> dict[str, Any]:
@@ -174,13 +181,13 @@ def test_an_unreadable_event_mid_stream_ends_it_in_error_and_records_upstream_er
     assert_failed_and_never_trained(pool_settings, trajectory_id)
 
 
-@pytest.mark.parametrize("fault", sorted(UNREADABLE))
+@pytest.mark.parametrize("fault", sorted(UNREADABLE_ANSWERS))
 @pytest.mark.parametrize("dialect", sorted(DIALECT_CALLS))
 def test_an_unreadable_unary_answer_is_502_and_records_upstream_error(
     pool_settings: PoolSettings, dialect: str, fault: str
 ) -> None:
     path, body = DIALECT_CALLS[dialect]
-    transport = answering(UNREADABLE[fault], "application/json")
+    transport = answering(UNREADABLE_ANSWERS[fault], "application/json")
     trajectory_id = f"bad-body-{dialect}-{fault}".replace("_", "-")
     with gateway_with(pool_settings, free_port(), transport=transport) as gw:
         response = httpx.post(f"{gw.url}/t/{trajectory_id}/v1/{path}", json=body, timeout=30)

@@ -163,12 +163,20 @@ class ChoicesDialect(Dialect):
         A choice gets ``ids_missing`` when vLLM sent no IDs or logprobs (e.g. a reasoning parser
         with ``include_reasoning: false``, case C07), and ``ids_incomplete`` when
         ``len(ids) != len(logprobs)`` or all choices' IDs do not add up to
-        ``usage.completion_tokens``.
+        ``usage.completion_tokens``. Raises ``ValueError`` (one of ``gateway.capture.UNREADABLE``)
+        for an answer without choices.
         """
         body = prepared.client_body
         prompt_ids = self.prompt_ids(answer)
+        answer_choices = answer.get("choices")
+        if not isinstance(answer_choices, list) or not answer_choices:
+            # A whole answer holds one choice per sampled sequence: without any there is nothing
+            # to record, and answering it as a success would leave a delivered call with no step.
+            raise ValueError(
+                f"expected an answer with a non-empty 'choices' list, got {answer_choices!r:.80}"
+            )
         choices: list[ChoiceRecord] = []
-        for position, choice in enumerate(answer.get("choices") or []):
+        for position, choice in enumerate(answer_choices):
             ids = choice.get("token_ids")
             logprobs = self.choice_logprobs(choice.get("logprobs"))
             message = self.answer_message(choice)
