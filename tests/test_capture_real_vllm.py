@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+from gateway_helpers import gateway_with
 from openai import OpenAI
 from sqlalchemy import func, select
 from tests_support import free_port
@@ -16,7 +17,6 @@ from datapool.models import Step
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
 from gateway.server import BackgroundServer
-from tests.gateway_helpers import gateway_with
 from trajgate.vllm_server import VLLMServer
 
 REQUEST: dict[str, Any] = {

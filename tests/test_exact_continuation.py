@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
 from tests_support import free_port
 
 from datapool.batches.rows import StepTokens, segments
@@ -26,7 +27,6 @@ from gateway.proxy.continuation.history import Turn, echoes, find_extension, ren
 from gateway.proxy.continuation.prompt import exact_prompt
 from gateway.server import BackgroundServer
 from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
-from tests.gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
 from trajgate import vllm_server
 
 
