@@ -31,8 +31,12 @@ def call(
     outcome: str = "ok",
     policy_version: int = 0,
     finish_reason: str = "stop",
+    later_messages: Sequence[dict[str, str]] = (),
 ) -> CallRecord:
-    request = {"messages": [{"role": "user", "content": f"task {prompt[:3] if prompt else ''}"}]}
+    """A chat call whose conversation is one task message (named by the prompt's first ids),
+    then ``later_messages``."""
+    task = {"role": "user", "content": f"task {prompt[:3] if prompt else ''}"}
+    request = {"messages": [task, *later_messages]}
     return CallRecord(
         request=request,
         upstream_request={},

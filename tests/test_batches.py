@@ -162,7 +162,9 @@ def test_a_trajectory_with_a_prefix_break_exports_as_separate_segments(
     r3 = [1600, 1601]
     store.record_call("br", call(p1, r1))
     store.record_call("br", call(p2, r2))
-    store.record_call("br", call(p3, r3))
+    # the same task, then a turn the agent rewrote: a break of the main chain, not a side call
+    rewritten = [{"role": "assistant", "content": "rewritten"}, {"role": "user", "content": "go"}]
+    store.record_call("br", call(p3, r3, later_messages=rewritten))
     lifecycle.close_trajectory(store.sessions, "br", TrajectoryStatus.COMPLETE, final_reward=1.0)
     steps = store.steps_of("br")
     assert steps[2].extends_parent is False and "prefix_break" in steps[2].flags
