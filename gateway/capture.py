@@ -25,6 +25,9 @@ IDS_MISSING = "ids_missing"
 IDS_INCOMPLETE = "ids_incomplete"
 PROMPT_IDS_MISSING = "prompt_ids_missing"
 ABORTED = "aborted"
+# The engine's answer ended without a finish reason for the choice (a stream cut off, or a
+# unary ``finish_reason: null``): its tokens may be a prefix of what was sampled.
+UNFINISHED = "unfinished"
 # Quality facts: recorded, left to curation.
 TRUNCATED = "truncated"
 TOOL_CALL_TRUNCATED = "tool_call_truncated"
@@ -136,6 +139,33 @@ def is_constrained(body: dict[str, Any]) -> bool:
     if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
         return True
     return any(body.get(field) is not None for field in _STRUCTURED_FIELDS)
+
+
+_INT32_END = 2**31
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """``value`` as token ids ``[T]`` exactly as the engine sent them (None: not reported).
+
+    Raises ``ValueError`` (one of ``UNREADABLE``) for anything that is not a list of int32
+    token ids (``0 <= id < 2**31``; a bool is no id): such an answer cannot be captured, and
+    an id we took from it would be one the policy never sampled.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        type(token) is int and 0 <= token < _INT32_END for token in value
+    ):
+        raise ValueError(f"expected a list of int32 token ids, got {str(value)[:80]}")
+    return value
+
+
+def choice_index(value: Any, n_choices: int) -> int:
+    """A choice's ``index`` as the engine sent it. Raises ``ValueError`` (one of
+    ``UNREADABLE``) unless it is an integer from 0 to ``n_choices - 1``."""
+    if type(value) is not int or not 0 <= value < n_choices:
+        raise ValueError(f"expected a choice index from 0 to {n_choices - 1}, got {value!r:.40}")
+    return value
 
 
 def integrity_flags(

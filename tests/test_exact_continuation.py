@@ -353,7 +353,10 @@ def test_compaction_falls_back_to_the_template_and_is_recorded_as_a_break(
     steps = steps_of(pool_settings, "compacted")
     last = steps[-1]
     assert last.continuation == "template" and last.suffix_tokens is None
-    assert last.extends_parent is False and "prefix_break" in last.flags
+    # A summary that keeps only the system message is a conversation start: recorded as a new
+    # root of the trajectory's tree (side_call, issue 25's rule), never spliced onto the chain.
+    assert (last.parent_step_id, last.divergence_kind) == (None, "side_call")
+    assert not last.extends_parent
 
 
 def test_a_rewritten_tool_result_falls_back_and_an_unknown_model_is_refused_cleanly(

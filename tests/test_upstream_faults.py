@@ -41,12 +41,31 @@ DIALECT_CALLS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+
+def _choice_event(fields: bytes, index: bytes = b"0") -> bytes:
+    """A chat chunk (or, answered whole, an answer) of one choice with ``fields``."""
+    return (
+        b'{"id": "c", "object": "chat.completion.chunk", "model": "tiny", "choices": [{"index": '
+        + index
+        + b', "delta": {"content": "x"}, "message": {"role": "assistant", "content": "x"}, '
+        + fields
+        + b', "logprobs": null, "finish_reason": null}]}'
+    )
+
+
 # Events (and bodies) the capture cannot read, as the replica would send them.
 UNREADABLE: dict[str, bytes] = {
     "not_json": b"this is not json",
     "not_utf8": b'{"id": "c", "choices": [], "x": "\xff\xfe"}',
     "not_an_object": b"[1, 2, 3]",
     "choices_not_a_list": b'{"id": "c", "object": "chat.completion.chunk", "choices": 5}',
+    # ids that are no token ids: stored, they would be tokens the policy never sampled
+    # (booleans read as 1 and 0; a negative id), or lose the step at the pool's int32 payloads
+    "token_ids_bool": _choice_event(b'"token_ids": [true, false]'),
+    "token_ids_negative": _choice_event(b'"token_ids": [-3]'),
+    "token_ids_not_ints": _choice_event(b'"token_ids": ["a"]'),
+    "token_ids_past_int32": _choice_event(b'"token_ids": [2147483648]'),
+    "choice_index_out_of_range": _choice_event(b'"token_ids": [7]', index=b"-1"),
 }
 # A whole answer must hold at least one choice (a stream's usage chunk legitimately holds none):
 # a 200 without one was answered 200 with no step at all.
@@ -358,3 +377,54 @@ def test_answer_limits_must_be_positive() -> None:
     for name in ("upstream_max_answer_bytes", "upstream_max_event_bytes"):
         with pytest.raises(ValueError, match=name):
             GatewaySettings(**{name: 0})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dialect", sorted(DIALECT_CALLS))
+def test_an_answer_without_a_finish_reason_is_flagged_unfinished_and_never_trained(
+    pool_settings: PoolSettings, dialect: str, stream: bool
+) -> None:
+    # A stream that ends early (two tokens, no finish_reason; [DONE] or not) and a unary
+    # finish_reason null: the tokens may be a prefix of the sample, so never ok for training.
+    if stream:
+        role = {**chunk([], ""), "prompt_token_ids": [1, 2]}
+        role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        content = sse_body([role, chunk([7], "a"), chunk([8], "b")])
+        transport = answering(content, "text/event-stream")
+    else:
+        answer = {
+            "id": "c",
+            "object": "chat.completion",
+            "model": "tiny",
+            "prompt_token_ids": [1, 2],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ab"},
+                    "token_ids": [7, 8],
+                    "logprobs": {"content": [{"token": "a", "logprob": -0.5}] * 2},
+                    "finish_reason": None,
+                }
+            ],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+        }
+        transport = answering(json.dumps(answer).encode(), "application/json")
+    path, body = DIALECT_CALLS[dialect]
+    trajectory_id = f"unfinished-{dialect}-{stream}".lower()
+    with gateway_with(pool_settings, free_port(), transport=transport) as gw:
+        httpx.post(
+            f"{gw.url}/t/{trajectory_id}/v1/{path}", json={**body, "stream": stream}, timeout=30
+        )
+    (step,) = steps_of(pool_settings, trajectory_id)
+    assert step.response_token_ids == [7, 8]  # what the engine sent is kept, never padded
+    assert "unfinished" in step.flags
+    engine = make_engine(pool_settings.resolved_database_url())
+    try:
+        store = PoolStore(engine, pool_settings)
+        lifecycle.close_trajectory(
+            store.sessions, trajectory_id, TrajectoryStatus.COMPLETE, final_reward=1.0
+        )
+        verdict = readiness.trajectory_readiness(store.sessions, trajectory_id, ["final"])
+    finally:
+        engine.dispose()
+    assert not verdict.ready and step.id in verdict.excluded_steps

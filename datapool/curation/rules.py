@@ -87,6 +87,8 @@ INTEGRITY_FLAGS: tuple[str, ...] = (
     "ids_incomplete",
     "prompt_ids_missing",
     "aborted",
+    # The engine gave a choice no finish reason (a stream cut off): a possible prefix of the sample.
+    "unfinished",
     # Behaviour logprobs not of the distribution that sampled (gateway.proxy.sampling; invariant 9).
     "raw_logprobs",
     # Sampled across a full-weight reload where the gateway could not tell which tokens each

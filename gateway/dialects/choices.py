@@ -44,11 +44,14 @@ from typing import Any
 from datapool.steps.records import ChoiceRecord
 from gateway.capture import (
     ABORTED,
+    UNFINISHED,
     check_against_usage,
+    choice_index,
     dumps,
     integrity_flags,
     loads_object,
     quality_flags,
+    token_ids,
 )
 from gateway.dialects.base import (
     Captured,
@@ -176,19 +179,25 @@ class ChoicesDialect(Dialect):
                 f"expected an answer with a non-empty 'choices' list, got {answer_choices!r:.80}"
             )
         choices: list[ChoiceRecord] = []
+        indices: set[int] = set()
         for position, choice in enumerate(answer_choices):
-            ids = choice.get("token_ids")
+            index = choice_index(choice.get("index", position), prepared.n_choices)
+            if index in indices:
+                raise ValueError(f"expected each choice index once, got {index} twice")
+            indices.add(index)
+            ids = token_ids(choice.get("token_ids"))
             logprobs = self.choice_logprobs(choice.get("logprobs"))
             message = self.answer_message(choice)
             stop_reason = choice.get("stop_reason")
             choices.append(
                 ChoiceRecord(
-                    choice_index=int(choice.get("index", position)),
+                    choice_index=index,
                     response_token_ids=ids,
                     response_logprobs=logprobs,
                     response_message=message,
                     finish_reason=choice.get("finish_reason"),
                     flags=integrity_flags(ids, logprobs, prompt_ids)
+                    + unfinished_flags(choice.get("finish_reason"))
                     + quality_flags(body, choice.get("finish_reason"), message),
                     stop_reason=None if stop_reason is None else str(stop_reason),
                 )
@@ -273,11 +282,11 @@ class ChoicesCapture:
             self.prompt_ids = prompt_ids
         states = self.states
         for choice in chunk.get("choices") or []:
-            index = int(choice.get("index", 0))
+            index = choice_index(choice.get("index", 0), self.n_choices)
             state = states.get(index)
             if state is None:  # not setdefault: that builds a state per chunk to throw away
                 state = states[index] = ChoiceState()
-            ids = choice.get("token_ids")
+            ids = token_ids(choice.get("token_ids"))
             logprobs = dialect.choice_logprobs(choice.get("logprobs"))
             carries_tokens = bool(ids) or bool(dialect.delta_text(choice))
             if ids is not None:
@@ -345,6 +354,7 @@ class ChoicesCapture:
             if finish_reason is None and abort_reason is not None:
                 finish_reason = abort_reason
                 flags.append(ABORTED)
+            flags += unfinished_flags(finish_reason)
             flags += quality_flags(self.body, finish_reason, message)
             records.append(
                 ChoiceRecord(
@@ -360,6 +370,12 @@ class ChoicesCapture:
         if abort_reason is None:
             check_against_usage(records, (self.usage or {}).get("completion_tokens"))
         return records
+
+
+def unfinished_flags(finish_reason: Any) -> list[str]:
+    """``unfinished`` when the engine gave a choice no finish reason (``finish_reason`` None):
+    a stream that ended early or a unary ``null``; the tokens may be a prefix of the sample."""
+    return [UNFINISHED] if finish_reason is None else []
 
 
 class ChoicesStream(DialectStream):

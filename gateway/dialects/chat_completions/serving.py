@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from datapool.steps.canonical import CanonicalCall, Message, Tool
+from gateway.capture import token_ids
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
 from gateway.errors import InvalidRequestError
 
@@ -89,8 +90,7 @@ class ChatCompletions(ChoicesDialect):
         return body.get("logprobs") is True, True
 
     def prompt_ids(self, answer: dict[str, Any]) -> list[int] | None:
-        ids: list[int] | None = answer.get("prompt_token_ids")
-        return ids
+        return token_ids(answer.get("prompt_token_ids"))
 
     def choice_logprobs(self, logprobs: dict[str, Any] | None) -> list[float] | None:
         if not logprobs:

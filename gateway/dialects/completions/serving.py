@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from datapool.steps.canonical import CanonicalCall
+from gateway.capture import token_ids
 from gateway.dialects.base import Prepared
 from gateway.dialects.chat_completions.serving import sampling_of
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
@@ -71,7 +72,7 @@ class Completions(ChoicesDialect):
 
     def prompt_ids(self, answer: dict[str, Any]) -> list[int] | None:
         for choice in answer.get("choices") or ():
-            ids: list[int] | None = choice.get("prompt_token_ids")
+            ids = token_ids(choice.get("prompt_token_ids"))
             if ids is not None:
                 return ids
         return None
