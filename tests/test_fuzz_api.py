@@ -46,7 +46,10 @@ def _upstream(request: httpx.Request) -> httpx.Response:
     reload is rightly a 502, not what the fuzz looks for."""
     if request.url.path in ("/health", "/v1/models"):
         return httpx.Response(200, json={"object": "list", "data": []})
-    if request.url.path in ("/collective_rpc", "/reset_prefix_cache"):
+    # a full-weight update's calls: reload and cache reset, and in mode 'keep' (the default)
+    # the pause, the version and the resume around them
+    reload_paths = ("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume")
+    if request.url.path in (*reload_paths, "/update_weight_version"):
         return httpx.Response(200, json={})
     error = {"message": "refused by the test upstream", "type": "BadRequestError", "code": 400}
     return httpx.Response(400, json={"error": error})

@@ -238,6 +238,7 @@ def _assert_complete_trajectory(
     """Check what every agent trajectory must hold; return the first call's stored tool call."""
     assert len(steps) >= 2  # the forced tool call, then the answer after the tool result
     assert [step.step_index for step in steps] == list(range(len(steps)))
+    by_id = {step.id: step for step in steps}
     for step in steps:
         assert step.outcome == "ok", (step.step_index, step.outcome)
         assert not INTEGRITY_FLAGS & set(step.flags), (step.step_index, step.flags)
@@ -246,9 +247,19 @@ def _assert_complete_trajectory(
         assert step.response_logprobs is not None
         assert len(step.response_token_ids) == len(step.response_logprobs)
         assert len(step.response_token_ids) == step.completion_tokens
-        # The stored prompt is the chat template's rendering of the request as sent, which
-        # vLLM's /tokenize gives without sampling.
-        assert step.prompt_token_ids == _vllm_tokenize(vllm, step.request), step.step_index
+        rendered = _vllm_tokenize(vllm, step.request)
+        if step.continuation == "exact":
+            # Exact continuation: the parent's own prompt + sampled ids, then the template's
+            # rendering of only the new messages, which is the tail of the whole rendering.
+            parent = by_id[step.parent_step_id]
+            base = [*parent.prompt_token_ids, *parent.response_token_ids]
+            assert step.prompt_token_ids[: len(base)] == base, step.step_index
+            suffix = step.suffix_tokens
+            assert suffix and step.prompt_token_ids[-suffix:] == rendered[-suffix:]
+        else:
+            # The chat template's rendering of the request as sent, which vLLM's /tokenize
+            # gives without sampling.
+            assert step.prompt_token_ids == rendered, step.step_index
     first_messages = steps[0].request["messages"]
     assert first_messages[-1]["role"] == "user"
     assert first_messages[-1]["content"] == question

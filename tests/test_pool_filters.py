@@ -21,6 +21,7 @@ from datapool.models import Trajectory
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
 from gateway.app import create_app
+from gateway.dialects.chat_completions import ChatCompletions
 from gateway.settings import GatewaySettings
 
 PARIS = timezone(timedelta(hours=1))
@@ -146,7 +147,9 @@ def record(store: PoolStore, trajectory_id: str, content: str) -> None:
     """Trajectory ``trajectory_id`` with one step whose request is one user message."""
     lifecycle.create_trajectory(store.sessions, trajectory_id)
     request = {"messages": [{"role": "user", "content": content}]}
-    store.record_call(trajectory_id, dataclasses.replace(call([1, 2], [3]), request=request))
+    canonical = ChatCompletions().canonical(request)  # what the pool reads of a call
+    record = dataclasses.replace(call([1, 2], [3]), request=request, canonical=canonical)
+    store.record_call(trajectory_id, record)
 
 
 def test_like_wildcards_in_q_match_only_themselves(store: PoolStore, client: TestClient) -> None:

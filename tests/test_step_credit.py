@@ -38,6 +38,7 @@ from datapool.lifecycle.transitions import close_trajectory
 from datapool.models import Step, TrajectoryStatus
 from datapool.rewards.values import RewardIn, add_rewards
 from datapool.settings import PoolSettings
+from gateway.dialects.chat_completions import ChatCompletions
 
 
 def params(normalisation: str = "none", gamma: float = 1.0, scale: bool = False) -> StepParams:
@@ -320,7 +321,11 @@ def test_last_observation_anchors_steps_whose_histories_differ_only_in_earlier_t
                 [task, said, {"role": "tool", "content": "sunny"}],
             ),
         ):
-            record = dataclasses.replace(call(prompt, response), request={"messages": messages})
+            request = {"messages": messages}
+            canonical = ChatCompletions().canonical(request)  # what the pool reads
+            record = dataclasses.replace(
+                call(prompt, response), request=request, canonical=canonical
+            )
             store.record_call(trajectory_id, record, group_id="g")
         close_trajectory(
             store.sessions, trajectory_id, TrajectoryStatus.COMPLETE, final_reward=reward
