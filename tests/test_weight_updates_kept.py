@@ -33,7 +33,7 @@ from trajgate.vllm_server import VLLMServer
 
 TOLERANCE = 1e-5
 TEMPERATURE = 0.6
-LONG_TOKENS = 160
+LONG_TOKENS = 600  # long enough to still be sampling when the update pauses, on a quiet machine too
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
 SPLIT_UNKNOWN = "policy_version_split_unknown"
 
