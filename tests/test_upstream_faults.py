@@ -166,6 +166,11 @@ def assert_failed_and_never_trained(pool_settings: PoolSettings, trajectory_id: 
     (step,) = steps_of(pool_settings, trajectory_id)
     assert step.outcome == "upstream_error"
     assert step.flags, "an upstream_error step carries a flag"
+    assert_never_ready(pool_settings, trajectory_id, step.id)
+
+
+def assert_never_ready(pool_settings: PoolSettings, trajectory_id: str, step_id: str) -> None:
+    """Closed complete with a reward, the trajectory is not ready: ``step_id`` is excluded."""
     engine = make_engine(pool_settings.resolved_database_url())
     try:
         store = PoolStore(engine, pool_settings)
@@ -176,7 +181,7 @@ def assert_failed_and_never_trained(pool_settings: PoolSettings, trajectory_id: 
     finally:
         engine.dispose()
     assert not verdict.ready
-    assert step.id in verdict.excluded_steps
+    assert step_id in verdict.excluded_steps
 
 
 @pytest.mark.parametrize("fault", sorted(UNREADABLE))
@@ -418,13 +423,4 @@ def test_an_answer_without_a_finish_reason_is_flagged_unfinished_and_never_train
     (step,) = steps_of(pool_settings, trajectory_id)
     assert step.response_token_ids == [7, 8]  # what the engine sent is kept, never padded
     assert "unfinished" in step.flags
-    engine = make_engine(pool_settings.resolved_database_url())
-    try:
-        store = PoolStore(engine, pool_settings)
-        lifecycle.close_trajectory(
-            store.sessions, trajectory_id, TrajectoryStatus.COMPLETE, final_reward=1.0
-        )
-        verdict = readiness.trajectory_readiness(store.sessions, trajectory_id, ["final"])
-    finally:
-        engine.dispose()
-    assert not verdict.ready and step.id in verdict.excluded_steps
+    assert_never_ready(pool_settings, trajectory_id, step.id)
