@@ -19,9 +19,10 @@ objects on the path of an accepted call), which refuses, in this order:
                                    sent without a length is counted as it is read and cut there
 =====  ==========================  =============================================================
 
-A request that passes waits, unread, for room in the process's budget of body bytes
-(``gateway.body_budget``: its ``Content-Length`` out of ``max_body_bytes_in_flight``) and holds
-it until its answer is complete.
+A request with a body that passes holds, until its answer is complete, the bytes of it its
+route has read out of the process's budget of body bytes (``gateway.body_budget``,
+``max_body_bytes_in_flight``): each piece waits there for room before the route gets it. A
+route checks the API key before reading the body, so a refused key holds nothing.
 
 Errors are rendered in the envelope of the dialect whose path was asked (Anthropic's for
 ``/v1/messages``), OpenAI's everywhere else. Never: reads or buffers a body; decides what a
@@ -42,7 +43,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import check_admin_token
-from gateway.body_budget import BodyBudget
+from gateway.body_budget import BodyBudget, Holding
 from gateway.dialects import DIALECTS
 from gateway.errors import (
     AuthenticationError,
@@ -118,16 +119,12 @@ class EdgeGuard:
         if error is not None:
             await error_response(error, self._renderer(scope["path"]))(scope, receive, send)
             return
-        if chunked and content_length is None:
-            receive = self._counted(receive)
-            declared = self.max_body_bytes  # the most it may be
-        else:
-            declared = declared_length(content_length)
-        if declared == 0:
+        counted = chunked and content_length is None
+        if not counted and declared_length(content_length) == 0:
             await self.app(scope, receive, send)
             return
-        async with self.body_budget.reserve(declared):
-            await self.app(scope, receive, send)
+        async with self.body_budget.hold() as holding:
+            await self.app(scope, self._budgeted(receive, holding, counted), send)
 
     def _refusal(
         self,
@@ -174,20 +171,24 @@ class EdgeGuard:
             )
         return None
 
-    def _counted(self, receive: Receive) -> Receive:
-        """``receive`` that raises ``_BodyTooLarge`` once the body passes the limit."""
+    def _budgeted(self, receive: Receive, holding: Holding, counted: bool) -> Receive:
+        """``receive`` that grows ``holding`` by each piece of the body before handing it on
+        (``gateway.body_budget``) and, for a body sent without a length (``counted``), raises
+        ``_BodyTooLarge`` once it passes the limit."""
         received = 0
 
-        async def counted() -> Message:
+        async def budgeted() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
+                size = len(message.get("body", b""))
+                received += size
+                if counted and received > self.max_body_bytes:
                     raise _BodyTooLarge(self.max_body_bytes)
+                await holding.grow(size)
             return message
 
-        return counted
+        return budgeted
 
     def _renderer(self, path: str) -> ErrorRenderer:
         if path.startswith("/t/"):  # /t/<trajectory_id>/v1/...: the dialect's own envelope
