@@ -24,6 +24,9 @@ route has read out of the process's budget of body bytes (``gateway.body_budget`
 ``max_body_bytes_in_flight``): each piece waits there for room before the route gets it. A
 route checks the API key before reading the body, so a refused key holds nothing.
 
+A request whose client leaves before its route has read the body (a disconnect, or the 408 of
+the body deadline) ends with one INFO line, not a traceback.
+
 Errors are rendered in the envelope of the dialect whose path was asked (Anthropic's for
 ``/v1/messages``), OpenAI's everywhere else. Never: reads or buffers a body; decides what a
 route does with one (a route still checks its own body, and its own token, behind this).
@@ -35,11 +38,12 @@ check compares ``Origin`` with ``Host``, so a reverse proxy in front must pass `
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import check_admin_token
@@ -57,6 +61,8 @@ from gateway.errors import (
     openai_envelope,
 )
 from gateway.settings import GatewaySettings, allowed_host_names
+
+log = logging.getLogger("trajgate.guard")
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ADMIN_PREFIXES = ("/api", "/admin")
@@ -124,7 +130,17 @@ class EdgeGuard:
             await self.app(scope, receive, send)
             return
         async with self.body_budget.hold() as holding:
-            await self.app(scope, self._budgeted(receive, holding, counted), send)
+            try:
+                await self.app(scope, self._budgeted(receive, holding, counted), send)
+            except ClientDisconnect:
+                # The client left, or was cut at its body deadline (408, gateway.http_protocol),
+                # before the route read its body: nothing to answer, nothing recorded.
+                log.info(
+                    "%s %s: the client's body ended before it was read (disconnect or the body "
+                    "deadline)",
+                    scope["method"],
+                    scope["path"][:200],
+                )
 
     def _refusal(
         self,
