@@ -9,6 +9,7 @@ or a 502), and the call is one step with outcome ``upstream_error``, flagged, ne
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -554,3 +555,42 @@ def test_events_read_with_an_event_past_the_limit_keep_their_tokens(
     assert_ends_in_error_event("chat", response.text)
     (step,) = steps_of(pool_settings, "too-long-after-events")
     assert (step.outcome, step.response_token_ids) == ("upstream_error", [7])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_an_encoded_answer_is_upstream_error_whatever_it_decodes_to(
+    pool_settings: PoolSettings, stream: bool
+) -> None:
+    """A gzip body of a few KiB that decodes to 8 MiB: the answer limit (2 MiB) counts framed
+    bytes, so main decoded and answered it whole (200). vLLM never compresses and the gateway
+    asks for identity, so any content-encoding is refused."""
+    answer = json.loads(_wrong_kind())
+    answer.update({"object": "chat.completion", "prompt_token_ids": [1, 2], "x": "x" * 8 * MIB})
+    answer["choices"][0]["finish_reason"] = "stop"
+    bomb = gzip.compress(json.dumps(answer).encode())
+    assert len(bomb) < 64 * 1024
+    asked: list[str | None] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/chat/completions":
+            return httpx.Response(200 if request.url.path == "/health" else 404)
+        asked.append(request.headers.get("accept-encoding"))
+        headers = {"content-type": "application/json", "content-encoding": "gzip"}
+        return httpx.Response(200, content=bomb, headers=headers)
+
+    path, body = DIALECT_CALLS["chat"]
+    trajectory_id = f"gzip-bomb-{stream}".lower()
+    with gateway_with(
+        pool_settings,
+        free_port(),
+        transport=httpx.MockTransport(handle),
+        upstream_max_answer_bytes=2 * MIB,
+        upstream_max_attempts=1,
+    ) as gw:
+        response = httpx.post(
+            f"{gw.url}/t/{trajectory_id}/v1/{path}", json={**body, "stream": stream}, timeout=30
+        )
+    assert asked == ["identity"]
+    assert response.status_code == 502
+    assert "encoded (gzip)" in response.json()["error"]["message"]
+    assert_failed_and_never_trained(pool_settings, trajectory_id)
