@@ -15,7 +15,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-
 # The Messages API gives ``top_k`` no upper bound; vLLM's sampler holds it as a 32-bit integer
 # (and a top_k past the vocabulary keeps every token anyway), so past int32 it is refused here
 # rather than failing, or wrapping, in the engine.
