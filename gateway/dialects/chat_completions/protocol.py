@@ -30,20 +30,21 @@ _LOGPROBS: Shape = {
         {"token": TEXT, "logprob": NUMBER, "bytes": [INTEGER], "top_logprobs": [_TOP_LOGPROB]}
     ]
 }
-USAGE: Shape = {
+_USAGE: Shape = {
     "prompt_tokens": INTEGER,
     "completion_tokens": INTEGER,
     "total_tokens": INTEGER,
     "prompt_tokens_details": {"cached_tokens": INTEGER},
     "completion_tokens_details": {"reasoning_tokens": INTEGER},
 }
-_TOP: dict[str, Shape] = {
+# The top-level fields of an answer or chunk (completions answers share them).
+TOP_FIELDS: dict[str, Shape] = {
     "id": TEXT,
     "object": TEXT,
     "created": INTEGER,
     "model": TEXT,
     "system_fingerprint": TEXT,
-    "usage": USAGE,
+    "usage": _USAGE,
 }
 _CHOICE: dict[str, Shape] = {
     "index": INTEGER,
@@ -52,5 +53,5 @@ _CHOICE: dict[str, Shape] = {
     "stop_reason": (int, str),
 }
 
-ANSWER: Shape = {**_TOP, "choices": [{**_CHOICE, "message": _MESSAGE}]}
-CHUNK: Shape = {**_TOP, "choices": [{**_CHOICE, "delta": _MESSAGE}]}
+ANSWER: Shape = {**TOP_FIELDS, "choices": [{**_CHOICE, "message": _MESSAGE}]}
+CHUNK: Shape = {**TOP_FIELDS, "choices": [{**_CHOICE, "delta": _MESSAGE}]}

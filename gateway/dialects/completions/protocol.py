@@ -10,7 +10,7 @@ JSON type of every field of vLLM 0.32's ``CompletionResponse`` a client reads. F
 from __future__ import annotations
 
 from gateway.capture import INTEGER, NUMBER, TEXT, Shape
-from gateway.dialects.chat_completions.protocol import USAGE
+from gateway.dialects.chat_completions.protocol import TOP_FIELDS
 
 _LOGPROBS: Shape = {
     "tokens": [TEXT],
@@ -19,12 +19,7 @@ _LOGPROBS: Shape = {
     "top_logprobs": [{}],
 }
 ANSWER: Shape = {
-    "id": TEXT,
-    "object": TEXT,
-    "created": INTEGER,
-    "model": TEXT,
-    "system_fingerprint": TEXT,
-    "usage": USAGE,
+    **TOP_FIELDS,
     "choices": [
         {
             "index": INTEGER,
