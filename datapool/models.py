@@ -16,10 +16,11 @@ Case codes (Cnn) are defined in docs/capture-cases.md.
 from __future__ import annotations
 
 import enum
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -84,10 +85,36 @@ def _in_utc_range(value: datetime) -> datetime:
     return utc
 
 
-# A time a client filters by (query parameters and filter bodies): parsed by pydantic, then
-# converted to UTC at once, so an instant outside Python's UTC range is a 400 naming the field
-# instead of an OverflowError in the query (every such parameter uses this one type).
-UTCTimestamp = Annotated[datetime, AfterValidator(_in_utc_range)]
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _unix_seconds(value: Any) -> Any:
+    """A number, or a string that is one, as Unix seconds in UTC; anything else as it came.
+
+    pydantic alone reads a number past 2e10 as milliseconds, so ``253402300800`` (the second
+    after 9999-12-31T23:59:59Z) was a 1978 date. Here a number is always seconds, so a value in
+    milliseconds falls far outside UTC's range and is refused instead of read as another time.
+    Raises ``ValueError`` for a number no datetime holds.
+    """
+    number = value
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value)
+    if type(number) not in (int, float):
+        return value
+    try:
+        return datetime.fromtimestamp(number, UTC)
+    except (OverflowError, OSError, ValueError):
+        raise ValueError(
+            f"expected an instant from {datetime.min.isoformat()}Z to "
+            f"{datetime.max.isoformat()}Z in UTC, got {value!r:.40} (a number is Unix seconds)"
+        ) from None
+
+
+# A time a client filters by (query parameters and filter bodies): ISO 8601, or a number of Unix
+# seconds (never milliseconds), converted to UTC at once, so an instant outside Python's UTC range
+# is a 400 naming the field instead of an OverflowError in the query (every such parameter uses
+# this one type).
+UTCTimestamp = Annotated[datetime, BeforeValidator(_unix_seconds), AfterValidator(_in_utc_range)]
 
 
 # The largest value of an Integer column on PostgreSQL (INTEGER: 32 bits; SQLite's hold 64). Every

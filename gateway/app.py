@@ -171,6 +171,10 @@ async def _running_state(
     engine.dispose()
 
 
+# Answers unencoded: the answer limit counts framed bytes (gateway.upstream.answer_limit).
+IDENTITY = {"accept-encoding": "identity"}
+
+
 def _upstream_client(
     settings: GatewaySettings, transport: httpx.AsyncBaseTransport | None
 ) -> httpx.AsyncClient:
@@ -185,13 +189,17 @@ def _upstream_client(
     most_bytes = settings.upstream_max_answer_bytes
     if transport is not None:  # a test's transport for shapes the real vLLM cannot produce
         return httpx.AsyncClient(
-            timeout=timeout, limits=limits, transport=AnswerLimit(transport, most_bytes)
+            timeout=timeout,
+            limits=limits,
+            transport=AnswerLimit(transport, most_bytes),
+            headers=IDENTITY,
         )
     # Plain-HTTP replicas through our own transport (gateway.upstream.transport: the capture
     # hot path); https:// ones through httpx's default transport. Every answer is limited in
     # bytes (gateway.upstream.answer_limit).
     return httpx.AsyncClient(
         timeout=timeout,
+        headers=IDENTITY,
         mounts={
             "http://": AnswerLimit(UpstreamTransport(), most_bytes),
             "https://": AnswerLimit(httpx.AsyncHTTPTransport(limits=limits), most_bytes),

@@ -1,74 +1,131 @@
 """The budget of request-body bytes one gateway process works on at once.
 
-Owns: ``BodyBudget``, a first-come-first-served semaphore counted in bytes. ``EdgeGuard``
-reserves each request's declared ``Content-Length`` (``max_body_bytes`` for a body sent without
-one) before the route runs and gives it back when the route's answer is complete, so the bytes
-of bodies being parsed, translated, sent upstream and recorded never exceed
-``max_body_bytes_in_flight`` together; a request that does not fit waits, unread (its bytes stay
-in the kernel and the client's buffers), in arrival order. Requests without a body (``/health``,
-``GET``) never wait.
+Owns: ``BodyBudget``, a semaphore counted in bytes, and ``Holding``, one request's share of
+it. ``EdgeGuard`` opens a holding per request with a body and grows it by each piece of the
+body the route reads (``Holding.grow`` before the piece is handed on), so a request holds only
+bytes that actually arrived, and only once its route asked for them: a route checks the API
+key before it reads a byte, so an unauthenticated request holds nothing, and a client that
+declares 16 MiB and drips one byte holds one byte. The holding is given back when the route's
+answer is complete, so the bytes of bodies being parsed, translated, sent upstream and recorded
+stay within ``max_body_bytes_in_flight`` together. A piece that does not fit waits before the
+route gets it; the rest of that body waits unread meanwhile (uvicorn stops reading a connection
+past 64 KiB unread: its bytes stay in the kernel and the client's buffers). Requests without a
+body (``/health``, ``GET``) never wait.
+
+Waiters are served oldest request first (a large body is not starved by a stream of small
+ones, and a body already partly read goes before newer requests). Bodies read piece by piece
+can deadlock a plain semaphore: several half-read bodies fill it and each waits for room only
+another can free. So when every byte in use is held by requests that are themselves waiting,
+the oldest of them that holds bytes is let past the capacity until its body is read; at most
+one request is past it at a time, so the bytes held never exceed ``capacity_bytes`` plus one
+largest body (``max_body_bytes``).
 
 Why: one call holds its body several times over while it is processed (the bytes, the parsed
 JSON, the upstream body, the stored request; docs/gateway.md, "Large bodies"), so eight
 concurrent 10.7 MiB bodies took the gateway from 397 to 984 MB and held ``/health`` at 0.8-3.3 s
-(issue 29 item 6). Never: refuses a request (the size limit, 413, is ``EdgeGuard``'s), or limits
-anything across processes: each worker has its own budget.
+(issue 29 item 6). Reserving each declared ``Content-Length`` up front, before the key was
+checked, let four connections that declared 16 MiB and dripped a byte hold the whole budget
+until their body deadline: every other POST waited 29 s. Never: refuses a request (the size
+limit, 413, is ``EdgeGuard``'s), or limits anything across processes: each worker has its own
+budget.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Holding:
+    """One request's bytes of the budget: ``held_bytes`` granted so far; ``order`` its arrival
+    (older first)."""
+
+    budget: BodyBudget
+    order: int
+    held_bytes: int = 0
+
+    async def grow(self, size_bytes: int) -> None:
+        """Add ``size_bytes``; waits while they do not fit or older requests wait. Cancelled
+        while waiting: nothing is added."""
+        await self.budget._grow(self, size_bytes)
+
+
+@dataclass(order=True)
+class _Waiter:
+    order: int
+    size: int = field(compare=False)
+    holding: Holding = field(compare=False)
+    granted: asyncio.Future[None] = field(compare=False)
 
 
 class BodyBudget:
-    """``capacity_bytes`` of request bodies at once; waiters served in arrival order (a large
-    body is not starved by a stream of small ones). ``in_use_bytes``: reserved now;
-    ``waiting``: requests waiting for room."""
+    """``capacity_bytes`` of request bodies at once (module docstring). ``in_use_bytes``: held
+    now; ``waiting``: requests waiting for room."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.in_use_bytes = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._arrivals = itertools.count()
+        self._waiters: list[_Waiter] = []  # oldest request first
+        self._waiters_hold_bytes = 0  # bytes held by the requests in ``_waiters``
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
     @asynccontextmanager
-    async def reserve(self, size_bytes: int) -> AsyncIterator[None]:
-        """Hold ``size_bytes`` (at most the capacity) for the block; waits while they do not
-        fit or others wait before. Cancelled while waiting: nothing is held."""
-        size = min(size_bytes, self.capacity_bytes)
-        if not self._waiters and self.in_use_bytes + size <= self.capacity_bytes:
-            self.in_use_bytes += size
-        else:
-            granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry = (size, granted)
-            self._waiters.append(entry)
-            try:
-                await granted
-            except asyncio.CancelledError:
-                if granted.done() and not granted.cancelled():
-                    self._release(size)  # granted in the same turn as the cancel
-                else:
-                    self._waiters.remove(entry)
-                    self._grant()  # it may have held back smaller ones behind it
-                raise
+    async def hold(self) -> AsyncIterator[Holding]:
+        """A holding of no bytes yet, grown with ``Holding.grow``; all it holds is given back
+        when the block ends."""
+        holding = Holding(self, next(self._arrivals))
         try:
-            yield
+            yield holding
         finally:
-            self._release(size)
+            self.in_use_bytes -= holding.held_bytes
+            holding.held_bytes = 0
+            self._grant()
 
-    def _release(self, size: int) -> None:
-        self.in_use_bytes -= size
+    async def _grow(self, holding: Holding, size: int) -> None:
+        if size <= 0:
+            return
+        if not self._waiters and self.in_use_bytes + size <= self.capacity_bytes:
+            self._add(holding, size)
+            return
+        waiter = _Waiter(holding.order, size, holding, asyncio.get_running_loop().create_future())
+        bisect.insort(self._waiters, waiter)
+        self._waiters_hold_bytes += holding.held_bytes
         self._grant()
+        try:
+            await waiter.granted
+        except asyncio.CancelledError:
+            if not (waiter.granted.done() and not waiter.granted.cancelled()):
+                self._leave(waiter)  # not granted: its holding gets nothing
+                self._grant()  # it may have held back smaller ones behind it
+            raise
+
+    def _add(self, holding: Holding, size: int) -> None:
+        holding.held_bytes += size
+        self.in_use_bytes += size
+
+    def _leave(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        self._waiters_hold_bytes -= waiter.holding.held_bytes
 
     def _grant(self) -> None:
-        while self._waiters and self.in_use_bytes + self._waiters[0][0] <= self.capacity_bytes:
-            size, granted = self._waiters.popleft()
-            if not granted.cancelled():
-                self.in_use_bytes += size
-                granted.set_result(None)
+        while self._waiters:
+            waiter = self._waiters[0]
+            if self.in_use_bytes + waiter.size > self.capacity_bytes and self.in_use_bytes > 0:
+                if self.in_use_bytes > self._waiters_hold_bytes:
+                    return  # a request that is not waiting will give bytes back
+                # Every byte in use is held by a waiter: none can be freed until one is let
+                # past the capacity. The oldest that holds bytes finishes its body first.
+                waiter = next(w for w in self._waiters if w.holding.held_bytes > 0)
+            self._leave(waiter)
+            if not waiter.granted.cancelled():
+                self._add(waiter.holding, waiter.size)
+                waiter.granted.set_result(None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 
@@ -86,6 +86,49 @@ def loads_object(data: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {type(value).__name__}: {data[:80]!r}")
     return value
+
+
+# The shape of an upstream answer as the capture and the dialects read it
+# (``check_shape``): a tuple of the JSON types a value may have, ``{name: shape}`` for an
+# object (other names pass unread), ``[shape]`` for a list of such items.
+Shape = tuple[type, ...] | dict[str, "Shape"] | list["Shape"]
+TEXT: Shape = (str,)
+INTEGER: Shape = (int,)
+NUMBER: Shape = (int, float)
+
+
+def check_shape(value: Any, shape: Shape, where: str) -> None:
+    """Raise ``ValueError`` (one of ``UNREADABLE``) naming the first value in ``value`` whose
+    JSON type is not the one ``shape`` gives its field (``where``: the path so far).
+
+    A field that is absent or ``null`` passes (the capture records it as missing); a boolean
+    is no number (JSON keeps them apart; Python's ``bool`` is an ``int``). Every field a
+    dialect reads from an answer is in its shape, so a value of the wrong kind makes the whole
+    answer unreadable before any of it is captured or relayed, instead of failing later where
+    it is used (a ``TypeError`` joining a number into the message, after the client's stream
+    was cut) or being stored as text (``finish_reason: 5`` as ``'5'``).
+    """
+    if value is None:
+        return
+    if isinstance(shape, dict):
+        if type(value) is not dict:
+            _wrong_kind(value, "an object", where)
+        for name, field_shape in shape.items():
+            field = value.get(name)
+            if field is not None:
+                check_shape(field, field_shape, f"{where}.{name}")
+    elif isinstance(shape, list):
+        if type(value) is not list:
+            _wrong_kind(value, "a list", where)
+        item_shape = shape[0]
+        for position, item in enumerate(value):
+            check_shape(item, item_shape, f"{where}[{position}]")
+    elif type(value) not in shape:
+        _wrong_kind(value, " or ".join(kind.__name__ for kind in shape), where)
+
+
+def _wrong_kind(value: Any, expected: str, where: str) -> NoReturn:
+    raise ValueError(f"expected {expected} at {where}, got {type(value).__name__}: {value!r:.80}")
 
 
 def dumps(value: dict[str, Any]) -> bytes:

@@ -19,9 +19,13 @@ objects on the path of an accepted call), which refuses, in this order:
                                    sent without a length is counted as it is read and cut there
 =====  ==========================  =============================================================
 
-A request that passes waits, unread, for room in the process's budget of body bytes
-(``gateway.body_budget``: its ``Content-Length`` out of ``max_body_bytes_in_flight``) and holds
-it until its answer is complete.
+A request with a body that passes holds, until its answer is complete, the bytes of it its
+route has read out of the process's budget of body bytes (``gateway.body_budget``,
+``max_body_bytes_in_flight``): each piece waits there for room before the route gets it. A
+route checks the API key before reading the body, so a refused key holds nothing.
+
+A request whose client leaves before its route has read the body (a disconnect, or the 408 of
+the body deadline) ends with one INFO line, not a traceback.
 
 Errors are rendered in the envelope of the dialect whose path was asked (Anthropic's for
 ``/v1/messages``), OpenAI's everywhere else. Never: reads or buffers a body; decides what a
@@ -34,15 +38,16 @@ check compares ``Origin`` with ``Host``, so a reverse proxy in front must pass `
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import check_admin_token
-from gateway.body_budget import BodyBudget
+from gateway.body_budget import BodyBudget, Holding
 from gateway.dialects import DIALECTS
 from gateway.errors import (
     AuthenticationError,
@@ -56,6 +61,8 @@ from gateway.errors import (
     openai_envelope,
 )
 from gateway.settings import GatewaySettings, allowed_host_names
+
+log = logging.getLogger("trajgate.guard")
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ADMIN_PREFIXES = ("/api", "/admin")
@@ -118,16 +125,22 @@ class EdgeGuard:
         if error is not None:
             await error_response(error, self._renderer(scope["path"]))(scope, receive, send)
             return
-        if chunked and content_length is None:
-            receive = self._counted(receive)
-            declared = self.max_body_bytes  # the most it may be
-        else:
-            declared = declared_length(content_length)
-        if declared == 0:
+        counted = chunked and content_length is None
+        if not counted and declared_length(content_length) == 0:
             await self.app(scope, receive, send)
             return
-        async with self.body_budget.reserve(declared):
-            await self.app(scope, receive, send)
+        async with self.body_budget.hold() as holding:
+            try:
+                await self.app(scope, self._budgeted(receive, holding, counted), send)
+            except ClientDisconnect:
+                # The client left, or was cut at its body deadline (408, gateway.http_protocol),
+                # before the route read its body: nothing to answer, nothing recorded.
+                log.info(
+                    "%s %s: the client's body ended before it was read (disconnect or the body "
+                    "deadline)",
+                    scope["method"],
+                    scope["path"][:200],
+                )
 
     def _refusal(
         self,
@@ -174,20 +187,24 @@ class EdgeGuard:
             )
         return None
 
-    def _counted(self, receive: Receive) -> Receive:
-        """``receive`` that raises ``_BodyTooLarge`` once the body passes the limit."""
+    def _budgeted(self, receive: Receive, holding: Holding, counted: bool) -> Receive:
+        """``receive`` that grows ``holding`` by each piece of the body before handing it on
+        (``gateway.body_budget``) and, for a body sent without a length (``counted``), raises
+        ``_BodyTooLarge`` once it passes the limit."""
         received = 0
 
-        async def counted() -> Message:
+        async def budgeted() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
+                size = len(message.get("body", b""))
+                received += size
+                if counted and received > self.max_body_bytes:
                     raise _BodyTooLarge(self.max_body_bytes)
+                await holding.grow(size)
             return message
 
-        return counted
+        return budgeted
 
     def _renderer(self, path: str) -> ErrorRenderer:
         if path.startswith("/t/"):  # /t/<trajectory_id>/v1/...: the dialect's own envelope

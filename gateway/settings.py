@@ -264,12 +264,14 @@ class GatewaySettings(ConfigFileSettings):
         default=64 * 1024 * 1024,
         gt=0,
         description=(
-            "Bytes of request bodies one gateway process works on at once (their declared "
-            "Content-Length; max_body_bytes for a body sent without one). A request that does "
-            "not fit waits, unread, in arrival order, until earlier answers are complete; "
-            "requests without a body never wait. A call holds about 3 times its body in memory "
-            "while it is processed (docs/gateway.md, 'Large bodies'), so this bounds that "
-            "memory; at least max_body_bytes (one largest body must fit)."
+            "Bytes of request bodies one gateway process works on at once, counted as the "
+            "routes read them (after the API key check; never the declared length), each held "
+            "until its answer is complete. A piece that does not fit waits, unread, oldest "
+            "request first; requests without a body never wait. Half-read bodies that fill it "
+            "let the oldest past it, so at most this plus max_body_bytes is held. A call holds "
+            "its body several times over while it is processed (docs/gateway.md, 'Large "
+            "bodies'), so this bounds that memory; at least max_body_bytes (one largest body "
+            "must fit)."
         ),
     )
     request_head_timeout_s: float = Field(

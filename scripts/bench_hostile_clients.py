@@ -10,11 +10,18 @@ the RSS read from ``/proc/<pid>/status`` is the gateway's alone. Prints one JSON
 - ``bodies``: ``--connections`` concurrent chat calls with one user message of
   ``--body-mib`` MiB each; reports the gateway's RSS before and at its peak (sampled every
   20 ms) and the latency of ``GET /health`` polled meanwhile (ms).
+- ``stall``: ``--connections`` connections send a POST's head and one byte of its body, then
+  stop (half declare ``--body-mib`` MiB, half send a chunked body), so their bodies hang until
+  the body deadline (30 s); one second later an ordinary chat call is sent: reports how long
+  it took (s). The body limit is the default 16 MiB here, so the default four connections
+  declare the whole default budget (64 MiB; issue 29's review).
 
 Run it from two trees in turns to compare them (the machine's load changes the figures):
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py slow
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py bodies
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py stall --connections 4 \
+        --body-mib 16
 """
 
 from __future__ import annotations
@@ -150,9 +157,40 @@ def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def stall(url: str, port: int, args: argparse.Namespace) -> dict[str, object]:
+    declared = int(args.body_mib * 1024 * 1024)
+    stallers: list[socket.socket] = []
+    for index in range(args.connections):
+        length = f"content-length: {declared}" if index % 2 == 0 else "transfer-encoding: chunked"
+        first = b"{" if index % 2 == 0 else b"1\r\n{\r\n"
+        client = socket.create_connection(("127.0.0.1", port), timeout=60)
+        client.sendall(
+            f"POST /t/stall-{index}/v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            f"content-type: application/json\r\n{length}\r\n\r\n".encode()
+            + first
+        )
+        stallers.append(client)
+    try:
+        time.sleep(1.0)
+        body = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
+        started = time.monotonic()
+        answer = httpx.post(f"{url}/t/honest/v1/chat/completions", json=body, timeout=120)
+        waited = time.monotonic() - started
+    finally:
+        for client in stallers:
+            client.close()
+    return {
+        "mode": "stall",
+        "connections": args.connections,
+        "declared_mib": args.body_mib,
+        "status": answer.status_code,
+        "honest_call_s": round(waited, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("slow", "bodies"))
+    parser.add_argument("mode", choices=("slow", "bodies", "stall"))
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--cap-s", type=float, default=40.0)
     parser.add_argument("--body-mib", type=float, default=10.7)
@@ -163,7 +201,7 @@ def main() -> None:
         env = {
             # Bodies up to 64 MiB unless the caller's environment says otherwise (set
             # TRAJGATE_MAX_BODY_BYTES_IN_FLIGHT too to try another budget).
-            "TRAJGATE_MAX_BODY_BYTES": str(64 * 1024 * 1024),
+            "TRAJGATE_MAX_BODY_BYTES": str((16 if args.mode == "stall" else 64) * 1024 * 1024),
             **os.environ,
             "TRAJGATE_UPSTREAM_URL": upstream.url,
             "TRAJGATE_PORT": str(port),
@@ -189,6 +227,8 @@ def main() -> None:
             httpx.post(f"{url}/t/warm/v1/chat/completions", json=warm, timeout=60)
             if args.mode == "slow":
                 result = slow(port, gateway.pid, args)
+            elif args.mode == "stall":
+                result = stall(url, port, args)
             else:
                 result = bodies(url, gateway.pid, args)
         finally:

@@ -472,6 +472,9 @@ USER_Q = {"role": "user", "content": "q"}
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": 5}, "metadata"),
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"user_id": 5}}, "metadata"),
         ({"messages": [USER_Q], "max_tokens": 8, "top_k": -5}, "top_k"),
+        # main sent both upstream: metadata allows user_id only, top_k must fit vLLM's int32
+        ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"other": "x"}}, "metadata"),
+        ({"messages": [USER_Q], "max_tokens": 8, "top_k": 2**31}, "top_k"),
         ({"messages": [USER_Q], "max_tokens": 8, "temperature": 1.01}, "temperature"),
         ({"messages": [USER_Q], "max_tokens": 8, "top_p": 2}, "top_p"),
         ({"messages": [USER_Q], "max_tokens": 8, "service_tier": "priority"}, "service_tier"),

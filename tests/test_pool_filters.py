@@ -226,3 +226,30 @@ def test_a_filter_body_time_outside_utc_range_is_400_and_labels_nothing(
     answer = client.post("/api/labels/bulk", json=body)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "filter.created_after"
+
+
+# 253402300800 s is 10000-01-01T00:00:00Z, one second past UTC's range; pydantic alone read any
+# number past 2e10 as milliseconds: 253402300800 ms is 1978-01-11T21:31:40.8Z, so main filtered
+# by a 1978 date. A number is Unix seconds here, whatever its size.
+PAST_YEAR_9999_S = 253402300800
+
+
+def test_a_filter_body_number_is_unix_seconds_never_milliseconds(
+    timed: PoolStore, client: TestClient
+) -> None:
+    body = {"target": "trajectory", "tags": ["x"], "filter": {"created_after": PAST_YEAR_9999_S}}
+    answer = client.post("/api/labels/bulk", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "filter.created_after"
+    assert "a number is Unix seconds" in error["message"]
+    # b's instant, 2026-11-30T15:20:00Z, as seconds: 20,787 days and 55,200 s after the epoch.
+    b_s = 20787 * 86400 + 15 * 3600 + 20 * 60
+    assert spec_ids(timed, created_after=b_s) == ["b", "c"]
+    assert api_ids(client, created_after=str(b_s)) == ["b", "c"]
+    assert (
+        client.get("/api/trajectories", params={"created_before": PAST_YEAR_9999_S}).json()[
+            "error"
+        ]["param"]
+        == "created_before"
+    )

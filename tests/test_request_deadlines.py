@@ -9,6 +9,7 @@ timeout (15 s) only bounds the test: main, which never closes, fails it by timin
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -97,10 +98,19 @@ def test_a_connection_that_sends_nothing_gets_408_and_is_closed(
 
 
 def test_a_dripped_body_gets_408_the_connection_closed_and_nothing_recorded(
-    gateway: BackgroundServer, pool_settings: PoolSettings, upstream_seen: list[str]
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    upstream_seen: list[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO)
     answer, closed_after_s = drip(gateway, HEAD, BODY)
     assert_timed_out(answer)
+    # One line, no traceback: main logged an ERROR with ClientDisconnect's traceback for each.
+    time.sleep(0.2)  # the route ends after the connection closed
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    (line,) = [r.getMessage() for r in caplog.records if "body ended" in r.getMessage()]
+    assert line.startswith("POST /t/dripped/v1/chat/completions:")
     assert closed_after_s < len(BODY) * DRIP_S / 2
     assert upstream_seen == [] and steps_of(pool_settings, "dripped") == []
     assert httpx.get(f"{gateway.url}/api/trajectories/dripped").status_code == 404

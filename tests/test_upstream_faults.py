@@ -9,6 +9,7 @@ or a 502), and the call is one step with outcome ``upstream_error``, flagged, ne
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +54,27 @@ def _choice_event(fields: bytes, index: bytes = b"0") -> bytes:
     )
 
 
+def _wrong_kind(
+    choice: dict[str, Any] | None = None,
+    message: dict[str, Any] | None = None,
+    top: dict[str, Any] | None = None,
+) -> bytes:
+    """A chat chunk (or, answered whole, an answer) of one choice, with one sampled token (6),
+    every field of the right kind but those given: none of it may be captured or relayed."""
+    message_fields = {"role": "assistant", "content": "x", **(message or {})}
+    choice_fields = {
+        "index": 0,
+        "delta": message_fields,
+        "message": message_fields,
+        "token_ids": [6],
+        "logprobs": {"content": [{"token": "x", "logprob": -0.5}]},
+        "finish_reason": None,
+        **(choice or {}),
+    }
+    answer = {"id": "c", "object": "chat.completion.chunk", "model": "tiny", **(top or {})}
+    return json.dumps({**answer, "choices": [choice_fields]}).encode()
+
+
 # Events (and bodies) the capture cannot read, as the replica would send them.
 UNREADABLE: dict[str, bytes] = {
     "not_json": b"this is not json",
@@ -66,6 +88,26 @@ UNREADABLE: dict[str, bytes] = {
     "token_ids_not_ints": _choice_event(b'"token_ids": ["a"]'),
     "token_ids_past_int32": _choice_event(b'"token_ids": [2147483648]'),
     "choice_index_out_of_range": _choice_event(b'"token_ids": [7]', index=b"-1"),
+    # a field of the wrong kind: main cut the stream with no error event and lost the step
+    # (a number joined into the content), stored finish_reason 5 as '5' in an ok step, and
+    # gave a Messages client content 5 as text
+    "content_a_number": _wrong_kind(message={"content": 5}),
+    "role_a_number": _wrong_kind(message={"role": 5}),
+    "reasoning_a_list": _wrong_kind(message={"reasoning": ["x"]}),
+    "tool_call_arguments_an_object": _wrong_kind(
+        message={
+            "tool_calls": [
+                {"id": "t", "type": "function", "index": 0, "function": {"arguments": {}}}
+            ]
+        }
+    ),
+    "finish_reason_a_number": _wrong_kind(choice={"finish_reason": 5}),
+    "stop_reason_a_list": _wrong_kind(choice={"stop_reason": [1]}),
+    "logprob_a_string": _wrong_kind(
+        choice={"logprobs": {"content": [{"token": "x", "logprob": "-0.5"}]}}
+    ),
+    "usage_tokens_a_string": _wrong_kind(top={"usage": {"prompt_tokens": "2"}}),
+    "model_a_number": _wrong_kind(top={"model": 5}),
 }
 # A whole answer must hold at least one choice (a stream's usage chunk legitimately holds none):
 # a 200 without one was answered 200 with no step at all.
@@ -424,3 +466,131 @@ def test_an_answer_without_a_finish_reason_is_flagged_unfinished_and_never_train
     assert step.response_token_ids == [7, 8]  # what the engine sent is kept, never padded
     assert "unfinished" in step.flags
     assert_never_ready(pool_settings, trajectory_id, step.id)
+
+
+def vllm_error_mid_stream() -> bytes:
+    """A role chunk, one token, then what vLLM's chat stream generator sends when the engine
+    fails mid-stream (vllm/entrypoints/openai/chat_completion/serving.py): its error object as
+    an event, then ``[DONE]`` all the same."""
+    role = {**chunk([], ""), "prompt_token_ids": [1, 2]}
+    role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+    error = {"error": {"message": "engine failed", "type": "InternalServerError", "code": 500}}
+    return sse_body([role, chunk([7], "a"), error])
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECT_CALLS))
+def test_a_vllm_error_event_mid_stream_is_upstream_error_and_the_last_event(
+    pool_settings: PoolSettings, dialect: str
+) -> None:
+    """The error ends the stream: no [DONE] after it (main sent vLLM's), the step keeps the
+    token before it with finish reason upstream_error and the flag aborted (main: finish
+    reason null, flagged only unfinished)."""
+    path, body = DIALECT_CALLS[dialect]
+    trajectory_id = f"vllm-error-{dialect}"
+    transport = answering(vllm_error_mid_stream(), "text/event-stream")
+    with gateway_with(pool_settings, free_port(), transport=transport) as gw:
+        response = httpx.post(
+            f"{gw.url}/t/{trajectory_id}/v1/{path}", json={**body, "stream": True}, timeout=30
+        )
+    events = sse_events(response.text)
+    name, data = events[-1]
+    assert all(data != "[DONE]" for _, data in events)
+    if dialect == "chat":
+        assert json.loads(data)["error"]["message"] == "engine failed"  # vLLM's, as it sent it
+    else:
+        assert name == ("error" if dialect == "messages" else "response.failed")
+        assert "engine failed" in data
+    (step,) = steps_of(pool_settings, trajectory_id)
+    assert (step.outcome, step.finish_reason) == ("upstream_error", "upstream_error")
+    assert step.response_token_ids == [7]
+    assert "aborted" in step.flags
+    assert_never_ready(pool_settings, trajectory_id, step.id)
+
+
+# A 200 that answers a stream request with no event at all.
+NO_EVENTS: dict[str, tuple[bytes, str]] = {
+    "empty": (b"", "text/event-stream"),
+    "json_body": (
+        json.dumps({**json.loads(_wrong_kind()), "object": "chat.completion"}).encode(),
+        "application/json",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(NO_EVENTS))
+@pytest.mark.parametrize("dialect", sorted(DIALECT_CALLS))
+def test_a_stream_answered_without_events_is_upstream_error(
+    pool_settings: PoolSettings, dialect: str, fault: str
+) -> None:
+    """Main answered it as a normal end and stored an ok step with no tokens."""
+    path, body = DIALECT_CALLS[dialect]
+    trajectory_id = f"no-events-{dialect}-{fault}".replace("_", "-")
+    transport = answering(*NO_EVENTS[fault])
+    with gateway_with(pool_settings, free_port(), transport=transport) as gw:
+        response = httpx.post(
+            f"{gw.url}/t/{trajectory_id}/v1/{path}", json={**body, "stream": True}, timeout=30
+        )
+    assert response.status_code == 200
+    assert_ends_in_error_event(dialect, response.text)
+    assert "no event" in response.text
+    assert_failed_and_never_trained(pool_settings, trajectory_id)
+
+
+def test_events_read_with_an_event_past_the_limit_keep_their_tokens(
+    pool_settings: PoolSettings,
+) -> None:
+    """One upstream write holds a role chunk, a chunk with token 7, and an event past
+    ``upstream_max_event_bytes``: the first two are one read with the oversized one, and main
+    lost token 7 with them."""
+    role = {**chunk([], ""), "prompt_token_ids": [1, 2]}
+    events = sse_body([role, chunk([7], "a")]).removesuffix(b"data: [DONE]\n\n")
+    oversized = b'data: {"id": "c", "x": "' + b"x" * 3000 + b'"}\n\n'
+
+    def answer() -> Iterator[bytes]:
+        yield SSE_HEAD + chunked_piece(events + oversized) + b"0\r\n\r\n"
+
+    response = raw_gateway_call(
+        pool_settings, answer, "too-long-after-events", stream=True, upstream_max_event_bytes=2000
+    )
+    assert_ends_in_error_event("chat", response.text)
+    (step,) = steps_of(pool_settings, "too-long-after-events")
+    assert (step.outcome, step.response_token_ids) == ("upstream_error", [7])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_an_encoded_answer_is_upstream_error_whatever_it_decodes_to(
+    pool_settings: PoolSettings, stream: bool
+) -> None:
+    """A gzip body of a few KiB that decodes to 8 MiB: the answer limit (2 MiB) counts framed
+    bytes, so main decoded and answered it whole (200). vLLM never compresses and the gateway
+    asks for identity, so any content-encoding is refused."""
+    answer = json.loads(_wrong_kind())
+    answer.update({"object": "chat.completion", "prompt_token_ids": [1, 2], "x": "x" * 8 * MIB})
+    answer["choices"][0]["finish_reason"] = "stop"
+    bomb = gzip.compress(json.dumps(answer).encode())
+    assert len(bomb) < 64 * 1024
+    asked: list[str | None] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/chat/completions":
+            return httpx.Response(200 if request.url.path == "/health" else 404)
+        asked.append(request.headers.get("accept-encoding"))
+        headers = {"content-type": "application/json", "content-encoding": "gzip"}
+        return httpx.Response(200, content=bomb, headers=headers)
+
+    path, body = DIALECT_CALLS["chat"]
+    trajectory_id = f"gzip-bomb-{stream}".lower()
+    with gateway_with(
+        pool_settings,
+        free_port(),
+        transport=httpx.MockTransport(handle),
+        upstream_max_answer_bytes=2 * MIB,
+        upstream_max_attempts=1,
+    ) as gw:
+        response = httpx.post(
+            f"{gw.url}/t/{trajectory_id}/v1/{path}", json={**body, "stream": stream}, timeout=30
+        )
+    assert asked == ["identity"]
+    assert response.status_code == 502
+    assert "encoded (gzip)" in response.json()["error"]["message"]
+    assert_failed_and_never_trained(pool_settings, trajectory_id)

@@ -39,13 +39,16 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from datapool.models import StepOutcome
 from datapool.steps.records import ChoiceRecord
 from gateway.capture import (
     ABORTED,
     UNFINISHED,
+    Shape,
     check_against_usage,
+    check_shape,
     choice_index,
     dumps,
     integrity_flags,
@@ -88,6 +91,11 @@ class ChoiceState:
 
 class ChoicesDialect(Dialect):
     """A dialect whose upstream answers carry ``choices``; subclasses name the differences."""
+
+    # The JSON type of every field read from a unary answer and a stream chunk (the dialect's
+    # ``protocol`` module): a value of another kind makes the answer unreadable.
+    answer_shape: ClassVar[Shape]
+    chunk_shape: ClassVar[Shape]
 
     # -- where chat and completions differ ------------------------------------------------
 
@@ -167,8 +175,9 @@ class ChoicesDialect(Dialect):
         with ``include_reasoning: false``, case C07), and ``ids_incomplete`` when
         ``len(ids) != len(logprobs)`` or all choices' IDs do not add up to
         ``usage.completion_tokens``. Raises ``ValueError`` (one of ``gateway.capture.UNREADABLE``)
-        for an answer without choices.
+        for an answer without choices or with a field of the wrong kind (``answer_shape``).
         """
+        check_shape(answer, self.answer_shape, "answer")
         body = prepared.client_body
         prompt_ids = self.prompt_ids(answer)
         answer_choices = answer.get("choices")
@@ -274,8 +283,11 @@ class ChoicesCapture:
         self.states: dict[int, ChoiceState] = {}
 
     def add(self, chunk: dict[str, Any]) -> None:
-        """Accumulate one chunk (a usage chunk, or choices with their deltas and token ids)."""
+        """Accumulate one chunk (a usage chunk, or choices with their deltas and token ids).
+        Raises ``ValueError`` (one of ``gateway.capture.UNREADABLE``) for a field of the wrong
+        kind (the dialect's ``chunk_shape``), before anything of the chunk is kept."""
         dialect = self.dialect
+        check_shape(chunk, dialect.chunk_shape, "chunk")
         self.model = chunk.get("model", self.model)
         prompt_ids = dialect.prompt_ids(chunk)
         if prompt_ids is not None:
@@ -314,7 +326,10 @@ class ChoicesCapture:
         system_fingerprint: str | None = None,
     ) -> Captured:
         """The capture so far (see ``DialectStream.captured`` for ``abort_reason``), with the
-        error object the upstream sent inside its stream, if any."""
+        error object the upstream sent inside its stream, if any: that ended the stream early,
+        so a choice it left without a finish reason gets ``upstream_error`` and ``aborted``."""
+        if error is not None and abort_reason is None:
+            abort_reason = StepOutcome.UPSTREAM_ERROR
         return Captured(
             self.prompt_ids,
             self.choices(abort_reason),
@@ -392,6 +407,8 @@ class ChoicesStream(DialectStream):
         self._held: list[dict[str, Any]] = []
 
     def feed(self, data: bytes) -> list[bytes]:
+        if self.error is not None:
+            return []  # the error event was the last one (vLLM still sends its [DONE])
         chunk = loads_object(data)  # raises UNREADABLE: the proxy ends the stream in error
         if "error" in chunk and "choices" not in chunk:
             self.error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk}
@@ -414,6 +431,10 @@ class ChoicesStream(DialectStream):
         return [b"data: " + self._for_client(chunk, data, terminal) + b"\n\n"]
 
     def closing(self) -> list[bytes]:
+        if self.error is not None:
+            # Ended by vLLM's error event, as a stream the gateway ends in error: no [DONE]
+            # (vLLM sends one after its error event; the OpenAI SDKs raise at the error).
+            return []
         return [*self._release(), b"data: [DONE]\n\n"]
 
     def error_event(self, error: TrajgateError) -> bytes:

@@ -55,7 +55,8 @@ class SSEPayloads:
     sequence holds no CR or LF byte, so a piece boundary inside one is kept as is.
 
     ``most_event_bytes`` bounds what is held of one event (its data lines and the line not
-    ended yet): ``feed`` raises ``UpstreamError`` past it.
+    ended yet): ``feed`` raises ``EventTooLarge`` past it, with the payloads of the events the
+    same piece completed before it.
     """
 
     def __init__(self, most_event_bytes: int) -> None:
@@ -67,7 +68,7 @@ class SSEPayloads:
 
     def feed(self, piece: bytes) -> list[bytes]:
         """The payloads of the events ``piece`` completes, in order (often none or one).
-        Raises ``UpstreamError`` when one event holds more than ``most_event_bytes``."""
+        Raises ``EventTooLarge`` when one event holds more than ``most_event_bytes``."""
         if self._skip_lf:
             self._skip_lf = False
             if piece[:1] == b"\n":
@@ -78,7 +79,7 @@ class SSEPayloads:
         end = piece.rfind(b"\n")
         if end < 0:
             if len(self._tail) + len(piece) + self._data_bytes > self._most:
-                self._too_large()
+                self._too_large([])
             self._tail += piece
             return []
         lines = (self._tail + piece[:end]).split(b"\n") if self._tail else piece[:end].split(b"\n")
@@ -96,7 +97,7 @@ class SSEPayloads:
                 value = line[6:] if line[5:6] == b" " else line[5:]
                 held += len(value)
                 if held > self._most:
-                    self._too_large()
+                    self._too_large(payloads)
                 if data is None:
                     data = [value]
                 else:
@@ -104,15 +105,25 @@ class SSEPayloads:
             elif line == b"data":  # a field name without a colon has an empty value
                 data = [b""] if data is None else [*data, b""]
         if held + len(self._tail) > self._most:
-            self._too_large()
+            self._too_large(payloads)
         self._data = data
         self._data_bytes = held
         return payloads
 
-    def _too_large(self) -> NoReturn:
-        raise UpstreamError(
-            f"an upstream event passed the {self._most} bytes of upstream_max_event_bytes"
+    def _too_large(self, completed: list[bytes]) -> NoReturn:
+        raise EventTooLarge(
+            f"an upstream event passed the {self._most} bytes of upstream_max_event_bytes",
+            completed,
         )
+
+
+class EventTooLarge(UpstreamError):
+    """An upstream event passed ``upstream_max_event_bytes``; ``completed``: the payloads of
+    the events the same read completed before it (their tokens are captured first)."""
+
+    def __init__(self, message: str, completed: list[bytes]) -> None:
+        super().__init__(message)
+        self.completed = completed
 
 
 async def sse_reads(response: httpx.Response, most_event_bytes: int) -> AsyncIterator[list[bytes]]:
@@ -121,7 +132,12 @@ async def sse_reads(response: httpx.Response, most_event_bytes: int) -> AsyncIte
     ``httpx.ReadTimeout`` from here, an event past ``most_event_bytes`` ``UpstreamError``."""
     parser = SSEPayloads(most_event_bytes)
     async for piece in response.aiter_bytes():
-        payloads = parser.feed(piece)
+        try:
+            payloads = parser.feed(piece)
+        except EventTooLarge as exc:
+            if exc.completed:
+                yield exc.completed  # raised at the next read, once these are captured
+            raise
         if payloads:
             yield payloads
 
@@ -226,6 +242,7 @@ async def relay_stream(
         if opening:
             yield b"".join(opening)
         payloads: list[bytes] | None = first  # first_event read it already
+        events = 0  # fed to the dialect: a stream without any is no answer
         while True:
             if payloads is None:
                 payloads = await call.ticket.guard(next_read(state.settings, reads, deadline))
@@ -238,6 +255,7 @@ async def relay_stream(
                         finished = True
                         break
                     out += feed(data)
+                    events += 1
             except UNREADABLE as exc:
                 raise UpstreamError(
                     f"upstream {replica.url} sent an event the capture cannot read: {exc!r}"
@@ -250,6 +268,9 @@ async def relay_stream(
             if finished:
                 break
             payloads = None
+        if events == 0:  # an empty 200, or a body that is no event stream (JSON)
+            kind = upstream.response.headers.get("content-type")
+            raise UpstreamError(f"upstream {replica.url} answered a stream with no event ({kind})")
     except StreamTimedOut as exc:
         abort_reason = StepOutcome.UPSTREAM_TIMEOUT
         call.add_attempt(replica, abort_reason, status_code=200, error=str(exc))
@@ -312,6 +333,10 @@ async def record_stream(
     captured = stream.captured(abort_reason)
     if finished and captured.error is None:
         call.add_attempt(replica, StepOutcome.OK, status_code=200)
+    elif captured.error is not None:  # vLLM's own error event ended the stream
+        call.add_attempt(
+            replica, StepOutcome.UPSTREAM_ERROR, status_code=200, error=json.dumps(captured.error)
+        )
     outcome = StepOutcome.OK if abort_reason is None else abort_reason
     if captured.error is not None:
         outcome = StepOutcome.UPSTREAM_ERROR

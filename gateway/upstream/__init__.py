@@ -6,8 +6,8 @@ Modules:
   (``UpstreamPool``, ``Replica``, ``InFlight``, ``probe_token_ids``).
 - ``transport``: the own HTTP/1.1 transport for plain-``http://`` replicas, under httpx's client
   API (``UpstreamTransport``).
-- ``answer_limit``: the most bytes one answer may have, for every transport (``AnswerLimit``,
-  ``AnswerTooLargeError``).
+- ``answer_limit``: the most bytes one answer may have, for every transport, and no encoded
+  answers (``AnswerLimit``, ``AnswerTooLargeError``, ``EncodedAnswerError``).
 - ``policy``: ``PolicyRegistry``, which policy version the alias serves and which one produced a
   step.
 - ``weight_update``: the pause around a full-weight reload (``WeightGate``: hold new calls, drain

@@ -4,10 +4,12 @@ Owns: ``AnswerLimit``, a transport wrapper that refuses an answer whose ``conten
 exceeds the limit before reading its body, and counts the body as it is read (chunked, until
 close, or mis-declared), raising ``AnswerTooLargeError`` at the first read past the limit. So a
 unary read, a non-200 body and a stream are all bounded, whatever the replica sends: an endless
-chunked body ends at the limit, not at the total time limit. Never: buffers (a piece passes
-through as it came), decodes ``content-encoding`` (counted bytes are the framed body's, before
-httpx decodes it), or decides what the failure is recorded as (``gateway.proxy.routes`` does:
-``upstream_error``).
+chunked body ends at the limit, not at the total time limit. The bytes counted are the framed
+body's, before httpx would decode a ``content-encoding``: so an answer with any encoding but
+``identity`` is refused (``EncodedAnswerError``): the gateway asks for ``identity``
+(``gateway.app``), vLLM never compresses, and a gzip body of a few KiB could decode to far
+past the limit. Never: buffers (a piece passes through as it came), or decides what the failure
+is recorded as (``gateway.proxy.routes`` does: ``upstream_error``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ class AnswerTooLargeError(httpx.TransportError):
     """An upstream answer's body is longer than ``upstream_max_answer_bytes``."""
 
 
+class EncodedAnswerError(httpx.DecodingError):
+    """An upstream answer came with a ``content-encoding``: its decoded size is not bounded."""
+
+
 class AnswerLimit(httpx.AsyncBaseTransport):
     """``inner`` with every answer's body limited to ``most_bytes``."""
 
@@ -30,6 +36,14 @@ class AnswerLimit(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self._inner.handle_async_request(request)
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            await response.aclose()
+            raise EncodedAnswerError(
+                f"the upstream answer is encoded ({encoding[:40]}) though identity was asked "
+                "for: its decoded bytes could pass upstream_max_answer_bytes unseen",
+                request=request,
+            )
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._most_bytes:
             await response.aclose()

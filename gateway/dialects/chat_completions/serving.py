@@ -16,6 +16,7 @@ from typing import Any
 
 from datapool.steps.canonical import CanonicalCall, Message, Tool
 from gateway.capture import token_ids
+from gateway.dialects.chat_completions import protocol
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
 from gateway.errors import InvalidRequestError
 
@@ -67,6 +68,8 @@ def _message(message: Mapping[str, Any]) -> Message:
 
 class ChatCompletions(ChoicesDialect):
     name = "chat.completions"
+    answer_shape = protocol.ANSWER
+    chunk_shape = protocol.CHUNK
     client_paths = ("/chat/completions",)
     upstream_path = "/v1/chat/completions"
     history_field = "messages"

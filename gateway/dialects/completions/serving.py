@@ -20,11 +20,14 @@ from gateway.capture import token_ids
 from gateway.dialects.base import Prepared
 from gateway.dialects.chat_completions.serving import sampling_of
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
+from gateway.dialects.completions import protocol
 from gateway.errors import InvalidRequestError
 
 
 class Completions(ChoicesDialect):
     name = "completions"
+    answer_shape = protocol.ANSWER
+    chunk_shape = protocol.CHUNK
     client_paths = ("/completions",)
     upstream_path = "/v1/completions"
 

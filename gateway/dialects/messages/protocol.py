@@ -2,8 +2,9 @@
 
 Owns: the type, bounds and enum of every top-level field the Messages API defines, checked
 before the translation (``gateway.dialects.translation.check_top_level``): a value the API
-refuses (``metadata: 5``, ``top_k: -5``, ``temperature: 3``) is a 400 in Anthropic's envelope
-and never reaches vLLM. ``null`` is unset. Other top-level fields (beta fields Claude Code adds)
+refuses (``metadata: 5`` or ``{"other": "x"}``, ``top_k: -5``, ``temperature: 3``; and a
+``top_k`` past int32, which vLLM cannot hold) is a 400 in Anthropic's envelope and never
+reaches vLLM. ``null`` is unset. Other top-level fields (beta fields Claude Code adds)
 are accepted and change nothing, as before. Never: walks the messages, system blocks or tools
 (``gateway.dialects.messages.request`` does, naming the nested field).
 """
@@ -14,11 +15,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+# The Messages API gives ``top_k`` no upper bound; vLLM's sampler holds it as a 32-bit integer
+# (and a top_k past the vocabulary keeps every token anyway), so past int32 it is refused here
+# rather than failing, or wrapping, in the engine.
+TOP_K_MAX = 2**31 - 1
+
 
 class Metadata(BaseModel):
-    """Anthropic's request metadata: an opaque end-user id (at most 256 characters)."""
+    """Anthropic's request metadata: an opaque end-user id (at most 256 characters), and
+    nothing else (Anthropic's API refuses any other field: ``extra inputs are not
+    permitted``)."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     user_id: Annotated[str, StringConstraints(max_length=256)] | None = None
 
@@ -36,7 +44,7 @@ class MessagesRequest(BaseModel):
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=TOP_K_MAX)] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
