@@ -5,6 +5,7 @@ bodies, channel-bound keys outside their channel, weak admin tokens, and the bou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import socket
@@ -371,11 +372,11 @@ def test_failed_key_lookups_are_cached_within_a_bound(tmp_path: Any) -> None:
             cache_max_entries=8,
         )
         _key_id, key = ring.issue("agent", None, None)
-        ring.verify(key)
+        asyncio.run(ring.verify(key))
         for _ in range(100):
             with pytest.raises(AuthenticationError):
-                ring.verify("tg-" + secrets.token_urlsafe(32))
+                asyncio.run(ring.verify("tg-" + secrets.token_urlsafe(32)))
         assert ring.cached_entries == 8  # 101 distinct keys tried, 8 kept
-        assert ring.verify(key).name == "agent"  # evicted, looked up again
+        assert asyncio.run(ring.verify(key)).name == "agent"  # evicted, looked up again
     finally:
         engine.dispose()
