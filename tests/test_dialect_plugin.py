@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from gateway_helpers import steps_of
 from tests_support import free_port
 from typer.testing import CliRunner
 
@@ -149,7 +150,6 @@ def test_a_dialect_defined_in_a_test_is_served_captured_rewarded_and_exported(
             while time.monotonic() < deadline and not rewards:
                 time.sleep(0.2)  # the complete endpoint woke the hooks; they run after it
                 rewards = api.get("/api/trajectories/toy-1").json()["rewards"]
-            steps = api.get("/api/steps", params={"trajectory_id": "toy-1"}).json()
     finally:
         server.stop()
 
@@ -158,9 +158,13 @@ def test_a_dialect_defined_in_a_test_is_served_captured_rewarded_and_exported(
     assert counted.json()["tokens"] > 0
     # Its own 400s in the default (OpenAI) envelope, nothing recorded for them.
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "turns"
-    # Captured: two steps of the toy endpoint, the second extending the first by token ids.
-    items = steps["items"] if isinstance(steps, dict) else steps
-    assert [s["endpoint"] for s in items] == ["toy", "toy"]
+    # Captured: two steps of the toy endpoint with the engine's ids, the second a child of
+    # the first (found by token ids), each with its canonical record.
+    first, second = steps_of(pool, "toy-1")
+    assert (first.endpoint, second.endpoint) == ("toy", "toy")
+    assert first.prompt_token_ids and first.response_token_ids and second.prompt_token_ids
+    assert second.parent_step_id == first.id
+    assert first.call is not None and first.call.tool_named("weather") is not None
     # Rewarded: the built-in reward found the one generated call in the canonical record;
     # "weather" was offered, its arguments hold the required "city" -> 1 / 1 (the same
     # trajectory reads as having no tool call, None, if the pool read the toy body).
@@ -185,7 +189,5 @@ def test_a_dialect_defined_in_a_test_is_served_captured_rewarded_and_exported(
     assert [m["role"] for m in last] == ["user", "assistant", "tool", "assistant"]
     assert last[0]["content"] == "Weather in Paris?"
     assert last[1]["tool_calls"][0]["function"]["name"] == "weather"
-    assert json.loads(last[1]["tool_calls"][0]["function"]["arguments"]) == json.loads(
-        call["args"]
-    )
+    assert json.loads(last[1]["tool_calls"][0]["function"]["arguments"]) == json.loads(call["args"])
     assert last[2] == {"role": "tool", "content": "sunny", "tool_call_id": "toy-1"}
