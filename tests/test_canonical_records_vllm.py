@@ -17,14 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
+from gateway_helpers import steps_of
 from tests_support import free_port
 
-from datapool.db import make_engine
 from datapool.rewards.functions import step_tool_call_format, tool_call_format
 from datapool.rewards.step_rewards import StepRewardContext
 from datapool.rewards.values import RewardContext
 from datapool.settings import PoolSettings
-from datapool.steps.store import PoolStore, StoredStep
+from datapool.steps.store import StoredStep
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
@@ -212,14 +212,6 @@ def echo(dialect: str, answer: dict[str, Any], result: str) -> dict[str, Any]:
             },
         ]
     return sent
-
-
-def steps_of(pool: PoolSettings, trajectory_id: str) -> list[StoredStep]:
-    engine = make_engine(pool.resolved_database_url())
-    try:
-        return PoolStore(engine, pool).steps_of(trajectory_id)
-    finally:
-        engine.dispose()
 
 
 def rewards_of(steps: list[StoredStep]) -> tuple[float | None, list[float | None]]:
