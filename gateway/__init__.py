@@ -8,12 +8,14 @@ Modules:
 - ``state``: ``GatewayState`` (what every handler of one app shares) and ``gateway_state``, the
   dependency that hands it over.
 - ``settings``: ``GatewaySettings`` (``TRAJGATE_*`` variables and CLI flags).
-- ``proxy``: the model-serving routes of every dialect (``add_dialect_routes``), forwarding a
-  call upstream with retries (``forward_call``), and ``/v1/models``.
+- ``proxy``: the model-serving routes of the dialects an app serves (``dialect_router``, side
+  routes included), forwarding a call upstream with retries (``forward_call``), the one owner
+  of a call's lifetime (``lifetime.CallLifetime``), and ``/v1/models``.
 - ``call``: one logical call (``Call``): its attempts, its commit to the pool (``commit``,
   ``fail_call``) and the ``x-trajgate-*`` headers.
-- ``dialects/``: one module per API dialect behind ``gateway.dialects.base.Dialect`` (what to add
-  upstream, where the IDs and logprobs are, what to strip for the client); ``DIALECTS``.
+- ``dialects/``: one folder per API dialect behind ``gateway.dialects.base.Dialect`` (what to add
+  upstream, where the IDs and logprobs are, what to strip for the client, its side routes);
+  ``DIALECTS``, the built-in ones (``create_app(dialects=...)`` serves others).
 - ``capture``: the dialect-independent checks of a captured call (``integrity_flags``,
   ``quality_flags``, ``check_against_usage``), exact JSON (``loads``, ``dumps``) and the re-send
   hash (``request_hash``).
@@ -28,7 +30,8 @@ Modules:
   step.
 - ``weight_update``: the pause around a full-weight reload (``WeightGate``: hold new calls, drain
   or abort the calls in flight, release them on the new version; ``reload_replicas``).
-- ``auth``: agents' API keys (``KeyRing``) and the admin token (``check_admin_token``).
+- ``auth``: agents' API keys (``KeyRing``, looked up off the event loop) and the admin token
+  (``check_admin_token``).
 - ``guard``: ``EdgeGuard``, the raw ASGI middleware every request passes before a route reads its
   body: host names, cross-site writes, JSON content types, the admin token, the body limit.
 - ``errors``: the exception tree and the one OpenAI-style error envelope, streamed or not

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -34,6 +34,7 @@ from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
+from gateway.dialects import DIALECTS, Dialect
 from gateway.errors import install_error_handlers
 from gateway.guard import EdgeGuard
 from gateway.inspector import page as inspector
@@ -58,6 +59,7 @@ def create_app(
     *,
     upstream_transport: httpx.AsyncBaseTransport | None = None,
     worker_dir: Path | None = None,
+    dialects: Sequence[Dialect] = DIALECTS,
 ) -> FastAPI:
     """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``).
 
@@ -67,6 +69,9 @@ def create_app(
     shape the real vLLM cannot produce pass an ``httpx.MockTransport``). ``worker_dir``: this app
     is one of several worker processes (``gateway.workers``): it answers its siblings there,
     ``/metrics`` merges all of them, and the liveness port is the parent's, not its own.
+    ``dialects``: the client APIs served (``gateway.dialects.DIALECTS`` by default; a user's
+    own ``Dialect`` is served, captured, rewarded and exported by passing it here with them,
+    e.g. ``create_app(settings, pool, dialects=(*DIALECTS, MyDialect()))``).
     """
     settings = gateway_settings or GatewaySettings()
     pool = pool_settings or PoolSettings()
@@ -85,7 +90,8 @@ def create_app(
     install_error_handlers(app)
     # Host names, cross-site writes, content types, the admin token and the body limit, before
     # any route reads a body (gateway.guard).
-    app.add_middleware(EdgeGuard, settings=settings)
+    app.add_middleware(EdgeGuard, settings=settings, dialects=dialects)
+    app.include_router(proxy.dialect_router(dialects))
     app.include_router(proxy.router)
     app.include_router(admin.router)
     # The pool API manages data: behind the admin token whenever one is set (always beyond

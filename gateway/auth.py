@@ -7,11 +7,14 @@ standard for high-entropy tokens (a slow password hash such as argon2 adds nothi
 guessing 256-bit secrets and would cost milliseconds per call). Comparison of the admin token is
 constant-time. Verified keys and failed lookups are cached for ``CACHE_TTL_S``, at most
 ``CACHE_MAX_ENTRIES`` of them (least recently used out first): random keys tried cannot grow
-memory. Never: stores or logs a key in clear.
+memory. A lookup the cache cannot answer reads the database in a worker thread
+(``KeyRing.verify`` is a coroutine): the event loop serves other calls meanwhile. Never: stores
+or logs a key in clear.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -92,26 +95,44 @@ class KeyRing:
     def list(self) -> list[ApiKey]:
         return api_keys.list_keys(self._sessions)
 
-    def verify(self, key: str) -> KeyGrant:
-        """The grant of a valid, unrevoked key. Raises ``AuthenticationError`` otherwise."""
+    async def verify(self, key: str) -> KeyGrant:
+        """The grant of a valid, unrevoked key. Raises ``AuthenticationError`` otherwise.
+
+        A key checked within ``CACHE_TTL_S`` is answered from the cache; any other is looked up
+        in the database in asyncio's default executor (a thread), never on the event loop: a
+        slow database (PostgreSQL across a network, SQLite behind a writer) would stall every
+        call of the process. Two calls with the same new key may both look it up (both find the
+        same row: nothing to undo)."""
         digest = hash_key(key)
-        cached = self._cache.get(digest)
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < CACHE_TTL_S:
-            grant = cached[1]
-            self._cache.move_to_end(digest)
+        entry = self._cached(digest)
+        if entry is None:
+            loop = asyncio.get_running_loop()
+            grant = await loop.run_in_executor(None, self._lookup, digest)
+            self._remember(digest, grant)
         else:
-            row = api_keys.active_key(self._sessions, digest)
-            grant = (
-                None if row is None else KeyGrant(row.id, row.name, row.trajectory_id, row.channel)
-            )
-            self._cache[digest] = (now, grant)
-            self._cache.move_to_end(digest)
-            while len(self._cache) > self._cache_max_entries:
-                self._cache.popitem(last=False)
+            grant = entry[1]
         if grant is None:
             raise AuthenticationError("invalid or revoked API key", code="invalid_api_key")
         return grant
+
+    def _cached(self, digest: str) -> tuple[float, KeyGrant | None] | None:
+        """The cache's fresh entry for ``digest`` (moved to the recent end), or None."""
+        cached = self._cache.get(digest)
+        if cached is None or time.monotonic() - cached[0] >= CACHE_TTL_S:
+            return None
+        self._cache.move_to_end(digest)
+        return cached
+
+    def _lookup(self, digest: str) -> KeyGrant | None:
+        """The grant of the active key hashed to ``digest`` (a database read), or None."""
+        row = api_keys.active_key(self._sessions, digest)
+        return None if row is None else KeyGrant(row.id, row.name, row.trajectory_id, row.channel)
+
+    def _remember(self, digest: str, grant: KeyGrant | None) -> None:
+        self._cache[digest] = (time.monotonic(), grant)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._cache_max_entries:
+            self._cache.popitem(last=False)
 
 
 def check_admin_token(request: Request, admin_token: str | None) -> None:

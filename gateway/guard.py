@@ -39,7 +39,7 @@ check compares ``Origin`` with ``Host``, so a reverse proxy in front must pass `
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
@@ -48,7 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import check_admin_token
 from gateway.body_budget import BodyBudget, Holding
-from gateway.dialects import DIALECTS
+from gateway.dialects import DIALECTS, Dialect
 from gateway.errors import (
     AuthenticationError,
     ErrorRenderer,
@@ -86,7 +86,9 @@ def declared_length(content_length: bytes | None) -> int:
 class EdgeGuard:
     """The checks of the module docstring, configured once from ``settings``."""
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+    def __init__(
+        self, app: ASGIApp, settings: GatewaySettings, dialects: Sequence[Dialect] = DIALECTS
+    ) -> None:
         self.app = app
         self.max_body_bytes = settings.max_body_bytes
         self.body_budget = BodyBudget(settings.max_body_bytes_in_flight)
@@ -96,8 +98,8 @@ class EdgeGuard:
         self.renderers: list[tuple[str, ErrorRenderer]] = sorted(
             (
                 (f"/v1{path}", dialect.render_error)
-                for dialect in DIALECTS
-                for path in dialect.client_paths
+                for dialect in dialects
+                for path in (*dialect.client_paths, *(side.path for side in dialect.side_routes))
             ),
             key=lambda entry: -len(entry[0]),
         )

@@ -10,9 +10,8 @@ from typing import Any
 import httpx
 
 from datapool.db import make_engine
-from datapool.models import Step
 from datapool.settings import PoolSettings
-from datapool.steps.store import PoolStore
+from datapool.steps.store import PoolStore, StoredStep
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
@@ -35,7 +34,7 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 
-def steps_of(pool_settings: PoolSettings, trajectory_id: str) -> list[Step]:
+def steps_of(pool_settings: PoolSettings, trajectory_id: str) -> list[StoredStep]:
     engine = make_engine(pool_settings.resolved_database_url())
     try:
         return PoolStore(engine, pool_settings).steps_of(trajectory_id)

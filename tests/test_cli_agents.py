@@ -8,6 +8,15 @@ that one trajectory whose prompt ids are vLLM's own tokenization of the request 
 (or, where a call continues the previous turn, that turn's ids followed by the template's
 rendering of the new messages: exact continuation, the default).
 
+The tiny model never calls a tool by itself, so each agent's first call that offers tools is
+steered (``ToolCallSteering``, a transport between the gateway and vLLM): vLLM's structured
+output (``structured_outputs.regex``, which leaves the prompt as rendered) makes it write one
+well-formed call of a harmless tool of that agent's own list, in the hermes format its tool
+parser reads. The agent runs the tool and calls again (unsteered); the pool's built-in
+``tool_call_format`` must find that call in the canonical record whatever the dialect (before
+issue 25 it read the client's body: a Messages ``tool_use`` or a Responses ``function_call``
+counted as malformed, 0.0).
+
 Their requests are large (Qwen Code ~28k prompt tokens with the tiny model's tokenizer, Claude
 Code ~17k plus ``max_tokens`` 32,000, Codex ~10k), which is why the tiny model has 131,072
 positions; it ends a sampled turn after ~300 tokens on average, so each agent's answer is
@@ -17,7 +26,9 @@ complete. Wall time per agent on 2 CPU cores: 1-70 s, mostly decoding (the promp
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -42,22 +53,118 @@ from trajgate import agents
 from trajgate.vllm_server import VLLMServer
 
 AGENT_TIMEOUT_S = 600.0
+# Tools the steered call may name, first found first (read-only, or a harmless command), and
+# the literal each required argument gets: a string, or a list of strings.
+SAFE_TOOLS = ("Glob", "Read", "list_directory", "glob", "read_file", "shell", "view_image")
+STRING_ARGUMENT = "hello.py"
+COMMAND_ARGUMENT = ["ls"]
+
+
+class ToolCallSteering(httpx.AsyncBaseTransport):
+    """Between the gateway and vLLM: a chat call that offers tools and has no tool call in its
+    history yet (an agent's first turn) gets ``structured_outputs.regex`` for one hermes tool
+    call of the first of ``SAFE_TOOLS`` it offers whose required arguments are all strings
+    or lists of strings. Everything else, and every answer, passes unchanged; the gateway
+    records the body it sent (without the regex), and the prompt is the same."""
+
+    def __init__(self) -> None:
+        self.network = httpx.AsyncHTTPTransport()
+        self.steered: list[str] = []  # the tool named in each steered call
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path == "/v1/chat/completions":
+            body = json.loads(await request.aread())
+            regex = self.tool_call_regex(body)
+            if regex is not None:
+                body["structured_outputs"] = {"regex": regex}
+                request = httpx.Request(
+                    "POST",
+                    request.url,
+                    headers={"content-type": "application/json"},
+                    content=json.dumps(body).encode(),
+                    extensions=request.extensions,
+                )
+        return await self.network.handle_async_request(request)
+
+    def tool_call_regex(self, body: dict[str, Any]) -> str | None:
+        messages = body.get("messages") or []
+        if not body.get("tools") or any(m.get("role") == "tool" for m in messages):
+            return None
+        offered = {t["function"]["name"]: t["function"] for t in body["tools"]}
+        for name in SAFE_TOOLS:
+            arguments = _literal_arguments(offered.get(name))
+            if arguments is not None:
+                self.steered.append(name)
+                call = json.dumps({"name": name, "arguments": arguments})
+                literal = re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", call)
+                return "<tool_call>\\n" + literal + "\\n</tool_call>"
+        return None
+
+    async def aclose(self) -> None:
+        await self.network.aclose()
+
+
+def _literal_arguments(function: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Each required argument of ``function`` as ``STRING_ARGUMENT`` or ``COMMAND_ARGUMENT``;
+    None when one is of another type (or there is no such function)."""
+    if function is None:
+        return None
+    parameters = function.get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    arguments: dict[str, Any] = {}
+    for key in parameters.get("required") or []:
+        kind = properties.get(key, {})
+        if kind.get("type") == "string":
+            arguments[key] = STRING_ARGUMENT
+        elif kind.get("type") == "array" and (kind.get("items") or {}).get("type") == "string":
+            arguments[key] = COMMAND_ARGUMENT
+        else:
+            return None
+    return arguments or None
 
 
 @pytest.fixture
 def pool_settings(tmp_path: Path) -> PoolSettings:
-    """A SQLite pool (the protocol is what is under test, not the backend)."""
+    """A SQLite pool (the protocol is what is under test, not the backend) that runs the
+    built-in ``tool_call_format`` on every completed trajectory."""
     url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
     db.upgrade(url)
-    return PoolSettings(data_dir=tmp_path / "data", database_url=url)
+    return PoolSettings(
+        data_dir=tmp_path / "data", database_url=url, reward_functions=["tool_call_format"]
+    )
 
 
 @pytest.fixture
-def gateway(vllm: VLLMServer, pool_settings: PoolSettings) -> Iterator[BackgroundServer]:
+def steering() -> ToolCallSteering:
+    return ToolCallSteering()
+
+
+@pytest.fixture
+def gateway(
+    vllm: VLLMServer, pool_settings: PoolSettings, steering: ToolCallSteering
+) -> Iterator[BackgroundServer]:
     settings = GatewaySettings(upstream_url=vllm.url, port=free_port())
-    server = BackgroundServer(create_app(settings, pool_settings), port=settings.port).start()
+    app = create_app(settings, pool_settings, upstream_transport=steering)
+    server = BackgroundServer(app, port=settings.port).start()
     yield server
     server.stop()
+
+
+def _assert_tool_calls_rewarded(
+    gateway: BackgroundServer, steering: ToolCallSteering, trajectory_id: str
+) -> None:
+    """The steered call is in the trajectory, and the pool's ``tool_call_format`` finds it
+    well-formed: it names an offered tool and its arguments hold every required key -> 1/1
+    (an unsteered call of the tiny model never parses as a tool call)."""
+    assert steering.steered, "the agent offered none of the tools the test can steer"
+    with httpx.Client(base_url=gateway.url, timeout=60) as api:
+        assert api.post(f"/api/trajectories/{trajectory_id}/complete").status_code == 200
+        rewards: dict[str, float] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not rewards:
+            time.sleep(0.2)  # the complete endpoint woke the hooks; they run after it
+            rewards = api.get(f"/api/trajectories/{trajectory_id}").json()["rewards"]
+    assert rewards == {"tool_call_format": 1.0}, (steering.steered, rewards)
 
 
 def _agent_command(name: str) -> str:
@@ -158,7 +265,11 @@ def _assert_one_complete_trajectory(
 
 
 def test_qwen_code_headless_lands_as_one_complete_trajectory(
-    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+    vllm: VLLMServer,
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    steering: ToolCallSteering,
+    tmp_path: Path,
 ) -> None:
     """Qwen Code speaks Chat Completions: OPENAI_BASE_URL at the gateway, ``qwen -p``."""
     env, work = _home(tmp_path)
@@ -170,10 +281,15 @@ def test_qwen_code_headless_lands_as_one_complete_trajectory(
     _run_agent([_agent_command("qwen-code"), "-p", "Write hello.py that prints hi."], env, work)
     steps = _assert_one_complete_trajectory(vllm, pool_settings, "qwen-code-1")
     assert {step.endpoint for step in steps} == {"chat.completions"}
+    _assert_tool_calls_rewarded(gateway, steering, "qwen-code-1")
 
 
 def test_codex_exec_lands_as_one_complete_trajectory(
-    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+    vllm: VLLMServer,
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    steering: ToolCallSteering,
+    tmp_path: Path,
 ) -> None:
     """Codex speaks the Responses API only: a model provider whose base URL is the gateway."""
     env, work = _home(tmp_path)
@@ -193,10 +309,15 @@ def test_codex_exec_lands_as_one_complete_trajectory(
     _run_agent(argv, env, work)
     steps = _assert_one_complete_trajectory(vllm, pool_settings, "codex-1")
     assert {step.endpoint for step in steps} == {"responses"}
+    _assert_tool_calls_rewarded(gateway, steering, "codex-1")
 
 
 def test_claude_code_print_mode_lands_as_one_complete_trajectory(
-    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+    vllm: VLLMServer,
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    steering: ToolCallSteering,
+    tmp_path: Path,
 ) -> None:
     """Claude Code speaks the Anthropic Messages API: ANTHROPIC_BASE_URL at the gateway."""
     env, work = _home(tmp_path)
@@ -216,3 +337,4 @@ def test_claude_code_print_mode_lands_as_one_complete_trajectory(
     _run_agent(argv, env, work)
     steps = _assert_one_complete_trajectory(vllm, pool_settings, "claude-code-1")
     assert {step.endpoint for step in steps} == {"messages"}
+    _assert_tool_calls_rewarded(gateway, steering, "claude-code-1")

@@ -751,9 +751,12 @@ def test_a_prefill_is_flagged_on_the_step() -> None:
 def test_count_tokens_asks_tokenize_for_the_translated_prompt() -> None:
     sent: list[dict[str, Any]] = []
 
-    async def tokenize(request: dict[str, Any]) -> dict[str, Any]:
-        sent.append(request)
-        return {"count": 42, "max_model_len": 2048, "tokens": list(range(42))}
+    class Tokenizer:  # the engine's /tokenize (the proxy's ``Engine``), recording what it got
+        async def tokenize(self, request: dict[str, Any]) -> dict[str, Any]:
+            sent.append(request)
+            return {"count": 42, "max_model_len": 2048, "tokens": list(range(42))}
+
+    tokenize = Tokenizer()
 
     body = {
         "model": "tiny",

@@ -5,15 +5,20 @@ bodies, channel-bound keys outside their channel, weak admin tokens, and the bou
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import socket
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from gateway_helpers import gateway_with, steps_of
+from sqlalchemy.engine import make_url
 from tests_support import free_port
 
 from datapool import db
@@ -371,11 +376,56 @@ def test_failed_key_lookups_are_cached_within_a_bound(tmp_path: Any) -> None:
             cache_max_entries=8,
         )
         _key_id, key = ring.issue("agent", None, None)
-        ring.verify(key)
+        asyncio.run(ring.verify(key))
         for _ in range(100):
             with pytest.raises(AuthenticationError):
-                ring.verify("tg-" + secrets.token_urlsafe(32))
+                asyncio.run(ring.verify("tg-" + secrets.token_urlsafe(32)))
         assert ring.cached_entries == 8  # 101 distinct keys tried, 8 kept
-        assert ring.verify(key).name == "agent"  # evicted, looked up again
+        assert asyncio.run(ring.verify(key)).name == "agent"  # evicted, looked up again
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("empty_database_url", ["postgresql"], indirect=True)
+def test_a_key_lookup_waiting_on_the_database_leaves_the_event_loop_serving(
+    pool_settings: PoolSettings,
+) -> None:
+    """A key the cache does not hold is looked up in a thread: while PostgreSQL holds the key
+    table locked (a migration, a long admin transaction), the lookup waits and ``/health`` is
+    still answered by the same event loop. On the loop, the lookup would hold ``/health`` until
+    the lock went."""
+    port = free_port()
+    url = make_url(pool_settings.resolved_database_url())
+    with (
+        gateway_with(pool_settings, port, require_api_key=True),
+        psycopg.connect(
+            host=url.host, port=url.port, user=url.username, dbname=url.database
+        ) as locker,
+        ThreadPoolExecutor(1) as calls,
+    ):
+        locker.execute("LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE")  # in a transaction
+        call = calls.submit(
+            httpx.post,
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json=CHAT,
+            headers={"Authorization": "Bearer tg-" + secrets.token_urlsafe(32)},
+            timeout=60,
+        )
+        waiting = 0
+        for _ in range(100):  # until the lookup waits on the lock (about a second at most)
+            locker.execute("SELECT pg_stat_clear_snapshot()")  # else one snapshot per transaction
+            waiting = locker.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query ILIKE '%api_keys%'"
+            ).fetchone()[0]  # type: ignore[index]
+            if waiting:
+                break
+            time.sleep(0.1)
+        assert waiting == 1, "the key lookup never reached the database"
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert health.status_code == 200
+        assert not call.done()  # still waiting on the lock
+        locker.rollback()
+        refused = call.result(timeout=60)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"

@@ -14,7 +14,9 @@ The form is the engine's conversation, the chat template's input:
 ``messages``        the conversation in order (None for a call with a raw ``prompt``);
                     ``role`` is ``system``, ``developer``, ``user``, ``assistant`` or ``tool``
 ``Message.content`` a string, a list of content parts as sent (``{"type": "text", "text"}``,
-                    images, ...), or None (an assistant turn with tool calls only)
+                    images, ...), or None (an assistant turn with tool calls only: an empty
+                    string beside tool calls reads as None, since a chat client echoes the
+                    ``""`` vLLM answered where a Responses or Messages client has no text)
 ``reasoning``       an assistant turn's reasoning text, however the client named it
 ``tool_calls``      ``ToolCall(id, name, arguments)``; ``arguments`` is the string exactly as
                     sent (a re-serialised string is a different string)
@@ -105,18 +107,21 @@ class Message:
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> Message:
         """A message from its JSON form (a stored canonical message or ``response_message``);
-        a field of the wrong type reads as unset; a tool call's ``arguments`` that is no
+        a field of the wrong type reads as unset, an empty ``content`` beside tool calls as None;
+        a tool call's ``arguments`` that is no
         string (some clients send an object, which vLLM serialises) is its ``json.dumps``
         text, a missing one ``""``, a missing name ``""`` (a reward function then sees the
         call, and judges it malformed)."""
         reasoning = value.get("reasoning")
+        tool_calls = tuple(
+            _tool_call(call) for call in value.get("tool_calls") or () if isinstance(call, dict)
+        )
+        content = _content(value.get("content"))
         return cls(
             role=str(value.get("role") or "assistant"),
-            content=_content(value.get("content")),
+            content=None if content == "" and tool_calls else content,
             reasoning=reasoning if isinstance(reasoning, str) else None,
-            tool_calls=tuple(
-                _tool_call(call) for call in value.get("tool_calls") or () if isinstance(call, dict)
-            ),
+            tool_calls=tool_calls,
             tool_call_id=_string(value.get("tool_call_id")),
             name=_string(value.get("name")),
         )

@@ -1,8 +1,12 @@
 """The API dialects the gateway serves: one module each, behind ``gateway.dialects.base``.
 
-Adding a dialect is one module (a ``Dialect`` subclass) plus one line in ``DIALECTS``; the proxy
-generates its routes and runs its calls. Offers: ``DIALECTS``, ``Dialect``, ``DialectStream``,
-``Prepared``, ``Captured``, ``ClientAsked``, ``with_sampling_defaults``, ``check_limits``.
+A dialect is one folder: a ``Dialect`` subclass (its routes, its one translation, its canonical
+record, its answers and streams, its side routes such as the Messages API's token count). An
+app serves ``DIALECTS`` unless built with others (``gateway.app.create_app(dialects=...)``);
+the proxy generates the routes and runs the calls, and the pool reads only the canonical
+record each call wrote. Offers: ``DIALECTS``, ``Dialect``, ``DialectStream``, ``Prepared``,
+``Captured``, ``ClientAsked``, ``EarlierCall``, ``SideRoute``, ``Engine``, ``EngineRefused``,
+``with_sampling_defaults``, ``check_limits``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from gateway.dialects.base import (
     Dialect,
     DialectStream,
     EarlierCall,
+    Engine,
+    EngineRefused,
     Prepared,
+    SideRoute,
     check_limits,
     with_sampling_defaults,
 )
@@ -36,7 +43,10 @@ __all__ = [
     "Dialect",
     "DialectStream",
     "EarlierCall",
+    "Engine",
+    "EngineRefused",
     "Prepared",
+    "SideRoute",
     "check_limits",
     "with_sampling_defaults",
 ]

@@ -8,7 +8,12 @@ everything that depends on the API:
 
 =====================  =====================================================================
 client paths           ``client_paths`` under ``/v1``; the proxy serves each at ``/v1<path>``
-                       and ``/t/{trajectory_id}/v1<path>`` (``router`` adds uncaptured routes)
+                       and ``/t/{trajectory_id}/v1<path>``
+side routes            ``side_routes``: the dialect's routes that are not captured calls
+                       (``SideRoute``: the Messages API's ``/messages/count_tokens``), served at
+                       the same two places after the same key and channel checks as a call;
+                       their handler reaches the engine only through ``Engine`` and records
+                       nothing
 upstream path          ``upstream_path``: the vLLM path called, which need not be the client's
 upstream body          ``prepare``: the one translation of a call, run as soon as its body is
                        read: it checks the body (``InvalidRequestError``, 400; every error of
@@ -51,11 +56,9 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, NoReturn
-
-from fastapi import APIRouter
+from typing import Any, ClassVar, NoReturn, Protocol
 
 from datapool.steps.canonical import CanonicalCall
 from datapool.steps.records import ChoiceRecord
@@ -191,6 +194,41 @@ def frame(event: dict[str, Any]) -> bytes:
     return sse_event(data, str(event["type"]))
 
 
+class Engine(Protocol):
+    """What a side route may ask of the engine (the proxy core provides it, on a replica it
+    picks): vLLM's own endpoints that record nothing."""
+
+    async def tokenize(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``POST /tokenize`` answer (``{"count", "max_model_len", "tokens"}``) for
+        ``payload``. Raises ``EngineRefused`` when vLLM answers an error status,
+        ``UpstreamError`` (502) when it cannot be reached or answers no JSON object."""
+        ...
+
+
+class EngineRefused(Exception):
+    """The engine answered a side route's request with ``status_code`` and ``content``: the
+    client gets that status with the content as the dialect shows upstream errors
+    (``Dialect.upstream_error_body``)."""
+
+    def __init__(self, status_code: int, content: bytes) -> None:
+        super().__init__(status_code)
+        self.status_code = status_code
+        self.content = content
+
+
+@dataclass(frozen=True)
+class SideRoute:
+    """A ``POST`` route of a dialect that is not a captured call, at ``/v1<path>`` and
+    ``/t/{trajectory_id}/v1<path>``: ``answer(body, engine)`` turns the client's JSON object
+    into the JSON answered with 200. Nothing is recorded; the caller's key passes the checks a
+    call's does (401, 403 for another trajectory or channel). Errors it raises
+    (``InvalidRequestError``, ``UpstreamError``, ``EngineRefused``) reach the client in the
+    dialect's envelope."""
+
+    path: str
+    answer: Callable[[dict[str, Any], Engine], Awaitable[dict[str, Any]]]
+
+
 class DialectStream(ABC):
     """The state of one streamed call: feed upstream SSE payloads in order, send what comes back.
 
@@ -242,7 +280,7 @@ class Dialect(ABC):
     upstream_path: ClassVar[str]
     # Routes of the dialect that are not captured calls (e.g. counting tokens), served under
     # ``/v1`` and ``/t/{trajectory_id}/v1`` like the client paths.
-    router: ClassVar[APIRouter | None] = None
+    side_routes: ClassVar[tuple[SideRoute, ...]] = ()
     # The client body's field that holds the history an agent resends (None: none), so the
     # pool stores it as a delta on the parent's without knowing the dialect.
     history_field: ClassVar[str | None] = None

@@ -2,8 +2,12 @@
 
 Modules:
 
-- ``routes``: the model-serving routes of every dialect (``add_dialect_routes``), forwarding a
-  call upstream with retries (``forward_call``), and ``/v1/models``.
+- ``routes``: the model-serving routes of the dialects an app serves (``dialect_router``, with
+  each dialect's side routes), forwarding a call upstream with retries (``forward_call``), and
+  ``/v1/models``; it names no dialect.
+- ``lifetime``: the one owner of what a call holds (``CallLifetime``: its trajectory's in-flight
+  count and journal entry, its weight-gate ticket, its open upstream response), ended once
+  however the call ends, by its streamed answer (``CallStream``) when it outlives the route.
 - ``call``: one logical call (``Call``): its attempts, its commit to the pool (``commit``,
   ``fail_call``) and the ``x-trajgate-*`` headers.
 - ``streaming``: reading an upstream SSE stream in bytes and relaying it to the client, one write

@@ -224,9 +224,12 @@ class Attribution:
     key_channel: str | None = None
 
 
-def attribute(state: GatewayState, request: Request, url_trajectory_id: str | None) -> Attribution:
+async def attribute(
+    state: GatewayState, request: Request, url_trajectory_id: str | None
+) -> Attribution:
     """Which trajectory a call belongs to: URL, else ``X-Trajgate-Trajectory``, else the API
-    key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys."""
+    key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys. A key
+    the cache does not hold is looked up off the event loop (``KeyRing.verify``)."""
     grant: KeyGrant | None = None
     token = api_key(request)
     if state.settings.api_key_required:
@@ -236,9 +239,9 @@ def attribute(state: GatewayState, request: Request, url_trajectory_id: str | No
                 "'x-api-key: tg-...'",
                 code="missing_api_key",
             )
-        grant = state.keys.verify(token)
+        grant = await state.keys.verify(token)
     elif token is not None and token.startswith("tg-"):
-        grant = state.keys.verify(token)
+        grant = await state.keys.verify(token)
     header_id = request.headers.get("x-trajgate-trajectory")
     trajectory_id = url_trajectory_id or header_id or (grant.trajectory_id if grant else None)
     trajectory_id = check_trajectory_id(trajectory_id or f"anon-{uuid.uuid4()}")

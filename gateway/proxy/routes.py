@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
@@ -27,17 +27,16 @@ from sqlalchemy.exc import SQLAlchemyError
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
-from gateway.capture import UNREADABLE, dumps, loads, loads_object, request_hash
+from gateway.capture import UNREADABLE, dumps, loads_object, request_hash
 from gateway.dialects import (
-    DIALECTS,
     Dialect,
     EarlierCall,
+    EngineRefused,
     Prepared,
+    SideRoute,
     check_limits,
     with_sampling_defaults,
 )
-from gateway.dialects.messages.render import upstream_error
-from gateway.dialects.messages.serving import Messages, count_tokens
 from gateway.errors import (
     PermissionDeniedError,
     ServiceUnavailableError,
@@ -55,6 +54,7 @@ from gateway.proxy.attribution import (
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
 from gateway.proxy.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
 from gateway.proxy.continuation.history import find_extension, render_key
+from gateway.proxy.lifetime import CallLifetime
 from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState, StateDep
@@ -63,7 +63,6 @@ from gateway.upstream.replicas import InFlight, NoHealthyUpstreamError, Replica,
 from gateway.upstream.weight_update import (
     ABORTED_FOR_WEIGHT_UPDATE,
     CallAborted,
-    Ticket,
     aborted_error,
 )
 
@@ -75,15 +74,25 @@ JSON_CONTENT = {"content-type": "application/json"}
 CHAT_PATH = "/v1/chat/completions"  # the upstream path exact continuation answers for
 
 
-router = APIRouter()
+router = APIRouter()  # the routes every app serves whatever its dialects: ``/v1/models``
 
 
 # -- routes ------------------------------------------------------------------------------
 
 
+def dialect_router(dialects: Sequence[Dialect]) -> APIRouter:
+    """The routes of ``dialects`` (``add_dialect_routes`` for each): an app serves the
+    dialects it was built with (``gateway.app.create_app``)."""
+    dialect_routes = APIRouter()
+    for dialect in dialects:
+        add_dialect_routes(dialect_routes, dialect)
+    return dialect_routes
+
+
 def add_dialect_routes(router: APIRouter, dialect: Dialect) -> None:
     """Serve each of the dialect's client paths at ``/t/{trajectory_id}/v1<path>`` (attributed
-    by URL) and ``/v1<path>`` (attributed by header or API key), plus its own ``router``."""
+    by URL) and ``/v1<path>`` (attributed by header or API key), and its side routes
+    (``Dialect.side_routes``) at the same two places."""
 
     async def by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
         return await proxy_call(state, request, dialect, trajectory_id)
@@ -97,66 +106,77 @@ def add_dialect_routes(router: APIRouter, dialect: Dialect) -> None:
             f"/t/{{trajectory_id}}/v1{path}", by_url, methods=["POST"], name=f"{name}_by_url"
         )
         router.add_api_route(f"/v1{path}", by_header, methods=["POST"], name=name)
-    if dialect.router is not None:
-        router.include_router(dialect.router)
+    for side in dialect.side_routes:
+        add_side_route(router, dialect, side)
 
 
-for _dialect in DIALECTS:
-    add_dialect_routes(router, _dialect)
+def add_side_route(router: APIRouter, dialect: Dialect, side: SideRoute) -> None:
+    """Serve one of the dialect's side routes at ``/t/{trajectory_id}/v1<path>`` and
+    ``/v1<path>`` (``answer_side_route``)."""
+
+    async def by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
+        return await answer_side_route(state, request, dialect, side, trajectory_id)
+
+    async def by_header(request: Request, state: StateDep) -> Response:
+        return await answer_side_route(state, request, dialect, side, None)
+
+    name = f"{dialect.name}{side.path}".replace(".", "_").replace("/", "_")
+    router.add_api_route(
+        f"/t/{{trajectory_id}}/v1{side.path}", by_url, methods=["POST"], name=f"{name}_by_url"
+    )
+    router.add_api_route(f"/v1{side.path}", by_header, methods=["POST"], name=name)
 
 
-class _TokenizeRefused(Exception):
-    """vLLM's ``/tokenize`` answered with an error: passed to the client with its status."""
+@dataclass(frozen=True)
+class ReplicaEngine:
+    """``Dialect``'s ``Engine`` on one replica: vLLM's endpoints a side route may use."""
 
-    def __init__(self, status_code: int, content: bytes) -> None:
-        super().__init__(status_code)
-        self.status_code = status_code
-        self.content = content
+    client: httpx.AsyncClient
+    replica: Replica
+
+    async def tokenize(self, payload: dict[str, Any]) -> dict[str, Any]:
+        url = self.replica.url
+        try:
+            response = await self.client.post(
+                f"{url}/tokenize", content=dumps(payload), headers=JSON_CONTENT
+            )
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"upstream {url} unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise EngineRefused(response.status_code, response.content)
+        try:
+            return loads_object(response.content)
+        except UNREADABLE as exc:
+            raise UpstreamError(f"upstream {url} answered /tokenize unreadably: {exc!r}") from exc
 
 
-@router.post("/t/{trajectory_id}/v1/messages/count_tokens")
-async def count_tokens_by_url(trajectory_id: str, request: Request, state: StateDep) -> Response:
-    request.state.render_error = Messages().render_error
-    check_trajectory_id(trajectory_id)
-    return await answer_count_tokens(request, state, trajectory_id)
-
-
-@router.post("/v1/messages/count_tokens")
-async def count_message_tokens(request: Request, state: StateDep) -> Response:
-    return await answer_count_tokens(request, state, None)
-
-
-async def answer_count_tokens(
-    request: Request, state: GatewayState, trajectory_id: str | None
+async def answer_side_route(
+    state: GatewayState,
+    request: Request,
+    dialect: Dialect,
+    side: SideRoute,
+    trajectory_id: str | None,
 ) -> Response:
-    """The Messages API's token count (``gateway.dialects.messages.count_tokens``), rendered
-    by a replica's ``/tokenize``: ``{"input_tokens": N}``. Not a call: nothing is recorded,
-    but the key passes the call's checks (401, 403 for another trajectory or channel). Errors
-    (the body's, vLLM's) in Anthropic's envelope."""
-    request.state.render_error = Messages().render_error
-    # A key's binding is checked as for a call (its trajectory, its channel): a bound key
-    # must not learn anything about another trajectory, not even its count.
-    attribution = attribute(state, request, trajectory_id)
+    """One of a dialect's side routes (``SideRoute``): not a call, nothing is recorded, but
+    the key passes a call's checks (401, 403 for another trajectory or channel: a bound key
+    learns nothing about another trajectory, not even a token count). Errors (the body's,
+    vLLM's) in the dialect's envelope; vLLM's error status passed on."""
+    request.state.render_error = dialect.render_error
+    if trajectory_id is not None:
+        check_trajectory_id(trajectory_id)
+    attribution = await attribute(state, request, trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
     await refuse_other_channel(state, attribution)
-    replica = state.upstreams.pick(trajectory_id or "count_tokens")
-
-    async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
-        try:
-            response = await state.client.post(f"{replica.url}/tokenize", json=payload)
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
-        if response.status_code != 200:
-            raise _TokenizeRefused(response.status_code, response.content)
-        answer = loads(response.content)
-        return answer if isinstance(answer, dict) else {}
-
+    replica = state.upstreams.pick(attribution.trajectory_id)
     try:
-        return JSONResponse(await count_tokens(body, tokenize))
-    except _TokenizeRefused as refused:
-        return JSONResponse(
-            upstream_error(refused.status_code, refused.content), status_code=refused.status_code
+        answer = await side.answer(body, ReplicaEngine(state.client, replica))
+    except EngineRefused as refused:
+        return Response(
+            dialect.upstream_error_body(refused.status_code, refused.content),
+            status_code=refused.status_code,
+            media_type="application/json",
         )
+    return Response(dumps(answer), media_type="application/json")
 
 
 @router.get("/t/{trajectory_id}/v1/models")
@@ -169,7 +189,7 @@ async def models_by_url(trajectory_id: str, request: Request, state: StateDep) -
 async def list_models(request: Request, state: StateDep) -> Response:
     """vLLM's model list from the first healthy replica, passed through unchanged."""
     if state.settings.api_key_required:
-        attribute(state, request, None)
+        await attribute(state, request, None)
     replica = state.upstreams.pick("models")
     try:
         upstream = await state.client.get(f"{replica.url}/v1/models")
@@ -197,7 +217,7 @@ async def proxy_call(
     if url_trajectory_id is not None:
         check_trajectory_id(url_trajectory_id)
     # The key first: an unauthenticated client never gets its body read.
-    attribution = attribute(state, request, url_trajectory_id)
+    attribution = await attribute(state, request, url_trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
     prepared = dialect.prepare(body)  # the call's one translation: a bad body is a 400 now
     check_model(body)
@@ -205,28 +225,15 @@ async def proxy_call(
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
     writer.check_accepting()
-    writer.call_started(attribution.trajectory_id)
-    try:
-        ticket = await state.upstreams.gate.admit()
+    async with CallLifetime(writer, attribution.trajectory_id) as lifetime:
+        lifetime.ticket = await state.upstreams.gate.admit()
         if body.get("stream") is True:
-            ticket.streams()  # its tokens are counted as read: a kept reload can split them
-        try:
-            response = await forward_call(state, request, dialect, prepared, attribution, ticket)
-        except BaseException:
-            ticket.release()
-            raise
-    except BaseException:
-        writer.call_ended(attribution.trajectory_id)
-        raise
-    if isinstance(response, StreamingResponse):
-        # A stream commits at its end, inside its generator: the call ends when the generator
-        # is gone (finished, or never started because the client left first).
-        weakref.finalize(response.body_iterator, writer.call_ended, attribution.trajectory_id)
-        weakref.finalize(response.body_iterator, ticket.release_threadsafe)
-    else:
-        ticket.release()
-        writer.call_ended(attribution.trajectory_id)
-    return response
+            lifetime.ticket.streams()  # its tokens are counted as read: a kept reload splits them
+        response = await forward_call(state, request, dialect, prepared, attribution, lifetime)
+        if isinstance(response, StreamingResponse):
+            # A stream commits at its end, inside its generator: the call ends with the stream.
+            return lifetime.hand_over(response)
+        return response
 
 
 async def forward_call(
@@ -235,9 +242,11 @@ async def forward_call(
     dialect: Dialect,
     prepared: Prepared,
     attribution: Attribution,
-    ticket: Ticket,
+    lifetime: CallLifetime,
 ) -> Response:
-    """``proxy_call`` once the call is attributed, counted in flight and admitted (``ticket``).
+    """``proxy_call`` once the call is attributed, counted in flight and admitted
+    (``lifetime.ticket``); the open upstream response is handed to ``lifetime``, which closes
+    it however the call ends.
 
     A full-weight update that aborts the call while it waits for its upstream records it as
     ``aborted_for_weight_update`` and answers 503 (``weight_update.aborted_error``).
@@ -248,9 +257,9 @@ async def forward_call(
         if replay is not None:
             return replay
     call = await new_call(state, dialect, prepared, attribution, idempotency_key)
-    call.ticket = ticket
+    call.ticket = ticket = lifetime.ticket
     try:
-        upstream = await ticket.guard(open_upstream(state, call))
+        upstream = lifetime.upstream = await ticket.guard(open_upstream(state, call))
     except CallAborted:
         await abort_call(state, call, None)
     if not call.prepared.stream:
@@ -261,12 +270,6 @@ async def forward_call(
         with anyio.CancelScope(shield=True):
             await upstream.aclose()
         await abort_call(state, call, upstream.replica)
-    except BaseException:
-        # Whatever failed before a stream's generator or finish_unary took the response over
-        # (a client gone while waiting for the first event included): close it, free the slot.
-        with anyio.CancelScope(shield=True):
-            await upstream.aclose()
-        raise
 
 
 async def abort_call(state: GatewayState, call: Call, replica: Replica | None) -> NoReturn:
@@ -391,14 +394,11 @@ async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse
         return await finish_unary(state, call, upstream)
     reads, first = await call.ticket.guard(first_event(state, call, upstream))
     call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
-    streaming = StreamingResponse(
+    return StreamingResponse(
         relay_stream(state, call, upstream, reads, first),
         media_type=response.headers.get("content-type", "text/event-stream"),
         headers=call.headers(call.step_ids, committed=False),
     )
-    # A generator the server never starts (the client left first) never runs its finally.
-    weakref.finalize(streaming.body_iterator, upstream.in_flight.release)
-    return streaming
 
 
 async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:

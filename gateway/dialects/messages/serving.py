@@ -29,12 +29,11 @@ is the chat template's rendering, the very prompt a call with the same body woul
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.capture import dumps
-from gateway.dialects.base import Prepared, frame
+from gateway.dialects.base import Engine, Prepared, SideRoute, frame
 from gateway.dialects.messages.render import (
     anthropic_envelope,
     error_type,
@@ -53,7 +52,31 @@ from gateway.dialects.translation import (
 )
 from gateway.errors import TrajgateError, UpstreamError
 
-Tokenize = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+async def count_tokens(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
+    """``{"input_tokens": N}`` for a ``/v1/messages/count_tokens`` body: the body translated
+    (``max_tokens`` not needed) and rendered by vLLM's ``POST /tokenize``
+    (``engine.tokenize``, answering ``{"count", "max_model_len", "tokens"}``).
+
+    Raises ``InvalidRequestError`` for a body the translation refuses, ``UpstreamError`` when
+    the answer has no ``count``, and lets ``EngineRefused`` through (vLLM's error, rendered in
+    Anthropic's envelope with its status by the proxy through ``upstream_error_body``).
+    """
+    chat = translate_request(body, counting=True).chat_body
+    request: dict[str, Any] = {
+        "model": chat["model"],
+        "messages": chat["messages"],
+        "add_generation_prompt": not chat.get("continue_final_message", False),
+        "continue_final_message": chat.get("continue_final_message", False),
+    }
+    for name in ("tools", "chat_template_kwargs"):
+        if name in chat:
+            request[name] = chat[name]
+    answer = await engine.tokenize(request)
+    count = answer.get("count")
+    if not isinstance(count, int):
+        raise UpstreamError(f"vLLM's /tokenize answered without a count: {answer!r:.200}")
+    return {"input_tokens": count}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +92,7 @@ class Messages(TranslatingDialect):
     name = "messages"
     client_paths = ("/messages",)
     history_field = "messages"
+    side_routes = (SideRoute("/messages/count_tokens", count_tokens),)
 
     def prepare(self, body: dict[str, Any]) -> MessagesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
@@ -125,28 +149,3 @@ class MessagesStream(TranslatedStream):
 
     def error_event(self, error: TrajgateError) -> bytes:
         return frame(anthropic_envelope(error))
-
-
-async def count_tokens(body: dict[str, Any], tokenize: Tokenize) -> dict[str, int]:
-    """``{"input_tokens": N}`` for a ``/v1/messages/count_tokens`` body: the body translated
-    (``max_tokens`` not needed) and rendered by vLLM's ``POST /tokenize`` (``tokenize`` sends
-    the JSON body there and returns vLLM's answer, ``{"count", "max_model_len", "tokens"}``).
-
-    Raises ``InvalidRequestError`` for a body the translation refuses, ``UpstreamError`` when
-    the answer has no ``count``.
-    """
-    chat = translate_request(body, counting=True).chat_body
-    request: dict[str, Any] = {
-        "model": chat["model"],
-        "messages": chat["messages"],
-        "add_generation_prompt": not chat.get("continue_final_message", False),
-        "continue_final_message": chat.get("continue_final_message", False),
-    }
-    for name in ("tools", "chat_template_kwargs"):
-        if name in chat:
-            request[name] = chat[name]
-    answer = await tokenize(request)
-    count = answer.get("count")
-    if not isinstance(count, int):
-        raise UpstreamError(f"vLLM's /tokenize answered without a count: {answer!r:.200}")
-    return {"input_tokens": count}
