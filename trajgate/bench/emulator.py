@@ -160,12 +160,18 @@ class ResponseBook:
             sampled = isinstance(content, str) and _SAMPLED_TEXT.fullmatch(content)
             if role == "assistant" and sampled:  # the inverse of ``_text``
                 ids += [int(word[1:]) for word in str(content).split()]
-                continue
-            rng = random.Random(f"{self.settings.seed}:{role}:{_dumps(content).decode()}")
-            ids += [
-                rng.randrange(self.settings.vocab_size) for _ in range(self.settings.prompt_tokens)
-            ]
+            else:
+                rng = random.Random(f"{self.settings.seed}:{role}:{_dumps(content).decode()}")
+                size, count = self.settings.vocab_size, self.settings.prompt_tokens
+                ids += [rng.randrange(size) for _ in range(count)]
+            ids.append(self.end_token)  # every turn closes with it, as ChatML's <|im_end|>
         return ids
+
+    @property
+    def end_token(self) -> int:
+        """The id that closes every rendered turn with ``prompt_ids="messages"``: ``V``, one
+        past the sampled ids ``[0, V)``, so a response never holds it (a special token)."""
+        return self.settings.vocab_size
 
     def choice_tokens(self, choice_index: int) -> tuple[list[int], list[float]]:
         """Sampled ids ``[T]`` and their logprobs ``[T]`` (nats, < 0) of one choice."""
@@ -434,6 +440,8 @@ class _Connection(asyncio.Protocol):
             self._next_request()
 
     async def _route(self, method: str, path: str, body: bytes) -> None:
+        from trajgate.bench import scale_out  # it builds on this module's book and shapes
+
         if path == "/health" and method == "GET":
             self._send(200, b"")
         elif path == "/v1/models" and method == "GET":
@@ -441,6 +449,11 @@ class _Connection(asyncio.Protocol):
             self._send(200, _dumps({"object": "list", "data": [entry]}))
         elif path == "/v1/chat/completions" and method == "POST":
             await self._chat(body)
+        elif path in scale_out.PATHS and self.book.settings.prompt_ids == "messages":
+            if method != "POST":
+                self._send(*_error(405, f"method {method} not allowed on {path}"))
+            else:
+                await self._scale_out(path, body)
         elif path in ("/health", "/v1/models", "/v1/chat/completions"):
             self._send(*_error(405, f"method {method} not allowed on {path}"))
         else:
@@ -465,6 +478,42 @@ class _Connection(asyncio.Protocol):
             await _sleep_until(first_at + gap_s * (shape.completion_tokens - 1))
             self._send(200, parts[0])
             return
+        await self._stream(parts, shape, 2 * shape.n, first_at, gap_s)
+
+    async def _scale_out(self, path: str, raw: bytes) -> None:
+        """The token-in, token-out endpoints (``trajgate.bench.scale_out``)."""
+        from trajgate.bench import scale_out
+
+        request_id = os.urandom(8).hex()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
+            if path == scale_out.RENDER_PATH:
+                self._send(200, _dumps(scale_out.render(self.book, body, request_id)))
+                return
+            if path == scale_out.DERENDER_PATH:
+                self._send(200, _dumps(scale_out.derender(self.book, body, request_id)))
+                return
+            shape = scale_out.generate_shape(self.book, body)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            self._send(*_error(400, str(exc)))
+            return
+        parts = scale_out.generate_parts(self.book, shape, request_id, len(body["token_ids"]))
+        settings = self.book.settings
+        first_at = time.monotonic() + settings.ttft_ms / 1000.0
+        gap_s = settings.inter_token_ms / 1000.0
+        if not shape.stream:
+            await _sleep_until(first_at + gap_s * (shape.completion_tokens - 1))
+            self._send(200, parts[0])
+            return
+        await self._stream(parts, shape, shape.n, first_at, gap_s)
+
+    async def _stream(
+        self, parts: list[bytes], shape: _Shape, first_batch: int, first_at: float, gap_s: float
+    ) -> None:
+        """Write SSE ``parts`` paced like an engine: the first ``first_batch`` (up to each
+        choice's first token) at ``first_at``, then each token position ``gap_s`` apart."""
         await _sleep_until(first_at)
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
         head += b"transfer-encoding: chunked\r\n\r\n"
@@ -475,8 +524,7 @@ class _Connection(asyncio.Protocol):
             token_times += [time.monotonic()] * shape.completion_tokens
             self._write(head + b"".join(_chunked(part) for part in parts) + b"0\r\n\r\n")
             return
-        # Role chunks and the first token chunk of every choice go at once, then one per gap.
-        first_batch = 2 * shape.n
+        # Up to the first token chunk of every choice at once, then one position per gap.
         token_times.append(time.monotonic())
         self._write(head + b"".join(_chunked(part) for part in parts[:first_batch]))
         if not flowing:
