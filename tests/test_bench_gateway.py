@@ -330,3 +330,27 @@ def test_emulator_serves_render_generate_and_derender_so_the_gateway_continues_e
         assert step.prompt_token_ids[: len(sequence) + 1] == [*sequence, 2048]  # E = V
         assert step.suffix_tokens == 5 and len(step.prompt_token_ids) == len(sequence) + 5
         assert step.extends_parent and "prefix_break" not in step.flags
+
+
+def test_a_restarted_gateway_finds_the_turn_it_continues_in_the_pool(pool_settings: Any) -> None:
+    """The turn memory goes with the gateway's process: a second gateway on the same pool
+    continues the first one's turn exactly, found by its key (steps.turn_key)."""
+    from gateway_helpers import emulated_gateway, steps_of
+
+    emulator = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
+    messages: list[Any] = [{"role": "user", "content": "Count to three."}]
+    for turn in range(2):
+        with emulated_gateway(pool_settings, **emulator) as server:
+            url = f"{server.url}/t/restarted/v1/chat/completions"
+            answer = httpx.post(url, json={"model": "emulated", "messages": messages}, timeout=30)
+            assert answer.status_code == 200, answer.text
+        text = answer.json()["choices"][0]["message"]["content"]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"And {turn}?"},
+        ]
+    first, second = steps_of(pool_settings, "restarted")
+    assert first.turn_key is not None and len(first.turn_key) == 64
+    assert (second.continuation, second.suffix_tokens) == ("exact", 5)
+    assert second.parent_step_id == first.id and second.extends_parent
