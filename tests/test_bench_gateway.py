@@ -354,3 +354,36 @@ def test_a_restarted_gateway_finds_the_turn_it_continues_in_the_pool(pool_settin
     assert first.turn_key is not None and len(first.turn_key) == 64
     assert (second.continuation, second.suffix_tokens) == ("exact", 5)
     assert second.parent_step_id == first.id and second.extends_parent
+
+
+def test_bench_compares_exact_and_template_continuation_side_by_side() -> None:
+    """--continuation exact --continuation template: one gateway, a channel per mode, 4-turn
+    conversations; 6 measured calls per mode = 1.5 trajectories of S = 4 turns, whose turns
+    1..3 are exact in exact mode: the first trajectory's 3 and the second's 1 (turns 0, 1) = 4
+    exact steps, none in template mode; every step persisted, and the comparison reported."""
+    settings = BenchSettings(
+        requests=6,
+        warmup_requests=1,
+        concurrencies=(1,),
+        streams=(False, True),
+        prompt_tokens=20,
+        response_tokens=5,
+        ttft_ms=0.0,
+        inter_token_ms=0.0,
+        steps_per_trajectory=4,
+        continuations=("exact", "template"),
+    )
+    report = run_benchmark(settings)
+    assert report["continuations"] == ["exact", "template"]
+    for run in report["runs"]:
+        modes = run["continuation"]
+        assert set(modes) == {"exact", "template"}
+        for mode, measured in modes.items():
+            assert measured["errors"] == 0, measured.get("error")
+            assert measured["steps_persisted"] == measured["steps_expected"] == 6
+            assert measured["exact_steps"] == (4 if mode == "exact" else 0)
+        compared = run["exact_over_template"]
+        assert "gateway_cpu_per_call_ratio" in compared
+        assert ("added_first_byte_ms" in compared) == run["stream"]
+    assert report["goals_met"]["every_step_persisted"] is True
+    assert "exact_cpu_ratio" in report["goals_met"]
