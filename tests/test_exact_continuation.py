@@ -20,10 +20,16 @@ import pytest
 from gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
 from tests_support import free_port
 
+from datapool.batches.build import build_rows
 from datapool.batches.rows import StepTokens, segments
+from datapool.batches.spec import BatchSpec
+from datapool.db import make_engine
+from datapool.lifecycle.transitions import close_trajectory
+from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
 from datapool.steps.canonical import Message
 from datapool.steps.payloads import pack_ids
+from datapool.steps.store import PoolStore
 from gateway.dialects.chat_completions.serving import canonical_of_chat
 from gateway.proxy.continuation.history import (
     Turn,
@@ -438,6 +444,24 @@ def test_merged_rows_of_an_exact_trajectory_are_one_row_the_trainer_scores_exact
         assert sequence[start:end] == step.response_token_ids
         got = recomputed[0, start:end].numpy()
         assert np.abs(got - np.asarray(step.response_logprobs)).max() < 1e-5
+    # The batch exports, as a trainer reads them: per_step is 4 rows (P_k + R_k each), merged
+    # is one row, the last step's P + R, with loss mask 1 on each step's response and its
+    # behaviour logprobs there, equal to the trainer's recompute within 1e-5.
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    close_trajectory(store.sessions, "proof", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    rows = {
+        layout: build_rows(store, BatchSpec(algorithm="sft", layout=layout))[0].to_pylist()
+        for layout in ("per_step", "merged")
+    }
+    assert [r["input_ids"] for r in rows["per_step"]] == [
+        [*s.prompt_token_ids, *s.response_token_ids] for s in steps
+    ]
+    [row] = rows["merged"]
+    assert row["input_ids"] == sequence and row["step_ids"] == [s.id for s in steps]
+    mask = np.asarray(row["loss_mask"], dtype=bool)
+    assert mask.sum() == sum(len(s.response_token_ids) for s in steps)
+    behaviour = np.asarray(row["behaviour_logprobs"], dtype=np.float32)
+    assert np.abs(recomputed[0].numpy()[mask] - behaviour[mask]).max() < 1e-5
 
 
 def messages_loop(server: BackgroundServer, trajectory_id: str, *, stream: bool) -> None:

@@ -492,7 +492,7 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
                 gateway = subprocess.Popen(command, stdout=log, stderr=log, env=gateway_env)
             children.append(gateway)
             gateway_pid = gateway.pid
-            wait_healthy(f"{gateway_url}/health", gateway, 60.0)
+            wait_healthy(f"{gateway_url}/health", gateway, 180.0)  # loaded machines start slowly
         elif settings.gateway_mode == "thread":
             from datapool.settings import PoolSettings
             from gateway.app import create_app
