@@ -565,6 +565,11 @@ def test_exact_mode_serves_every_dialect_as_one_token_sequence(
     assert steps[1].suffix_tokens and steps[1].suffix_tokens > 0
 
 
+# The answer after a tool result: the same tools offered (they are rendered: a call that drops
+# them renders differently and is no extension).
+ANSWER = {"model": MODEL, "tools": [WEATHER], "max_tokens": 4}
+
+
 def forced_turn(server: BackgroundServer, trajectory_id: str, messages: list[Any]) -> list[Any]:
     """One forced tool call through ``server`` (sampled as plain characters where the template
     renders the ``<tool_call>`` special token), returned as the history with its echo and result."""
@@ -589,7 +594,7 @@ def test_a_restarted_gateway_continues_exactly_from_the_turn_in_the_pool(
     with gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as first:
         messages = forced_turn(first, "restarted", [SYSTEM, USER])
     with gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as second:
-        chat(second, "restarted", {"model": MODEL, "messages": messages, "max_tokens": 4})
+        chat(second, "restarted", {**ANSWER, "messages": messages})
     steps = steps_of(pool_settings, "restarted")
     assert steps[0].turn_key is not None
     assert [s.continuation for s in steps] == ["template", "exact"]
@@ -610,7 +615,7 @@ def test_two_gateways_taking_turns_keep_one_token_sequence(
         messages: list[Any] = [SYSTEM, USER]
         for server in (one, two, one):
             messages = forced_turn(server, "alternating", messages)
-        chat(two, "alternating", {"model": MODEL, "messages": messages, "max_tokens": 4})
+        chat(two, "alternating", {**ANSWER, "messages": messages})
     steps = steps_of(pool_settings, "alternating")
     assert [s.continuation for s in steps] == ["template", "exact", "exact", "exact"]
     for parent, step in itertools.pairwise(steps):
@@ -625,7 +630,7 @@ def test_a_side_call_is_a_new_root_and_the_main_chain_stays_exact(
     # A title call: the same system message, a user message of its own, nothing else.
     title = {"role": "user", "content": "A title for: What is the temperature in Paris?"}
     chat(exact_gateway, "side", {"model": MODEL, "messages": [SYSTEM, title], "max_tokens": 4})
-    chat(exact_gateway, "side", {"model": MODEL, "messages": messages, "max_tokens": 4})
+    chat(exact_gateway, "side", {**ANSWER, "messages": messages})
     main, side, answer = steps_of(pool_settings, "side")
     assert (side.parent_step_id, side.divergence_kind, side.continuation) == (
         None,

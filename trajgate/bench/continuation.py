@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
+from trajgate.bench.book import EmulatorSettings, ResponseBook, _text
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
-
-    from trajgate.bench.gateway import BenchSettings
 
 ContinuationMode = Literal["exact", "template"]
 GOAL_CPU_RATIO = 1.3
@@ -54,16 +54,14 @@ def mode_headers(mode: str) -> dict[str, str]:
     return {"x-trajgate-channel": channel_of(mode)}
 
 
-def conversation_bodies(settings: BenchSettings, first: dict[str, Any]) -> list[bytes]:
-    """The ``S`` bodies of a trajectory (see the module docstring); ``first`` is the bench's
-    chat request (turn 0)."""
-    from trajgate.bench.emulator import EmulatorSettings, ResponseBook, _text
-
-    book = ResponseBook(EmulatorSettings(response_tokens=settings.response_tokens))
+def conversation_bodies(first: dict[str, Any], turns: int, response_tokens: int) -> list[bytes]:
+    """The ``S = turns`` bodies of a trajectory (see the module docstring); ``first`` is the
+    bench's chat request (turn 0), ``response_tokens`` the emulator's answer length."""
+    book = ResponseBook(EmulatorSettings(response_tokens=response_tokens))
     ids, _logprobs = book.choice_tokens(0)
     answer = {"role": "assistant", "content": "".join(_text(i) for i in ids)}
     bodies, messages = [], list(first["messages"])
-    for turn in range(settings.steps_per_trajectory):
+    for turn in range(turns):
         bodies.append(httpx.Request("POST", "/", json={**first, "messages": messages}).content)
         messages = [*messages, answer, {"role": "user", "content": f"Go on ({turn})."}]
     return bodies

@@ -693,7 +693,11 @@ def _run_one(
 
     bodies = [httpx.Request("POST", "/", json=request_body(settings, dialect, stream)).content]
     if settings.continuations:
-        bodies = conversation_bodies(settings, request_body(settings, "chat", stream))
+        bodies = conversation_bodies(
+            request_body(settings, "chat", stream),
+            settings.steps_per_trajectory,
+            settings.response_tokens,
+        )
 
     def measure(
         base_url: str,

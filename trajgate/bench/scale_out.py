@@ -8,7 +8,7 @@ sampling parameters in, the sampled ``token_ids`` and per-token ``logprobs.conte
 token and choice) and ``POST /v1/chat/completions/derender`` (a generate answer, or one chunk of
 its stream with the carried ``stream_state``, in; the chat completion, or the chat chunk and the
 next ``stream_state``, out). Never: tokenizes or parses tool calls; a response's text is the
-emulator's own ``" t<id>"`` per token (``emulator._text``), so a derendered answer echoed back is
+emulator's own ``" t<id>"`` per token (``book._text``), so a derendered answer echoed back is
 rendered to exactly its ids again, as a faithful chat template would.
 
 Shapes follow vLLM 0.32's ``entrypoints/scale_out`` protocol (``GenerateRequest``,
@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from trajgate.bench.emulator import SYSTEM_FINGERPRINT, ResponseBook, _dumps, _Shape, _text
+from trajgate.bench.book import SYSTEM_FINGERPRINT, ResponseBook, _dumps, _Shape, _text
 
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
