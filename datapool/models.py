@@ -251,6 +251,11 @@ class Step(Base):
     # conversation rendered); NULL when the gateway did not say (completions, older rows).
     continuation: Mapped[str | None] = mapped_column(String(16))
     suffix_tokens: Mapped[int | None] = mapped_column(Integer)
+    # The key of the turn this step answered (migration 0014,
+    # ``gateway.proxy.continuation.history.turn_key``: a hash of its canonical history, the
+    # echo form of its response and the rendering fields), set on the ok steps of exact
+    # channels: a later call that extends the turn finds it by this key in any process.
+    turn_key: Mapped[str | None] = mapped_column(String(64))
     # What the call sampled with (migration 0012; ``gateway.proxy.sampling.sampling_record``): the
     # effective fields, what narrowed them, the server's logprobs mode and the temperature its
     # stored logprobs are at. NULL: written before 0012 (temperature unknown).
@@ -535,6 +540,8 @@ FLAGGED_STEP = "flags IS NOT NULL AND CAST(flags AS TEXT) != '[]'"
 Index("ix_steps_trajectory_version", Step.trajectory_id, Step.policy_version)
 Index("ix_steps_prompt_tokens", Step.prompt_tokens, Step.created_at)
 Index("ix_steps_completion_tokens", Step.completion_tokens, Step.created_at)
+# Exact continuation finds the turn a call extends by its key (migration 0014).
+Index("ix_steps_trajectory_turn_key", Step.trajectory_id, Step.turn_key)
 Index(
     "ix_steps_charts",
     Step.created_at,

@@ -5,6 +5,7 @@ call. No timing is asserted."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -143,8 +144,9 @@ def test_emulator_tokens_are_seeded_and_repeatable(emulator: EmulatorThread) -> 
 
 def test_emulator_with_messages_prompts_extends_a_turn_that_carries_its_answer() -> None:
     """prompt_ids='messages': 3 ids per message that is not the emulator's own answer, the
-    answer's own ids for one that is; so turn 1 = P_0 + R_0 + 3 ids of its new question, both
-    streamed and not, and usage counts them (3 + 2 + 3 = 8 prompt tokens)."""
+    answer's own ids for one that is, each turn closed by the end token E; so turn 1 = P_0 +
+    R_0 + E + 3 ids of its new question + E, both streamed and not, and usage counts them
+    (4 + 2 + 1 + 4 = 11 prompt tokens)."""
     settings = EmulatorSettings(
         port=free_port(), prompt_tokens=3, response_tokens=2, prompt_ids="messages"
     )
@@ -172,15 +174,17 @@ def test_emulator_with_messages_prompts_extends_a_turn_that_carries_its_answer()
         turn1_rewritten = httpx.post(url, json={"messages": rewritten, **ask}, timeout=10).json()
     finally:
         server.stop()
-    assert len(p0) == 3 and len(r0) == 2 and turn0["usage"]["prompt_tokens"] == 3
+    end = settings.vocab_size  # E: one past the sampled ids
+    assert len(p0) == 4 and p0[-1] == end and turn0["usage"]["prompt_tokens"] == 4
+    assert len(r0) == 2 and end not in r0
     p1 = turn1["prompt_token_ids"]
-    assert len(p1) == 8 and p1[:5] == [*p0, *r0]
-    assert turn1["usage"] == {**turn1["usage"], "prompt_tokens": 8, "total_tokens": 10}
-    assert events[0]["prompt_token_ids"] == p1 and events[-2]["usage"]["prompt_tokens"] == 8
-    # "three" is not the emulator's answer: 3 ids of its own (3 + 3 + 3 = 9), not R_0.
+    assert len(p1) == 11 and p1[:7] == [*p0, *r0, end] and p1[-1] == end
+    assert turn1["usage"] == {**turn1["usage"], "prompt_tokens": 11, "total_tokens": 13}
+    assert events[0]["prompt_token_ids"] == p1 and events[-2]["usage"]["prompt_tokens"] == 11
+    # "three" is not the emulator's answer: 3 ids of its own (4 + 4 + 4 = 12), not R_0.
     p1_rewritten = turn1_rewritten["prompt_token_ids"]
-    assert len(p1_rewritten) == 9 and p1_rewritten[:3] == p0 and p1_rewritten[6:] == p1[5:]
-    assert p1_rewritten[3:5] != r0
+    assert len(p1_rewritten) == 12 and p1_rewritten[:4] == p0 and p1_rewritten[8:] == p1[7:]
+    assert p1_rewritten[4:6] != r0
 
 
 def test_percentile_takes_the_nearest_rank() -> None:
@@ -286,3 +290,100 @@ def test_tiny_bench_run_answers_every_call_and_persists_one_step_per_call(
         assert run["steps_expected"] == 6
         assert run["steps_persisted"] == 6
     assert report["goals_met"]["every_step_persisted"] is True
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_emulator_serves_render_generate_and_derender_so_the_gateway_continues_exactly(
+    pool_settings: Any, stream: bool
+) -> None:
+    """With prompt_ids='messages' the emulator answers vLLM's scale-out endpoints: the gateway
+    probes them, finds the end token E, and three turns that echo its answers are one token
+    sequence, every later prompt S_parent + E + the template's ids of the new user turn
+    (4 = 3 ids + E), and each answer is the emulator's own text for the sampled ids."""
+    from gateway_helpers import emulated_gateway, steps_of
+
+    emulator = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
+    messages: list[Any] = [{"role": "user", "content": "Count to three."}]
+    with emulated_gateway(pool_settings, **emulator) as server:
+        url = f"{server.url}/t/emulated-exact/v1/chat/completions"
+        for turn in range(3):
+            body = {"model": "emulated", "messages": messages, "stream": stream}
+            answer = httpx.post(url, json=body, timeout=30)
+            assert answer.status_code == 200, answer.text
+            if stream:
+                chunks = [e for e in sse_events(answer.text) if e != "[DONE]"]
+                text = "".join(
+                    c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+                )
+            else:
+                text = answer.json()["choices"][0]["message"]["content"]
+            assert text.startswith(" t")
+            messages = [
+                *messages,
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": f"And {turn}?"},
+            ]
+    steps = steps_of(pool_settings, "emulated-exact")
+    assert [s.continuation for s in steps] == ["template", "exact", "exact"]
+    for parent, step in itertools.pairwise(steps):
+        sequence = [*parent.prompt_token_ids, *parent.response_token_ids]
+        assert step.prompt_token_ids[: len(sequence) + 1] == [*sequence, 2048]  # E = V
+        assert step.suffix_tokens == 5 and len(step.prompt_token_ids) == len(sequence) + 5
+        assert step.extends_parent and "prefix_break" not in step.flags
+
+
+def test_a_restarted_gateway_finds_the_turn_it_continues_in_the_pool(pool_settings: Any) -> None:
+    """The turn memory goes with the gateway's process: a second gateway on the same pool
+    continues the first one's turn exactly, found by its key (steps.turn_key)."""
+    from gateway_helpers import emulated_gateway, steps_of
+
+    emulator = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
+    messages: list[Any] = [{"role": "user", "content": "Count to three."}]
+    for turn in range(2):
+        with emulated_gateway(pool_settings, **emulator) as server:
+            url = f"{server.url}/t/restarted/v1/chat/completions"
+            answer = httpx.post(url, json={"model": "emulated", "messages": messages}, timeout=30)
+            assert answer.status_code == 200, answer.text
+        text = answer.json()["choices"][0]["message"]["content"]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"And {turn}?"},
+        ]
+    first, second = steps_of(pool_settings, "restarted")
+    assert first.turn_key is not None and len(first.turn_key) == 64
+    assert (second.continuation, second.suffix_tokens) == ("exact", 5)
+    assert second.parent_step_id == first.id and second.extends_parent
+
+
+def test_bench_compares_exact_and_template_continuation_side_by_side() -> None:
+    """--continuation exact --continuation template: one gateway, a channel per mode, 4-turn
+    conversations; 6 measured calls per mode = 1.5 trajectories of S = 4 turns, whose turns
+    1..3 are exact in exact mode: the first trajectory's 3 and the second's 1 (turns 0, 1) = 4
+    exact steps, none in template mode; every step persisted, and the comparison reported."""
+    settings = BenchSettings(
+        requests=6,
+        warmup_requests=1,
+        concurrencies=(1,),
+        streams=(False, True),
+        prompt_tokens=20,
+        response_tokens=5,
+        ttft_ms=0.0,
+        inter_token_ms=0.0,
+        steps_per_trajectory=4,
+        continuations=("exact", "template"),
+    )
+    report = run_benchmark(settings)
+    assert report["continuations"] == ["exact", "template"]
+    for run in report["runs"]:
+        modes = run["continuation"]
+        assert set(modes) == {"exact", "template"}
+        for mode, measured in modes.items():
+            assert measured["errors"] == 0, measured.get("error")
+            assert measured["steps_persisted"] == measured["steps_expected"] == 6
+            assert measured["exact_steps"] == (4 if mode == "exact" else 0)
+        compared = run["exact_over_template"]
+        assert "gateway_cpu_per_call_ratio" in compared
+        assert ("added_first_byte_ms" in compared) == run["stream"]
+    assert report["goals_met"]["every_step_persisted"] is True
+    assert "exact_cpu_ratio" in report["goals_met"]

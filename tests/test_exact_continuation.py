@@ -20,10 +20,25 @@ import pytest
 from gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
 from tests_support import free_port
 
+from datapool.batches.build import build_rows
 from datapool.batches.rows import StepTokens, segments
+from datapool.batches.spec import BatchSpec
+from datapool.db import make_engine
+from datapool.lifecycle.transitions import close_trajectory
+from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
+from datapool.steps.canonical import Message
 from datapool.steps.payloads import pack_ids
-from gateway.proxy.continuation.history import Turn, echoes, find_extension, render_key
+from datapool.steps.store import PoolStore
+from gateway.dialects.chat_completions.serving import canonical_of_chat
+from gateway.proxy.continuation.history import (
+    Turn,
+    candidate_keys,
+    echoes,
+    find_extension,
+    render_key,
+    turn_key,
+)
 from gateway.proxy.continuation.prompt import exact_prompt
 from gateway.server import BackgroundServer
 from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
@@ -184,51 +199,55 @@ def test_exact_prompt_keeps_reasoning_the_thinking_template_strips(
     assert len(stripped) < len(built.token_ids)  # the template's version lost the reasoning
 
 
+def canonical(*messages: dict[str, Any]) -> tuple[Message, ...]:
+    """Chat messages as the chat dialect writes them into the canonical record."""
+    found = canonical_of_chat({"messages": list(messages)}).messages
+    assert found is not None
+    return found
+
+
 def test_a_client_echo_matches_despite_empty_fields_and_reserialised_arguments() -> None:
-    returned = {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [tool_call(0, '{"city":"Paris" }')],
-    }
+    [returned] = canonical(
+        {"role": "assistant", "content": None, "tool_calls": [tool_call(0, '{"city":"Paris" }')]}
+    )
     echoed = {
         "role": "assistant",
         "content": "",
         "refusal": None,
         "tool_calls": [tool_call(0, '{"city": "Paris"}')],
     }
-    assert echoes(returned, echoed)
-    assert echoes(
-        returned,
-        {
-            **echoed,
-            "tool_calls": [
-                {
-                    **tool_call(0, ""),
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-                }
-            ],
-        },
-    )
-    assert not echoes(returned, {**echoed, "tool_calls": [tool_call(0, '{"city": "Rome"}')]})
-    assert not echoes(returned, {**echoed, "tool_calls": [tool_call(1, '{"city": "Paris"}')]})
-    thought = {"role": "assistant", "content": "21", "reasoning": "hot"}
-    assert echoes(thought, {"role": "assistant", "content": "21", "reasoning_content": "hot"})
-    assert not echoes(thought, {"role": "assistant", "content": "21"})  # reasoning dropped
+    assert echoes(returned, *canonical(echoed))
+    as_object = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert echoes(returned, *canonical({**echoed, "tool_calls": [{"function": as_object}]}))
+    rome = [tool_call(0, '{"city": "Rome"}')]
+    assert not echoes(returned, *canonical({**echoed, "tool_calls": rome}))
+    other_id = [tool_call(1, '{"city": "Paris"}')]
+    assert not echoes(returned, *canonical({**echoed, "tool_calls": other_id}))
+    [thought] = canonical({"role": "assistant", "content": "21", "reasoning": "hot"})
+    older_name = {"role": "assistant", "content": "21", "reasoning_content": "hot"}
+    assert echoes(thought, *canonical(older_name))
+    assert not echoes(thought, *canonical({"role": "assistant", "content": "21"}))  # dropped
 
 
 def test_find_extension_needs_the_same_history_an_echo_and_a_new_message() -> None:
-    messages = [SYSTEM, USER]
+    history = canonical(SYSTEM, USER)
     response = {"role": "assistant", "content": "21"}
     key = render_key({"model": MODEL, "tools": [WEATHER]})
-    turn = Turn(tuple(json.dumps(m) for m in messages), response, key, pack_ids([1, 2, 3]))
+    turn_id = turn_key(key, history, *canonical(response))
+    assert turn_id is not None
+    turn = Turn(turn_id, *canonical(response), pack_ids([1, 2, 3]))
+    memory = {turn.key: turn}.get
+
+    def extended(messages: tuple[Message, ...], body_key: str = key) -> int | None:
+        found = find_extension(candidate_keys(body_key, messages), messages, memory)
+        return None if found is None else found.new_from
+
     follow = {"role": "user", "content": "thanks"}
-    found = find_extension([turn], [*messages, response, follow], key)
-    assert found is not None and found.new_from == 3
-    again = find_extension([turn], [*messages, response], key)  # asked again, nothing new
-    assert again is not None and again.new_from == 3
-    assert find_extension([turn], [SYSTEM, follow, response, follow], key) is None  # rewritten
+    assert extended(canonical(SYSTEM, USER, response, follow)) == 3
+    assert extended(canonical(SYSTEM, USER, response)) == 3  # asked again, nothing new
+    assert extended(canonical(SYSTEM, follow, response, follow)) is None  # rewritten
     other_tools = render_key({"model": MODEL, "tools": []})
-    assert find_extension([turn], [*messages, response, follow], other_tools) is None
+    assert extended(canonical(SYSTEM, USER, response, follow), other_tools) is None
 
 
 @pytest.fixture
@@ -425,6 +444,24 @@ def test_merged_rows_of_an_exact_trajectory_are_one_row_the_trainer_scores_exact
         assert sequence[start:end] == step.response_token_ids
         got = recomputed[0, start:end].numpy()
         assert np.abs(got - np.asarray(step.response_logprobs)).max() < 1e-5
+    # The batch exports, as a trainer reads them: per_step is 4 rows (P_k + R_k each), merged
+    # is one row, the last step's P + R, with loss mask 1 on each step's response and its
+    # behaviour logprobs there, equal to the trainer's recompute within 1e-5.
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    close_trajectory(store.sessions, "proof", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    rows = {
+        layout: build_rows(store, BatchSpec(algorithm="sft", layout=layout))[0].to_pylist()
+        for layout in ("per_step", "merged")
+    }
+    assert [r["input_ids"] for r in rows["per_step"]] == [
+        [*s.prompt_token_ids, *s.response_token_ids] for s in steps
+    ]
+    [row] = rows["merged"]
+    assert row["input_ids"] == sequence and row["step_ids"] == [s.id for s in steps]
+    mask = np.asarray(row["loss_mask"], dtype=bool)
+    assert mask.sum() == sum(len(s.response_token_ids) for s in steps)
+    behaviour = np.asarray(row["behaviour_logprobs"], dtype=np.float32)
+    assert np.abs(recomputed[0].numpy()[mask] - behaviour[mask]).max() < 1e-5
 
 
 def messages_loop(server: BackgroundServer, trajectory_id: str, *, stream: bool) -> None:
@@ -526,3 +563,95 @@ def test_exact_mode_serves_every_dialect_as_one_token_sequence(
     assert [s.continuation for s in steps] == ["template", "exact"]
     assert steps[1].extends_parent and "prefix_break" not in steps[1].flags
     assert steps[1].suffix_tokens and steps[1].suffix_tokens > 0
+
+
+# The answer after a tool result: the same tools offered (they are rendered: a call that drops
+# them renders differently and is no extension).
+ANSWER = {"model": MODEL, "tools": [WEATHER], "max_tokens": 4}
+
+
+def forced_turn(server: BackgroundServer, trajectory_id: str, messages: list[Any]) -> list[Any]:
+    """One forced tool call through ``server`` (sampled as plain characters where the template
+    renders the ``<tool_call>`` special token), returned as the history with its echo and result."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "tools": [WEATHER],
+        "tool_choice": FORCED,
+        "max_tokens": 96,
+        "temperature": 0.0,
+    }
+    message = chat(server, trajectory_id, body)
+    call = message["tool_calls"][0]
+    echo = {"role": "assistant", "content": message.get("content"), "tool_calls": [call]}
+    return [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
+
+
+def test_a_restarted_gateway_continues_exactly_from_the_turn_in_the_pool(
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
+) -> None:
+    # The first gateway serves the tool call and stops: its memory of the turn goes with it.
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as first:
+        messages = forced_turn(first, "restarted", [SYSTEM, USER])
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as second:
+        chat(second, "restarted", {**ANSWER, "messages": messages})
+    steps = steps_of(pool_settings, "restarted")
+    assert steps[0].turn_key is not None
+    assert [s.continuation for s in steps] == ["template", "exact"]
+    assert steps[1].extends_parent and "prefix_break" not in steps[1].flags
+    parent = steps[0]
+    assert steps[1].prompt_token_ids[: len(parent.prompt_token_ids)] == parent.prompt_token_ids
+
+
+def test_two_gateways_taking_turns_keep_one_token_sequence(
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
+) -> None:
+    # Two replicas (or workers) of the gateway on one pool, the agent's calls alternating: each
+    # finds the turn the other served in the pool (the first has an older turn in memory).
+    with (
+        gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as one,
+        gateway_with(pool_settings, free_port(), upstream_url=vllm.url) as two,
+    ):
+        messages: list[Any] = [SYSTEM, USER]
+        for server in (one, two, one):
+            messages = forced_turn(server, "alternating", messages)
+        chat(two, "alternating", {**ANSWER, "messages": messages})
+    steps = steps_of(pool_settings, "alternating")
+    assert [s.continuation for s in steps] == ["template", "exact", "exact", "exact"]
+    for parent, step in itertools.pairwise(steps):
+        assert step.parent_step_id == parent.id and step.extends_parent
+        assert "prefix_break" not in step.flags
+
+
+def test_a_side_call_is_a_new_root_and_the_main_chain_stays_exact(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    messages = forced_turn(exact_gateway, "side", [SYSTEM, USER])
+    # A title call: the same system message, a user message of its own, nothing else.
+    title = {"role": "user", "content": "A title for: What is the temperature in Paris?"}
+    chat(exact_gateway, "side", {"model": MODEL, "messages": [SYSTEM, title], "max_tokens": 4})
+    chat(exact_gateway, "side", {**ANSWER, "messages": messages})
+    main, side, answer = steps_of(pool_settings, "side")
+    assert (side.parent_step_id, side.divergence_kind, side.continuation) == (
+        None,
+        "side_call",
+        "template",
+    )
+    assert "prefix_break" not in side.flags
+    # The main chain continues from its own turn, not from the side call.
+    assert (answer.parent_step_id, answer.continuation) == (main.id, "exact")
+    assert answer.extends_parent and "prefix_break" not in answer.flags
+
+
+def test_a_compaction_keeping_the_task_is_a_recorded_break_rendered_by_the_template(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    messages = tool_loop(exact_gateway, "compacted-task", 1, stream=False)
+    # The agent keeps its system message and the task and replaces the rest with a summary.
+    summary = {"role": "user", "content": "Summary so far: Paris is 21. Answer now."}
+    compacted = [SYSTEM, USER, summary]
+    assert len(messages) > len(compacted)
+    chat(exact_gateway, "compacted-task", {"model": MODEL, "messages": compacted, "max_tokens": 4})
+    last = steps_of(pool_settings, "compacted-task")[-1]
+    assert (last.continuation, last.suffix_tokens) == ("template", None)
+    assert "prefix_break" in last.flags and last.divergence_kind == "history_rewritten"

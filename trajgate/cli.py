@@ -630,6 +630,17 @@ def bench_gateway(
             "run is always chat: the emulator speaks what the gateway sends upstream)."
         ),
     ] = "chat",
+    continuation: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="'exact' and/or 'template' (repeat): measure these continuation modes side by "
+            "side on multi-turn conversations that echo the emulator's answers (chat only); "
+            "default: single-turn calls in the gateway's default mode."
+        ),
+    ] = None,
+    steps_per_trajectory: Annotated[
+        int, typer.Option(help="Calls per trajectory (turns of a --continuation conversation).")
+    ] = 8,
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
@@ -637,6 +648,11 @@ def bench_gateway(
 
     if dialect not in BENCH_DIALECTS:
         raise typer.BadParameter(f"--dialect takes one of {BENCH_DIALECTS}, got {dialect!r}")
+    modes = tuple(continuation or [])
+    if not set(modes) <= {"exact", "template"}:
+        raise typer.BadParameter(f"--continuation takes 'exact' or 'template', got {modes}")
+    if modes and dialect != "chat":
+        raise typer.BadParameter("--continuation measures chat calls: drop --dialect or it")
     values = [value.lower() for value in stream or ["false", "true"]]
     if not set(values) <= {"false", "true"}:
         raise typer.BadParameter(f"--stream takes 'false' or 'true', got {stream}")
@@ -656,6 +672,8 @@ def bench_gateway(
         emulator_port=emulator_port,
         data_dir=data_dir,
         dialect=dialect,
+        continuations=modes,  # type: ignore[arg-type]
+        steps_per_trajectory=steps_per_trajectory,
     )
     if as_json:
         typer.echo(json.dumps(run_benchmark(settings), indent=2))

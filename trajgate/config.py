@@ -47,7 +47,7 @@ SETTINGS_CLASSES = (
     "datapool.batches.settings:BatchSettings",
     "trainer_bridge.settings:TrainerSettings",
     "trainer_bridge.settings:DistributedSettings",
-    "trajgate.bench.emulator:EmulatorSettings",
+    "trajgate.bench.book:EmulatorSettings",
 )
 # Fields whose values ``describe`` never prints.
 SECRET_SUFFIXES = ("token", "password", "secret", "api_key")

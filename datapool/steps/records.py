@@ -33,6 +33,9 @@ class ChoiceRecord:
     # [[version, start, end], ...] over the response tokens when a full-weight update replaced
     # the weights while this choice was sampling (``steps.policy_version_spans``).
     policy_version_spans: list[list[int]] | None = None
+    # The key of the turn this choice answered, on exact channels
+    # (``gateway.proxy.continuation.history.turn_key``, stored as ``steps.turn_key``).
+    turn_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import make_sessionmaker
 from datapool.errors import TrajectoryClosedError
-from datapool.models import Step, Trajectory, TrajectoryStatus, utc_now
+from datapool.models import Step, StepOutcome, Trajectory, TrajectoryStatus, utc_now
 from datapool.settings import PoolSettings
 from datapool.steps import chain
 from datapool.steps.canonical import CanonicalCall, Message, response_of
@@ -266,6 +266,30 @@ class PoolStore:
             payloads = self._payloads_of(session, self._chain_rows(session, row))
             expand_requests(session, [row])
         return _stored(row, payloads[row.id])
+
+    def find_turn(self, trajectory_id: str, keys: Sequence[str]) -> StoredStep | None:
+        """The trajectory's ok step whose ``turn_key`` is the first of ``keys`` that any step
+        has (the latest step of those with it), with its exact payload; None when none has
+        one. One indexed read, then the step's delta chain (``get_step``)."""
+        if not keys:
+            return None
+        with self.sessions() as session:
+            found = session.execute(
+                select(Step.turn_key, Step.id)
+                .where(
+                    Step.trajectory_id == trajectory_id,
+                    Step.turn_key.in_(list(keys)),
+                    Step.outcome == StepOutcome.OK,
+                )
+                .order_by(Step.step_index.desc(), Step.choice_index)
+            ).all()
+        if not found:
+            return None
+        first: dict[str | None, str] = {}
+        for key, step_id in found:
+            first.setdefault(key, step_id)
+        step_id = next(first[key] for key in keys if key in first)
+        return self.get_step(step_id)
 
     @staticmethod
     def _chain_rows(session: Session, row: Step) -> list[Step]:

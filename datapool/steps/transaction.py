@@ -189,6 +189,7 @@ class WriteBatch:
                     "held_ms": call.held_ms,
                     "continuation": call.continuation,
                     "suffix_tokens": call.suffix_tokens,
+                    "turn_key": choice.turn_key,
                     "sampling": call.sampling,
                     "policy_version_spans": choice.policy_version_spans,
                     "flags": flags,

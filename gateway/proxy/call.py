@@ -9,7 +9,6 @@ do) or reads an answer (the dialect does).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -18,13 +17,14 @@ from typing import Any
 
 from datapool.models import StepOutcome
 from datapool.steps.calls import AttemptRecord
+from datapool.steps.canonical import response_of
 from datapool.steps.payloads import pack_ids
 from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.capture import IDS_INCOMPLETE
 from gateway.dialects import Dialect, Prepared
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.continuation.engine import Continuation
-from gateway.proxy.continuation.history import Turn, render_key
+from gateway.proxy.continuation.history import Turn, turn_key
 from gateway.proxy.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica
@@ -107,6 +107,8 @@ class Call:
         ttft_ms: float | None = None,
     ) -> CallRecord:
         choices = [self._with_versions(c) for c in choices]
+        if outcome == StepOutcome.OK and self.continuation.render_key is not None:
+            choices = [keyed(self, c) for c in choices]
         added = [] if self.sampling is None else sampling_flags(self.sampling)
         if self.resend_of is not None:
             added.append("resend")
@@ -143,7 +145,7 @@ class Call:
             attempts=tuple(self.attempts),
             continuation=self.continuation.built,
             suffix_tokens=self.continuation.suffix_tokens,
-            canonical=self.dialect.canonical(self.upstream_body),
+            canonical=self.continuation.canonical or self.dialect.canonical(self.upstream_body),
             history_field=self.dialect.history_field,
         )
 
@@ -219,25 +221,33 @@ async def commit(state: GatewayState, call: Call, record: CallRecord) -> list[st
 
 
 def remember_turns(state: GatewayState, call: Call, record: CallRecord) -> None:
-    """Keep each choice of a committed call of an exact channel as a turn a later call of the
-    trajectory may extend (``gateway.proxy.continuation.history``): its upstream messages, the
-    response message returned, ``P + R``."""
-    messages = call.upstream_body.get("messages")
+    """Keep each keyed choice of a committed call of an exact channel as a turn a later call of
+    the trajectory may extend (``gateway.proxy.continuation.history``): its key, the response
+    message returned, ``P + R``."""
     prompt = record.prompt_token_ids
-    if not isinstance(messages, list) or prompt is None:
+    if prompt is None:
         return
-    keys = tuple(json.dumps(message) for message in messages)
-    body_key = render_key(call.upstream_body)
     for choice in record.choices:
-        response = choice.response_token_ids
-        if response is None or choice.response_message is None or IDS_INCOMPLETE in choice.flags:
+        response, answer = choice.response_token_ids, choice.response_message
+        if choice.turn_key is None or response is None or answer is None:
             continue
-        state.turns.add(
-            call.trajectory_id,
-            Turn(
-                keys,
-                choice.response_message,
-                body_key,
-                pack_ids([*prompt, *response]),
-            ),
-        )
+        turn = Turn(choice.turn_key, response_of(answer), pack_ids([*prompt, *response]))
+        state.turns.add(call.trajectory_id, turn)
+
+
+def keyed(call: Call, choice: ChoiceRecord) -> ChoiceRecord:
+    """``choice`` with the key of the turn it answered (``history.turn_key``, stored as
+    ``steps.turn_key``) on an exact channel's chat path, when its ids are whole."""
+    continuation = call.continuation
+    canonical, body_key = continuation.canonical, continuation.render_key
+    if (
+        canonical is None
+        or body_key is None
+        or canonical.messages is None
+        or choice.response_message is None
+        or choice.response_token_ids is None
+        or IDS_INCOMPLETE in choice.flags
+    ):
+        return choice
+    key = turn_key(body_key, canonical.messages, response_of(choice.response_message))
+    return replace(choice, turn_key=key)

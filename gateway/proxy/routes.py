@@ -53,7 +53,12 @@ from gateway.proxy.attribution import (
 )
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
 from gateway.proxy.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
-from gateway.proxy.continuation.history import find_extension, render_key
+from gateway.proxy.continuation.history import (
+    candidate_keys,
+    find_extension,
+    render_key,
+    stored_turn,
+)
 from gateway.proxy.lifetime import CallLifetime
 from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.proxy.streaming import first_event, relay_stream
@@ -334,7 +339,7 @@ async def new_call(
     policy = state.settings.sampling_policy_for(attribution.channel)
     prepared, replaced = apply_policy(dialect, prepared, policy, defaults)
     check_limits(dialect, prepared, state.settings.generation_limits)
-    continuation = plan_continuation(state, attribution, prepared.upstream_body, dialect)
+    continuation = await plan_continuation(state, attribution, prepared.upstream_body, dialect)
     sampling = sampling_record(
         prepared.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
     )
@@ -353,22 +358,40 @@ async def new_call(
     )
 
 
-def plan_continuation(
+async def plan_continuation(
     state: GatewayState, attribution: Attribution, upstream_body: dict[str, Any], dialect: Dialect
 ) -> Continuation:
-    """How the call's prompt will be built: on an exact channel, the turn of the trajectory its
-    upstream chat messages extend (``gateway.proxy.continuation.history``), if any; the template's
-    rendering otherwise."""
+    """How the call's prompt will be built: on an exact channel, the latest turn of the
+    trajectory its canonical conversation extends (``gateway.proxy.continuation.history``),
+    from the gateway's memory or else from the pool (a turn another worker, replica or an
+    earlier run of the gateway served), if any; the template's rendering otherwise."""
     mode = state.settings.continuation_for(attribution.channel)
     if mode == "template" or dialect.upstream_path != CHAT_PATH:
         return Continuation(mode)
     if mode != "exact":
         raise ValueError(f"continuation {mode!r}; valid: {', '.join(CONTINUATION_MODES)}")
-    messages = upstream_body.get("messages")
-    turns = state.turns.turns_of(attribution.trajectory_id)
-    if not turns or not isinstance(messages, list):
-        return Continuation(mode)
-    return Continuation(mode, find_extension(turns, messages, render_key(upstream_body)))
+    canonical = dialect.canonical(upstream_body)
+    body_key = render_key(upstream_body)
+    continuation = Continuation(mode, render_key=body_key, canonical=canonical)
+    messages = canonical.messages or ()
+    candidates = candidate_keys(body_key, messages)
+    if not candidates:
+        return continuation
+    trajectory_id = attribution.trajectory_id
+    memory = state.turns.turns_of(trajectory_id)
+    extension = find_extension(candidates, messages, memory.get)
+    # A later turn than memory's may be in the pool (served by another process).
+    later = [(k, key) for k, key in candidates if extension is None or k >= extension.new_from]
+    if later:
+        keys = [key for _, key in later]
+        stored = await pool_lookup(state, state.store.find_turn, trajectory_id, keys)
+        turn = None if stored is None else stored_turn(stored)
+        found = None if turn is None else find_extension(later, messages, {turn.key: turn}.get)
+        if found is not None:
+            state.turns.add(trajectory_id, found.turn)
+            extension = found
+    continuation.extension = extension
+    return continuation
 
 
 async def earlier_call(

@@ -38,6 +38,7 @@ time of the run (req/s).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -46,7 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,14 @@ from sqlalchemy import func, select
 
 from datapool import db
 from datapool.models import Step
+from trajgate.bench.continuation import (
+    ContinuationMode,
+    channel_settings,
+    compare_modes,
+    continuation_goals_met,
+    conversation_bodies,
+    mode_headers,
+)
 
 GatewayMode = Literal["process", "thread"]
 GATEWAY_MODES: tuple[GatewayMode, ...] = get_args(GatewayMode)
@@ -123,6 +132,13 @@ class BenchSettings(BaseModel):
     gateway_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
     data_dir: Path | None = Field(
         default=None, description="Where the gateway's pool lives; default a temporary dir."
+    )
+    continuations: tuple[ContinuationMode, ...] = Field(
+        default=(),
+        description="Continuation modes to measure side by side (chat only): each run sends "
+        "multi-turn conversations that echo the emulator's answers through the gateway once "
+        "per mode, on a channel set to it (trajgate.bench.continuation); empty: one "
+        "single-turn request, the gateway's default mode.",
     )
 
 
@@ -289,9 +305,12 @@ class Caller:
         elif loadgen != "raw":
             raise ValueError(f"loadgen must be one of {LOADGENS}, got {loadgen!r}")
 
-    async def call(self, path: str, body: bytes, stream: bool) -> str | None:
-        """POST ``body`` to ``path``; None when it answered 200 (and, streaming, its last event
-        begins with ``stream_end``), else the error as text."""
+    async def call(
+        self, path: str, body: bytes, stream: bool, headers: dict[str, str] | None = None
+    ) -> str | None:
+        """POST ``body`` to ``path`` with any extra ``headers``; None when it answered 200
+        (and, streaming, its last event begins with ``stream_end``), else the error as text."""
+        headers = headers or {}
         self.first_body_at = None
         if self.client is not None:
             parts: list[bytes] = []
@@ -299,7 +318,7 @@ class Caller:
                 "POST",
                 self.base_url + path,
                 content=body,
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **headers},
             ) as response:
                 async for piece in response.aiter_bytes():
                     self.first_body_at = self.first_body_at or time.perf_counter()
@@ -312,6 +331,7 @@ class Caller:
                     RawConnection, self.host, self.port
                 )
             head = f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
             head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
             status, content = await self.raw.call(head.encode() + body)
             self.first_body_at = self.raw.last_first_body_at
@@ -344,12 +364,14 @@ async def callers(
 async def drive(
     workers: list[Caller],
     path_of: Callable[[int, int], str],
-    body: bytes,
+    bodies: Sequence[bytes],
     *,
     stream: bool,
     requests: int,
+    headers: dict[str, str] | None = None,
 ) -> Sample:
-    """Send ``requests`` calls from the workers; worker ``w``'s ``k``-th call goes to
+    """Send ``requests`` calls from the workers; worker ``w``'s ``k``-th call sends
+    ``bodies[k % len(bodies)]`` (turn ``k % S`` of a conversation, or the one body) to
     ``path_of(w, k)``. A call counts when ``Caller.call`` says it succeeded; otherwise it is an
     error, the first one kept as text."""
     sample = Sample()
@@ -360,11 +382,11 @@ async def drive(
         k = 0
         while next_call < requests:
             next_call += 1
-            path = path_of(worker_index, k)
+            path, body = path_of(worker_index, k), bodies[k % len(bodies)]
             k += 1
             started = time.perf_counter()
             try:
-                error = await caller.call(path, body, stream)
+                error = await caller.call(path, body, stream, headers)
             except (OSError, httpx.HTTPError) as exc:
                 error = f"{type(exc).__name__}: {exc}"
             if error is None:
@@ -439,6 +461,12 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
         "TRAJGATE_EMULATOR_TTFT_MS": str(settings.ttft_ms),
         "TRAJGATE_EMULATOR_INTER_TOKEN_MS": str(settings.inter_token_ms),
     }
+    gateway_env = dict(os.environ)
+    channels = channel_settings(settings.continuations)
+    if settings.continuations:
+        # Conversations whose prompts follow their messages, and the scale-out endpoints.
+        emulator_env["TRAJGATE_EMULATOR_PROMPT_IDS"] = "messages"
+        gateway_env["TRAJGATE_CONTINUATION_CHANNELS"] = json.dumps(channels)
     emulator_url = f"http://127.0.0.1:{emulator_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     data_dir = settings.data_dir or log_dir / "pool"
@@ -461,10 +489,10 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
             command = [sys.executable, "-m", "trajgate.cli", "serve", "--upstream", emulator_url]
             command += ["--port", str(gateway_port), "--database-url", database_url]
             with open(log_dir / "gateway.log", "wb") as log:
-                gateway = subprocess.Popen(command, stdout=log, stderr=log)
+                gateway = subprocess.Popen(command, stdout=log, stderr=log, env=gateway_env)
             children.append(gateway)
             gateway_pid = gateway.pid
-            wait_healthy(f"{gateway_url}/health", gateway, 60.0)
+            wait_healthy(f"{gateway_url}/health", gateway, 180.0)  # loaded machines start slowly
         elif settings.gateway_mode == "thread":
             from datapool.settings import PoolSettings
             from gateway.app import create_app
@@ -472,7 +500,11 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
             from gateway.settings import GatewaySettings
 
             app = create_app(
-                GatewaySettings(upstream_url=emulator_url, port=gateway_port),
+                GatewaySettings(
+                    upstream_url=emulator_url,
+                    port=gateway_port,
+                    continuation_channels=channels,
+                ),
                 PoolSettings(data_dir=data_dir, database_url=database_url),
             )
             thread_server = BackgroundServer(app, port=gateway_port).start()
@@ -492,13 +524,16 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
                 child.kill()
 
 
-def count_steps(database_url: str, trajectory_prefix: str) -> int:
-    """Rows in ``steps`` whose trajectory id starts with ``trajectory_prefix``."""
+def count_steps(database_url: str, trajectory_prefix: str, continuation: str | None = None) -> int:
+    """Rows in ``steps`` whose trajectory id starts with ``trajectory_prefix`` (and, when
+    given, whose prompt ``continuation`` built)."""
     engine = db.make_engine(database_url)
     try:
         with engine.connect() as conn:
             query = select(func.count()).select_from(Step)
             query = query.where(Step.trajectory_id.startswith(trajectory_prefix, autoescape=True))
+            if continuation is not None:
+                query = query.where(Step.continuation == continuation)
             return int(conn.execute(query).scalar_one())
     finally:
         engine.dispose()
@@ -518,12 +553,13 @@ async def _measure(
     targets: Targets,
     base_url: str,
     path_of: Callable[[int, int], str],
-    body: bytes,
+    bodies: Sequence[bytes],
     stream: bool,
     concurrency: int,
     settings: BenchSettings,
     gateway: bool,
     stream_end: bytes,
+    headers: dict[str, str] | None = None,
 ) -> tuple[Sample, dict[str, float | None]]:
     """Warm up, then one measured run on the same connections; also each process's CPU ms
     per call during the measured run."""
@@ -533,12 +569,15 @@ async def _measure(
             await drive(
                 workers,
                 lambda w, k: path_of(-1 - w, k),  # negative workers: warm-up trajectories
-                body,
+                bodies,
                 stream=stream,
                 requests=max(settings.warmup_requests, concurrency),
+                headers=headers,
             )
         before = {name: process_cpu_s(pid) for name, pid in pids.items()}
-        sample = await drive(workers, path_of, body, stream=stream, requests=settings.requests)
+        sample = await drive(
+            workers, path_of, bodies, stream=stream, requests=settings.requests, headers=headers
+        )
     calls = sample.ok + sample.errors
     cpu = {
         f"{name}_cpu_ms_per_call": _cpu_ms_per_call(before[name], process_cpu_s(pid), calls)
@@ -624,6 +663,7 @@ def run_benchmark(
         "requests_per_run": settings.requests,
         "warmup_requests": settings.warmup_requests,
         "steps_per_trajectory": settings.steps_per_trajectory,
+        "continuations": list(settings.continuations),
         "goals": {
             "added_p50_ms_at_c1": GOAL_ADDED_P50_MS,
             "added_p99_ms_at_c1": GOAL_ADDED_P99_MS,
@@ -651,16 +691,72 @@ def _run_one(
         phase = "m" if w >= 0 else "w"  # measured or warm-up; only "m" steps are counted
         return f"/t/{run_id}-{phase}{abs(w)}-{k // spt}/v1{DIALECT_PATHS[dialect]}"
 
+    bodies = [httpx.Request("POST", "/", json=request_body(settings, dialect, stream)).content]
+    if settings.continuations:
+        bodies = conversation_bodies(
+            request_body(settings, "chat", stream),
+            settings.steps_per_trajectory,
+            settings.response_tokens,
+        )
+
     def measure(
-        base_url: str, path_of: Callable[[int, int], str], spoken: BenchDialect, gateway: bool
+        base_url: str,
+        path_of: Callable[[int, int], str],
+        spoken: BenchDialect,
+        gateway: bool,
+        headers: dict[str, str] | None = None,
     ) -> Any:
-        body = httpx.Request("POST", "/", json=request_body(settings, spoken, stream)).content
+        sent = bodies
+        if spoken != dialect:  # the direct run speaks chat
+            sent = [httpx.Request("POST", "/", json=request_body(settings, spoken, stream)).content]
         end = STREAM_ENDS[spoken]
         return asyncio.run(
-            _measure(targets, base_url, path_of, body, stream, concurrency, settings, gateway, end)
+            _measure(
+                targets,
+                base_url,
+                path_of,
+                sent,
+                stream,
+                concurrency,
+                settings,
+                gateway,
+                end,
+                headers,
+            )
         )
 
     direct, direct_cpu = measure(targets.emulator_url, _fixed_path("/v1", "chat"), "chat", False)
+    if settings.continuations:
+        modes: dict[str, dict[str, Any]] = {}
+        for mode in settings.continuations:
+
+            def mode_path(w: int, k: int, mode: str = mode) -> str:
+                return gateway_path(w, k).replace(f"{run_id}-", f"{run_id}-{mode}-", 1)
+
+            sample, cpu = measure(targets.gateway_url, mode_path, dialect, True, mode_headers(mode))
+            prefix = f"{run_id}-{mode}-m"
+            modes[mode] = {
+                **_compare(direct, sample, "gateway"),
+                "first_byte_p50_ms": (
+                    _ms(percentile(sample.first_byte_ms, 50)) if sample.first_byte_ms else None
+                ),
+                "steps_persisted": count_steps(targets.database_url, prefix),
+                "steps_expected": sample.ok,
+                "exact_steps": count_steps(targets.database_url, prefix, "exact"),
+                "cpu_ms_per_call": cpu,
+            }
+        return {
+            "dialect": dialect,
+            "direct_dialect": "chat",
+            "stream": stream,
+            "concurrency": concurrency,
+            "requests": settings.requests,
+            **_stats("direct", direct),
+            "direct_errors": direct.errors,
+            "direct_cpu_ms_per_call": direct_cpu,
+            "continuation": modes,
+            **compare_modes(modes, stream, settings.response_tokens),
+        }
     via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, dialect, True)
     run: dict[str, Any] = {
         "dialect": dialect,
@@ -699,8 +795,8 @@ def goals_met(runs: list[dict[str, Any]]) -> dict[str, bool | None]:
     def all_of(values: list[bool]) -> bool | None:
         return all(values) if values else None
 
-    c1 = [r for r in runs if r["concurrency"] == 1 and r["added_p50_ms"] is not None]
-    c64 = [r for r in runs if r["concurrency"] == 64 and r["throughput_ratio"] is not None]
+    c1 = [r for r in runs if r["concurrency"] == 1 and r.get("added_p50_ms") is not None]
+    c64 = [r for r in runs if r["concurrency"] == 64 and r.get("throughput_ratio") is not None]
     return {
         "added_p50_ms_at_c1": all_of([r["added_p50_ms"] <= GOAL_ADDED_P50_MS for r in c1]),
         "added_p99_ms_at_c1": all_of([r["added_p99_ms"] <= GOAL_ADDED_P99_MS for r in c1]),
@@ -708,6 +804,12 @@ def goals_met(runs: list[dict[str, Any]]) -> dict[str, bool | None]:
             [r["throughput_ratio"] >= GOAL_THROUGHPUT_RATIO for r in c64]
         ),
         "every_step_persisted": all_of(
-            [r["steps_persisted"] == r["steps_expected"] for r in runs if r["steps_expected"]]
+            [
+                measured["steps_persisted"] == measured["steps_expected"]
+                for r in runs
+                for measured in [r, *r.get("continuation", {}).values()]
+                if measured.get("steps_expected")
+            ]
         ),
+        **continuation_goals_met(runs),
     }

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
+from datapool.steps.canonical import CanonicalCall
 from gateway.capture import dumps, loads
 from gateway.proxy.continuation.history import Extension
 from gateway.proxy.continuation.prompt import exact_prompt
@@ -48,12 +49,16 @@ class Continuation:
     """How one call's prompt is built. ``mode``: the channel's setting; ``extension``: the turn
     it extends (None: none, so the template renders it); ``built``: what built the prompt
     (``exact`` or ``template``), stored on the step; ``suffix_tokens``: in exact mode, how many
-    tokens the template rendered for the new messages and the generation prompt."""
+    tokens the template rendered for the new messages and the generation prompt; on an exact
+    channel's chat path, ``render_key`` and ``canonical``: the call's ``history.render_key``
+    and canonical record, from which each choice's ``turn_key`` is computed (None elsewhere)."""
 
     mode: ContinuationMode
     extension: Extension | None = None
     built: ContinuationMode = "template"
     suffix_tokens: int | None = None
+    render_key: str | None = None
+    canonical: CanonicalCall | None = None
 
 
 class DerenderError(httpx.RemoteProtocolError):

@@ -1,33 +1,54 @@
 """Which earlier turn a call's conversation continues: the append-only test of exact continuation.
 
-Owns: ``TurnMemory``, a bounded memory per trajectory of its recent turns (each ok choice of a
-call: the conversation it was asked, the response message the gateway returned, ``S = P + R``,
-its token sequence), and ``find_extension``, which finds the turn whose conversation plus
-response message a new call's conversation starts with, followed by new messages only.
-Never: tokenizes, renders or talks to an engine (``gateway.proxy.continuation.engine`` does), and
-never guesses: a history the client changed in any way is no extension (the call is rendered by
-the template and the pool records the break, as for any call).
+Owns: ``turn_key``, the key of a turn (a history and the response message that answered it);
+``candidate_keys``, the keys a new call's conversation would extend; ``find_extension``, which
+picks the latest of them that a turn in memory or in the pool answers and checks the echo;
+and ``TurnMemory``, a bounded memory per trajectory of its recent turns (each ok choice of a
+call: its key, the response message the gateway returned, ``S = P + R``, its token sequence).
+Never: tokenizes, renders or talks to an engine (``gateway.proxy.continuation.engine`` does),
+reads SQL (the pool finds a stored turn by its key: ``PoolStore.find_turn``), and never
+guesses: a history the client changed in any way is no extension (the call is rendered by the
+template and the pool records the break, as for any call).
 
-The conversation compared is the engine's (the chat messages sent upstream, every dialect
-translating to them), so an echo is judged on the same form as the response message the pool
-stores. ``T`` below is one turn's sequence length in tokens.
+The conversation compared is the canonical record's (``datapool.steps.canonical``), which every
+dialect writes, so an echo is judged the same way whether it came as a chat message, a
+Responses item or a Messages content block. A turn with history ``C`` (``k`` canonical
+messages) and response ``R`` is extended by a call whose messages are ``C``, then an echo of
+``R``, then new messages. Its key is ``sha256(render key, C as JSON text, echo form of R)``:
 
-Memory: per trajectory at most ``turns_per_trajectory`` turns, each its messages as JSON text
-and ``S`` as int32 bytes (4 bytes a token); at most ``trajectories`` trajectories (LRU).
+- ``C`` must be equal message by message as JSON text (``datapool.steps.messages.message_key``);
+- the echo form of ``R`` is what ``echoes`` compares: the text (a string or its text parts
+  joined, None and "" alike), each tool call's name and arguments as a JSON value (a client
+  that re-serialises them sends the same call: case C08), the reasoning; tool call ids are
+  left out of the key and checked after (a client may echo a call without its id);
+- the render key: the body's fields besides the conversation that change what the template
+  renders (``RENDER_FIELDS``).
+
+The key is stored on the step (``steps.turn_key``), so a worker, a replica or a restarted
+gateway that does not hold the turn in memory finds it in the pool by one indexed read.
+
+Memory: per trajectory at most ``turns_per_trajectory`` turns, each its key, its response
+message and ``S`` as int32 bytes (4 bytes a token); at most ``trajectories`` trajectories (LRU).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Request fields besides ``messages`` that change what the template renders: a call that sets
-# any of them differently from the turn it extends is no extension.
+from datapool.steps.canonical import Message, response_of
+from datapool.steps.messages import message_key
+from datapool.steps.payloads import pack_ids
+from datapool.steps.store import StoredStep
+
+# Request fields besides the conversation that change what the template renders: a call that
+# sets any of them differently from the turn it extends is no extension.
 RENDER_FIELDS = (
     "tools",
     "chat_template",
@@ -44,15 +65,12 @@ RENDER_FIELDS = (
 class Turn:
     """One choice of an earlier call: what the engine saw and what it sampled.
 
-    ``message_keys``: each upstream message as JSON text; ``response``: the response message the
-    gateway returned, in the common form (``content``, ``tool_calls``, ``reasoning``);
-    ``render_key``: the ``RENDER_FIELDS`` of its body as JSON text; ``sequence``: ``P + R`` as
-    int32 bytes.
+    ``key``: its ``turn_key``; ``response``: the response message the gateway returned, as a
+    canonical message; ``sequence``: ``P + R`` as int32 bytes.
     """
 
-    message_keys: tuple[str, ...]
-    response: Mapping[str, Any]
-    render_key: str
+    key: str
+    response: Message
     sequence: bytes
 
 
@@ -87,100 +105,133 @@ def _text(content: Any) -> str | None:
     return None
 
 
-def _arguments(arguments: Any) -> str | None:
+def _arguments(arguments: str) -> str:
     """Tool-call arguments as canonical JSON text: the same JSON value re-serialised by the
     client (spaces, key order, an object instead of its string: case C08) is the same call."""
-    if isinstance(arguments, str):
-        try:
-            value: Any = json.loads(arguments)
-        except ValueError:
-            return "\0" + arguments  # not JSON: only the very same string matches
-    else:
-        value = arguments
+    try:
+        value: Any = json.loads(arguments)
+    except ValueError:
+        return "\0" + arguments  # not JSON: only the very same string matches
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
-def _calls(message: Mapping[str, Any]) -> list[tuple[Any, Any, str | None]] | None:
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list):
+def echo_form(message: Message) -> str | None:
+    """What of an assistant message an echo must keep, as JSON text (see the module
+    docstring); None for a message that is no assistant turn or has content that is not text
+    (never an extension: the template's rendering of it is not known to be the same)."""
+    text = _text(message.content)
+    if message.role != "assistant" or text is None:
         return None
-    found = []
-    for call in calls:
-        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            return None
-        function = call["function"]
-        found.append((call.get("id"), function.get("name"), _arguments(function.get("arguments"))))
+    calls = [[call.name, _arguments(call.arguments)] for call in message.tool_calls]
+    return json.dumps([text, calls, message.reasoning or ""], ensure_ascii=False)
+
+
+def echoes(returned: Message, echoed: Message) -> bool:
+    """Whether the client's message ``echoed`` is the response message ``returned`` sent back:
+    the same echo form (text, tool calls as JSON values, reasoning), and each tool call's id
+    the same where the client kept it. Reasoning the client dropped matters (the model would
+    see its reasoning the client chose to remove)."""
+    form = echo_form(returned)
+    if form is None or form != echo_form(echoed):
+        return False
+    return all(
+        theirs.id is None or theirs.id == mine.id
+        for mine, theirs in zip(returned.tool_calls, echoed.tool_calls, strict=True)
+    )
+
+
+def _history_digest(body_render_key: str) -> Any:
+    digest = hashlib.sha256(body_render_key.encode())
+    digest.update(b"\0")
+    return digest
+
+
+def _with_response(digest: Any, echo: str) -> str:
+    answered = digest.copy()
+    answered.update(b"\0R")
+    answered.update(echo.encode())
+    return str(answered.hexdigest())
+
+
+def turn_key(body_render_key: str, history: Sequence[Message], response: Message) -> str | None:
+    """The key of the turn that answered ``history`` (a call's canonical messages) with
+    ``response`` (64 hex characters); None when ``response`` can never be echoed
+    (``echo_form``)."""
+    echo = echo_form(response)
+    if echo is None:
+        return None
+    digest = _history_digest(body_render_key)
+    for message in history:
+        digest.update(b"\0M")
+        digest.update(message_key(message.to_json()).encode())
+    return _with_response(digest, echo)
+
+
+def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tuple[int, str]]:
+    """``(k, key)`` for every assistant message ``k`` of ``messages`` (a new call's canonical
+    messages), the latest first: the ``turn_key`` of ``messages[:k]`` answered by
+    ``messages[k]``, the turn the call would extend from there. O(total message size)."""
+    found: list[tuple[int, str]] = []
+    digest = _history_digest(body_render_key)
+    for k, message in enumerate(messages):
+        if message.role == "assistant":
+            echo = echo_form(message)
+            if echo is not None:
+                found.append((k, _with_response(digest, echo)))
+        digest.update(b"\0M")
+        digest.update(message_key(message.to_json()).encode())
+    found.reverse()
     return found
 
 
-def echoes(returned: Mapping[str, Any], echoed: Any) -> bool:
-    """Whether the client's message ``echoed`` is the response message ``returned`` sent back:
-    an assistant message with the same text, the same tool calls (id, name, arguments as JSON
-    values) and the same reasoning. Fields a client adds empty (``refusal: null``,
-    ``annotations: []``) do not matter; reasoning the client dropped does (the model would see
-    its reasoning the client chose to remove)."""
-    if not isinstance(echoed, dict) or echoed.get("role") != "assistant":
-        return False
-    text = _text(echoed.get("content"))
-    if text is None or text != _text(returned.get("content")):
-        return False
-    mine, theirs = _calls(returned), _calls(echoed)
-    if mine is None or theirs is None or len(mine) != len(theirs):
-        return False
-    for (id_a, name_a, args_a), (id_b, name_b, args_b) in zip(mine, theirs, strict=True):
-        if name_a != name_b or args_a != args_b or (id_b is not None and id_a != id_b):
-            return False
-    reasoning = returned.get("reasoning") or returned.get("reasoning_content") or ""
-    echoed_reasoning = echoed.get("reasoning") or echoed.get("reasoning_content") or ""
-    return bool(reasoning == echoed_reasoning)
-
-
 def find_extension(
-    turns: Sequence[Turn], messages: Sequence[Any], body_render_key: str
+    candidates: Sequence[tuple[int, str]],
+    messages: Sequence[Message],
+    lookup: Callable[[str], Turn | None],
 ) -> Extension | None:
-    """The turn that ``messages`` (the new call's upstream messages) extend, longest first.
+    """The latest turn that ``messages`` extend among ``candidates`` (``candidate_keys`` of
+    them, latest first), as ``lookup`` (a key to a turn, or None) finds it, its tool call ids
+    checked (``echoes``). None when no turn is extended."""
+    for k, key in candidates:
+        turn = lookup(key)
+        if turn is not None and echoes(turn.response, messages[k]):
+            return Extension(turn, k + 1)
+    return None
 
-    A turn with conversation ``M`` (``k`` messages) and response ``R`` is extended when
-    ``messages[:k]`` equals ``M`` as JSON text, ``messages[k]`` echoes ``R`` (``echoes``), and
-    the call renders with the same fields (``body_render_key``
-    equals the turn's ``render_key``). None when no turn is extended.
-    """
-    keys: list[str] | None = None
-    best: Extension | None = None
-    for turn in reversed(turns):  # the latest turn is the usual answer
-        k = len(turn.message_keys)
-        if k + 1 > len(messages) or turn.render_key != body_render_key:
-            continue
-        if best is not None and k + 1 <= best.new_from:
-            continue
-        if keys is None:
-            keys = [json.dumps(message) for message in messages]
-        if tuple(keys[:k]) == turn.message_keys and echoes(turn.response, messages[k]):
-            best = Extension(turn, k + 1)
-    return best
+
+def stored_turn(step: StoredStep) -> Turn | None:
+    """The turn a stored step answered (``PoolStore.find_turn``); None when it has no key,
+    response message or token ids."""
+    key, prompt, response = step.row.turn_key, step.prompt_token_ids, step.response_token_ids
+    if key is None or step.row.response_message is None or prompt is None or response is None:
+        return None
+    return Turn(key, response_of(step.row.response_message), pack_ids([*prompt, *response]))
 
 
 class TurnMemory:
     """The recent turns of at most ``trajectories`` trajectories (LRU), at most
-    ``turns_per_trajectory`` each (oldest dropped first)."""
+    ``turns_per_trajectory`` each (oldest dropped first), by key."""
 
     def __init__(self, trajectories: int, turns_per_trajectory: int) -> None:
         self.trajectories = trajectories
         self.turns_per_trajectory = turns_per_trajectory
-        self._turns: OrderedDict[str, list[Turn]] = OrderedDict()
+        self._turns: OrderedDict[str, dict[str, Turn]] = OrderedDict()
 
-    def turns_of(self, trajectory_id: str) -> list[Turn]:
+    def turns_of(self, trajectory_id: str) -> Mapping[str, Turn]:
+        """The trajectory's turns by key (empty when none is held)."""
         turns = self._turns.get(trajectory_id)
         if turns is None:
-            return []
+            return {}
         self._turns.move_to_end(trajectory_id)
         return turns
 
     def add(self, trajectory_id: str, turn: Turn) -> None:
-        turns = self._turns.setdefault(trajectory_id, [])
+        turns = self._turns.setdefault(trajectory_id, {})
         self._turns.move_to_end(trajectory_id)
-        turns.append(turn)
-        del turns[: -self.turns_per_trajectory]
+        turns.pop(turn.key, None)
+        turns[turn.key] = turn
+        while len(turns) > self.turns_per_trajectory:
+            del turns[next(iter(turns))]
         while len(self._turns) > self.trajectories:
             self._turns.popitem(last=False)
 
