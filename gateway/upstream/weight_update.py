@@ -29,8 +29,15 @@ at a time.
    ``QUIET_S`` with nothing arriving (its socket empty while the engine is frozen); one that
    does not within ``SETTLE_S`` (a client too slow to take its chunks), and every unary call
    in flight (its answer comes whole, the split cannot be known), is marked unknown: its step
-   is flagged ``policy_version_split_unknown`` and kept out of training (invariant 9);
+   is flagged ``policy_version_split_unknown`` and kept out of training (invariant 9), unless
+   the engine reports the split itself (below);
 4. ``POST /resume`` on every replica (whatever failed before), then the gate opens.
+
+Where the engine reports which weight version sampled each token (``weight_versions`` of
+vLLM's ``/inference/v1/generate``, which exact continuation uses, unary or streamed), its spans
+are read instead of the gateway's counts (``Ticket.engine_spans`` says how its labels map to
+policy versions): a unary exact call across a kept reload is then exact too. A report of
+several versions for a call no reload of this gateway split is flagged unknown as well.
 
 Nothing is aborted and nothing waits longer than the reload. ``drain`` (the former behaviour):
 the calls admitted get ``drain_timeout_s`` to finish sampling, those still sampling are aborted
@@ -131,13 +138,77 @@ class Ticket:
         self.marks.append((version, counts))
 
     def version_spans(
-        self, policy_version: int, choice_index: int, tokens: int
+        self,
+        policy_version: int,
+        choice_index: int,
+        tokens: int,
+        reported: list[Any] | None = None,
     ) -> list[list[int]] | None:
         """``[[version, start, end], ...]`` of a choice's ``tokens`` response tokens (empty
         spans left out), starting with ``policy_version``; None when the call sampled under
-        one version. Raises ``LookupError`` when a split is unknown (a unary call)."""
-        if not self.marks:
+        one version, its own.
+
+        ``reported``: the engine's ``weight_versions`` of the choice where it reports them
+        (vLLM's ``/inference/v1/generate``: ``[{"version", "start", "end"}, ...]`` over the
+        output tokens, on the final chunk), used when ``engine_spans`` can read them as policy
+        versions; otherwise the gateway's own counts at each kept reload.
+
+        Raises ``LookupError`` when the split is not known: a reload split a call whose tokens
+        were not counted (a unary call) and the engine did not report it, or the engine reports
+        tokens of several weight versions while this gateway reloaded none during the call.
+        """
+        spans = None if reported is None else self.engine_spans(policy_version, reported, tokens)
+        if spans is None:
+            if not self.marks:
+                if reported is not None and len(reported) > 1:
+                    raise LookupError("the engine changed weights this gateway did not reload")
+                return None
+            spans = self._counted_spans(policy_version, choice_index, tokens)
+        return None if len(spans) == 1 and spans[0][0] == policy_version else spans
+
+    def engine_spans(
+        self, policy_version: int, reported: list[Any], tokens: int
+    ) -> list[list[int]] | None:
+        """The engine's spans as ``[[version, start, end], ...]``, or None when they are not
+        readable as this call's policy versions.
+
+        vLLM 0.32 labels each engine step's output with its weight version, a string: "default"
+        until ``POST /update_weight_version`` sets one, which a ``keep`` reload does
+        (``str(version)``) while the engine is paused. So a span whose label is one of the
+        versions reloaded during the call (``marks``, in order) is that version, and a first
+        span labelled otherwise was sampled before the first of them, by the weights the call
+        was admitted under (``policy_version``: every reload passes the gate). Readable means:
+        dicts with int ``start``/``end``, contiguous from 0 to ``tokens``, each later span
+        labelled with a later reload of this call.
+        """
+        if not reported:
             return None
+        reloads = [version for version, _ in self.marks]
+        spans: list[list[int]] = []
+        after = 0  # later spans must name reloads from this index on
+        for span in reported:
+            if not isinstance(span, dict):
+                return None
+            label, start, end = span.get("version"), span.get("start"), span.get("end")
+            if type(start) is not int or type(end) is not int:
+                return None
+            if start != (spans[-1][2] if spans else 0) or end <= start:
+                return None
+            named = [k for k in range(after, len(reloads)) if str(reloads[k]) == label]
+            if named:
+                version, after = reloads[named[0]], named[0] + 1
+            elif not spans:
+                version = policy_version
+            else:
+                return None
+            spans.append([version, start, end])
+        return spans if spans[-1][2] == tokens else None
+
+    def _counted_spans(
+        self, policy_version: int, choice_index: int, tokens: int
+    ) -> list[list[int]]:
+        """The spans from the gateway's counts at each kept reload (``mark``); raises
+        ``LookupError`` when a count is unknown."""
         spans: list[list[int]] = []
         version, start = policy_version, 0
         for new_version, counts in self.marks:
@@ -149,7 +220,7 @@ class Ticket:
             version, start = new_version, max(start, end)
         if tokens > start or not spans:
             spans.append([version, start, tokens])
-        return None if len(spans) == 1 and spans[0][0] == policy_version else spans
+        return spans
 
     async def guard(self, awaitable: Coroutine[Any, Any, T]) -> T:
         """Await ``awaitable`` unless the gate aborts this call first or meanwhile.
