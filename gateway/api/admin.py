@@ -105,8 +105,10 @@ class WeightUpdatePublic(BaseModel):
     mode: UpdateMode = Field(description="How the calls in flight were treated.")
     kept_calls: int = Field(description="Mode 'keep': calls in flight across the reload.")
     split_unknown_calls: int = Field(
-        description="Kept calls whose tokens before the reload are not known (unary calls, "
-        "streams too slow to read): flagged policy_version_split_unknown, never trained on."
+        description="Kept calls whose tokens before the reload the gateway could not count "
+        "(unary calls, streams too slow to read): flagged policy_version_split_unknown, never "
+        "trained on, unless the engine reports the split itself (an exact continuation's "
+        "weight_versions)."
     )
 
 
