@@ -55,6 +55,7 @@ retries an aborted call (tokens were generated under the old policy; the client 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -115,8 +116,8 @@ class Ticket:
         # starts, none were). None: a unary call, whose tokens arrive at once at the end.
         self.sampled: Callable[[], Counts] | None = None
         # Each kept reload this call sampled across: (the new version, its counts at the
-        # split, None when unknown).
-        self.marks: list[tuple[int, Counts | None]] = []
+        # split, None when unknown, the engine's label of the new weights).
+        self.marks: list[tuple[int, Counts | None, str | None]] = []
         self._gate = gate
         self._waiting: asyncio.Task[Any] | None = None  # the task inside ``guard``, if any
         self._cut = False  # ``abort`` cancelled ``_waiting``: that cancellation is ours
@@ -132,10 +133,11 @@ class Ticket:
         """Waiting on its upstream with nothing read for ``QUIET_S`` (see the module doc)."""
         return self._waiting is not None and now - self._last_read_at >= QUIET_S
 
-    def mark(self, version: int, known: bool) -> None:
-        """Record the split of a kept reload to ``version`` (``known``: the counts are exact)."""
+    def mark(self, version: int, known: bool, label: str | None = None) -> None:
+        """Record the split of a kept reload to ``version`` (``known``: the counts are exact;
+        ``label``: the engine's weight version label it set, ``reload_label``)."""
         counts = self.sampled() if known and self.sampled is not None else None
-        self.marks.append((version, counts))
+        self.marks.append((version, counts, label))
 
     def version_spans(
         self,
@@ -173,17 +175,18 @@ class Ticket:
         readable as this call's policy versions.
 
         vLLM 0.32 labels each engine step's output with its weight version, a string: "default"
-        until ``POST /update_weight_version`` sets one, which a ``keep`` reload does
-        (``str(version)``) while the engine is paused. So a span whose label is one of the
-        versions reloaded during the call (``marks``, in order) is that version, and a first
-        span labelled otherwise was sampled before the first of them, by the weights the call
-        was admitted under (``policy_version``: every reload passes the gate). Readable means:
+        until ``POST /update_weight_version`` sets one, which a ``keep`` reload does while the
+        engine is paused, with a label no earlier reload used (``reload_label``: a stale label
+        equal to the new one would hide the split). So a span whose label is that of a reload
+        during the call (``marks``, in order) is that reload's version, and a first span
+        labelled otherwise was sampled before the first of them, by the weights the call was
+        admitted under (``policy_version``: every reload passes the gate). Readable means:
         dicts with int ``start``/``end``, contiguous from 0 to ``tokens``, each later span
-        labelled with a later reload of this call.
+        labelled by a later reload of this call.
         """
         if not reported:
             return None
-        reloads = [version for version, _ in self.marks]
+        reloads = [(version, label) for version, _, label in self.marks]
         spans: list[list[int]] = []
         after = 0  # later spans must name reloads from this index on
         for span in reported:
@@ -194,9 +197,9 @@ class Ticket:
                 return None
             if start != (spans[-1][2] if spans else 0) or end <= start:
                 return None
-            named = [k for k in range(after, len(reloads)) if str(reloads[k]) == label]
+            named = [k for k in range(after, len(reloads)) if reloads[k][1] == label]
             if named:
-                version, after = reloads[named[0]], named[0] + 1
+                version, after = reloads[named[0]][0], named[0] + 1
             elif not spans:
                 version = policy_version
             else:
@@ -211,7 +214,7 @@ class Ticket:
         ``LookupError`` when a count is unknown."""
         spans: list[list[int]] = []
         version, start = policy_version, 0
-        for new_version, counts in self.marks:
+        for new_version, counts, _ in self.marks:
             if counts is None:
                 raise LookupError("the tokens sampled before a kept reload are not known")
             end = min(counts.get(choice_index, 0), tokens)
@@ -367,9 +370,11 @@ class WeightGate:
         reload: Callable[[], Awaitable[T]],
         resume: Callable[[], Awaitable[None]],
         version: int,
+        label: str | None = None,
     ) -> tuple[T, PauseReport]:
         """Close the gate, run ``reload`` (pause the replicas keeping their requests, reload,
-        register ``version``), mark the split on every call in flight, run ``resume``, reopen.
+        label the engine's weights ``label``, register ``version``), mark the split on every
+        call in flight, run ``resume``, reopen.
 
         ``resume`` runs however ``reload`` ends; when ``reload`` fails the calls in flight are
         marked unknown (some replicas may hold weights of no registered version) and its error
@@ -386,7 +391,7 @@ class WeightGate:
                 known = True
             finally:
                 try:
-                    unknown = await self._split(in_flight, version, known)
+                    unknown = await self._split(in_flight, version, label, known)
                     await resume()
                 finally:
                     pause_ms = (time.perf_counter() - started) * 1000.0
@@ -395,7 +400,9 @@ class WeightGate:
         report = PauseReport(pause_ms, 0, 0, held, "keep", len(in_flight), unknown)
         return result, report
 
-    async def _split(self, tickets: list[Ticket], version: int, known: bool) -> int:
+    async def _split(
+        self, tickets: list[Ticket], version: int, label: str | None, known: bool
+    ) -> int:
         """Mark ``version``'s split on the ``tickets`` still sampling; returns how many were
         marked unknown. Waits up to ``SETTLE_S`` for streams to be ``quiet``."""
         deadline = time.monotonic() + SETTLE_S
@@ -409,10 +416,10 @@ class WeightGate:
                 if ticket not in self._tickets:  # sampling ended meanwhile: one version
                     continue
                 if ticket.sampled is None or late:
-                    ticket.mark(version, known=False)
+                    ticket.mark(version, False, label)
                     unknown += 1
                 elif ticket.quiet(now):
-                    ticket.mark(version, known=True)
+                    ticket.mark(version, True, label)
                 else:
                     pending.append(ticket)
             waiting = pending
@@ -479,22 +486,28 @@ async def reload_kept_replicas(
     client: httpx.AsyncClient,
     urls: list[str],
     weights_location: str,
-    version: int,
+    label: str,
     timeout_s: float,
 ) -> None:
     """The reload of a ``keep`` update on paused replicas: ``reload_weights``, the prefix cache
     reset with the frozen requests preempted (recomputed under the new weights on resume),
-    then the engine's weight version set to ``version``. Raises ``ReloadError``."""
+    then the engine's weight version label set to ``label`` (``reload_label``). Raises
+    ``ReloadError``."""
     done: list[str] = []
     for url in urls:
         reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
         await _post(client, url, "/collective_rpc", reload, timeout_s, done)
         if not await _reset_prefix_cache(client, url, timeout_s, done, force=True):
             raise ReloadError(url, done, "its prefix cache could not be reset")
-        await _post(
-            client, url, "/update_weight_version", {"new_version": str(version)}, timeout_s, done
-        )
+        await _post(client, url, "/update_weight_version", {"new_version": label}, timeout_s, done)
         done.append(url)
+
+
+def reload_label(version: int) -> str:
+    """The engine's weight version label of a kept reload to ``version``: the version and a
+    random suffix (``"4:9f2c61d0a4b7"``), so that no label set before, by this gateway or
+    another, or before a restart, equals it (``Ticket.engine_spans``)."""
+    return f"{version}:{secrets.token_hex(6)}"
 
 
 async def _reset_prefix_cache(
