@@ -238,9 +238,10 @@ class GatewaySettings(ConfigFileSettings):
         description=(
             "Full-weight update: 'keep' pauses vLLM keeping the calls in flight (POST "
             "/pause?mode=keep), reloads, and resumes them on the new weights: nothing aborted, "
-            "each streamed step records which tokens each version sampled "
-            "(policy_version_spans), a unary call sampling across it is flagged "
-            "policy_version_split_unknown (not trained on). 'drain' waits for the calls in "
+            "each streamed or exactly continued step records which tokens each version "
+            "sampled (policy_version_spans), a unary call through the chat endpoint sampling "
+            "across it is flagged policy_version_split_unknown (not trained on). 'drain' "
+            "waits for the calls in "
             "flight up to weight_update_drain_timeout_s and aborts the rest."
         ),
     )

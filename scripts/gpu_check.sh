@@ -12,6 +12,15 @@
 # --activation-checkpointing. GPU_CHECK_PEAK_TFLOPS sets the bf16 peak of an unlisted GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Processed against raw behaviour logprobs (issue 27): vLLM's sampling throughput in each
+# --logprobs-mode, one engine at a time; needs vLLM, found by $VLLM_PYTHON (default python3).
+#   VLLM_PYTHON=/path/to/vllm/bin/python scripts/gpu_check.sh --logprobs-cost --model DIR
+# Flags (scripts/logprobs_cost.py --help): --requests N --tokens T --dtype D --enforce-eager.
+if [ "${1:-}" = "--logprobs-cost" ]; then
+  shift
+  exec "${VLLM_PYTHON:-python3}" scripts/logprobs_cost.py "$@"
+fi
 # PYTHON: the interpreter with torch (default: this repository's .venv, else python3)
 python=${PYTHON:-python3}
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python; fi

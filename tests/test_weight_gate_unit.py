@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from gateway.upstream.weight_update import CallAborted, WeightGate
+from gateway.upstream.weight_update import CallAborted, Ticket, WeightGate
 
 
 async def _aborted_while_waiting() -> str:
@@ -78,3 +78,89 @@ def test_an_abort_and_an_outside_cancel_together_end_as_the_cancel() -> None:
         return "neither"
 
     assert asyncio.run(both()) == "cancelled"
+
+
+# The engine's spans (vLLM's ``weight_versions`` on ``/inference/v1/generate``) read as policy
+# versions. A ticket made without a gate stands for a call admitted under version 3; ``mark``
+# records the kept reloads it sampled across, as ``WeightGate.keep`` does.
+
+
+def _span(label: str, start: int, end: int) -> dict[str, object]:
+    return {"version": label, "start": start, "end": end}
+
+
+def _call_across(*reloads: int, counts: dict[int, int] | None = None) -> Ticket:
+    ticket = Ticket()
+    if counts is not None:
+        ticket.sampled = lambda: dict(counts)
+    for version in reloads:
+        ticket.mark(version, counts is not None, f"{version}:x")
+    return ticket
+
+
+def test_a_unary_call_split_by_a_kept_reload_takes_the_engines_spans() -> None:
+    # Admitted under 3, one reload to 4; the engine labelled its first 7 tokens "default" (no
+    # version set before) and the last 5 "4": tokens [0, 7) are 3's, [7, 12) are 4's.
+    ticket = _call_across(4)
+    reported = [_span("default", 0, 7), _span("4:x", 7, 12)]
+    assert ticket.version_spans(3, 0, 12, reported) == [[3, 0, 7], [4, 7, 12]]
+
+
+def test_without_the_engines_report_a_unary_split_stays_unknown() -> None:
+    with pytest.raises(LookupError):
+        _call_across(4).version_spans(3, 0, 12)
+
+
+def test_the_engines_spans_win_over_the_gateways_counts() -> None:
+    # The gateway read 6 tokens before the reload, the engine says 7 (a token in the socket):
+    # the engine's report is the exact one.
+    ticket = _call_across(4, counts={0: 6})
+    assert ticket.version_spans(3, 0, 12) == [[3, 0, 6], [4, 6, 12]]
+    reported = [_span("3", 0, 7), _span("4:x", 7, 12)]
+    assert ticket.version_spans(3, 0, 12, reported) == [[3, 0, 7], [4, 7, 12]]
+
+
+def test_two_reloads_map_each_label_to_its_reload_in_order() -> None:
+    ticket = _call_across(4, 5)
+    reported = [_span("3", 0, 2), _span("4:x", 2, 9), _span("5:x", 9, 10)]
+    assert ticket.version_spans(3, 0, 10, reported) == [[3, 0, 2], [4, 2, 9], [5, 9, 10]]
+
+
+def test_a_call_queued_through_the_reload_is_the_new_versions_alone() -> None:
+    # Admitted under 3 but first scheduled after the reload: every token is 4's.
+    assert _call_across(4).version_spans(3, 0, 12, [_span("4:x", 0, 12)]) == [[4, 0, 12]]
+
+
+def test_a_call_finished_before_the_reload_is_its_own_versions_alone() -> None:
+    # Its answer was on the way when the gate closed: one span labelled before the reload.
+    assert _call_across(4).version_spans(3, 0, 12, [_span("default", 0, 12)]) is None
+
+
+def test_a_stale_label_equal_to_the_new_version_is_not_taken_for_the_reload() -> None:
+    # An engine labelled "4" by an earlier run (another pool, or before a restart): the tokens
+    # before this reload carry it, those after carry the reload's own label ("4:x"): the
+    # stale "4" is the admitted version 3, not 4 (with bare version labels the two would be
+    # one span "4", read as all 4's: measured on the real vLLM before labels were unique).
+    reported = [_span("4", 0, 6), _span("4:x", 6, 12)]
+    assert _call_across(4).version_spans(3, 0, 12, reported) == [[3, 0, 6], [4, 6, 12]]
+
+
+def test_unreadable_engine_spans_fall_back_to_the_gateways_counts() -> None:
+    ticket = _call_across(4, counts={0: 6})
+    unreadable = [
+        [_span("3", 0, 7), _span("9", 7, 12)],  # a label no reload of this call set
+        [_span("3", 0, 7), _span("4:x", 8, 12)],  # a gap
+        [_span("3", 0, 7), _span("4:x", 7, 11)],  # short of the 12 tokens
+        [_span("4:x", 0, 7), _span("3", 7, 12)],  # out of order
+        [{"version": "3", "start": 0, "end": True}],  # not an int
+        ["3", 0, 12],  # not spans
+    ]
+    for reported in unreadable:
+        assert ticket.version_spans(3, 0, 12, reported) == [[3, 0, 6], [4, 6, 12]], reported
+
+
+def test_an_engine_split_no_reload_of_this_gateway_made_is_unknown() -> None:
+    # Another gateway (or an operator) changed the engine's weights during the call.
+    with pytest.raises(LookupError):
+        _call_across().version_spans(3, 0, 12, [_span("3", 0, 7), _span("8", 7, 12)])
+    assert _call_across().version_spans(3, 0, 12, [_span("3", 0, 12)]) is None

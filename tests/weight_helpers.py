@@ -38,10 +38,12 @@ def noisy_versions(tiny_model_dir: Path, root: Path, count: int) -> list[Path]:
 
 @contextmanager
 def base_weights_put_back(vllm: VLLMServer, tiny_model_dir: Path) -> Iterator[None]:
-    """Reload the base weights (and reset the prefix cache) when the block ends."""
+    """Reload the base weights (and reset the prefix cache) when the block ends, resuming
+    vLLM first in case the block failed while it was paused."""
     try:
         yield
     finally:
+        httpx.post(f"{vllm.url}/resume", timeout=60).raise_for_status()
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(tiny_model_dir)}}
         httpx.post(f"{vllm.url}/collective_rpc", json=reload, timeout=300).raise_for_status()
         httpx.post(f"{vllm.url}/reset_prefix_cache", timeout=60).raise_for_status()

@@ -1005,11 +1005,20 @@ def bench_weight_updates(
     vllm_port: Annotated[int, typer.Option(help="Port of a vLLM in dev mode to pause.")] = 8400,
     agents: Annotated[int, typer.Option(help="Agents, one long generation each per round.")] = 4,
     tokens: Annotated[int, typer.Option(help="Tokens per generation (end token ignored).")] = 200,
-    rounds: Annotated[int, typer.Option(help="Rounds per mode.")] = 2,
+    rounds: Annotated[
+        int, typer.Option(help="Repeats of one round per arm (none, drain, keep), interleaved.")
+    ] = 3,
+    warmup_rounds: Annotated[
+        int, typer.Option(help="Rounds without updates run first and not counted.")
+    ] = 1,
+    update_after_tokens: Annotated[
+        int, typer.Option(help="An update is published once every agent read this many.")
+    ] = 20,
     drain_timeout_s: Annotated[float, typer.Option(help="Drain limit of mode 'drain'.")] = 2.0,
 ) -> None:
     """Full-weight updates against the real vLLM: rounds without updates, with 'drain' and with
-    'keep' updates side by side: round wall time, aborted and kept calls per update."""
+    'keep' updates, interleaved: median round wall time and its ratio to the rounds without
+    updates, aborted and kept calls per update."""
     from trajgate import vllm_server
     from trajgate.bench.weight_updates import run_weight_update_benchmark
 
@@ -1019,6 +1028,8 @@ def bench_weight_updates(
         agents=agents,
         tokens=tokens,
         rounds=rounds,
+        warmup_rounds=warmup_rounds,
+        update_after_tokens=update_after_tokens,
         drain_timeout_s=drain_timeout_s,
     )
     typer.echo(json.dumps(report, indent=None if as_json else 2))

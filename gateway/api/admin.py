@@ -25,6 +25,7 @@ from gateway.upstream.weight_update import (
     ReloadError,
     pause_replicas,
     reload_kept_replicas,
+    reload_label,
     reload_replicas,
     resume_replicas,
 )
@@ -105,8 +106,10 @@ class WeightUpdatePublic(BaseModel):
     mode: UpdateMode = Field(description="How the calls in flight were treated.")
     kept_calls: int = Field(description="Mode 'keep': calls in flight across the reload.")
     split_unknown_calls: int = Field(
-        description="Kept calls whose tokens before the reload are not known (unary calls, "
-        "streams too slow to read): flagged policy_version_split_unknown, never trained on."
+        description="Kept calls whose tokens before the reload the gateway could not count "
+        "(unary calls, streams too slow to read): flagged policy_version_split_unknown, never "
+        "trained on, unless the engine reports the split itself (an exact continuation's "
+        "weight_versions)."
     )
 
 
@@ -209,11 +212,11 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
         await reload_replicas(state.client, urls, body.weights_location, timeout_s)
         await register()
 
+    label = reload_label(body.version)
+
     async def pause_reload_and_register() -> None:
         await pause_replicas(state.client, urls, timeout_s)
-        await reload_kept_replicas(
-            state.client, urls, body.weights_location, body.version, timeout_s
-        )
+        await reload_kept_replicas(state.client, urls, body.weights_location, label, timeout_s)
         await register()
 
     async def resume() -> None:
@@ -222,7 +225,7 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     gate = state.upstreams.gate
     try:
         if mode == "keep":
-            _, report = await gate.keep(pause_reload_and_register, resume, body.version)
+            _, report = await gate.keep(pause_reload_and_register, resume, body.version, label)
         elif mode == "drain":
             drain_timeout_s = body.drain_timeout_s
             if drain_timeout_s is None:

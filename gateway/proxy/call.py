@@ -151,12 +151,16 @@ class Call:
 
     def _with_versions(self, choice: ChoiceRecord) -> ChoiceRecord:
         """``choice`` with the policy version spans of a kept weight reload it sampled across,
-        or flagged ``policy_version_split_unknown`` where the split is not known."""
-        if not self.ticket.marks:
+        or flagged ``policy_version_split_unknown`` where the split is not known. The engine's
+        own spans are read where it reported them (exact continuation)."""
+        reported = self.continuation.weight_versions.get(choice.choice_index)
+        if not self.ticket.marks and reported is None:
             return choice
         tokens = len(choice.response_token_ids or [])
         try:
-            spans = self.ticket.version_spans(self.policy_version, choice.choice_index, tokens)
+            spans = self.ticket.version_spans(
+                self.policy_version, choice.choice_index, tokens, reported
+            )
         except LookupError:
             return replace(choice, flags=[*choice.flags, POLICY_VERSION_SPLIT_UNKNOWN])
         return replace(choice, policy_version_spans=spans)

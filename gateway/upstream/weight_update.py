@@ -29,8 +29,15 @@ at a time.
    ``QUIET_S`` with nothing arriving (its socket empty while the engine is frozen); one that
    does not within ``SETTLE_S`` (a client too slow to take its chunks), and every unary call
    in flight (its answer comes whole, the split cannot be known), is marked unknown: its step
-   is flagged ``policy_version_split_unknown`` and kept out of training (invariant 9);
+   is flagged ``policy_version_split_unknown`` and kept out of training (invariant 9), unless
+   the engine reports the split itself (below);
 4. ``POST /resume`` on every replica (whatever failed before), then the gate opens.
+
+Where the engine reports which weight version sampled each token (``weight_versions`` of
+vLLM's ``/inference/v1/generate``, which exact continuation uses, unary or streamed), its spans
+are read instead of the gateway's counts (``Ticket.engine_spans`` says how its labels map to
+policy versions): a unary exact call across a kept reload is then exact too. A report of
+several versions for a call no reload of this gateway split is flagged unknown as well.
 
 Nothing is aborted and nothing waits longer than the reload. ``drain`` (the former behaviour):
 the calls admitted get ``drain_timeout_s`` to finish sampling, those still sampling are aborted
@@ -48,6 +55,7 @@ retries an aborted call (tokens were generated under the old policy; the client 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -108,8 +116,8 @@ class Ticket:
         # starts, none were). None: a unary call, whose tokens arrive at once at the end.
         self.sampled: Callable[[], Counts] | None = None
         # Each kept reload this call sampled across: (the new version, its counts at the
-        # split, None when unknown).
-        self.marks: list[tuple[int, Counts | None]] = []
+        # split, None when unknown, the engine's label of the new weights).
+        self.marks: list[tuple[int, Counts | None, str | None]] = []
         self._gate = gate
         self._waiting: asyncio.Task[Any] | None = None  # the task inside ``guard``, if any
         self._cut = False  # ``abort`` cancelled ``_waiting``: that cancellation is ours
@@ -125,22 +133,88 @@ class Ticket:
         """Waiting on its upstream with nothing read for ``QUIET_S`` (see the module doc)."""
         return self._waiting is not None and now - self._last_read_at >= QUIET_S
 
-    def mark(self, version: int, known: bool) -> None:
-        """Record the split of a kept reload to ``version`` (``known``: the counts are exact)."""
+    def mark(self, version: int, known: bool, label: str | None = None) -> None:
+        """Record the split of a kept reload to ``version`` (``known``: the counts are exact;
+        ``label``: the engine's weight version label it set, ``reload_label``)."""
         counts = self.sampled() if known and self.sampled is not None else None
-        self.marks.append((version, counts))
+        self.marks.append((version, counts, label))
 
     def version_spans(
-        self, policy_version: int, choice_index: int, tokens: int
+        self,
+        policy_version: int,
+        choice_index: int,
+        tokens: int,
+        reported: list[Any] | None = None,
     ) -> list[list[int]] | None:
         """``[[version, start, end], ...]`` of a choice's ``tokens`` response tokens (empty
         spans left out), starting with ``policy_version``; None when the call sampled under
-        one version. Raises ``LookupError`` when a split is unknown (a unary call)."""
-        if not self.marks:
+        one version, its own.
+
+        ``reported``: the engine's ``weight_versions`` of the choice where it reports them
+        (vLLM's ``/inference/v1/generate``: ``[{"version", "start", "end"}, ...]`` over the
+        output tokens, on the final chunk), used when ``engine_spans`` can read them as policy
+        versions; otherwise the gateway's own counts at each kept reload.
+
+        Raises ``LookupError`` when the split is not known: a reload split a call whose tokens
+        were not counted (a unary call) and the engine did not report it, or the engine reports
+        tokens of several weight versions while this gateway reloaded none during the call.
+        """
+        spans = None if reported is None else self.engine_spans(policy_version, reported, tokens)
+        if spans is None:
+            if not self.marks:
+                if reported is not None and len(reported) > 1:
+                    raise LookupError("the engine changed weights this gateway did not reload")
+                return None
+            spans = self._counted_spans(policy_version, choice_index, tokens)
+        return None if len(spans) == 1 and spans[0][0] == policy_version else spans
+
+    def engine_spans(
+        self, policy_version: int, reported: list[Any], tokens: int
+    ) -> list[list[int]] | None:
+        """The engine's spans as ``[[version, start, end], ...]``, or None when they are not
+        readable as this call's policy versions.
+
+        vLLM 0.32 labels each engine step's output with its weight version, a string: "default"
+        until ``POST /update_weight_version`` sets one, which a ``keep`` reload does while the
+        engine is paused, with a label no earlier reload used (``reload_label``: a stale label
+        equal to the new one would hide the split). So a span whose label is that of a reload
+        during the call (``marks``, in order) is that reload's version, and a first span
+        labelled otherwise was sampled before the first of them, by the weights the call was
+        admitted under (``policy_version``: every reload passes the gate). Readable means:
+        dicts with int ``start``/``end``, contiguous from 0 to ``tokens``, each later span
+        labelled by a later reload of this call.
+        """
+        if not reported:
             return None
+        reloads = [(version, label) for version, _, label in self.marks]
+        spans: list[list[int]] = []
+        after = 0  # later spans must name reloads from this index on
+        for span in reported:
+            if not isinstance(span, dict):
+                return None
+            label, start, end = span.get("version"), span.get("start"), span.get("end")
+            if type(start) is not int or type(end) is not int:
+                return None
+            if start != (spans[-1][2] if spans else 0) or end <= start:
+                return None
+            named = [k for k in range(after, len(reloads)) if reloads[k][1] == label]
+            if named:
+                version, after = reloads[named[0]][0], named[0] + 1
+            elif not spans:
+                version = policy_version
+            else:
+                return None
+            spans.append([version, start, end])
+        return spans if spans[-1][2] == tokens else None
+
+    def _counted_spans(
+        self, policy_version: int, choice_index: int, tokens: int
+    ) -> list[list[int]]:
+        """The spans from the gateway's counts at each kept reload (``mark``); raises
+        ``LookupError`` when a count is unknown."""
         spans: list[list[int]] = []
         version, start = policy_version, 0
-        for new_version, counts in self.marks:
+        for new_version, counts, _ in self.marks:
             if counts is None:
                 raise LookupError("the tokens sampled before a kept reload are not known")
             end = min(counts.get(choice_index, 0), tokens)
@@ -149,7 +223,7 @@ class Ticket:
             version, start = new_version, max(start, end)
         if tokens > start or not spans:
             spans.append([version, start, tokens])
-        return None if len(spans) == 1 and spans[0][0] == policy_version else spans
+        return spans
 
     async def guard(self, awaitable: Coroutine[Any, Any, T]) -> T:
         """Await ``awaitable`` unless the gate aborts this call first or meanwhile.
@@ -296,9 +370,11 @@ class WeightGate:
         reload: Callable[[], Awaitable[T]],
         resume: Callable[[], Awaitable[None]],
         version: int,
+        label: str | None = None,
     ) -> tuple[T, PauseReport]:
         """Close the gate, run ``reload`` (pause the replicas keeping their requests, reload,
-        register ``version``), mark the split on every call in flight, run ``resume``, reopen.
+        label the engine's weights ``label``, register ``version``), mark the split on every
+        call in flight, run ``resume``, reopen.
 
         ``resume`` runs however ``reload`` ends; when ``reload`` fails the calls in flight are
         marked unknown (some replicas may hold weights of no registered version) and its error
@@ -315,7 +391,7 @@ class WeightGate:
                 known = True
             finally:
                 try:
-                    unknown = await self._split(in_flight, version, known)
+                    unknown = await self._split(in_flight, version, label, known)
                     await resume()
                 finally:
                     pause_ms = (time.perf_counter() - started) * 1000.0
@@ -324,7 +400,9 @@ class WeightGate:
         report = PauseReport(pause_ms, 0, 0, held, "keep", len(in_flight), unknown)
         return result, report
 
-    async def _split(self, tickets: list[Ticket], version: int, known: bool) -> int:
+    async def _split(
+        self, tickets: list[Ticket], version: int, label: str | None, known: bool
+    ) -> int:
         """Mark ``version``'s split on the ``tickets`` still sampling; returns how many were
         marked unknown. Waits up to ``SETTLE_S`` for streams to be ``quiet``."""
         deadline = time.monotonic() + SETTLE_S
@@ -338,10 +416,10 @@ class WeightGate:
                 if ticket not in self._tickets:  # sampling ended meanwhile: one version
                     continue
                 if ticket.sampled is None or late:
-                    ticket.mark(version, known=False)
+                    ticket.mark(version, False, label)
                     unknown += 1
                 elif ticket.quiet(now):
-                    ticket.mark(version, known=True)
+                    ticket.mark(version, True, label)
                 else:
                     pending.append(ticket)
             waiting = pending
@@ -408,22 +486,28 @@ async def reload_kept_replicas(
     client: httpx.AsyncClient,
     urls: list[str],
     weights_location: str,
-    version: int,
+    label: str,
     timeout_s: float,
 ) -> None:
     """The reload of a ``keep`` update on paused replicas: ``reload_weights``, the prefix cache
     reset with the frozen requests preempted (recomputed under the new weights on resume),
-    then the engine's weight version set to ``version``. Raises ``ReloadError``."""
+    then the engine's weight version label set to ``label`` (``reload_label``). Raises
+    ``ReloadError``."""
     done: list[str] = []
     for url in urls:
         reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
         await _post(client, url, "/collective_rpc", reload, timeout_s, done)
         if not await _reset_prefix_cache(client, url, timeout_s, done, force=True):
             raise ReloadError(url, done, "its prefix cache could not be reset")
-        await _post(
-            client, url, "/update_weight_version", {"new_version": str(version)}, timeout_s, done
-        )
+        await _post(client, url, "/update_weight_version", {"new_version": label}, timeout_s, done)
         done.append(url)
+
+
+def reload_label(version: int) -> str:
+    """The engine's weight version label of a kept reload to ``version``: the version and a
+    random suffix (``"4:9f2c61d0a4b7"``), so that no label set before, by this gateway or
+    another, or before a restart, equals it (``Ticket.engine_spans``)."""
+    return f"{version}:{secrets.token_hex(6)}"
 
 
 async def _reset_prefix_cache(

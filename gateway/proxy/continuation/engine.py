@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -51,7 +51,10 @@ class Continuation:
     (``exact`` or ``template``), stored on the step; ``suffix_tokens``: in exact mode, how many
     tokens the template rendered for the new messages and the generation prompt; on an exact
     channel's chat path, ``render_key`` and ``canonical``: the call's ``history.render_key``
-    and canonical record, from which each choice's ``turn_key`` is computed (None elsewhere)."""
+    and canonical record, from which each choice's ``turn_key`` is computed (None elsewhere);
+    ``weight_versions``: by choice index, the engine's ``weight_versions`` spans as
+    ``/inference/v1/generate`` reported them (its last chunk of the choice: ``[{"version",
+    "start", "end"}, ...]``), read by ``gateway.upstream.weight_update.Ticket.version_spans``."""
 
     mode: ContinuationMode
     extension: Extension | None = None
@@ -59,6 +62,7 @@ class Continuation:
     suffix_tokens: int | None = None
     render_key: str | None = None
     canonical: CanonicalCall | None = None
+    weight_versions: dict[int, list[Any]] = field(default_factory=dict)
 
 
 class DerenderError(httpx.RemoteProtocolError):
@@ -116,12 +120,25 @@ async def send_exact(
         await answer.aclose()
         return _error_response(answer, content)
     if not stream:
-        return await _unary(client, base_url, body, prompt, answer.json(), timeout)
+        generated = answer.json()
+        _keep_weight_versions(continuation, generated.get("choices"))
+        return await _unary(client, base_url, body, prompt, generated, timeout)
     return httpx.Response(
         200,
         headers={"content-type": "text/event-stream"},
-        stream=_DerenderedStream(client, base_url, body, prompt, answer),
+        stream=_DerenderedStream(client, base_url, body, prompt, answer, continuation),
     )
+
+
+def _keep_weight_versions(continuation: Continuation, choices: Any) -> None:
+    """Keep the ``weight_versions`` of each generate choice that carries them (vLLM sets them
+    on a choice's final output only)."""
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict) or not isinstance(choice.get("weight_versions"), list):
+            continue
+        index = choice.get("index", 0)
+        if type(index) is int:
+            continuation.weight_versions[index] = choice["weight_versions"]
 
 
 async def _unary(
@@ -173,8 +190,10 @@ class _DerenderedStream(httpx.AsyncByteStream):
         body: dict[str, Any],
         prompt: list[int],
         generate: httpx.Response,
+        continuation: Continuation,
     ) -> None:
         self._client = client
+        self._continuation = continuation
         self._url = base_url + DERENDER_PATH
         self._body = body
         self._prompt = prompt
@@ -196,6 +215,7 @@ class _DerenderedStream(httpx.AsyncByteStream):
     async def _derendered(self, chunk: dict[str, Any]) -> dict[str, Any]:
         choices = chunk.get("choices") or []
         index = int(choices[0].get("index", 0)) if choices else -1
+        _keep_weight_versions(self._continuation, choices)
         answer = await self._client.post(
             self._url,
             content=dumps(
