@@ -10,6 +10,7 @@ merged row is 5 prompt ids then completion C = R_1 + E_2 + R_2 = 7 ids, mask 1 1
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,120 @@ def test_verl_post_processing_puts_the_pool_rows_into_its_data_proto(
         assert batch["rm_scores"][i].tolist() == expected
         assert proto.non_tensor_batch["trajectory_id"][i] == row.trajectory_id
         assert proto.non_tensor_batch["policy_version"][i] == row.policy_version
+
+
+def test_async_grpo_rollout_worker_feeds_trls_own_queue_planner_and_collator_and_acks_once(
+    sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    """TRL's AsyncGRPOTrainer itself needs CUDA (its constructor asks torch.cuda for the device
+    name; its loss runs the FA3 tree-attention kernel): here its data path runs on the CPU, the
+    classes the trainer builds in ``get_train_dataloader`` and feeds its loss from."""
+    from collections import defaultdict
+
+    from gateway_helpers import gateway_with
+    from tests_support import free_port
+    from trl.experimental.async_grpo.async_grpo_trainer import (
+        DataCollatorForRollout,
+        FixedCountBatcher,
+        RolloutQueueDataset,
+    )
+
+    from trainer_bridge.client import PoolClient
+    from trainer_bridge.integrations.trl_async import PoolRolloutWorker
+
+    rows = {r.trajectory_id: r for r in _pool_batch(sqlite_pool, tmp_path)}
+    with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
+        worker = PoolRolloutWorker(pool, "async-trl", poll_interval_s=0.1)
+        version = 0
+        dataset = RolloutQueueDataset(
+            rollout_queue=worker.rollout_buffer,
+            model_version_fn=lambda: version,
+            check_health_fn=worker.check_health,
+            stale_after_s=60,
+            metrics=defaultdict(list),
+            max_staleness=3,
+            poll_interval_s=0.5,
+        )
+        planner = FixedCountBatcher(dataset, num_processes=1, microbatch_size=4)
+        collate = DataCollatorForRollout(pad_token_id=0, num_processes=1)
+        worker.start()
+        [packed_rows] = next(iter(planner))
+        batch = collate([[packed_rows]])
+        # every trained token: its target id, behaviour logprob and the row's pool advantage
+        targets, logprobs, advantages = [], [], []
+        for sample in packed_rows.samples:
+            ids = sample["input_ids"].tolist()
+            [row] = [r for r in rows.values() if r.prompt_ids + r.completion_ids == ids]
+            cut = len(row.prompt_ids)
+            for p in range(1, len(ids)):
+                if p >= cut and row.completion_mask[p - cut]:
+                    targets.append(ids[p])
+                    logprobs.append(row.completion_logprobs[p - cut])
+                    advantages.append(row.advantage)
+        assert len(targets) == 4 * 4  # 4 rows, mask 1 1 0 0 0 1 1
+        # one packed row (one rank), [1, M] loss terms
+        assert batch["shift_labels"][0][batch["token_index"][0]].tolist() == targets
+        assert batch["old_log_probs"][0].tolist() == pytest.approx(logprobs, abs=1e-7)
+        assert batch["advantages"][0].tolist() == pytest.approx(advantages, abs=1e-6)
+        assert sorted(s["group_id"] for s in packed_rows.samples) == [0, 0, 1, 1]
+        # exactly once: acknowledged at the second sync after its last sample was taken
+        version = 1
+        worker.update_model_version(1)
+        assert worker.acked_batches == []
+        version = 2
+        worker.update_model_version(2)
+        assert len(worker.acked_batches) == 1
+        assert pool.lease("async-trl", batch_id=worker.acked_batches[0]) is None
+        worker.check_health(stale_after_s=60)
+        worker.stop()
+
+
+def test_async_grpo_rollout_worker_gives_back_what_it_did_not_train_at_stop(
+    sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    from gateway_helpers import gateway_with
+    from tests_support import free_port
+
+    from trainer_bridge.client import PoolClient
+    from trainer_bridge.integrations.trl_async import PoolRolloutWorker
+
+    _pool_batch(sqlite_pool, tmp_path)
+    with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
+        worker = PoolRolloutWorker(pool, "async-trl", poll_interval_s=0.1)
+        worker.start()
+        first = worker.rollout_buffer.get(timeout=60)  # one of four samples taken
+        assert first.model_version == 0
+        assert abs(first.advantage) == pytest.approx(0.7071, abs=1e-4)  # grpo, rewards 1 and 0
+        worker.stop()
+        assert worker.acked_batches == []
+        # the nacked batch is leasable again by the same consumer
+        lease = pool.lease("async-trl")
+        assert lease is not None and lease.rows == 4
+
+
+def test_async_grpo_rollout_worker_refuses_rows_at_another_temperature(
+    sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    from gateway_helpers import gateway_with
+    from tests_support import free_port
+
+    from trainer_bridge.client import PoolClient
+    from trainer_bridge.integrations.trl_async import PoolRolloutWorker
+
+    _pool_batch(sqlite_pool, tmp_path)
+    with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
+        worker = PoolRolloutWorker(pool, "async-trl", temperature=0.7, poll_interval_s=0.1)
+        worker.start()
+        deadline = 60.0
+        while deadline > 0:
+            try:
+                worker.check_health(stale_after_s=600)
+            except RuntimeError as error:
+                assert "temperature 1.0" in str(error.__cause__)
+                break
+            time.sleep(0.1)
+            deadline -= 0.1
+        else:
+            pytest.fail("the worker never failed")
+        worker.stop()
+        assert pool.lease("async-trl") is not None  # nacked: its rows came back
