@@ -1,7 +1,9 @@
 """TRL 1.16 and verl 0.9.1 (the real libraries) train on the pool's rows: a batch materialised
 from real SQLite/PostgreSQL pools goes through TRL's GRPOTrainer on the CPU via ``rollout_func``,
-and through verl's own ``AgentLoopWorker`` post-processing into a ``DataProto``; the tokens,
-masks, logprobs and rewards the libraries hold equal the pool's.
+through verl's own ``AgentLoopWorker.generate_sequences`` (an agent loop registered by YAML) into a
+``DataProto``, and through TRL's AsyncGRPO data path (its queue dataset, planner and collator) from
+leased batches; the tokens, masks, logprobs, advantages and rewards the libraries hold equal the
+pool's.
 
 Trajectories (``agent_turns``): two turns, prompt P_1 = 5 ids, R_1 = 2, 3 tool ids, R_2 = 2, so a
 merged row is 5 prompt ids then completion C = R_1 + E_2 + R_2 = 7 ids, mask 1 1 0 0 0 1 1.
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase
 
 from datapool.batches.build import materialise, read_rows
 from datapool.batches.settings import BatchSettings
@@ -24,6 +27,7 @@ from datapool.batches.spec import BatchSpec
 from datapool.settings import PoolSettings
 from trainer_bridge.integrations.rows import PoolRow, pool_rows
 from trainer_bridge.integrations.trl import pool_reward, rollout_output
+from trainer_bridge.integrations.verl import agent_loop_outputs
 
 EXPECTED_MASK = [1, 1, 0, 0, 0, 1, 1]
 
@@ -132,47 +136,90 @@ def test_trl_grpo_trainer_updates_on_the_pool_rows_it_received(
     assert out["advantages"].tolist() == pytest.approx([0.7070, -0.7070, -0.7070, 0.7070], abs=1e-3)
 
 
-def test_verl_post_processing_puts_the_pool_rows_into_its_data_proto(
+def verl_worker(model_dir: Path, tmp_path: Path, loops: list[dict[str, Any]], length: int) -> Any:
+    """verl's own ``AgentLoopWorker`` from verl's own default config (``ppo_trainer.yaml``), its
+    agent loops registered by an ``agent_loop_config_path`` YAML file as a user writes it;
+    ``length``: the rollout's prompt and response lengths. No LLM client: the loops here never
+    call verl's servers (their episodes go through the gateway)."""
+    import verl
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    loop_file = tmp_path / "agent_loops.yaml"
+    loop_file.write_text(yaml.safe_dump(loops))
+    with initialize_config_dir(
+        config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None
+    ):
+        config = compose(
+            "ppo_trainer",
+            overrides=[
+                f"actor_rollout_ref.model.path={model_dir}",
+                "actor_rollout_ref.rollout.name=vllm",
+                f"actor_rollout_ref.rollout.prompt_length={length}",
+                f"actor_rollout_ref.rollout.response_length={length}",
+                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loop_file}",
+            ],
+        )
+    return AgentLoopWorker(config, llm_client=None)
+
+
+def verl_samples(agent_name: str, uids: list[str], **fields: list[Any]) -> Any:
+    """A generation batch as verl's trainer hands it to ``generate_sequences``."""
+    import numpy as np
+    from verl import DataProto
+
+    def column(values: list[Any]) -> Any:
+        array = np.empty(len(values), dtype=object)
+        array[:] = values
+        return array
+
+    return DataProto.from_dict(
+        non_tensors={
+            "agent_name": column([agent_name] * len(uids)),
+            "raw_prompt": column([[{"role": "user", "content": f"task {u}"}] for u in uids]),
+            "uid": column(uids),
+            **{name: column(values) for name, values in fields.items()},
+        }
+    )
+
+
+SERVED: list[PoolRow] = []
+
+
+class ServedRowsLoop(AgentLoopBase):  # type: ignore[misc]
+    """A test agent loop handing back one prepared pool row per sample (the sample's ``row``
+    field indexes ``SERVED``), so verl's public path runs on rows from both databases."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        return agent_loop_outputs([SERVED[int(kwargs["row"])]])[0]
+
+
+def test_verl_generate_sequences_puts_the_pool_rows_into_its_data_proto(
     pool_settings: PoolSettings, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     import asyncio
-    from types import SimpleNamespace
-
-    from transformers import AutoTokenizer
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
-    from trainer_bridge.integrations.verl import agent_loop_outputs
 
     rows = _pool_batch(pool_settings, tmp_path)
-    outputs = agent_loop_outputs(rows)
-    prompt_length, response_length = 8, 10
-    # verl's worker, without its Ray/Hydra start-up: the attributes its post-processing reads
-    worker = object.__new__(AgentLoopWorker)
-    worker.rollout_config = SimpleNamespace(
-        prompt_length=prompt_length, response_length=response_length
+    SERVED[:] = rows
+    length = 10
+    worker = verl_worker(
+        tiny_model_dir,
+        tmp_path,
+        [{"name": "served", "_target_": f"{__name__}.ServedRowsLoop"}],
+        length,
     )
-    worker.tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    worker.processor = None
-    worker.reward_loop_worker_handles = None
-    worker.distillation_enabled = False
-    worker.mm_processor_kwargs = {}
-
-    async def postprocess() -> Any:
-        padded = [await worker._agent_loop_postprocess(o, False, raw_prompt=[]) for o in outputs]
-        return worker._postprocess(padded)
-
-    proto = asyncio.run(postprocess())
+    samples = verl_samples("served", ["g1", "g1", "g2", "g2"], row=[0, 1, 2, 3])
+    proto = asyncio.run(worker.generate_sequences(samples))
     batch = proto.batch
     for i, row in enumerate(rows):
         n, p = len(row.completion_ids), len(row.prompt_ids)
-        assert batch["prompts"][i, prompt_length - p :].tolist() == row.prompt_ids
+        assert batch["prompts"][i, length - p :].tolist() == row.prompt_ids
         assert batch["responses"][i, :n].tolist() == row.completion_ids
-        assert batch["response_mask"][i].tolist() == row.completion_mask + [0] * (
-            response_length - n
-        )
+        assert batch["response_mask"][i].tolist() == row.completion_mask + [0] * (length - n)
         assert batch["rollout_log_probs"][i, :n].tolist() == row.completion_logprobs
         # the reward sits on the last response token, nowhere else
-        expected = [0.0] * response_length
+        expected = [0.0] * length
         expected[n - 1] = row.reward or 0.0
         assert batch["rm_scores"][i].tolist() == expected
         assert proto.non_tensor_batch["trajectory_id"][i] == row.trajectory_id

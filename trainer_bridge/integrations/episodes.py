@@ -143,7 +143,7 @@ class PoolEpisodes:
             EpisodeError: one is not ready within ``ready_timeout_s`` (its reasons quoted), or is
                 not ready for a reason other than a reward still to come (a flag, an exclusion).
         """
-        params = [("reward_name", name) for name in self.reward_names]
+        params = {"reward_name": self.reward_names}
         deadline = time.monotonic() + self.ready_timeout_s
         pending = list(trajectory_ids)
         reasons: dict[str, list[str]] = {}

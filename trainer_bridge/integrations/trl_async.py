@@ -16,9 +16,10 @@ batch at the second weight sync after the trainer took its last sample (TRL's pl
 accelerate's dispatcher may each hold one micro-batch across a sync, so a sample taken before
 sync ``v`` is trained by sync ``v + 1`` at the latest: exactly once), and nacks the batches still
 held at ``stop`` (their rows come back; the last batch may then be trained again, at least once
-rather than lost). A sample TRL drops as too stale counts as taken: the trainer's decision. Optionally it tells the gateway each new version (``policy_model_name``; the one
-call ``POST /admin/policy-versions``). Never: re-tokenizes, recomputes an advantage, or
-changes a value.
+rather than lost). A sample TRL drops as too stale counts as taken: the trainer's decision.
+Optionally it tells the gateway each new version (``policy_model_name``; the one call
+``POST /admin/policy-versions``). Never: re-tokenizes, recomputes an advantage, or changes a
+value.
 
 Shape legend: ``T`` tokens of a merged row (prompt, then model and tool tokens).
 """
