@@ -189,4 +189,55 @@ def test_episodes_refuse_to_hand_over_a_trajectory_that_never_gets_a_reward(
         episodes.close()
 
 
+def verl_agent(base_url: str, prompt: Any) -> float:
+    """verl hands the sample's ``raw_prompt`` (chat messages); two turns, reward 0.25."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = list(prompt)
+    for turn in range(2):
+        answer = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=3, temperature=1.0
+        )
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content or ""},
+            {"role": "user", "content": f"tool result {turn}"},
+        ]
+    return 0.25
+
+
+def test_verl_runs_the_trajgate_agent_loop_through_the_gateway_into_its_data_proto(
+    sqlite_gateway: BackgroundServer,
+    sqlite_pool: PoolSettings,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    from test_integrations import verl_samples, verl_worker
+
+    length = 128
+    loop = {
+        "name": "trajgate",
+        "_target_": "trainer_bridge.integrations.verl.PoolAgentLoop",
+        "gateway_url": sqlite_gateway.url,
+        "agent": f"{__name__}:verl_agent",
+    }
+    worker = verl_worker(tiny_model_dir, tmp_path, [loop], length)
+    proto = asyncio.run(worker.generate_sequences(verl_samples("trajgate", ["u1", "u1"])))
+    batch = proto.batch
+    trajectory_ids = list(proto.non_tensor_batch["trajectory_id"])
+    assert len(set(trajectory_ids)) == 2
+    for i, trajectory_id in enumerate(trajectory_ids):
+        prompt, completion, logprobs, mask = _expected_row(steps_of(sqlite_pool, trajectory_id))
+        n, p = len(completion), len(prompt)
+        assert batch["prompts"][i, length - p :].tolist() == prompt
+        assert batch["responses"][i, :n].tolist() == completion
+        assert batch["response_mask"][i].tolist() == mask + [0] * (length - n)
+        assert batch["rollout_log_probs"][i, :n].tolist() == pytest.approx(logprobs, abs=0)
+        assert batch["rm_scores"][i].nonzero().flatten().tolist() == [n - 1]
+        assert batch["rm_scores"][i, n - 1].item() == 0.25
+        assert proto.non_tensor_batch["group_id"][i] == "u1"  # verl's uid: its GRPO group
+        trajectory = httpx.get(f"{sqlite_gateway.url}/api/trajectories/{trajectory_id}").json()
+        assert trajectory["group_id"] == "u1"
+
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
