@@ -34,6 +34,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from trainer_bridge.integrations.rows import ROW_COLUMNS
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
@@ -68,23 +70,7 @@ def _table(groups: int, vocab: int, longest: int, seed: int) -> pa.Table:
     """A merged batch's columns (docs/batches.md): prompt (mask 0), model tokens (1), tool
     tokens (0), model tokens (1); GRPO advantages of rewards 1/0: +-0.7071."""
     rng = random.Random(seed)
-    columns: dict[str, list[Any]] = {
-        name: []
-        for name in (
-            "input_ids",
-            "loss_mask",
-            "behaviour_logprobs",
-            "prompt_tokens",
-            "trajectory_id",
-            "group_id",
-            "segment_index",
-            "policy_version",
-            "reward",
-            "advantage",
-            "step_ids",
-            "temperature",
-        )
-    }
+    columns: dict[str, list[Any]] = {name: [] for name in (*ROW_COLUMNS, "temperature")}
     for g in range(groups):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(8, longest))]
         for member in range(2):

@@ -25,25 +25,21 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from gateway_helpers import steps_of
+from gateway_helpers import gateway_with, steps_of
 from openai import OpenAI
 from tests_support import free_port
 
 from datapool.settings import PoolSettings
-from gateway.app import create_app
 from gateway.server import BackgroundServer
-from gateway.settings import GatewaySettings
 from trainer_bridge.integrations.episodes import Episode, PoolEpisodes
 from trajgate import vllm_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def two_turn_agent(base_url: str, prompt: Any) -> float:
-    """Two calls of 3 tokens; reward = the trajectory's index modulo 2 (ids end in ``-<i>``), so
-    each group of two consecutive prompts has rewards 0 and 1."""
+def _chat_twice(base_url: str, messages: list[Any]) -> None:
+    """Two calls of 3 sampled tokens at temperature 1, a user turn after each."""
     client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": str(prompt)}]
     for turn in range(2):
         answer = client.chat.completions.create(
             model="tiny", messages=messages, max_tokens=3, temperature=1.0
@@ -52,6 +48,12 @@ def two_turn_agent(base_url: str, prompt: Any) -> float:
             {"role": "assistant", "content": answer.choices[0].message.content or ""},
             {"role": "user", "content": f"tool result {turn}"},
         ]
+
+
+def two_turn_agent(base_url: str, prompt: Any) -> float:
+    """Two turns; reward = the trajectory's index modulo 2 (ids end in ``-<i>``), so each group
+    of two consecutive prompts has rewards 0 and 1."""
+    _chat_twice(base_url, [{"role": "user", "content": str(prompt)}])
     trajectory_id = base_url.split("/t/")[1].split("/")[0]
     return float(int(trajectory_id.rsplit("-", 1)[1]) % 2)
 
@@ -60,10 +62,8 @@ def two_turn_agent(base_url: str, prompt: Any) -> float:
 def sqlite_gateway(
     vllm: vllm_server.VLLMServer, sqlite_pool: PoolSettings
 ) -> Iterator[BackgroundServer]:
-    settings = GatewaySettings(upstream_url=vllm.url, port=free_port())
-    server = BackgroundServer(create_app(settings, sqlite_pool), port=settings.port).start()
-    yield server
-    server.stop()
+    with gateway_with(sqlite_pool, free_port(), upstream_url=vllm.url) as server:
+        yield server
 
 
 def _load_example(name: str) -> ModuleType:
@@ -191,16 +191,7 @@ def test_episodes_refuse_to_hand_over_a_trajectory_that_never_gets_a_reward(
 
 def verl_agent(base_url: str, prompt: Any) -> float:
     """verl hands the sample's ``raw_prompt`` (chat messages); two turns, reward 0.25."""
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    messages: list[Any] = list(prompt)
-    for turn in range(2):
-        answer = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=3, temperature=1.0
-        )
-        messages += [
-            {"role": "assistant", "content": answer.choices[0].message.content or ""},
-            {"role": "user", "content": f"tool result {turn}"},
-        ]
+    _chat_twice(base_url, list(prompt))
     return 0.25
 
 
