@@ -234,6 +234,7 @@ def test_async_grpo_rollout_worker_feeds_trls_own_queue_planner_and_collator_and
     classes the trainer builds in ``get_train_dataloader`` and feeds its loss from."""
     from collections import defaultdict
 
+    from accelerate import PartialState
     from gateway_helpers import gateway_with
     from tests_support import free_port
     from trl.experimental.async_grpo.async_grpo_trainer import (
@@ -245,6 +246,7 @@ def test_async_grpo_rollout_worker_feeds_trls_own_queue_planner_and_collator_and
     from trainer_bridge.client import PoolClient
     from trainer_bridge.integrations.trl_async import PoolRolloutWorker
 
+    PartialState()  # the trainer's accelerate state, which TRL's dataset logs through
     rows = {r.trajectory_id: r for r in _pool_batch(sqlite_pool, tmp_path)}
     with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
         worker = PoolRolloutWorker(pool, "async-trl", poll_interval_s=0.1)
