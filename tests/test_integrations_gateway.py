@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -232,3 +233,24 @@ def test_verl_runs_the_trajgate_agent_loop_through_the_gateway_into_its_data_pro
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def test_episodes_raise_at_once_on_a_trajectory_excluded_by_curation(
+    sqlite_gateway: BackgroundServer,
+) -> None:
+    from trainer_bridge.integrations.episodes import EpisodeError
+
+    episodes = PoolEpisodes(sqlite_gateway.url, two_turn_agent, ready_timeout_s=600.0)
+    try:
+        episodes.play([Episode("excluded-0", "g", "hi")])
+        label = httpx.post(
+            f"{sqlite_gateway.url}/api/labels",
+            json={"target": "trajectory", "target_id": "excluded-0", "decision": "exclude"},
+        )
+        assert label.status_code == 201, label.text
+        started = time.monotonic()
+        with pytest.raises(EpisodeError, match="excluded by label"):
+            episodes.wait_ready(["excluded-0"])
+        assert time.monotonic() - started < 60  # not the 600 s timeout: the reason stays
+    finally:
+        episodes.close()

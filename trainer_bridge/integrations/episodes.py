@@ -37,6 +37,12 @@ Agent = Callable[[str, Any], float | None]
 """``agent(base_url, prompt)``: run one episode through ``base_url``; its reward or None."""
 
 
+def _transient(reason: str) -> bool:
+    """A readiness reason that passes by itself: a reward function still running, or another
+    process's episodes of the same group still playing (TRL's groups may span processes)."""
+    return reason.startswith("unrewarded") or reason.endswith("open member(s)")
+
+
 class EpisodeError(RuntimeError):
     """An episode failed (the agent raised), or its trajectory never became ready."""
 
@@ -141,7 +147,8 @@ class PoolEpisodes:
 
         Raises:
             EpisodeError: one is not ready within ``ready_timeout_s`` (its reasons quoted), or is
-                not ready for a reason other than a reward still to come (a flag, an exclusion).
+                not ready for a reason that stays (a flag, an exclusion), not a reward still to
+                come or a group member still playing.
         """
         params = {"reward_name": self.reward_names}
         deadline = time.monotonic() + self.ready_timeout_s
@@ -156,8 +163,7 @@ class PoolEpisodes:
                     pending.remove(trajectory_id)
                     continue
                 reasons[trajectory_id] = answer["reasons"]
-                # a reward function may still be running; any other reason stays
-                if not all(r.startswith("unrewarded") for r in answer["reasons"]):
+                if not all(_transient(r) for r in answer["reasons"]):
                     raise EpisodeError(
                         f"trajectory {trajectory_id!r} is not ready: {answer['reasons']}"
                     )
