@@ -254,3 +254,52 @@ def test_episodes_raise_at_once_on_a_trajectory_excluded_by_curation(
         assert time.monotonic() - started < 60  # not the 600 s timeout: the reason stays
     finally:
         episodes.close()
+
+
+def rewriting_agent(base_url: str, prompt: Any) -> float:
+    """Two calls; the second rewrites the first user turn: a prefix break, so two merged rows."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    for content in ("first version", "rewritten version"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=3,
+            temperature=1.0,
+        )
+    return 1.0
+
+
+def test_verl_agent_loop_returns_every_row_of_a_split_trajectory_only_when_asked(
+    sqlite_gateway: BackgroundServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from test_integrations import verl_worker
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+
+    from trainer_bridge.integrations.verl import PoolAgentLoop
+
+    worker = verl_worker(tiny_model_dir, tmp_path, [], 64)
+
+    def loop(outputs: str) -> PoolAgentLoop:  # as verl's worker instantiates it
+        return PoolAgentLoop(
+            trainer_config=DictConfigWrap(config=worker.config),
+            server_manager=None,
+            tokenizer=worker.tokenizer,
+            processor=None,
+            dataset_cls=worker.dataset_cls,
+            data_config=DictConfigWrap(worker.config.data),
+            agent=f"{__name__}:rewriting_agent",
+            gateway_url=sqlite_gateway.url,
+            outputs=outputs,
+        )
+
+    sample = {"raw_prompt": [{"role": "user", "content": "hi"}], "uid": "u9"}
+    with pytest.raises(ValueError, match="has 2 rows"):
+        asyncio.run(loop("one").run({}, **sample))
+    both = asyncio.run(loop("all").run({}, **sample))
+    assert isinstance(both, list) and len(both) == 2
+    assert len({o.extra_fields["trajectory_id"] for o in both}) == 1  # one trajectory, 2 rows
+    assert both[0].prompt_ids != both[1].prompt_ids  # each row starts at its own prompt
+    assert [o.reward_score for o in both] == [1.0, 1.0]
+    assert all(o.extra_fields["reward_extra_info"] == {} for o in both)
