@@ -47,6 +47,20 @@ from trainer_bridge.packing import fed_tokens, plan_micro_batches
 from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.trainer import PolicyTrainer, TrainBatch
 
+# Qwen2.5-0.5B's shape (494M parameters); scripts/gpu_check_trainers.py builds the same model
+QWEN2_494M: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
 # dense bf16 peak of one GPU, TFLOP/s (vendor datasheets)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -89,18 +103,7 @@ def _model_dir(arguments: argparse.Namespace, work: Path) -> Path:
         else:
             from transformers import Qwen2Config, Qwen2ForCausalLM
 
-            config = Qwen2Config(
-                vocab_size=151936,
-                hidden_size=896,
-                intermediate_size=4864,
-                num_hidden_layers=24,
-                num_attention_heads=14,
-                num_key_value_heads=2,
-                max_position_embeddings=32768,
-                rope_theta=1e6,
-                rms_norm_eps=1e-6,
-                tie_word_embeddings=True,
-            )
+            config = Qwen2Config(**QWEN2_494M)
             torch.manual_seed(0)
             Qwen2ForCausalLM(config).save_pretrained(directory)
     dist.barrier()

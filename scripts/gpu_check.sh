@@ -6,6 +6,9 @@
 #
 #   scripts/gpu_check.sh                    # every GPU of this host (one rank each)
 #   NPROC=2 scripts/gpu_check.sh --tiny     # CPU (gloo): the tests' tiny model, small rows
+#   scripts/gpu_check.sh --trainers         # TRL fed by the pool on one GPU (one process):
+#                                           # GRPOTrainer, AsyncGRPOTrainer (needs `kernels`)
+#   scripts/gpu_check.sh --trainers --tiny  # CPU: GRPOTrainer only (AsyncGRPO needs CUDA)
 #
 # Flags (scripts/gpu_check.py --help): --modes full,lora --updates N --groups G --group-size S
 # --prompt-tokens P --response-tokens R --micro-batch-tokens B --lora-rank R
@@ -27,5 +30,9 @@ if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then python=.venv/bin/python
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
 nproc=${NPROC:-$(( gpus > 0 ? gpus : 2 ))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [ "${1:-}" = "--trainers" ]; then  # scripts/gpu_check_trainers.py --help for its flags
+  shift
+  exec "$python" scripts/gpu_check_trainers.py "$@"
+fi
 exec "$python" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
   scripts/gpu_check.py "$@"

@@ -1,7 +1,9 @@
 """TRL 1.16 and verl 0.9.1 (the real libraries) train on the pool's rows: a batch materialised
 from real SQLite/PostgreSQL pools goes through TRL's GRPOTrainer on the CPU via ``rollout_func``,
-and through verl's own ``AgentLoopWorker`` post-processing into a ``DataProto``; the tokens,
-masks, logprobs and rewards the libraries hold equal the pool's.
+through verl's own ``AgentLoopWorker.generate_sequences`` (an agent loop registered by YAML) into a
+``DataProto``, and through TRL's AsyncGRPO data path (its queue dataset, planner and collator) from
+leased batches; the tokens, masks, logprobs, advantages and rewards the libraries hold equal the
+pool's.
 
 Trajectories (``agent_turns``): two turns, prompt P_1 = 5 ids, R_1 = 2, 3 tool ids, R_2 = 2, so a
 merged row is 5 prompt ids then completion C = R_1 + E_2 + R_2 = 7 ids, mask 1 1 0 0 0 1 1.
@@ -10,12 +12,14 @@ merged row is 5 prompt ids then completion C = R_1 + E_2 + R_2 = 7 ids, mask 1 1
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase
 
 from datapool.batches.build import materialise, read_rows
 from datapool.batches.settings import BatchSettings
@@ -23,6 +27,7 @@ from datapool.batches.spec import BatchSpec
 from datapool.settings import PoolSettings
 from trainer_bridge.integrations.rows import PoolRow, pool_rows
 from trainer_bridge.integrations.trl import pool_reward, rollout_output
+from trainer_bridge.integrations.verl import agent_loop_outputs
 
 EXPECTED_MASK = [1, 1, 0, 0, 0, 1, 1]
 
@@ -131,48 +136,210 @@ def test_trl_grpo_trainer_updates_on_the_pool_rows_it_received(
     assert out["advantages"].tolist() == pytest.approx([0.7070, -0.7070, -0.7070, 0.7070], abs=1e-3)
 
 
-def test_verl_post_processing_puts_the_pool_rows_into_its_data_proto(
+def verl_worker(model_dir: Path, tmp_path: Path, loops: list[dict[str, Any]], length: int) -> Any:
+    """verl's own ``AgentLoopWorker`` from verl's own default config (``ppo_trainer.yaml``), its
+    agent loops registered by an ``agent_loop_config_path`` YAML file as a user writes it;
+    ``length``: the rollout's prompt and response lengths. No LLM client: the loops here never
+    call verl's servers (their episodes go through the gateway)."""
+    import verl
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    loop_file = tmp_path / "agent_loops.yaml"
+    loop_file.write_text(yaml.safe_dump(loops))
+    with initialize_config_dir(
+        config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None
+    ):
+        config = compose(
+            "ppo_trainer",
+            overrides=[
+                f"actor_rollout_ref.model.path={model_dir}",
+                "actor_rollout_ref.rollout.name=vllm",
+                f"actor_rollout_ref.rollout.prompt_length={length}",
+                f"actor_rollout_ref.rollout.response_length={length}",
+                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loop_file}",
+            ],
+        )
+    return AgentLoopWorker(config, llm_client=None)
+
+
+def verl_samples(agent_name: str, uids: list[str], **fields: list[Any]) -> Any:
+    """A generation batch as verl's trainer hands it to ``generate_sequences``."""
+    import numpy as np
+    from verl import DataProto
+
+    def column(values: list[Any]) -> Any:
+        array = np.empty(len(values), dtype=object)
+        array[:] = values
+        return array
+
+    return DataProto.from_dict(
+        non_tensors={
+            "agent_name": column([agent_name] * len(uids)),
+            "raw_prompt": column([[{"role": "user", "content": f"task {u}"}] for u in uids]),
+            "uid": column(uids),
+            **{name: column(values) for name, values in fields.items()},
+        }
+    )
+
+
+SERVED: list[PoolRow] = []
+
+
+class ServedRowsLoop(AgentLoopBase):  # type: ignore[misc]
+    """A test agent loop handing back one prepared pool row per sample (the sample's ``row``
+    field indexes ``SERVED``), so verl's public path runs on rows from both databases."""
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        return agent_loop_outputs([SERVED[int(kwargs["row"])]])[0]
+
+
+def test_verl_generate_sequences_puts_the_pool_rows_into_its_data_proto(
     pool_settings: PoolSettings, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     import asyncio
-    from types import SimpleNamespace
-
-    from transformers import AutoTokenizer
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
-    from trainer_bridge.integrations.verl import agent_loop_outputs
 
     rows = _pool_batch(pool_settings, tmp_path)
-    outputs = agent_loop_outputs(rows)
-    prompt_length, response_length = 8, 10
-    # verl's worker, without its Ray/Hydra start-up: the attributes its post-processing reads
-    worker = object.__new__(AgentLoopWorker)
-    worker.rollout_config = SimpleNamespace(
-        prompt_length=prompt_length, response_length=response_length
+    SERVED[:] = rows
+    length = 10
+    worker = verl_worker(
+        tiny_model_dir,
+        tmp_path,
+        [{"name": "served", "_target_": f"{__name__}.ServedRowsLoop"}],
+        length,
     )
-    worker.tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    worker.processor = None
-    worker.reward_loop_worker_handles = None
-    worker.distillation_enabled = False
-    worker.mm_processor_kwargs = {}
-
-    async def postprocess() -> Any:
-        padded = [await worker._agent_loop_postprocess(o, False, raw_prompt=[]) for o in outputs]
-        return worker._postprocess(padded)
-
-    proto = asyncio.run(postprocess())
+    samples = verl_samples("served", ["g1", "g1", "g2", "g2"], row=[0, 1, 2, 3])
+    proto = asyncio.run(worker.generate_sequences(samples))
     batch = proto.batch
     for i, row in enumerate(rows):
         n, p = len(row.completion_ids), len(row.prompt_ids)
-        assert batch["prompts"][i, prompt_length - p :].tolist() == row.prompt_ids
+        assert batch["prompts"][i, length - p :].tolist() == row.prompt_ids
         assert batch["responses"][i, :n].tolist() == row.completion_ids
-        assert batch["response_mask"][i].tolist() == row.completion_mask + [0] * (
-            response_length - n
-        )
+        assert batch["response_mask"][i].tolist() == row.completion_mask + [0] * (length - n)
         assert batch["rollout_log_probs"][i, :n].tolist() == row.completion_logprobs
         # the reward sits on the last response token, nowhere else
-        expected = [0.0] * response_length
+        expected = [0.0] * length
         expected[n - 1] = row.reward or 0.0
         assert batch["rm_scores"][i].tolist() == expected
         assert proto.non_tensor_batch["trajectory_id"][i] == row.trajectory_id
         assert proto.non_tensor_batch["policy_version"][i] == row.policy_version
+
+
+def test_async_grpo_rollout_worker_feeds_trls_own_queue_planner_and_collator_and_acks_once(
+    sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    """TRL's AsyncGRPOTrainer itself needs CUDA (its constructor asks torch.cuda for the device
+    name; its loss runs the FA3 tree-attention kernel): here its data path runs on the CPU, the
+    classes the trainer builds in ``get_train_dataloader`` and feeds its loss from."""
+    from collections import defaultdict
+
+    from accelerate import PartialState
+    from gateway_helpers import gateway_with
+    from tests_support import free_port
+    from trl.experimental.async_grpo.async_grpo_trainer import (
+        DataCollatorForRollout,
+        FixedCountBatcher,
+        RolloutQueueDataset,
+    )
+
+    from trainer_bridge.client import PoolClient
+    from trainer_bridge.integrations.trl_async import PoolRolloutWorker
+
+    PartialState()  # the trainer's accelerate state, which TRL's dataset logs through
+    rows = {r.trajectory_id: r for r in _pool_batch(sqlite_pool, tmp_path)}
+    with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
+        worker = PoolRolloutWorker(pool, "async-trl", poll_interval_s=0.1)
+        version = 0
+        dataset = RolloutQueueDataset(
+            rollout_queue=worker.rollout_buffer,
+            model_version_fn=lambda: version,
+            check_health_fn=worker.check_health,
+            stale_after_s=60,
+            metrics=defaultdict(list),
+            max_staleness=3,
+            poll_interval_s=0.5,
+        )
+        planner = FixedCountBatcher(dataset, num_processes=1, microbatch_size=4)
+        collate = DataCollatorForRollout(pad_token_id=0, num_processes=1)
+        worker.start()
+        [packed_rows] = next(iter(planner))
+        batch = collate([[packed_rows]])
+        # every trained token: its target id, behaviour logprob and the row's pool advantage
+        targets, logprobs, advantages = [], [], []
+        for sample in packed_rows.samples:
+            ids = sample["input_ids"].tolist()
+            [row] = [r for r in rows.values() if r.prompt_ids + r.completion_ids == ids]
+            cut = len(row.prompt_ids)
+            for p in range(1, len(ids)):
+                if p >= cut and row.completion_mask[p - cut]:
+                    targets.append(ids[p])
+                    logprobs.append(row.completion_logprobs[p - cut])
+                    advantages.append(row.advantage)
+        assert len(targets) == 4 * 4  # 4 rows, mask 1 1 0 0 0 1 1
+        # one packed row (one rank), [1, M] loss terms
+        assert batch["shift_labels"][0][batch["token_index"][0]].tolist() == targets
+        assert batch["old_log_probs"][0].tolist() == pytest.approx(logprobs, abs=1e-7)
+        assert batch["advantages"][0].tolist() == pytest.approx(advantages, abs=1e-6)
+        assert sorted(s["group_id"] for s in packed_rows.samples) == [0, 0, 1, 1]
+        # exactly once: acknowledged at the second sync after its last sample was taken
+        version = 1
+        worker.update_model_version(1)
+        assert worker.acked_batches == []
+        version = 2
+        worker.update_model_version(2)
+        assert len(worker.acked_batches) == 1
+        assert pool.lease("async-trl", batch_id=worker.acked_batches[0]) is None
+        worker.check_health(stale_after_s=60)
+        worker.stop()
+
+
+def test_async_grpo_rollout_worker_gives_back_what_it_did_not_train_at_stop(
+    sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    from gateway_helpers import gateway_with
+    from tests_support import free_port
+
+    from trainer_bridge.client import PoolClient
+    from trainer_bridge.integrations.trl_async import PoolRolloutWorker
+
+    _pool_batch(sqlite_pool, tmp_path)
+    with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
+        worker = PoolRolloutWorker(pool, "async-trl", poll_interval_s=0.1)
+        worker.start()
+        first = worker.rollout_buffer.get(timeout=60)  # one of four samples taken
+        assert first.model_version == 0
+        assert abs(first.advantage) == pytest.approx(0.7071, abs=1e-4)  # grpo, rewards 1 and 0
+        worker.stop()
+        assert worker.acked_batches == []
+        # the nacked batch is leasable again by the same consumer
+        lease = pool.lease("async-trl")
+        assert lease is not None and lease.rows == 4
+
+
+def test_async_grpo_rollout_worker_refuses_rows_at_another_temperature(
+    sqlite_pool: PoolSettings, tmp_path: Path
+) -> None:
+    from gateway_helpers import gateway_with
+    from tests_support import free_port
+
+    from trainer_bridge.client import PoolClient
+    from trainer_bridge.integrations.trl_async import PoolRolloutWorker
+
+    _pool_batch(sqlite_pool, tmp_path)
+    with gateway_with(sqlite_pool, free_port()) as server, PoolClient(server.url) as pool:
+        worker = PoolRolloutWorker(pool, "async-trl", temperature=0.7, poll_interval_s=0.1)
+        worker.start()
+        deadline = 60.0
+        while deadline > 0:
+            try:
+                worker.check_health(stale_after_s=600)
+            except RuntimeError as error:
+                assert "temperature 1.0" in str(error.__cause__)
+                break
+            time.sleep(0.1)
+            deadline -= 0.1
+        else:
+            pytest.fail("the worker never failed")
+        worker.stop()
+        assert pool.lease("async-trl") is not None  # nacked: its rows came back

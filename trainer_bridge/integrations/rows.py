@@ -38,7 +38,9 @@ class PoolRow:
     ``completion_logprobs`` ``[C]``: the engine's behaviour logprob of each sampled token (0.0
     where the mask is 0). ``policy_version``: the oldest version among the row's steps (None
     when the gateway had none registered). ``reward`` / ``advantage``: None when unrewarded or
-    without a baseline (missing is never 0).
+    without a baseline (missing is never 0). ``temperature``: the temperature the behaviour
+    logprobs are at (a trainer must divide its logits by it; 1.0 in batches made before the
+    column existed).
     """
 
     trajectory_id: str
@@ -52,6 +54,7 @@ class PoolRow:
     reward: float | None
     advantage: float | None
     step_ids: list[str]
+    temperature: float = 1.0
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -69,6 +72,11 @@ def pool_rows(table: pa.Table) -> list[PoolRow]:
     if missing:
         raise ValueError(f"the batch table lacks columns {missing}; expected {list(ROW_COLUMNS)}")
     columns = {name: table[name].to_pylist() for name in ROW_COLUMNS}
+    temperatures = (
+        table["temperature"].to_pylist()
+        if "temperature" in table.column_names
+        else [1.0] * table.num_rows
+    )
     rows: list[PoolRow] = []
     for i in range(table.num_rows):
         cut = columns["prompt_tokens"][i]
@@ -95,6 +103,7 @@ def pool_rows(table: pa.Table) -> list[PoolRow]:
                 reward=_finite_or_none(columns["reward"][i]),
                 advantage=_finite_or_none(columns["advantage"][i]),
                 step_ids=columns["step_ids"][i],
+                temperature=float(temperatures[i]),
             )
         )
     return rows
