@@ -83,16 +83,24 @@ def run(
         *history,
         {"role": "user", "content": question},
     ]
-    first = client.chat.completions.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        temperature=1.0,
-    )
-    message = first.choices[0].message
+
+    def turn(most_tokens: int) -> Any:
+        """The model's next message, sampled at temperature 1 with the tool offered."""
+        return (
+            client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=most_tokens,
+                temperature=1.0,
+            )
+            .choices[0]
+            .message
+        )
+
+    message = turn(max_tokens)
     if not message.tool_calls:
-        return message.content or ""
+        return str(message.content or "")
     messages.append(message.model_dump(exclude_none=True))
     for call in message.tool_calls:
         try:
@@ -102,14 +110,7 @@ def run(
         expression = arguments.get("expression") if isinstance(arguments, dict) else None
         result = calculator(str(expression)) if expression is not None else "error: no expression"
         messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    final = client.chat.completions.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        max_tokens=answer_max_tokens,
-        temperature=1.0,
-    )
-    return final.choices[0].message.content or ""
+    return str(turn(answer_max_tokens).content or "")
 
 
 def main() -> None:
