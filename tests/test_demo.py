@@ -74,6 +74,13 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
     means = [mean for _, mean, _ in curve]
     assert summary["gain"] == round(sum(means[-2:]) / 2 - means[0], 4)
     assert summary["control_gain"] is None  # --no-control
+    assert summary["model"] == "tiny"
+    # Read back from the pool: every episode's first step is the forced get_weather call (no
+    # LangChain group among 4), parsed, none padded to max_tokens, per version as the curve.
+    tool_calls = summary["tool_calls_by_policy_version"]
+    assert [(v, n) for v, n, _, _ in tool_calls] == [(v, n) for v, _, n in curve]
+    assert all(calls == n and truncated == 0 for _, n, calls, truncated in tool_calls)
+    assert summary["control_tool_calls_by_policy_version"] == []
     pool = PoolSettings(data_dir=tmp_path / summary["pool"])
     store = PoolStore(make_engine(pool.resolved_database_url()), pool)
     # each round was served by one version, the one trained before it, in round order

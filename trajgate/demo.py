@@ -275,8 +275,8 @@ class DemoRun:
 
     def tool_calls_by_version(self, channel: str) -> list[list[int]]:
         """Read back from the pool, per policy version of the channel's episodes (each under
-        its last step's version): ``[version, episodes, first steps that ended in a parsed
-        tool call (finish_reason 'tool_calls'), steps flagged 'tool_call_truncated']``."""
+        its last step's version): ``[version, episodes, first steps whose message carries a
+        parsed tool call, steps flagged 'tool_call_truncated']``."""
         counts: dict[int, list[int]] = {}
         for trajectory_id in self.played.get(channel, []):
             steps = _ok(self.api.get(f"/api/trajectories/{trajectory_id}")).json()["steps"]
@@ -286,7 +286,8 @@ class DemoRun:
             row = counts.setdefault(max(versions), [0, 0, 0])
             row[0] += 1
             first = min(steps, key=lambda s: s["step_index"])
-            row[1] += first["finish_reason"] == "tool_calls"
+            message = _ok(self.api.get(f"/api/steps/{first['id']}")).json()["response_message"]
+            row[1] += bool(message and message.get("tool_calls"))
             row[2] += sum("tool_call_truncated" in s["flags"] for s in steps)
         return [[version, *row] for version, row in sorted(counts.items())]
 
