@@ -140,7 +140,8 @@ async def _running_state(
         state.hooks = hooks
         state.turns = TurnMemory(settings.continuation_memory_trajectories, TURNS_PER_TRAJECTORY)
         state.worker_dir = worker_dir
-        state.tokenizer_dirs = TokenizerDirs(copies=TokenizerCopies(pool.data_dir / "tokenizers"))
+        copies = TokenizerCopies(pool.data_dir.resolve() / "tokenizers")
+        state.tokenizer_dirs = TokenizerDirs(copies=copies)
         # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
         # the start before any task runs. With several workers the parent holds the port and
         # asks each worker's peer thread for its heartbeat.

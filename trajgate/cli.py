@@ -514,8 +514,10 @@ ModelOpt = Annotated[
 
 
 def _demo_model(model: str) -> Literal["tiny", "smollm2"]:
-    if model == "tiny" or model == "smollm2":
-        return model
+    if model == "tiny":
+        return "tiny"
+    if model == "smollm2":
+        return "smollm2"
     typer.echo(f"error: --model {model!r}: choose 'tiny' or 'smollm2'", err=True)
     raise typer.Exit(2)
 
