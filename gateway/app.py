@@ -30,6 +30,7 @@ from datapool.settings import PoolSettings
 from datapool.steps.faults import fault_reason, is_storage_fault
 from datapool.steps.store import PoolStore
 from datapool.steps.writer import PoolWriter
+from datapool.tokenizer_copies import TokenizerCopies
 from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
@@ -44,6 +45,7 @@ from gateway.proxy import routes as proxy
 from gateway.proxy.continuation.history import TurnMemory
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
+from gateway.tokenizer_dirs import TokenizerDirs
 from gateway.upstream.answer_limit import AnswerLimit
 from gateway.upstream.policy import PolicyRegistry
 from gateway.upstream.replicas import UpstreamPool
@@ -144,6 +146,8 @@ async def _running_state(
         state.hooks = hooks
         state.turns = TurnMemory(settings.continuation_memory_trajectories, TURNS_PER_TRAJECTORY)
         state.worker_dir = worker_dir
+        copies = TokenizerCopies(pool.data_dir.resolve() / "tokenizers")
+        state.tokenizer_dirs = TokenizerDirs(copies=copies)
         # Liveness off the event loop (gateway.liveness); binds first, so a taken port stops
         # the start before any task runs. With several workers the parent holds the port and
         # asks each worker's peer thread for its heartbeat.
@@ -160,6 +164,7 @@ async def _running_state(
                 )
             ),
             asyncio.create_task(_refresh_loop(policy, settings.policy_refresh_s)),
+            asyncio.create_task(_tokenizer_loop(state, settings.upstream_connect_timeout_s)),
             asyncio.create_task(hooks.run_forever()),
             asyncio.create_task(heartbeat.beat()),
         ]
@@ -255,6 +260,18 @@ async def metrics(state: StateDep) -> Response:
 
 def _require_admin(request: Request, state: StateDep) -> None:
     check_admin_token(request, state.settings.admin_token)
+
+
+async def _tokenizer_loop(state: GatewayState, timeout_s: float) -> None:
+    """Learn the served models' tokenizers now and every ``refresh_s`` (the pool keeps a copy
+    of each: a pool reopened without vLLM still decodes), unless an override is set."""
+    dirs = state.tokenizer_dirs
+    while state.store.settings.tokenizer_dir is None:
+        try:
+            await dirs.learn(state.client, [r.url for r in state.upstreams.replicas], timeout_s)
+        except Exception:  # the token view learns again when asked; this loop must not end
+            log.exception("learning the served models' tokenizers failed")
+        await asyncio.sleep(dirs.refresh_s)
 
 
 async def _refresh_loop(policy: PolicyRegistry, interval_s: float) -> None:

@@ -4,7 +4,10 @@ Owns: ``TokenizerDirs``, a map from a served model's name to the directory whose
 ``tokenizer.json`` decodes its IDs, learnt from every replica's ``GET /v1/models``: vLLM lists
 each model with ``root`` (the path it loaded the weights and tokenizer from) and each LoRA
 adapter with ``parent`` (its base model, whose tokenizer it shares). Re-learnt at most every
-``refresh_s`` seconds, when the token view asks. ``TRAJGATE_TOKENIZER_DIR`` overrides it all.
+``refresh_s`` seconds, when the token view asks and every ``refresh_s`` in the background
+(``gateway.app``). Each tokenizer learnt is also copied into the pool
+(``datapool.tokenizer_copies``), so a pool reopened when no replica lists the model any more
+still decodes. ``TRAJGATE_TOKENIZER_DIR`` overrides it all.
 
 Never: decodes by itself (``datapool.queries.token_text`` does, display only) or encodes text.
 Why not vLLM's ``/detokenize``: it takes one sequence per call, so decoding each of a step's
@@ -23,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from datapool.tokenizer_copies import TokenizerCopies
 
 log = logging.getLogger("trajgate.tokenizer_dirs")
 
@@ -46,6 +51,8 @@ class TokenizerDirs:
     # model name -> why it has no directory here (its root is not on this disk)
     missing: dict[str, str] = field(default_factory=dict)
     learnt_at: float | None = None
+    # the pool's copies: written for each model learnt, read when no replica lists a model
+    copies: TokenizerCopies | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def learn(self, client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
@@ -63,7 +70,8 @@ class TokenizerDirs:
                     log.info("no model list from %s for the token view: %s", url, exc)
                     continue
                 if isinstance(listed, list):
-                    self._add(listed)
+                    # off the event loop: a first copy into the pool reads a few megabytes
+                    await asyncio.to_thread(self._add, listed)
             self.learnt_at = time.monotonic()
 
     def _add(self, listed: list[Any]) -> None:
@@ -76,6 +84,7 @@ class TokenizerDirs:
                 if isinstance(root, str) and (Path(root) / TOKENIZER_FILE).is_file():
                     self.directories[name] = Path(root)
                     self.missing.pop(name, None)
+                    self._remember(name, Path(root))
                     break
             else:
                 self.missing[name] = (
@@ -83,21 +92,36 @@ class TokenizerDirs:
                     f"{TOKENIZER_FILE} on the gateway's machine"
                 )
 
+    def _remember(self, model: str, root: Path) -> None:
+        if self.copies is None:
+            return
+        try:
+            self.copies.remember(model, root)
+        except OSError as exc:  # the live view still decodes; only a reopened pool would not
+            log.warning("could not keep a copy of %s's tokenizer in the pool: %s", model, exc)
+
     def choose(self, model: str | None, override: Path | None) -> TokenizerChoice | None:
         """The tokenizer for IDs produced by ``model``: ``override`` when set; the learnt
-        directory of ``model``; None for a listed model whose root is not on this disk; else the
-        one directory every learnt model shares (an adapter unloaded since keeps its base
-        model's tokenizer); else None."""
+        directory of ``model``; the pool's copy of ``model``'s; None for a listed model whose
+        root is not on this disk; else the one directory every learnt model shares (an adapter
+        unloaded since keeps its base model's tokenizer); else the one copy every model the
+        pool remembers shares; else None."""
         if override is not None:
             return TokenizerChoice(override, "TRAJGATE_TOKENIZER_DIR")
         if model is not None and model in self.directories:
             return TokenizerChoice(self.directories[model], f"vLLM /v1/models root of {model!r}")
+        copy = self.copies.directory_of(model) if self.copies and model is not None else None
+        if copy is not None:
+            return TokenizerChoice(copy, f"the pool's copy of the tokenizer of {model!r}")
         if model is not None and model in self.missing:
             return None  # served from elsewhere: another model's tokenizer would misread it
         shared = set(self.directories.values())
         if len(shared) == 1:
             (directory,) = shared
             return TokenizerChoice(directory, "vLLM /v1/models root of the only served model")
+        copy = self.copies.shared_directory() if self.copies else None
+        if copy is not None:
+            return TokenizerChoice(copy, "the pool's copy of the only tokenizer it remembers")
         return None
 
     def note(self, model: str | None) -> str:

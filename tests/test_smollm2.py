@@ -77,3 +77,30 @@ def test_the_chat_template_lists_tools_and_renders_calls_in_the_hermes_format(
     assert '<tool_response>\n{"result": 6}\n</tool_response>' in text
     assert text.endswith("<|im_start|>assistant\n")
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_the_demo_s_worked_examples_render_as_the_calls_the_hermes_parser_reads(
+    model_dir: Path,
+) -> None:
+    """The calls the model is shown (trajgate.demo_task.calculator_shots) are the exact text
+    a call must be for vLLM's hermes parser: <tool_call>, a JSON object, </tool_call>."""
+    from trajgate import demo_task
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": demo_task.CALCULATOR_SYSTEM_PROMPT},
+            *demo_task.calculator_shots(),
+            {"role": "user", "content": "What is 59 * 63?"},
+        ],
+        tools=[{"type": "function", "function": {"name": "calculator", "parameters": {}}}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    call = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+    )
+    assert f"<|im_start|>assistant\n{call}<|im_end|>\n" in text
+    assert "<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n" in text
+    assert "<|im_start|>assistant\n408<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>user\nWhat is 59 * 63?<|im_end|>\n<|im_start|>assistant\n")

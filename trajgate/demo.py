@@ -1,11 +1,13 @@
 """The main job on the embedded defaults (``trajgate demo``): the whole RL loop on a CPU.
 
-Sets up, idempotently: the tiny model, vLLM's environment and server (LoRA on), a fresh SQLite
-pool under ``.trajgate/demo-<time>``, the gateway in this process. Then, per round: concurrent
-unmodified agents (the OpenAI-SDK tool loop in ``examples/``, and LangChain for every eighth
-group) run one group of rollouts per task through the gateway with the model alias ``policy``;
-each trajectory is completed through the pool API, where the registered reward function
-``trajgate.demo_task:numeric_answer`` scores it and the curation rules run; a GRPO batch is
+Sets up, idempotently: the model (``model``: the generated ``tiny`` one, or ``smollm2``,
+SmolLM2-135M-Instruct prepared from its PyPI package), vLLM's environment and server (LoRA on),
+a fresh SQLite pool under ``.trajgate/demo-<time>``, the gateway in this process. Then, per
+round: concurrent unmodified agents run one group of rollouts per task through the gateway with
+the model alias ``policy`` (tiny: the OpenAI-SDK weather loop in ``examples/``, and LangChain
+for every eighth group; smollm2: the OpenAI-SDK calculator agent); each trajectory is completed
+through the pool API, where the model's registered reward function (``trajgate.demo_task``:
+``numeric_answer`` or ``correct_answer``) scores it and the curation rules run; a GRPO batch is
 materialised, leased, trained on (LoRA), acknowledged; the adapter is hot-loaded into vLLM and
 registered as the next policy version, so the next round's agents are served by it.
 
@@ -27,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import numpy as np
@@ -43,11 +45,19 @@ from trainer_bridge.client import PoolClient, train_batch
 from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.sync import WeightSync
 from trainer_bridge.trainer import PolicyTrainer, UpdateMetrics
-from trajgate import demo_task, tinymodel, vllm_server
+from trajgate import demo_task, smollm2, tinymodel, vllm_server
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-REWARD_NAME = "numeric_answer"
 PAD_TOKEN_ID = 0
+DemoModelName = Literal["tiny", "smollm2"]
+# The reward function of each model's task (``trajgate.demo_task``).
+REWARD_NAMES: dict[str, str] = {"tiny": "numeric_answer", "smollm2": "correct_answer"}
+# Learning rates per model when ``DemoConfig.learning_rate`` is unset: see DemoConfig.
+LEARNING_RATES: dict[str, float] = {"tiny": 1e-2, "smollm2": 1e-3}
+# Sizes that differ from DemoConfig's (the tiny model's) per model: a SmolLM2 episode costs
+# ~100x the tiny model's CPU time (134.5M parameters against ~1M, prompts of ~340 tokens), so its
+# rounds are 8 groups x 4 and its arms 4 updates (docs/demo.md).
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"smollm2": {"rounds": 4, "groups": 8}}
 
 
 class DemoError(RuntimeError):
@@ -61,6 +71,9 @@ class DemoConfig:
     and ``rounds + 1`` measured versions of ``groups x group_size`` episodes each.
     docs/demo.md has what each default was chosen from, with the measurements."""
 
+    # 'tiny' (the random generated model: a format decision, minutes) or 'smollm2' (a
+    # pretrained model learning to call a calculator for products it gets wrong alone).
+    model: DemoModelName = "tiny"
     rounds: int = 6
     groups: int = 16
     group_size: int = 4
@@ -68,10 +81,12 @@ class DemoConfig:
     # One answer token: the decision (a number or not) is one sampled token, so its advantage is
     # not spread over tokens that did not make it.
     answer_max_tokens: int = 1
-    # With numbers one direction of the tiny model (trajgate.tinymodel), 1e-2 takes the
-    # trained arm from ~0.1 to ~0.98 in 5 updates while the control stays within +-0.07;
-    # at 3e-2 the trained arm is unstable and a control seed walked +0.55 (docs/demo.md).
-    learning_rate: float = 1e-2
+    # None: the model's (LEARNING_RATES). Tiny: with numbers one direction of the model
+    # (trajgate.tinymodel), 1e-2 takes the trained arm from ~0.1 to ~0.98 in 5 updates while
+    # the control stays within +-0.07; at 3e-2 the trained arm is unstable and a control seed
+    # walked +0.55 (docs/demo.md). SmolLM2: 1e-3, so a handful of single-step updates can move
+    # a pretrained model's call rate (not tuned by measurement yet: docs/demo.md).
+    learning_rate: float | None = None
     lora_rank: int = 8
     control: bool = True
     # Asynchronous: agents keep playing rounds while the trainer trains on earlier ones; a batch
@@ -83,6 +98,28 @@ class DemoConfig:
     seed: int = 0
     # Keep the gateway and its inspector up on the pool after the loop, until Ctrl-C.
     serve_after: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model not in REWARD_NAMES:
+            raise ValueError(f"model {self.model!r}: choose one of {sorted(REWARD_NAMES)}")
+
+    @classmethod
+    def for_model(cls, model: DemoModelName, **given: Any) -> DemoConfig:
+        """The config of ``model``'s demo: its sizes (``MODEL_DEFAULTS``), then every field of
+        ``given`` that is not None."""
+        fields = {
+            **MODEL_DEFAULTS.get(model, {}),
+            **{k: v for k, v in given.items() if v is not None},
+        }
+        return cls(model=model, **fields)
+
+    @property
+    def reward_name(self) -> str:
+        return REWARD_NAMES[self.model]
+
+    @property
+    def effective_learning_rate(self) -> float:
+        return self.learning_rate or LEARNING_RATES[self.model]
 
 
 def _load_example(name: str) -> ModuleType:
@@ -102,8 +139,10 @@ class DemoRun:
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         self.openai_agent = _load_example("openai_tool_agent")
         self.langchain_agent = _load_example("langchain_agent")
+        self.calculator_agent = _load_example("calculator_agent")
         self.gaps: list[float] = []
         self.batches_trained = 0
+        self.played: dict[str, list[str]] = {}  # channel -> every trajectory its agents played
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -111,24 +150,42 @@ class DemoRun:
         """Start (or reuse) the services.
 
         Raises:
-            DemoError: the gateway's port is taken, or what answers on the vLLM port is not
-                vLLM serving the tiny model.
+            DemoError: the gateway's port is taken, what answers on the vLLM port is not
+                vLLM serving the demo's model, or SmolLM2's package cannot be installed.
         """
         if not vllm_server.port_is_free("127.0.0.1", self.config.gateway_port):
             raise DemoError(
                 f"port {self.config.gateway_port} is in use, so the demo's gateway cannot start "
                 "there; stop what runs on it or choose another port with --port"
             )
-        self.say("[1/4] tiny model, vLLM environment (first time: several minutes), vLLM server")
-        self.model_dir = tinymodel.generate(vllm_server.default_model_dir())
+        model = self.config.model
+        self.say(
+            f"[1/4] {model} model, vLLM environment (first time: several minutes), vLLM server"
+        )
+        if model == "smollm2":
+            try:
+                self.model_dir = smollm2.prepare()
+            except smollm2.ModelPrepareError as exc:
+                raise DemoError(str(exc)) from exc
+            served, max_model_len = smollm2.SERVED_MODEL_NAME, smollm2.MAX_MODEL_LEN
+        else:
+            self.model_dir = tinymodel.generate(vllm_server.default_model_dir())
+            served, max_model_len = vllm_server.SERVED_MODEL_NAME, vllm_server.MAX_MODEL_LEN
         vllm_server.install(log=False)
         try:
-            self.vllm = vllm_server.start(self.model_dir, port=self.config.vllm_port)
+            self.vllm = vllm_server.start(
+                self.model_dir,
+                port=self.config.vllm_port,
+                served_model_name=served,
+                max_model_len=max_model_len,
+                # measured: SmolLM2's start took 5 min at a load average of 16 on 2 cores
+                ready_timeout_s=900.0,
+            )
         except vllm_server.PortTakenError as exc:
             raise DemoError(str(exc)) from exc
         self.pool_settings = PoolSettings(
             data_dir=Path(".trajgate") / f"demo-{self.stamp}",
-            reward_functions=[f"trajgate.demo_task:{REWARD_NAME}"],
+            reward_functions=[f"trajgate.demo_task:{self.config.reward_name}"],
         )
         db.upgrade(self.pool_settings.resolved_database_url())
         settings = GatewaySettings(upstream_url=self.vllm.url, port=self.config.gateway_port)
@@ -170,13 +227,23 @@ class DemoRun:
     def _episode(self, channel: str, round_index: int, group: int, member: int) -> str:
         trajectory_id = f"{channel}-r{round_index}-g{group}-{member}"
         group_id = f"{channel}-r{round_index}-g{group}"
-        _ok(
-            self.api.post(
-                "/api/trajectories",
-                json={"id": trajectory_id, "group_id": group_id, "channel": channel},
-            )
-        )
+        record: dict[str, Any] = {"id": trajectory_id, "group_id": group_id, "channel": channel}
         base_url = f"{self.gateway.url}/t/{trajectory_id}/v1"
+        if self.config.model == "smollm2":
+            question, answer = demo_task.product_question(round_index, group)
+            _ok(self.api.post("/api/trajectories", json={**record, "metadata": {"answer": answer}}))
+            self.calculator_agent.run(
+                base_url,
+                model="policy",
+                question=question,
+                history=demo_task.calculator_shots(),
+                system=demo_task.CALCULATOR_SYSTEM_PROMPT,
+                max_tokens=SMOLLM2_CALL_MAX_TOKENS,
+                answer_max_tokens=SMOLLM2_ANSWER_MAX_TOKENS,
+            )
+            _ok(self.api.post(f"/api/trajectories/{trajectory_id}/complete"))
+            return trajectory_id
+        _ok(self.api.post("/api/trajectories", json=record))
         question = demo_task.question(group)
         if group % 8 == 7:  # one group in eight: a LangChain agent (its answers are longer)
             self.langchain_agent.run(
@@ -202,7 +269,27 @@ class DemoRun:
         jobs = [(g, m) for g in range(self.config.groups) for m in range(self.config.group_size)]
         with ThreadPoolExecutor(max_workers=self.config.agents) as executor:
             futures = [executor.submit(self._episode, channel, round_index, g, m) for g, m in jobs]
-            return [future.result() for future in futures]
+            played = [future.result() for future in futures]
+        self.played.setdefault(channel, []).extend(played)
+        return played
+
+    def tool_calls_by_version(self, channel: str) -> list[list[int]]:
+        """Read back from the pool, per policy version of the channel's episodes (each under
+        its last step's version): ``[version, episodes, first steps whose message carries a
+        parsed tool call, steps flagged 'tool_call_truncated']``."""
+        counts: dict[int, list[int]] = {}
+        for trajectory_id in self.played.get(channel, []):
+            steps = _ok(self.api.get(f"/api/trajectories/{trajectory_id}")).json()["steps"]
+            versions = [s["policy_version"] for s in steps if s["policy_version"] is not None]
+            if not versions:
+                continue
+            row = counts.setdefault(max(versions), [0, 0, 0])
+            row[0] += 1
+            first = min(steps, key=lambda s: s["step_index"])
+            message = _ok(self.api.get(f"/api/steps/{first['id']}")).json()["response_message"]
+            row[1] += bool(message and message.get("tool_calls"))
+            row[2] += sum("tool_call_truncated" in s["flags"] for s in steps)
+        return [[version, *row] for version, row in sorted(counts.items())]
 
     def rewards_of(self, trajectory_ids: list[str], timeout_s: float = 120.0) -> list[float]:
         """Wait until the reward function scored every trajectory; returns the values."""
@@ -216,7 +303,7 @@ class DemoRun:
                     for r in self.api.get(
                         "/api/rewards", params={"trajectory_id": trajectory_id}
                     ).json()
-                    if r["name"] == REWARD_NAME and r["target"] == "trajectory"
+                    if r["name"] == self.config.reward_name and r["target"] == "trajectory"
                 ]
                 if records:  # a value, or the function's error (unrewarded, never 0.0)
                     if records[-1]["value"] is not None:
@@ -246,7 +333,7 @@ class DemoRun:
             "algorithm": "grpo",
             "layout": "per_step",
             "group_size": self.config.group_size,
-            "reward_names": [REWARD_NAME],
+            "reward_names": [self.config.reward_name],
             "name": f"{channel}-v{version}",
             # The rules already ran when each trajectory was completed; re-applying them to
             # the whole pool before every batch would only cost time.
@@ -282,8 +369,11 @@ class DemoRun:
             TrainerSettings(
                 model_dir=self.model_dir,
                 lora_rank=self.config.lora_rank,
-                learning_rate=self.config.learning_rate,
+                learning_rate=self.config.effective_learning_rate,
                 seed=self.config.seed,
+                # SmolLM2's rows are ~400 tokens of a 49,152-token vocabulary: 8 rows a pass
+                # took 12 GB here; 2 keep one update within ~3 GB.
+                micro_batch_rows=2 if self.config.model == "smollm2" else 8,
             )
         )
 
@@ -418,6 +508,10 @@ class DemoRun:
 
 # At most this many extra rounds on one version when no group has a reward spread.
 MAX_RESAMPLED_ROUNDS = 3
+# SmolLM2's first turn: a worked example's call is 35 tokens, so 48 lets a call complete while
+# a turn that rambles instead stops soon. Its answer after the tool's result: a number.
+SMOLLM2_CALL_MAX_TOKENS = 48
+SMOLLM2_ANSWER_MAX_TOKENS = 16
 
 
 def _mean(values: list[float]) -> float:
@@ -486,6 +580,7 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
             )
         summary = run.api.get("/api/summary").json()
         versions = sorted({int(v) for v, _, _ in curve + control})
+        tool_calls = run.tool_calls_by_version("train")
         result = {
             "steps_captured": summary["steps"],
             "trajectories": sum(summary["trajectories_by_status"].values()),
@@ -496,6 +591,9 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
             "gain": learning_gain(curve),
             "control_gain": learning_gain(control) if control else None,
             "logprob_gap_mean_abs": sum(run.gaps) / len(run.gaps) if run.gaps else None,
+            "tool_calls_by_policy_version": tool_calls,
+            "control_tool_calls_by_policy_version": run.tool_calls_by_version("control"),
+            "model": config.model,
             "pool": str(run.pool_settings.data_dir),
             "seed": config.seed,
             "wall_s": round(time.monotonic() - started, 1),
@@ -505,6 +603,11 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
             f"trajectories; {result['batches_trained']} batches trained; versions {versions}"
         )
         say("reward by policy version: " + ", ".join(f"v{int(v)} {m:.3f}" for v, m, _ in curve))
+        say(
+            "tool calls (first steps): "
+            + ", ".join(f"v{v} {c}/{n}" for v, n, c, _ in tool_calls)
+            + f"; truncated tool calls: {sum(t for *_, t in tool_calls)}"
+        )
         if control:
             say(
                 "control (shuffled):      " + ", ".join(f"v{int(v)} {m:.3f}" for v, m, _ in control)
@@ -522,7 +625,7 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
 
 def learning_gain(curve: list[list[float]]) -> float:
     """Mean reward of an arm's last two versions minus its first version's (the demo's measure
-    of learning: issue 19's goal is >= 0.25 trained, < 0.15 for the control)."""
+    of learning; the goals per model are ``GOALS``)."""
     if len(curve) < 2:
         return 0.0
     last = [mean for _, mean, _ in curve[-2:]]
@@ -541,11 +644,22 @@ def _serve_until_interrupted(run: DemoRun, say: Callable[[str], None]) -> None:
         say("stopping")
 
 
-# The goal a run of the demo must meet (issue 19): the trained arm gains at least this much...
-GOAL_GAIN = 0.25
-# ...while the shuffled-reward control gains less than this and less than a third of it.
-GOAL_CONTROL_GAIN = 0.15
-GOAL_WALL_S = 600.0
+@dataclass(frozen=True)
+class LearningGoal:
+    """What a run of the demo must meet: the trained arm gains at least ``gain``, the
+    shuffled-reward control less than ``control_gain`` and less than a third of the trained
+    gain, in at most ``wall_s`` seconds on a quiet 2-core machine."""
+
+    gain: float
+    control_gain: float
+    wall_s: float
+
+
+# tiny: issue 19's goal; smollm2: issue 30's (a correctness reward, 20 minutes a run).
+GOALS: dict[str, LearningGoal] = {
+    "tiny": LearningGoal(gain=0.25, control_gain=0.15, wall_s=600.0),
+    "smollm2": LearningGoal(gain=0.20, control_gain=0.07, wall_s=1200.0),
+}
 
 
 def measure_learning(
@@ -554,20 +668,20 @@ def measure_learning(
     """``trajgate bench loop``: the demo ``runs`` times with seeds ``config.seed``, +1, ...;
     each run's curves, gains and wall time, and whether each met the goal.
 
-    The goal per run: ``gain >= GOAL_GAIN``, ``control_gain < GOAL_CONTROL_GAIN`` and
-    ``control_gain < gain / 3``; wall time at most ``GOAL_WALL_S`` (on a quiet machine: the
-    load is reported beside it, since a shared machine stretches it).
+    The goal per run is the model's ``GOALS`` entry (on a quiet machine: the load is reported
+    beside the wall time, since a shared machine stretches it).
     """
     from dataclasses import replace
 
+    goal = GOALS[config.model]
     results = []
     for index in range(runs):
         seed = config.seed + index
         load_before = os.getloadavg()[0]
         summary = run_demo(replace(config, seed=seed, serve_after=False), echo=False)
         gain, control_gain = summary["gain"], summary["control_gain"]
-        learned = gain >= GOAL_GAIN and (
-            control_gain is None or (control_gain < GOAL_CONTROL_GAIN and control_gain < gain / 3)
+        learned = gain >= goal.gain and (
+            control_gain is None or (control_gain < goal.control_gain and control_gain < gain / 3)
         )
         results.append(
             {
@@ -578,9 +692,10 @@ def measure_learning(
                 "control_gain": control_gain,
                 "learned": learned,
                 "wall_s": summary["wall_s"],
-                "within_wall_goal": summary["wall_s"] <= GOAL_WALL_S,
+                "within_wall_goal": summary["wall_s"] <= goal.wall_s,
                 "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 "logprob_gap_mean_abs": summary["logprob_gap_mean_abs"],
+                "tool_calls_by_policy_version": summary["tool_calls_by_policy_version"],
                 "pool": summary["pool"],
             }
         )
@@ -591,20 +706,21 @@ def measure_learning(
         )
     return {
         "goal": {
-            "gain_at_least": GOAL_GAIN,
-            "control_gain_below": GOAL_CONTROL_GAIN,
+            "gain_at_least": goal.gain,
+            "control_gain_below": goal.control_gain,
             "control_gain_below_fraction_of_gain": 1 / 3,
-            "wall_s_at_most": GOAL_WALL_S,
+            "wall_s_at_most": goal.wall_s,
         },
         "runs": results,
         "runs_learned": sum(r["learned"] for r in results),
         "runs_within_wall_goal": sum(r["within_wall_goal"] for r in results),
         "config": {
+            "model": config.model,
             "rounds": config.rounds,
             "groups": config.groups,
             "group_size": config.group_size,
             "agents": config.agents,
-            "learning_rate": config.learning_rate,
+            "learning_rate": config.effective_learning_rate,
             "answer_max_tokens": config.answer_max_tokens,
         },
     }

@@ -1,0 +1,131 @@
+"""The pool remembers each served model's tokenizer (datapool/tokenizer_copies.py): a pool
+reopened with no vLLM listing its models still decodes its steps' token IDs in the token view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from tests_support import free_port
+
+from datapool.settings import PoolSettings
+from datapool.tokenizer_copies import TokenizerCopies
+from gateway.app import create_app
+from gateway.server import BackgroundServer
+from gateway.settings import GatewaySettings
+from gateway.tokenizer_dirs import TokenizerChoice, TokenizerDirs
+from trajgate.vllm_server import VLLMServer
+
+
+@pytest.fixture(autouse=True)
+def _no_tokenizer_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TRAJGATE_TOKENIZER_DIR: the view must find the tokenizer by itself."""
+    monkeypatch.delenv("TRAJGATE_TOKENIZER_DIR", raising=False)
+
+
+def test_models_sharing_a_tokenizer_share_one_copy_found_again_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    base, other = tmp_path / "base", tmp_path / "other"
+    for directory, text in ((base, '{"model": "base"}'), (other, '{"model": "other"}')):
+        directory.mkdir()
+        (directory / "tokenizer.json").write_text(text)
+    copies = TokenizerCopies(tmp_path / "pool" / "tokenizers")
+    first = copies.remember("base", base)
+    assert copies.remember("policy-v1", base) == first  # the same file: one copy
+    assert (first / "tokenizer.json").read_text() == '{"model": "base"}'
+    assert copies.shared_directory() == first
+    (base / "tokenizer.json").write_text('{"model": "changed"}')  # the source may go or change
+    reopened = TokenizerCopies(tmp_path / "pool" / "tokenizers")
+    assert reopened.directory_of("policy-v1") == first
+    assert (first / "tokenizer.json").read_text() == '{"model": "base"}'
+    second = reopened.remember("other", other)
+    assert second != first
+    assert reopened.directory_of("other") == second
+    assert reopened.shared_directory() is None  # two tokenizers: no single one to guess
+    assert reopened.directory_of("never-served") is None
+    assert sorted(p.name for p in (tmp_path / "pool" / "tokenizers").iterdir()) == sorted(
+        ["models.json", first.name, second.name]
+    )
+
+
+def test_a_reopened_pool_chooses_its_copy_when_no_replica_lists_the_model(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "tokenizer.json").write_text("{}")
+    listed = [
+        {"id": "base", "root": str(base), "parent": None},
+        {"id": "policy-v3", "root": str(tmp_path / "adapters" / "v3"), "parent": "base"},
+    ]
+
+    def models(request: httpx.Request) -> httpx.Response:  # vLLM's /v1/models, faked
+        return httpx.Response(200, json={"object": "list", "data": listed})
+
+    live = TokenizerDirs(copies=TokenizerCopies(tmp_path / "pool"))
+
+    async def learn() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(models)) as client:
+            await live.learn(client, ["http://vllm"], 1.0)
+
+    asyncio.run(learn())
+    assert live.choose("policy-v3", None) == TokenizerChoice(
+        base, "vLLM /v1/models root of 'policy-v3'"
+    )
+    reopened = TokenizerDirs(copies=TokenizerCopies(tmp_path / "pool"))  # nothing learnt
+    copy = TokenizerCopies(tmp_path / "pool").directory_of("base")
+    assert copy is not None and copy.parent == tmp_path / "pool"
+    for model in ("base", "policy-v3"):
+        assert reopened.choose(model, None) == TokenizerChoice(
+            copy, f"the pool's copy of the tokenizer of {model!r}"
+        )
+    # an adapter that was never listed while the gateway ran: the pool's only tokenizer
+    assert reopened.choose("policy-v9", None) == TokenizerChoice(
+        copy, "the pool's copy of the only tokenizer it remembers"
+    )
+    # without copies (a gateway built before this), nothing to decode with
+    assert TokenizerDirs().choose("base", None) is None
+
+
+def test_the_token_view_of_a_reopened_pool_decodes_without_vllm(
+    vllm: VLLMServer, sqlite_pool: PoolSettings
+) -> None:
+    """The real vLLM serves one call; the gateway is stopped; a gateway on the same pool whose
+    upstream answers nothing shows the step's tokens as text, from the pool's copy."""
+    settings = GatewaySettings(upstream_url=vllm.url, port=free_port())
+    server = BackgroundServer(create_app(settings, sqlite_pool), port=settings.port).start()
+    try:
+        client = OpenAI(base_url=f"{server.url}/t/reopen-1/v1", api_key="unused")
+        client.chat.completions.create(
+            model=vllm.served_model_name,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+        )
+        deadline = time.monotonic() + 30
+        while TokenizerCopies(sqlite_pool.data_dir / "tokenizers").shared_directory() is None:
+            assert time.monotonic() < deadline, "the gateway kept no copy of the tokenizer"
+            time.sleep(0.2)
+        step_id = httpx.get(f"{server.url}/api/trajectories/reopen-1").json()["steps"][0]["id"]
+        live_view = httpx.get(f"{server.url}/api/steps/{step_id}/tokens").json()
+    finally:
+        server.stop()
+    assert live_view["token_texts"] is not None
+
+    dead = f"http://127.0.0.1:{free_port()}"  # no vLLM: nothing lists any model
+    settings = GatewaySettings(upstream_url=dead, port=free_port())
+    reopened = BackgroundServer(create_app(settings, sqlite_pool), port=settings.port).start()
+    try:
+        view = httpx.get(f"{reopened.url}/api/steps/{step_id}/tokens").json()
+    finally:
+        reopened.stop()
+    assert view["token_texts"] == live_view["token_texts"]
+    assert view["tokenizer"]["source"] == (
+        f"the pool's copy of the tokenizer of {vllm.served_model_name!r}"
+    )
+    assert view["tokenizer_note"] is None
