@@ -6,7 +6,7 @@ change the rendering); a later call that extends the turn finds its step by this
 gateway's memory does not hold it (another worker or replica, a restart). NULL on rows written
 before and on template channels. Indexed with the trajectory: one read per call that misses.
 
-Revision ID: 0014_exact26
+Revision ID: 0014
 Revises: 0013
 Create Date: 2026-12-02
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0014_exact26"
+revision: str = "0014"
 down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
