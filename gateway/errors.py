@@ -33,7 +33,8 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
      ├── ConflictError                  409     conflict_error         conflict
      ├── ServiceUnavailableError        503     service_unavailable    service_unavailable
      └── UpstreamError                  502     upstream_error         upstream_error
-          └── UpstreamTimeoutError      504     upstream_timeout       upstream_timeout
+          ├── UpstreamTimeoutError      504     upstream_timeout       upstream_timeout
+          └── EventTooLargeError        502     upstream_error         upstream_error
 
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``previous_response_not_found`` (400, the translating dialects); ``host_not_allowed`` (400,
@@ -171,6 +172,23 @@ class UpstreamTimeoutError(UpstreamError):
     status_code = 504
     error_type = "upstream_timeout"
     default_code = "upstream_timeout"
+
+
+class EventTooLargeError(UpstreamError):
+    """An upstream event passed ``upstream_max_event_bytes`` (``gateway.proxy.streaming``);
+    ``completed``: the payloads of the events the same read completed before it (their tokens
+    are captured before the stream ends with this error)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        completed: list[bytes] | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code)
+        self.completed: list[bytes] = completed if completed is not None else []
 
 
 def from_pool_error(exc: PoolError) -> TrajgateError:

@@ -405,10 +405,10 @@ def test_bad_responses_input_is_400_in_openais_envelope_and_not_recorded(
 
 def test_bad_input_in_either_dialect_never_reaches_the_upstream(sqlite_pool: PoolSettings) -> None:
     """A fake upstream here, because only it can tell that no request arrived."""
-    seen: list[str] = []
+    seen: list[tuple[str, str]] = []
 
     def upstream(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.path)
+        seen.append((request.method, request.url.path))
         return httpx.Response(500)
 
     with gateway_with(sqlite_pool, free_port(), transport=httpx.MockTransport(upstream)) as server:
@@ -416,7 +416,9 @@ def test_bad_input_in_either_dialect_never_reaches_the_upstream(sqlite_pool: Poo
             assert _post(f"{server.url}/t/bad/v1/messages", body).status_code == 400
         for body in BAD_RESPONSES:
             assert _post(f"{server.url}/t/bad/v1/responses", body).status_code == 400
-    assert [path for path in seen if path != "/health"] == []  # health checks aside
+    # The start-up probes (GET /health, GET /v1/models) carry no client input; a call that
+    # reached the upstream would be a POST.
+    assert [call for call in seen if call[0] != "GET"] == []
 
 
 # ---- request storage round trips ---------------------------------------------------------------

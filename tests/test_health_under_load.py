@@ -86,7 +86,7 @@ def test_liveness_answers_within_a_second_at_p99_under_300_fast_streams(
                 sample = await drive(
                     workers,
                     lambda w, k: f"/t/health-{w}-{k // 8}/v1/chat/completions",
-                    body,
+                    [body],
                     stream=True,
                     requests=STREAMS * 4,
                 )

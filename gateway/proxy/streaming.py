@@ -31,7 +31,7 @@ import httpx
 from datapool.models import StepOutcome
 from gateway.capture import UNREADABLE
 from gateway.dialects import DialectStream
-from gateway.errors import TrajgateError, UpstreamError, UpstreamTimeoutError
+from gateway.errors import EventTooLargeError, TrajgateError, UpstreamError, UpstreamTimeoutError
 from gateway.proxy.call import Call, commit, fail_call
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
@@ -55,7 +55,7 @@ class SSEPayloads:
     sequence holds no CR or LF byte, so a piece boundary inside one is kept as is.
 
     ``most_event_bytes`` bounds what is held of one event (its data lines and the line not
-    ended yet): ``feed`` raises ``EventTooLarge`` past it, with the payloads of the events the
+    ended yet): ``feed`` raises ``EventTooLargeError`` past it, with the payloads of the events the
     same piece completed before it.
     """
 
@@ -68,7 +68,7 @@ class SSEPayloads:
 
     def feed(self, piece: bytes) -> list[bytes]:
         """The payloads of the events ``piece`` completes, in order (often none or one).
-        Raises ``EventTooLarge`` when one event holds more than ``most_event_bytes``."""
+        Raises ``EventTooLargeError`` when one event holds more than ``most_event_bytes``."""
         if self._skip_lf:
             self._skip_lf = False
             if piece[:1] == b"\n":
@@ -111,19 +111,10 @@ class SSEPayloads:
         return payloads
 
     def _too_large(self, completed: list[bytes]) -> NoReturn:
-        raise EventTooLarge(
+        raise EventTooLargeError(
             f"an upstream event passed the {self._most} bytes of upstream_max_event_bytes",
-            completed,
+            completed=completed,
         )
-
-
-class EventTooLarge(UpstreamError):
-    """An upstream event passed ``upstream_max_event_bytes``; ``completed``: the payloads of
-    the events the same read completed before it (their tokens are captured first)."""
-
-    def __init__(self, message: str, completed: list[bytes]) -> None:
-        super().__init__(message)
-        self.completed = completed
 
 
 async def sse_reads(response: httpx.Response, most_event_bytes: int) -> AsyncIterator[list[bytes]]:
@@ -134,7 +125,7 @@ async def sse_reads(response: httpx.Response, most_event_bytes: int) -> AsyncIte
     async for piece in response.aiter_bytes():
         try:
             payloads = parser.feed(piece)
-        except EventTooLarge as exc:
+        except EventTooLargeError as exc:
             if exc.completed:
                 yield exc.completed  # raised at the next read, once these are captured
             raise

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,7 +364,7 @@ async def callers(
 async def drive(
     workers: list[Caller],
     path_of: Callable[[int, int], str],
-    bodies: Sequence[bytes],
+    bodies: list[bytes],
     *,
     stream: bool,
     requests: int,
@@ -553,7 +553,7 @@ async def _measure(
     targets: Targets,
     base_url: str,
     path_of: Callable[[int, int], str],
-    bodies: Sequence[bytes],
+    bodies: list[bytes],
     stream: bool,
     concurrency: int,
     settings: BenchSettings,
