@@ -15,7 +15,11 @@ well-formed call of a harmless tool of that agent's own list, in the hermes form
 parser reads. The agent runs the tool and calls again (unsteered); the pool's built-in
 ``tool_call_format`` must find that call in the canonical record whatever the dialect (before
 issue 25 it read the client's body: a Messages ``tool_use`` or a Responses ``function_call``
-counted as malformed, 0.0).
+counted as malformed, 0.0). The steered call is written as compact JSON
+(``{"name":"Glob","arguments":{...}}``), a formatting the chat template never renders (it
+writes ``", "`` and ``": "``), as a policy exploring its outputs does: the call that carries the
+tool's result must continue that turn's own ids exactly (issue 26), where the template's
+rendering of the same history would not extend them (a prefix break at every tool turn).
 
 Their requests are large (Qwen Code ~28k prompt tokens with the tiny model's tokenizer, Claude
 Code ~17k plus ``max_tokens`` 32,000, Codex ~10k), which is why the tiny model has 131,072
@@ -95,7 +99,8 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
             arguments = _literal_arguments(offered.get(name))
             if arguments is not None:
                 self.steered.append(name)
-                call = json.dumps({"name": name, "arguments": arguments})
+                # Compact, unlike the template's rendering of the same call.
+                call = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
                 literal = re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\1", call)
                 return "<tool_call>\\n" + literal + "\\n</tool_call>"
         return None
@@ -165,6 +170,35 @@ def _assert_tool_calls_rewarded(
             time.sleep(0.2)  # the complete endpoint woke the hooks; they run after it
             rewards = api.get(f"/api/trajectories/{trajectory_id}").json()["rewards"]
     assert rewards == {"tool_call_format": 1.0}, (steering.steered, rewards)
+
+
+def _assert_the_tool_turn_continues_exactly(vllm: VLLMServer, steps: list[StoredStep]) -> None:
+    """Each call that carries the steered tool call's result extends the steered step as one
+    token sequence: built ``exact``, the steered step's prompt and sampled ids (compact JSON)
+    followed by the template's tail, no prefix break; while the template's rendering of that
+    call's history does not start with those ids (template mode would break there)."""
+    by_id = {step.id: step for step in steps}
+    answered = 0
+    for step in steps:
+        parent = by_id.get(step.parent_step_id or "")
+        call = step.call
+        if parent is None or call is None or not parent.response.tool_calls:
+            continue
+        call_ids = {tool_call.id for tool_call in parent.response.tool_calls}
+        if not any(m.role == "tool" and m.tool_call_id in call_ids for m in call.messages or ()):
+            continue  # not the tool turn (e.g. a side call rooted elsewhere)
+        answered += 1
+        where = (step.step_index, step.endpoint)
+        assert (step.continuation, step.extends_parent, step.divergence_kind) == (
+            "exact",
+            True,
+            None,
+        ), (where, step.divergence_detail)
+        turn = parent.prompt_token_ids + parent.response_token_ids
+        assert step.prompt_token_ids[: len(turn)] == turn, where
+        rendered = _vllm_tokenize(vllm, step.upstream_request)
+        assert rendered[: len(turn)] != turn, (where, "the template renders the call as sampled")
+    assert answered, "no call carried the steered tool call's result"
 
 
 def _agent_command(name: str) -> str:
@@ -282,6 +316,7 @@ def test_qwen_code_headless_lands_as_one_complete_trajectory(
     steps = _assert_one_complete_trajectory(vllm, pool_settings, "qwen-code-1")
     assert {step.endpoint for step in steps} == {"chat.completions"}
     _assert_tool_calls_rewarded(gateway, steering, "qwen-code-1")
+    _assert_the_tool_turn_continues_exactly(vllm, steps)
 
 
 def test_codex_exec_lands_as_one_complete_trajectory(
@@ -310,6 +345,7 @@ def test_codex_exec_lands_as_one_complete_trajectory(
     steps = _assert_one_complete_trajectory(vllm, pool_settings, "codex-1")
     assert {step.endpoint for step in steps} == {"responses"}
     _assert_tool_calls_rewarded(gateway, steering, "codex-1")
+    _assert_the_tool_turn_continues_exactly(vllm, steps)
 
 
 def test_claude_code_print_mode_lands_as_one_complete_trajectory(
@@ -338,3 +374,4 @@ def test_claude_code_print_mode_lands_as_one_complete_trajectory(
     steps = _assert_one_complete_trajectory(vllm, pool_settings, "claude-code-1")
     assert {step.endpoint for step in steps} == {"messages"}
     _assert_tool_calls_rewarded(gateway, steering, "claude-code-1")
+    _assert_the_tool_turn_continues_exactly(vllm, steps)

@@ -82,11 +82,12 @@ def fill(directory: Path) -> Path:
     """Write a filler file until the filesystem says ENOSPC; returns it (delete it to free)."""
     filler = directory / "filler"
     chunk = b"\0" * 65536
-    with filler.open("wb") as handle:
+    # Unbuffered: a buffered file kept what the failed flush could not write and raised
+    # ENOSPC again when closed (seen on this machine's tmpfs).
+    with filler.open("wb", buffering=0) as handle:
         try:
             while True:
                 handle.write(chunk)
-                handle.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, exc
     # Byte-sized writes take the last partial block too.

@@ -40,7 +40,9 @@ def upstream_seen() -> list[str]:
 @pytest.fixture
 def gateway(pool_settings: PoolSettings, upstream_seen: list[str]) -> Iterator[BackgroundServer]:
     def upstream(request: httpx.Request) -> httpx.Response:
-        if request.url.path != "/health":  # the gateway's own health checks aside
+        # The gateway's own probes aside (GET /health, GET /v1/models for the tokenizers):
+        # a client's call would be a POST.
+        if request.method != "GET":
             upstream_seen.append(request.url.path)
         return httpx.Response(500)
 

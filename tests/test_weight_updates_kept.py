@@ -45,8 +45,10 @@ TOLERANCE = 1e-5
 TEMPERATURE = 0.6
 BARRIER_TOKENS = 8
 # A call's tokens when the engine freezes: those sampled before every call ran (their arrival
-# spread, a few engine steps) plus BARRIER_TOKENS; LONG_TOKENS only has to exceed that.
-LONG_TOKENS = 300
+# spread) plus BARRIER_TOKENS; LONG_TOKENS only has to exceed that. The exact continuations
+# start first (a render and a generate call each, so they reach the engine later than a chat
+# call): on a quiet machine the chat calls' 300 tokens were done before both exact ones ran.
+LONG_TOKENS = 600
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
 SPLIT_UNKNOWN = "policy_version_split_unknown"
 
@@ -123,7 +125,8 @@ def _freeze_when_all_sample(vllm: VLLMServer, calls: list[LongCall]) -> dict[str
     streams = [call for call in calls if call.stream]
     while _running(vllm) < len(calls):
         assert time.monotonic() < deadline, "vLLM never ran every call at once"
-        assert all(call.is_alive() for call in calls), "a call ended before all ran"
+        ended = [(c.trajectory, c.status) for c in calls if not c.is_alive()]
+        assert not ended, f"a call ended before all ran: {ended}"
         time.sleep(0.02)
     floor = {call.trajectory: call.read + BARRIER_TOKENS for call in streams}
     while any(call.read < floor[call.trajectory] for call in streams):
@@ -180,7 +183,13 @@ def test_a_kept_update_aborts_nothing_and_every_token_matches_its_spans_version(
                 gateway.url, "kept-exact-unary", _first_turn(gateway.url, "kept-exact-unary"), False
             ),
         ]
-        for call in calls:
+        for call in calls[2:]:
+            call.start()
+        deadline = time.monotonic() + 300
+        while _running(vllm) < 2:  # both exact continuations sampling, then the chat calls
+            assert time.monotonic() < deadline, "vLLM never ran both exact continuations"
+            time.sleep(0.02)
+        for call in calls[:2]:
             call.start()
         read_at_freeze = _freeze_when_all_sample(vllm, calls)
         update = api.post(
