@@ -17,6 +17,8 @@ from datapool.models import Step
 from datapool.rewards.functions import tool_call_format
 from datapool.rewards.values import RewardContext
 from datapool.settings import PoolSettings
+from datapool.steps.canonical import Message, ToolCall
+from datapool.steps.prefix import classify_divergence
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
 from gateway.dialects import Dialect
@@ -257,3 +259,19 @@ def test_migration_0013_gives_steps_stored_before_it_their_canonical_record(
         else:
             assert step.call is not None and step.call.prompt == "Weather?"
             assert step.call.messages is None and step.call.sampling["max_tokens"] == 4
+
+
+def test_a_message_resent_as_its_string_is_no_change_of_the_history() -> None:
+    """Claude Code's environment message: one text block on the call that carries the cache
+    breakpoint, its string on the next. The break (the tool call the template re-renders) is
+    read at the echo, not at that message (it was read as ``system_changed``)."""
+    environment = "# Environment"
+    system = Message("system", "You are a coding agent.")
+    user = Message("user", "Write hello.py.")
+    as_block = Message("system", [{"type": "text", "text": environment}])
+    call = Message("assistant", tool_calls=(ToolCall("c1", "Read", '{"file_path":"hello.py"}'),))
+    result = Message("tool", "File does not exist.", tool_call_id="c1")
+    resent = [system, user, Message("system", environment), call, result]
+    assert classify_divergence([system, user, as_block], call, resent) == "tool_call_rerendered"
+    edited = [system, user, Message("system", environment + "!"), call, result]
+    assert classify_divergence([system, user, as_block], call, edited) == "system_changed"

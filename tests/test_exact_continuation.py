@@ -250,6 +250,30 @@ def test_find_extension_needs_the_same_history_an_echo_and_a_new_message() -> No
     assert extended(canonical(SYSTEM, USER, response, follow), other_tools) is None
 
 
+def test_a_message_sent_as_one_text_block_then_as_its_string_is_the_same_history() -> None:
+    # Claude Code sends a message as one text block while it holds the cache breakpoint, as a
+    # string once the breakpoint moved on: the same rendering, so the same history.
+    block = {"role": "system", "content": [{"type": "text", "text": "# Environment"}]}
+    response = {"role": "assistant", "content": "21"}
+    key = render_key({"model": MODEL})
+    turn_id = turn_key(key, canonical(SYSTEM, USER, block), *canonical(response))
+    assert turn_id is not None
+    turn = Turn(turn_id, *canonical(response), pack_ids([1, 2, 3]))
+    follow = {"role": "user", "content": "thanks"}
+
+    def extended(again: dict[str, Any]) -> int | None:
+        messages = canonical(SYSTEM, USER, again, response, follow)
+        found = find_extension(candidate_keys(key, messages), messages, {turn.key: turn}.get)
+        return None if found is None else found.new_from
+
+    assert extended({"role": "system", "content": "# Environment"}) == 4
+    assert extended(block) == 4
+    # Two parts render joined by the template's own rule: compared as sent, never guessed.
+    two_parts = [{"type": "text", "text": "# Env"}, {"type": "text", "text": "ironment"}]
+    assert extended({"role": "system", "content": two_parts}) is None
+    assert extended({"role": "system", "content": "# Environment, changed"}) is None
+
+
 @pytest.fixture
 def exact_gateway(
     vllm: vllm_server.VLLMServer, pool_settings: PoolSettings

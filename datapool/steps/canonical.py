@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -206,6 +206,26 @@ def conversation(call: CanonicalCall, response: Mapping[str, Any] | None) -> lis
 def response_of(response: Mapping[str, Any] | None) -> Message:
     """A step's ``response_message`` as a canonical assistant message (empty when None)."""
     return Message("assistant") if response is None else Message.from_json(response)
+
+
+def as_rendered(message: Message) -> Message:
+    """``message`` with a content of exactly one text part (holding nothing but its type and
+    text) as that text: the chat template, as vLLM renders it, reads both the same (it joins
+    text parts with a newline, so one part is its text). Claude Code sends a message as one text
+    block while it carries the conversation's cache breakpoint and as a string on later calls;
+    compared through this, the history is unchanged. Lists of several parts stay as sent (a
+    template that reads the parts may render them otherwise)."""
+    content = message.content
+    if (
+        isinstance(content, list)
+        and len(content) == 1
+        and isinstance(content[0], Mapping)
+        and set(content[0]) == {"type", "text"}
+        and content[0]["type"] == "text"
+        and isinstance(content[0]["text"], str)
+    ):
+        return replace(message, content=content[0]["text"])
+    return message
 
 
 def first_turns(messages: Sequence[Message]) -> tuple[Message, ...]:

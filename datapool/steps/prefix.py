@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
-from datapool.steps.canonical import Message, first_turns
+from datapool.steps.canonical import Message, as_rendered, first_turns
 
 
 def first_divergence(sequence: Sequence[int], prompt: Sequence[int]) -> int | None:
@@ -182,6 +182,9 @@ def classify_divergence(
       reasoning), ``tool_call_rerendered`` when it had tool calls (the parsed call is rendered,
       not the sampled text), else ``retokenised`` (case C01).
     """
+    # Compared as rendered: one text part and its string are the same turn (``as_rendered``).
+    parent_messages = [as_rendered(m) for m in parent_messages]
+    new_messages = [as_rendered(m) for m in new_messages]
     history = [*parent_messages, *([] if parent_response is None else [parent_response])]
     shared = 0
     for old, new in zip(history, new_messages, strict=False):

@@ -41,6 +41,8 @@ class Replica:
     # probed once it is healthy): None until known. False: its calls use the template.
     serves_exact: bool | None = None
     end_token: int | None = None  # the template's end-of-turn token (``probe_exact``)
+    # One exact-continuation probe at a time (the health loop's, or a call's that came first).
+    exact_probe: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     # Parsed once per path: httpx parses a URL string on every request (its host as an IP
     # address included), a measurable share of a call's CPU.
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
@@ -172,8 +174,7 @@ class UpstreamPool:
                 self.mark_success(replica)
                 if replica.returns_token_ids is None:
                     replica.returns_token_ids = await probe_token_ids(client, replica, timeout_s)
-                if replica.serves_exact is None:
-                    replica.serves_exact = await probe_exact(client, replica, timeout_s)
+                await self.learn_exact(client, replica, timeout_s)
             else:
                 replica.consecutive_failures = max(
                     replica.consecutive_failures + 1, self.failures_to_eject
@@ -183,6 +184,17 @@ class UpstreamPool:
                     log.warning("upstream %s failed its health check", replica.url)
 
         await asyncio.gather(*(probe(replica) for replica in self.replicas))
+
+    async def learn_exact(
+        self, client: httpx.AsyncClient, replica: Replica, timeout_s: float
+    ) -> None:
+        """Probe whether ``replica`` serves exact continuation (``probe_exact``) unless that is
+        known. Called by the health checks, and by a call on an exact channel that extends a
+        turn and reached a replica before its first probe: it waits for the probe rather than
+        being rendered by the template for having come first."""
+        async with replica.exact_probe:
+            if replica.serves_exact is None:
+                replica.serves_exact = await probe_exact(client, replica, timeout_s)
 
     async def health_loop(
         self, client: httpx.AsyncClient, interval_s: float, timeout_s: float

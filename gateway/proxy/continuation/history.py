@@ -16,7 +16,10 @@ Responses item or a Messages content block. A turn with history ``C`` (``k`` can
 messages) and response ``R`` is extended by a call whose messages are ``C``, then an echo of
 ``R``, then new messages. Its key is ``sha256(render key, C as JSON text, echo form of R)``:
 
-- ``C`` must be equal message by message as JSON text (``datapool.steps.messages.message_key``);
+- ``C`` must be equal message by message as JSON text (``datapool.steps.messages.message_key``),
+  with one allowance for what renders the same: a content of exactly one text part is its text
+  (``datapool.steps.canonical.as_rendered``: Claude Code sends a message as one text block,
+  then as a string);
 - the echo form of ``R`` is what ``echoes`` compares: the text (a string or its text parts
   joined, None and "" alike), each tool call's name and arguments as a JSON value (a client
   that re-serialises them sends the same call: case C08), the reasoning; tool call ids are
@@ -42,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from datapool.steps.canonical import Message, response_of
+from datapool.steps.canonical import Message, as_rendered, response_of
 from datapool.steps.messages import message_key
 from datapool.steps.payloads import pack_ids
 from datapool.steps.store import StoredStep
@@ -140,6 +143,12 @@ def echoes(returned: Message, echoed: Message) -> bool:
     )
 
 
+def history_form(message: Message) -> str:
+    """``message`` as the history part of a turn key compares it: the JSON text of its
+    ``as_rendered`` form (a content of one text part is its text)."""
+    return message_key(as_rendered(message).to_json())
+
+
 def _history_digest(body_render_key: str) -> Any:
     digest = hashlib.sha256(body_render_key.encode())
     digest.update(b"\0")
@@ -163,7 +172,7 @@ def turn_key(body_render_key: str, history: Sequence[Message], response: Message
     digest = _history_digest(body_render_key)
     for message in history:
         digest.update(b"\0M")
-        digest.update(message_key(message.to_json()).encode())
+        digest.update(history_form(message).encode())
     return _with_response(digest, echo)
 
 
@@ -179,7 +188,7 @@ def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tu
             if echo is not None:
                 found.append((k, _with_response(digest, echo)))
         digest.update(b"\0M")
-        digest.update(message_key(message.to_json()).encode())
+        digest.update(history_form(message).encode())
     found.reverse()
     return found
 
