@@ -10,16 +10,13 @@ The result is an ``httpx.Response`` shaped like the chat endpoint's (JSON, or SS
 dialect read it as they read vLLM's chat answers. Never: parses a tool call or reasoning, or
 decodes a token (vLLM's derender does both).
 
-Streams: the generate stream is read ahead while a derender call is in flight, and what
-arrived meanwhile is derendered in one call per choice (its chunks merged), so the derender
-round trips follow the engine's pace and never queue behind it: one per token when the engine
-is slower than a derender, fewer when it is faster. vLLM's parser path replays its parser from
-the start of the response on every call (O(T^2) in the response length T, by vLLM's
-docstring); merging reads bounds the number of replays. The parts of a derender body that do
-not change during a stream (the chat request, the prompt ids) are serialised once per stream.
-vLLM's parsed derender does not resolve logprob token text: a streaming client that asked for
-logprobs gets each token's ``logprob`` with ``token`` "" and ``bytes`` null (unary answers
-carry vLLM's full logprobs).
+Streams: each upstream read of ``/inference/v1/generate`` is derendered in one call per choice
+(the chunks a read completed merged), so the derender round trips follow the engine's pace,
+not one per token. vLLM's parser path replays its parser from the start of the response on
+every call (O(T^2) in the response length T, by vLLM's docstring); merging reads bounds the
+number of replays. vLLM's parsed derender does not resolve logprob token text: a streaming
+client that asked for logprobs gets each token's ``logprob`` with ``token`` "" and
+``bytes`` null (unary answers carry vLLM's full logprobs).
 
 Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does);
 ``gateway.upstream.replicas.probe_exact`` tells whether a replica has them.
@@ -27,10 +24,8 @@ Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm star
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -200,23 +195,14 @@ class _DerenderedStream(httpx.AsyncByteStream):
         self._client = client
         self._continuation = continuation
         self._url = base_url + DERENDER_PATH
+        self._body = body
         self._prompt = prompt
         self._generate = generate
         self._states: dict[int, Any] = {}
         self._prompt_sent = False
-        # Every derender body of the stream shares these fields: serialised once, here.
-        self._fixed = dumps(
-            {
-                "stream": True,
-                "model": body.get("model"),
-                "chat_request": body,
-                "prompt_token_ids": prompt,
-                "prompt_tokens": len(prompt),
-            }
-        )[:-1]
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for payloads in read_ahead(_data_reads(self._generate)):
+        async for payloads in _data_reads(self._generate):
             out: list[bytes] = []
             for chunk in _merged(payloads):
                 if chunk is None:
@@ -230,9 +216,20 @@ class _DerenderedStream(httpx.AsyncByteStream):
         choices = chunk.get("choices") or []
         index = int(choices[0].get("index", 0)) if choices else -1
         _keep_weight_versions(self._continuation, choices)
-        varying = dumps({"generate_chunk": chunk, "stream_state": self._states.get(index)})
         answer = await self._client.post(
-            self._url, content=self._fixed + b"," + varying[1:], headers=JSON_HEADERS
+            self._url,
+            content=dumps(
+                {
+                    "stream": True,
+                    "model": self._body.get("model"),
+                    "generate_chunk": chunk,
+                    "stream_state": self._states.get(index),
+                    "chat_request": self._body,
+                    "prompt_token_ids": self._prompt,
+                    "prompt_tokens": len(self._prompt),
+                }
+            ),
+            headers=JSON_HEADERS,
         )
         if answer.status_code != 200:
             raise DerenderError(f"derender answered {answer.status_code}: {answer.text[:300]}")
@@ -269,48 +266,6 @@ class _DerenderedStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self._generate.aclose()  # closing the connection makes vLLM abort the request
-
-
-async def read_ahead(reads: AsyncIterator[list[bytes]]) -> AsyncGenerator[list[bytes]]:
-    """The payloads of ``reads``, in order, read on while the consumer is busy: each list
-    yielded holds every payload that arrived since the previous one was taken (at least one).
-    An error of ``reads`` is raised after the payloads read before it; closing this iterator
-    stops the reading."""
-    pending: list[bytes] = []
-    ended = False
-    error: BaseException | None = None
-    arrived = asyncio.Event()
-
-    async def pump() -> None:
-        nonlocal ended, error
-        try:
-            async for payloads in reads:
-                pending.extend(payloads)
-                arrived.set()
-        except Exception as exc:  # handed to the consumer, after what was read before it
-            error = exc
-        finally:
-            ended = True
-            arrived.set()
-
-    reader = asyncio.create_task(pump())
-    try:
-        while True:
-            if not pending and not ended:
-                arrived.clear()
-                await arrived.wait()
-            if pending:
-                taken = pending[:]
-                pending.clear()
-                yield taken
-            elif error is not None:
-                raise error
-            else:
-                return
-    finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
 
 
 async def _data_reads(response: httpx.Response) -> AsyncIterator[list[bytes]]:
