@@ -10,7 +10,10 @@ up FlashInfer's top-k/top-p kernel) and asks for the sampled token's logprob.
 
 Needs vLLM importable by this interpreter (``scripts/gpu_check.sh --logprobs-cost`` runs it with
 ``$VLLM_PYTHON``). Flags: ``--model DIR`` (default: the tiny model of ``trajgate model create``),
-``--requests N``, ``--tokens T``, ``--dtype``.
+``--requests N``, ``--tokens T``, ``--dtype``, ``--enforce-eager``, ``--max-model-len`` (4096).
+On a CPU build, set vLLM's CPU environment as ``trajgate vllm start`` does:
+``VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind`` (its KV cache space, in GiB,
+and no thread pinning).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, object]:
         dtype=args.dtype,
         logprobs_mode=args.mode,
         enforce_eager=args.enforce_eager,
+        max_model_len=args.max_model_len,
         seed=0,
     )
     params = SamplingParams(
@@ -73,6 +77,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--mode", choices=MODES, help="one mode in this process (internal)")
     args = parser.parse_args()
     if args.mode is not None:
