@@ -322,24 +322,7 @@ def tool_loop(
     template does not produce), its result, then an answer; returns the history sent last."""
     messages: list[Any] = [SYSTEM, USER]
     for _turn in range(turns):
-        message = chat(
-            server,
-            trajectory_id,
-            {
-                "model": MODEL,
-                "messages": messages,
-                "tools": [WEATHER],
-                "tool_choice": FORCED,
-                "max_tokens": 96,
-                "temperature": 0.0,
-                "stream": stream,
-            },
-        )
-        assert message.get("tool_calls"), message
-        call = message["tool_calls"][0]
-        # The client echoes the message as it came, minus what it does not keep.
-        echo = {"role": "assistant", "content": message.get("content"), "tool_calls": [call]}
-        messages = [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
+        messages = forced_turn(server, trajectory_id, messages, stream=stream)
     chat(
         server,
         trajectory_id,
@@ -594,9 +577,13 @@ def test_exact_mode_serves_every_dialect_as_one_token_sequence(
 ANSWER = {"model": MODEL, "tools": [WEATHER], "max_tokens": 4}
 
 
-def forced_turn(server: BackgroundServer, trajectory_id: str, messages: list[Any]) -> list[Any]:
-    """One forced tool call through ``server`` (sampled as plain characters where the template
-    renders the ``<tool_call>`` special token), returned as the history with its echo and result."""
+def forced_turn(
+    server: BackgroundServer, trajectory_id: str, messages: list[Any], *, stream: bool = False
+) -> list[Any]:
+    """One forced, grammar-constrained tool call through ``server`` (sampled as plain
+    characters where the template renders the ``<tool_call>`` special token: a formatting the
+    template does not produce), returned as the history with its echo (the message as it came,
+    minus what a client does not keep) and the tool's result."""
     body = {
         "model": MODEL,
         "messages": messages,
@@ -604,8 +591,10 @@ def forced_turn(server: BackgroundServer, trajectory_id: str, messages: list[Any
         "tool_choice": FORCED,
         "max_tokens": 96,
         "temperature": 0.0,
+        "stream": stream,
     }
     message = chat(server, trajectory_id, body)
+    assert message.get("tool_calls"), message
     call = message["tool_calls"][0]
     echo = {"role": "assistant", "content": message.get("content"), "tool_calls": [call]}
     return [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
