@@ -600,22 +600,6 @@ def forced_turn(
     return [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_an_exact_continuation_samples_the_max_tokens_asked_for_even_16(
-    exact_gateway: BackgroundServer, pool_settings: PoolSettings, stream: bool
-) -> None:
-    # vLLM's render writes no max_tokens equal to SamplingParams' default (16): generate then
-    # sampled to the end of the context (3,690 tokens in the SmolLM2 demo).
-    messages = forced_turn(exact_gateway, "sixteen", [SYSTEM, USER])
-    for most in (16, 17):
-        body = {**ANSWER, "messages": messages, "max_tokens": most, "ignore_eos": True}
-        chat(exact_gateway, "sixteen", {**body, "stream": stream})
-    steps = steps_of(pool_settings, "sixteen")
-    assert [s.continuation for s in steps] == ["template", "exact", "exact"]
-    assert [len(s.response_token_ids) for s in steps[1:]] == [16, 17]
-    assert [s.finish_reason for s in steps[1:]] == ["length", "length"]
-
-
 def test_a_restarted_gateway_continues_exactly_from_the_turn_in_the_pool(
     vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
 ) -> None:

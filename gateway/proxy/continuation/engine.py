@@ -99,7 +99,6 @@ async def send_exact(
     if render.status_code != 200:
         return _error_response(render, render.content)
     request: dict[str, Any] = render.json()
-    _keep_max_tokens(request, body)
     built = exact_prompt(extension.turn.sequence, end_token, request["token_ids"])
     if built is not None:
         request["token_ids"] = built.token_ids
@@ -129,21 +128,6 @@ async def send_exact(
         headers={"content-type": "text/event-stream"},
         stream=_DerenderedStream(client, base_url, body, prompt, answer, continuation),
     )
-
-
-def _keep_max_tokens(request: dict[str, Any], body: dict[str, Any]) -> None:
-    """Put the body's ``max_completion_tokens`` (else ``max_tokens``) into the rendered
-    request's ``sampling_params`` when the render left it out. vLLM 0.32's render computes it
-    but writes no ``max_tokens`` equal to ``SamplingParams``' default (16), and generate then
-    reads the field as unset and samples to the end of the context: a call that asked for 16
-    tokens got 3,690 (found in the SmolLM2 demo, whose answers ask for 16). A body that sets
-    neither keeps vLLM's default for the spliced prompt."""
-    asked = body.get("max_completion_tokens")
-    if asked is None:
-        asked = body.get("max_tokens")
-    params = request.get("sampling_params")
-    if type(asked) is int and isinstance(params, dict) and params.get("max_tokens") is None:
-        params["max_tokens"] = asked
 
 
 def _keep_weight_versions(continuation: Continuation, choices: Any) -> None:
