@@ -543,11 +543,12 @@ async def try_replica(
     )
     try:
         with anyio.fail_after(limit_s):
-            if call.continuation.extension is not None:
+            extends = call.continuation.extension is not None
+            if extends and replica.serves_exact is None:  # only until the replica is probed
                 await state.upstreams.learn_exact(
                     state.client, replica, settings.upstream_connect_timeout_s
                 )
-            if call.continuation.extension is not None and replica.end_token is not None:
+            if extends and replica.end_token is not None:
                 response = await send_exact(
                     state.client,
                     replica.url,

@@ -143,7 +143,7 @@ def echoes(returned: Message, echoed: Message) -> bool:
     )
 
 
-def history_form(message: Message) -> str:
+def _history_form(message: Message) -> str:
     """``message`` as the history part of a turn key compares it: the JSON text of its
     ``as_rendered`` form (a content of one text part is its text)."""
     return message_key(as_rendered(message).to_json())
@@ -172,7 +172,7 @@ def turn_key(body_render_key: str, history: Sequence[Message], response: Message
     digest = _history_digest(body_render_key)
     for message in history:
         digest.update(b"\0M")
-        digest.update(history_form(message).encode())
+        digest.update(_history_form(message).encode())
     return _with_response(digest, echo)
 
 
@@ -188,7 +188,7 @@ def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tu
             if echo is not None:
                 found.append((k, _with_response(digest, echo)))
         digest.update(b"\0M")
-        digest.update(history_form(message).encode())
+        digest.update(_history_form(message).encode())
     found.reverse()
     return found
 
