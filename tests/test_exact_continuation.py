@@ -541,7 +541,12 @@ def sse_or_json(url: str, body: dict[str, Any], dialect: str) -> list[Any]:
         events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
     final = events[-1] if dialect == "responses" else None
     if final is not None:
-        assert final["type"] == "response.completed", final
+        # A turn cut at max_output_tokens ends incomplete (the answer turn asks for 16 tokens).
+        if final["type"] == "response.incomplete":
+            details = final["response"]["incomplete_details"]
+            assert details == {"reason": "max_output_tokens"}, final
+        else:
+            assert final["type"] == "response.completed", final
         completed: list[Any] = final["response"]["output"]
         return completed
     blocks: dict[int, dict[str, Any]] = {}
@@ -598,6 +603,45 @@ def forced_turn(
     call = message["tool_calls"][0]
     echo = {"role": "assistant", "content": message.get("content"), "tool_calls": [call]}
     return [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "rendered", "restated"),
+    [
+        # render omits 16 (SamplingParams' default, msgspec omit_defaults): written back.
+        ({"max_tokens": 16}, {"temperature": 1.0}, {"temperature": 1.0, "max_tokens": 16}),
+        # max_completion_tokens wins over max_tokens, as in the chat endpoint; render's value stays.
+        ({"max_completion_tokens": 17, "max_tokens": 99}, {"max_tokens": 17}, {"max_tokens": 17}),
+        # No limit asked: render's default is 131,072 - 11 for the template's 11-token prompt,
+        # not for the spliced one; dropped, so generate computes it for the spliced prompt.
+        ({}, {"max_tokens": 131_061}, {}),
+    ],
+    ids=["sixteen", "completion-limit", "no-limit"],
+)
+def test_restate_max_tokens_gives_generate_the_limit_chat_would_apply(
+    body: dict[str, Any], rendered: dict[str, Any], restated: dict[str, Any]
+) -> None:
+    from gateway.proxy.continuation.engine import _restate_max_tokens
+
+    _restate_max_tokens(rendered, body)
+    assert rendered == restated
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_an_exact_continuation_samples_the_max_tokens_asked_for_even_16(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings, stream: bool
+) -> None:
+    # vLLM's render writes no max_tokens equal to SamplingParams' default (16): generate then
+    # sampled to the end of the context (3,690 tokens in the SmolLM2 demo).
+    trajectory = f"sixteen-{stream}"
+    messages = forced_turn(exact_gateway, trajectory, [SYSTEM, USER])
+    for most in (16, 17):
+        body = {**ANSWER, "messages": messages, "max_tokens": most, "ignore_eos": True}
+        chat(exact_gateway, trajectory, {**body, "stream": stream})
+    steps = steps_of(pool_settings, trajectory)
+    assert [s.continuation for s in steps] == ["template", "exact", "exact"]
+    assert [len(s.response_token_ids) for s in steps[1:]] == [16, 17]
+    assert [s.finish_reason for s in steps[1:]] == ["length", "length"]
 
 
 def test_a_restarted_gateway_continues_exactly_from_the_turn_in_the_pool(

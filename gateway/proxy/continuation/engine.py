@@ -99,6 +99,7 @@ async def send_exact(
     if render.status_code != 200:
         return _error_response(render, render.content)
     request: dict[str, Any] = render.json()
+    _restate_max_tokens(request["sampling_params"], body)
     built = exact_prompt(extension.turn.sequence, end_token, request["token_ids"])
     if built is not None:
         request["token_ids"] = built.token_ids
@@ -128,6 +129,30 @@ async def send_exact(
         headers={"content-type": "text/event-stream"},
         stream=_DerenderedStream(client, base_url, body, prompt, answer, continuation),
     )
+
+
+# ``SamplingParams.max_tokens``' default in vLLM 0.32: its msgspec struct omits fields equal to
+# their default (``omit_defaults=True``), so render's JSON has no ``max_tokens`` when it is 16.
+SAMPLING_PARAMS_DEFAULT_MAX_TOKENS = 16
+
+
+def _restate_max_tokens(params: dict[str, Any], body: dict[str, Any]) -> None:
+    """Make the rendered ``sampling_params``' ``max_tokens`` mean for generate what the chat
+    endpoint would apply to the spliced prompt.
+
+    Generate treats an absent ``max_tokens`` as unset and samples to the end of the context
+    (found in the SmolLM2 demo: a turn that asked for 16 tokens took 3,690). So a limit the
+    client set (``max_completion_tokens``, else ``max_tokens``, the chat endpoint's order) is
+    written out, 16 where render omitted it. Without one, render's default was computed for
+    the template's prompt ``F``; it is dropped so generate computes the same default
+    (``get_max_tokens``) for the prompt it samples from."""
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    if limit is None:
+        params.pop("max_tokens", None)
+    else:
+        params.setdefault("max_tokens", SAMPLING_PARAMS_DEFAULT_MAX_TOKENS)
 
 
 def _keep_weight_versions(continuation: Continuation, choices: Any) -> None:
