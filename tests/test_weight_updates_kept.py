@@ -45,9 +45,8 @@ TOLERANCE = 1e-5
 TEMPERATURE = 0.6
 BARRIER_TOKENS = 8
 # A call's tokens when the engine freezes: those sampled before every call ran (their arrival
-# spread) plus BARRIER_TOKENS; LONG_TOKENS only has to exceed that. The exact continuations
-# start first (a render and a generate call each, so they reach the engine later than a chat
-# call): on a quiet machine the chat calls' 300 tokens were done before both exact ones ran.
+# spread: none, they start from one resume, see _start_together) plus BARRIER_TOKENS;
+# LONG_TOKENS only has to exceed that.
 LONG_TOKENS = 600
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
 SPLIT_UNKNOWN = "policy_version_split_unknown"
@@ -118,6 +117,35 @@ def _running(vllm: VLLMServer) -> float:
     )
 
 
+def _start_together(vllm: VLLMServer, gateway_url: str, calls: list[LongCall]) -> None:
+    """Start ``calls`` while vLLM's scheduler holds new requests (``/pause?mode=keep``), then
+    resume: they are scheduled from one resume, so none finishes before another starts (the
+    tiny model samples 600 tokens in a few seconds; started one by one, an exact stream was
+    done before the unary exact call's render). The gateway counts each call in flight from
+    its start; a moment later its generate request is in vLLM's queue."""
+    held = httpx.post(f"{vllm.url}/pause?mode=keep", timeout=120)
+    assert held.status_code == 200, held.text
+    for call in calls:
+        call.start()
+    deadline = time.monotonic() + 300
+    while _in_flight(gateway_url) < len(calls):
+        assert time.monotonic() < deadline, "the gateway never had every call in flight"
+        time.sleep(0.02)
+    time.sleep(0.5)
+    resumed = httpx.post(f"{vllm.url}/resume", timeout=120)
+    assert resumed.status_code == 200, resumed.text
+
+
+def _in_flight(gateway_url: str) -> float:
+    """Calls the gateway has in flight upstream (``trajgate_upstream_in_flight``)."""
+    metrics = httpx.get(f"{gateway_url}/metrics", timeout=60).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("trajgate_upstream_in_flight{")
+    )
+
+
 def _freeze_when_all_sample(vllm: VLLMServer, calls: list[LongCall]) -> dict[str, int]:
     """The barrier (module doc): wait until vLLM runs every call and each stream has read
     ``BARRIER_TOKENS`` more, then freeze vLLM; returns each stream's tokens read by then."""
@@ -183,14 +211,7 @@ def test_a_kept_update_aborts_nothing_and_every_token_matches_its_spans_version(
                 gateway.url, "kept-exact-unary", _first_turn(gateway.url, "kept-exact-unary"), False
             ),
         ]
-        for call in calls[2:]:
-            call.start()
-        deadline = time.monotonic() + 300
-        while _running(vllm) < 2:  # both exact continuations sampling, then the chat calls
-            assert time.monotonic() < deadline, "vLLM never ran both exact continuations"
-            time.sleep(0.02)
-        for call in calls[:2]:
-            call.start()
+        _start_together(vllm, gateway.url, calls)
         read_at_freeze = _freeze_when_all_sample(vllm, calls)
         update = api.post(
             "/admin/weight-updates",
