@@ -71,7 +71,8 @@ def render(vllm: vllm_server.VLLMServer, messages: list[Any], **body: Any) -> li
 
 
 @pytest.fixture(scope="module")
-def end_token(vllm: vllm_server.VLLMServer) -> int:
+def probed(vllm: vllm_server.VLLMServer) -> Replica:
+    """The real vLLM as the gateway's probe finds it."""
     replica = Replica(vllm.url)
 
     async def probe() -> bool | None:
@@ -81,8 +82,18 @@ def end_token(vllm: vllm_server.VLLMServer) -> int:
     import asyncio
 
     assert asyncio.run(probe()) is True
-    assert replica.end_token is not None
-    return replica.end_token
+    return replica
+
+
+@pytest.fixture(scope="module")
+def end_token(probed: Replica) -> int:
+    assert probed.end_token is not None
+    return probed.end_token
+
+
+def test_probe_finds_the_chat_endpoint_samples_from_forwarded_prompt_ids(probed: Replica) -> None:
+    # vLLM 0.32's decode-side reuse (kv_transfer_params.prompt_token_ids): exact streams need it.
+    assert probed.forwards_prompt_ids is True
 
 
 def test_probe_finds_the_templates_end_of_turn_token(end_token: int, tiny_model_dir: Path) -> None:
@@ -603,6 +614,71 @@ def forced_turn(
     call = message["tool_calls"][0]
     echo = {"role": "assistant", "content": message.get("content"), "tool_calls": [call]}
     return [*messages, echo, {"role": "tool", "tool_call_id": call["id"], "content": "21"}]
+
+
+def test_an_exact_stream_is_vllms_own_chat_stream_for_the_spliced_prompt(
+    vllm: vllm_server.VLLMServer, exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # Invariant 2 for exact streams: vLLM's chat endpoint given the stored prompt as forwarded
+    # ids answers the same tokens, text and logprobs (greedy), logprob token text included
+    # (the streamed derender this replaced left every token "" and bytes null).
+    messages = forced_turn(exact_gateway, "own-stream", [SYSTEM, USER])
+    body = {**ANSWER, "messages": messages, "max_tokens": 12, "temperature": 0.0}
+    body |= {"logprobs": True, "stream": True, "ignore_eos": True}
+    through = _stream_parts(f"{exact_gateway.url}/t/own-stream/v1/chat/completions", body)
+    _, step = steps_of(pool_settings, "own-stream")
+    assert step.continuation == "exact" and step.extends_parent
+    forwarded = {**body, "kv_transfer_params": {"prompt_token_ids": step.prompt_token_ids}}
+    direct = _stream_parts(
+        f"{vllm.url}/v1/chat/completions", {**forwarded, "return_token_ids": True}
+    )
+    assert through["token_ids"] == []  # not asked for: added upstream, stripped on the way back
+    assert direct["token_ids"] == step.response_token_ids
+    assert through["content"] == direct["content"]
+    assert [e["token"] for e in through["logprobs"]] == [e["token"] for e in direct["logprobs"]]
+    assert [e["bytes"] for e in through["logprobs"]] == [e["bytes"] for e in direct["logprobs"]]
+    assert any(e["token"] for e in through["logprobs"])
+    pairs = zip(through["logprobs"], direct["logprobs"], strict=True)
+    gaps = [abs(a["logprob"] - b["logprob"]) for a, b in pairs]
+    assert len(gaps) == 12 and max(gaps) < 1e-5
+
+
+def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_sent() -> None:
+    from gateway.proxy.continuation.engine import Continuation
+
+    sent = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
+    sent.confirm([1, 2, 3])
+    assert (sent.built, sent.suffix_tokens) == ("exact", 2)
+    # vLLM rendered the messages instead (echo, non-text content): the template's prompt.
+    rendered = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
+    rendered.confirm([1, 2, 4])
+    assert (rendered.built, rendered.suffix_tokens) == ("template", None)
+
+
+def test_a_body_with_its_own_kv_transfer_params_is_not_continued(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # Disaggregated serving sends kv_transfer_params itself; the gateway leaves its prompt alone.
+    messages = forced_turn(exact_gateway, "own-kv", [SYSTEM, USER])
+    body = {**ANSWER, "messages": messages, "kv_transfer_params": {}, "stream": True}
+    chat(exact_gateway, "own-kv", body)
+    _, step = steps_of(pool_settings, "own-kv")
+    assert step.continuation == "template"
+
+
+def _stream_parts(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A chat stream's content, token ids (when sent) and logprob entries, reassembled."""
+    content, ids, logprobs = [], [], []
+    with httpx.stream("POST", url, json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                content.append(choice["delta"].get("content") or "")
+                ids += choice.get("token_ids") or []
+                logprobs += (choice.get("logprobs") or {}).get("content") or []
+    return {"content": "".join(content), "token_ids": ids, "logprobs": logprobs}
 
 
 @pytest.mark.parametrize(

@@ -534,6 +534,32 @@ def test_c12_a_stall_between_chunks_ends_the_stream_with_an_error_and_keeps_the_
     assert "aborted" in step.flags
 
 
+def test_c12_an_exact_stream_keeps_the_silence_limit_between_chunks(
+    pool_settings: PoolSettings,
+) -> None:
+    # An exact continuation's stream is vLLM's chat endpoint given the spliced prompt: the same
+    # read timeout between chunks as any stream (its earlier path had none).
+    with emulated_gateway(
+        pool_settings,
+        gateway={"upstream_between_chunks_timeout_s": 0.2},
+        prompt_tokens=4,
+        response_tokens=3,
+        inter_token_ms=400,
+        prompt_ids="messages",
+    ) as gw:
+        url = f"{gw.url}/t/c12x/v1/chat/completions"
+        messages: list[Any] = [{"role": "user", "content": "hi"}]
+        first = _post(url, {"model": "emulated", "messages": messages, "max_tokens": 1})
+        answer = first.json()["choices"][0]["message"]["content"]
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go"}]
+        response = _post(url, {"model": "emulated", "messages": messages, "stream": True})
+    assert response.status_code == 200
+    assert sse_chunks(response.text)[-1]["error"]["type"] == "upstream_timeout"
+    _, step = steps_of(pool_settings, "c12x")
+    assert step.continuation == "exact"
+    assert step.finish_reason == "upstream_timeout" and "aborted" in step.flags
+
+
 def test_c13_a_503_then_200_is_one_step_with_both_attempts(pool_settings: PoolSettings) -> None:
     # Mock upstream: vLLM does not answer 503 on demand.
     answers = iter(

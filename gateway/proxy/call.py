@@ -106,6 +106,7 @@ class Call:
         error: str | None = None,
         ttft_ms: float | None = None,
     ) -> CallRecord:
+        self.continuation.confirm(prompt_ids)
         choices = [self._with_versions(c) for c in choices]
         if outcome == StepOutcome.OK and self.continuation.render_key is not None:
             choices = [keyed(self, c) for c in choices]

@@ -64,7 +64,13 @@ from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState, StateDep
 from gateway.upstream.answer_limit import AnswerTooLargeError
-from gateway.upstream.replicas import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse
+from gateway.upstream.replicas import (
+    CHAT_PATH,
+    InFlight,
+    NoHealthyUpstreamError,
+    Replica,
+    ReplicaResponse,
+)
 from gateway.upstream.weight_update import (
     ABORTED_FOR_WEIGHT_UPDATE,
     CallAborted,
@@ -76,7 +82,6 @@ T = TypeVar("T")
 
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 JSON_CONTENT = {"content-type": "application/json"}
-CHAT_PATH = "/v1/chat/completions"  # the upstream path exact continuation answers for
 
 
 router = APIRouter()  # the routes every app serves whatever its dialects: ``/v1/models``
@@ -368,6 +373,8 @@ async def plan_continuation(
     mode = state.settings.continuation_for(attribution.channel)
     if mode == "template" or dialect.upstream_path != CHAT_PATH:
         return Continuation(mode)
+    if "kv_transfer_params" in upstream_body:  # disaggregated serving chooses its own prompt
+        return Continuation(mode)
     if mode != "exact":
         raise ValueError(f"continuation {mode!r}; valid: {', '.join(CONTINUATION_MODES)}")
     canonical = dialect.canonical(upstream_body)
@@ -548,7 +555,11 @@ async def try_replica(
                 await state.upstreams.learn_exact(
                     state.client, replica, settings.upstream_connect_timeout_s
                 )
-            if extends and replica.end_token is not None:
+            if (
+                extends
+                and replica.end_token is not None
+                and (replica.forwards_prompt_ids or not stream)
+            ):
                 response = await send_exact(
                     state.client,
                     replica.url,

@@ -41,6 +41,9 @@ class Replica:
     # probed once it is healthy): None until known. False: its calls use the template.
     serves_exact: bool | None = None
     end_token: int | None = None  # the template's end-of-turn token (``probe_exact``)
+    # Whether its chat endpoint samples from forwarded prompt ids (``probe_exact``): exact
+    # streams need it; without it they use the template.
+    forwards_prompt_ids: bool = False
     # One exact-continuation probe at a time (the health loop's, or a call's that came first).
     exact_probe: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     # Parsed once per path: httpx parses a URL string on every request (its host as an IP
@@ -210,6 +213,7 @@ def _rendezvous(key: str, url: str) -> int:
 
 
 # The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.proxy.continuation).
+CHAT_PATH = "/v1/chat/completions"
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
 DERENDER_PATH = "/v1/chat/completions/derender"
@@ -218,8 +222,10 @@ DERENDER_PATH = "/v1/chat/completions/derender"
 async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> bool | None:
     """Whether the replica serves the render, generate and derender endpoints (an empty body
     is refused as invalid, 400/422, where a route exists; 404 where none does), and its
-    template's end-of-turn token (``replica.end_token``, ``end_of_turn``). None when the probe
-    could not run (unknown: tried again at the next health check)."""
+    template's end-of-turn token (``replica.end_token``, ``end_of_turn``). Also whether its chat
+    endpoint samples from forwarded prompt ids (``replica.forwards_prompt_ids``: one token
+    sampled from ids the messages sent would not render, and reported as the prompt). None
+    when the probe could not run (unknown: tried again at the next health check)."""
     try:
         for path in (RENDER_PATH, GENERATE_PATH, DERENDER_PATH):
             answer = await client.post(f"{replica.url}{path}", json={}, timeout=timeout_s)
@@ -245,8 +251,26 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
             }
             answer = await client.post(f"{replica.url}{RENDER_PATH}", json=body, timeout=timeout_s)
             rendered.append(answer.json()["token_ids"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        forwarded = rendered[0]  # x, then the assistant's y: not what [x] renders
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "kv_transfer_params": {"prompt_token_ids": forwarded},
+        }
+        answer = await client.post(f"{replica.url}{CHAT_PATH}", json=body, timeout=timeout_s)
+        sampled_from = answer.json().get("prompt_token_ids") if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
+    replica.forwards_prompt_ids = sampled_from == forwarded
+    if not replica.forwards_prompt_ids:
+        log.warning(
+            "upstream %s: its chat endpoint does not sample from forwarded prompt ids "
+            "(kv_transfer_params.prompt_token_ids, vLLM >= 0.32): its streamed calls use "
+            "continuation 'template'",
+            replica.url,
+        )
     replica.end_token = end_of_turn(rendered[0], rendered[1])
     if replica.end_token is None:
         log.warning(

@@ -34,7 +34,7 @@ at a time.
 4. ``POST /resume`` on every replica (whatever failed before), then the gate opens.
 
 Where the engine reports which weight version sampled each token (``weight_versions`` of
-vLLM's ``/inference/v1/generate``, which exact continuation uses, unary or streamed), its spans
+vLLM's ``/inference/v1/generate``, which a unary exact continuation uses), its spans
 are read instead of the gateway's counts (``Ticket.engine_spans`` says how its labels map to
 policy versions): a unary exact call across a kept reload is then exact too. A report of
 several versions for a call no reload of this gateway split is flagged unknown as well.

@@ -133,6 +133,23 @@ class ResponseBook:
             ids.append(self.end_token)  # every turn closes with it, as ChatML's <|im_end|>
         return ids
 
+    def chat_prompt_of(self, body: dict[str, Any]) -> list[int]:
+        """The prompt the chat endpoint samples from ``[P]``: the forwarded ids of
+        ``kv_transfer_params.prompt_token_ids`` when the body has them (vLLM 0.32's decode-side
+        reuse, which exact continuation's streams use), else ``prompt_of``. Raises
+        ``ValueError`` on forwarded ids that are not a non-empty list of non-negative ints."""
+        params = body.get("kv_transfer_params")
+        forwarded = params.get("prompt_token_ids") if isinstance(params, dict) else None
+        if forwarded is None:
+            return self.prompt_of(body)
+        if (
+            not isinstance(forwarded, list)
+            or not forwarded
+            or any(type(i) is not int or i < 0 for i in forwarded)
+        ):
+            raise ValueError("kv_transfer_params.prompt_token_ids must be non-negative ints")
+        return forwarded
+
     @property
     def end_token(self) -> int:
         """The id that closes every rendered turn with ``prompt_ids="messages"``: ``V``, one

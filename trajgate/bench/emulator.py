@@ -145,7 +145,7 @@ class _Connection(asyncio.Protocol):
             if not isinstance(body, dict):
                 raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
             shape = self.book.shape_of(body)
-            prompt = self.book.prompt_of(body)
+            prompt = self.book.chat_prompt_of(body)
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             self._send(*_error(400, str(exc)))
             return

@@ -5,18 +5,18 @@ out: the prompt's ``token_ids`` as ``ResponseBook.prompt_of`` renders them and t
 ``sampling_params`` derived from the body), ``POST /inference/v1/generate`` (token ids and
 sampling parameters in, the sampled ``token_ids`` and per-token ``logprobs.content[k]``
 (``token_id``, ``logprob``, ``rank``, ``top_logprobs``) out, one JSON body or one SSE event per
-token and choice) and ``POST /v1/chat/completions/derender`` (a generate answer, or one chunk of
-its stream with the carried ``stream_state``, in; the chat completion, or the chat chunk and the
-next ``stream_state``, out). Never: tokenizes or parses tool calls; a response's text is the
-emulator's own ``" t<id>"`` per token (``book._text``), so a derendered answer echoed back is
-rendered to exactly its ids again, as a faithful chat template would.
+token and choice) and ``POST /v1/chat/completions/derender`` (a whole generate answer in, the
+chat completion out; for the gateway's exact streams the emulator's chat endpoint takes
+forwarded prompt ids, ``ResponseBook.chat_prompt_of``). Never: tokenizes or parses tool calls;
+a response's text is the emulator's own ``" t<id>"`` per token (``book._text``), so a
+derendered answer echoed back is rendered to exactly its ids again, as a faithful chat
+template would.
 
 Shapes follow vLLM 0.32's ``entrypoints/scale_out`` protocol (``GenerateRequest``,
-``GenerateTokensResponse``, ``GenerateTokensStreamResponse``, ``DerenderChatRequest``,
-``DerenderChatStreamResponse``), read in its source. Deliberately simpler: ``sampling_params``
-holds only the fields the emulator reads (``n``, ``max_tokens``, ``logprobs``, ``temperature``,
-``seed``); ``weight_versions`` is null; ``stream_state`` carries only ``role_sent`` and the
-count of tokens derendered; the sampled ids are the book's seeded ids whatever the prompt.
+``GenerateTokensResponse``, ``GenerateTokensStreamResponse``, ``DerenderChatRequest``), read
+in its source. Deliberately simpler: ``sampling_params`` holds only the fields the emulator
+reads (``n``, ``max_tokens``, ``logprobs``, ``temperature``, ``seed``); ``weight_versions`` is
+null; no streamed derender; the sampled ids are the book's seeded ids whatever the prompt.
 Served only with ``prompt_ids="messages"`` (a fixed prompt has no turns to continue), else
 404 like a vLLM started without ``--enable-scale-out``.
 """
@@ -179,13 +179,13 @@ def _chat_logprobs(ids: list[int], logprobs: list[dict[str, Any]] | None) -> Any
 
 
 def derender(book: ResponseBook, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """The chat completion of a generate answer (``generate_response``), or with ``stream``
-    true the chat chunk of one generate chunk (``generate_chunk``) and the next
-    ``stream_state``. Raises ``ValueError`` on a body without them."""
+    """The chat completion of a generate answer (``generate_response``). Raises
+    ``ValueError`` on a body without one, or a streamed derender (``stream``: the gateway's
+    exact streams go to the chat endpoint with forwarded ids instead)."""
     model = body.get("model") or book.settings.model
     head = {"id": request_id, "created": int(time.time()), "model": model}
     if body.get("stream") is True:
-        return _derender_chunk(body, head)
+        raise ValueError("the emulator derenders whole generate answers only")
     generated = body.get("generate_response")
     if not isinstance(generated, dict) or not isinstance(generated.get("choices"), list):
         raise ValueError("generate_response must be a generate answer with choices")
@@ -233,34 +233,3 @@ def derender(book: ResponseBook, body: dict[str, Any], request_id: str) -> dict[
         "prompt_token_ids": None,
         "kv_transfer_params": None,
     }
-
-
-def _derender_chunk(body: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
-    chunk = body.get("generate_chunk")
-    if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
-        raise ValueError("generate_chunk must be a generate stream chunk with choices")
-    state = body.get("stream_state") or {}
-    role_sent, sent = bool(state.get("role_sent")), int(state.get("tokens", 0))
-    out = {**head, "object": "chat.completion.chunk", "choices": []}
-    for choice in chunk["choices"]:
-        ids = list(choice.get("token_ids") or [])
-        sent += len(ids)
-        delta: dict[str, Any] = {"content": "".join(_text(i) for i in ids)}
-        if not role_sent:
-            delta = {"role": "assistant", **delta}
-            role_sent = True
-        content = (choice.get("logprobs") or {}).get("content")
-        out["choices"].append(
-            {
-                "index": choice.get("index", 0),
-                "delta": delta,
-                "logprobs": _chat_logprobs(ids, content),
-                "finish_reason": choice.get("finish_reason"),
-                "stop_reason": choice.get("stop_reason"),
-                "token_ids": None,
-            }
-        )
-    if chunk.get("usage"):
-        out["usage"] = chunk["usage"]
-        out["system_fingerprint"] = SYSTEM_FINGERPRINT
-    return {"chunk": out, "stream_state": {"role_sent": role_sent, "tokens": sent}}

@@ -1,31 +1,35 @@
-"""Asking vLLM for an exact continuation: render, generate from our ids, derender.
+"""Asking vLLM for an exact continuation: render, then sample from our ids.
 
 Owns: ``send_exact``, which answers a chat completions body as vLLM's ``/v1/chat/completions``
-would, for the prompt ``gateway.proxy.continuation.prompt`` builds: vLLM renders the body
+would, for the prompt ``gateway.proxy.continuation.prompt`` builds. vLLM renders the body
 (``/v1/chat/completions/render``: the template's ids and vLLM's own sampling parameters for
-it), samples from the spliced prompt (``/inference/v1/generate``), and turns the sampled ids
-into the chat answer with its own tool and reasoning parsers (``/v1/chat/completions/derender``).
-The result is an ``httpx.Response`` shaped like the chat endpoint's (JSON, or SSE chunks with
-``prompt_token_ids`` first and ``token_ids`` and logprobs per chunk), so the proxy and every
-dialect read it as they read vLLM's chat answers. Never: parses a tool call or reasoning, or
-decodes a token (vLLM's derender does both).
+it); the gateway splices the turn's own ids in; then:
 
-Streams: each upstream read of ``/inference/v1/generate`` is derendered in one call per choice
-(the chunks a read completed merged), so the derender round trips follow the engine's pace,
-not one per token. vLLM's parser path replays its parser from the start of the response on
-every call (O(T^2) in the response length T, by vLLM's docstring); merging reads bounds the
-number of replays. vLLM's parsed derender does not resolve logprob token text: a streaming
-client that asked for logprobs gets each token's ``logprob`` with ``token`` "" and
-``bytes`` null (unary answers carry vLLM's full logprobs).
+- a stream goes to vLLM's chat endpoint itself with the spliced ids as forwarded prompt ids
+  (``kv_transfer_params.prompt_token_ids``, disaggregated serving's decode-side reuse: vLLM
+  skips only templating and tokenization, and streams as it always does, its tool and
+  reasoning parsers running incrementally in the server). The answer is vLLM's chat stream,
+  chunk for chunk; the version split of a kept reload is the gateway's own count, as for any
+  chat stream;
+- a unary call samples from ``/inference/v1/generate`` (whose answer says which weight version
+  sampled each token, ``weight_versions``: a unary call split by a kept reload is then exact)
+  and vLLM's derender (``/v1/chat/completions/derender``) turns the ids into the chat answer
+  with the same parsers.
 
-Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does);
+Why not generate for streams as well: vLLM's streaming derender is stateless, so with a parser
+configured every chunk's call carries the prompt and all output so far and replays the parser
+from the start (O(T) transport and up to O(T^2) parsing per chunk, by vLLM's own docstring of
+``DerenderStreamState``), and it leaves logprob token text empty. Never: parses a tool call or
+reasoning, or decodes a token (vLLM does both).
+
+Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does), and a
+chat endpoint that honours forwarded prompt ids (vLLM 0.32 does);
 ``gateway.upstream.replicas.probe_exact`` tells whether a replica has them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,7 +39,7 @@ from datapool.steps.canonical import CanonicalCall
 from gateway.capture import dumps, loads
 from gateway.proxy.continuation.history import Extension
 from gateway.proxy.continuation.prompt import exact_prompt
-from gateway.upstream.replicas import DERENDER_PATH, GENERATE_PATH, RENDER_PATH
+from gateway.upstream.replicas import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER_PATH
 
 log = logging.getLogger("trajgate.continuation")
 
@@ -52,9 +56,10 @@ class Continuation:
     tokens the template rendered for the new messages and the generation prompt; on an exact
     channel's chat path, ``render_key`` and ``canonical``: the call's ``history.render_key``
     and canonical record, from which each choice's ``turn_key`` is computed (None elsewhere);
-    ``weight_versions``: by choice index, the engine's ``weight_versions`` spans as
-    ``/inference/v1/generate`` reported them (its last chunk of the choice: ``[{"version",
-    "start", "end"}, ...]``), read by ``gateway.upstream.weight_update.Ticket.version_spans``."""
+    ``weight_versions``: by choice index, the engine's ``weight_versions`` spans as a unary
+    ``/inference/v1/generate`` reported them (``[{"version", "start", "end"}, ...]``), read by
+    ``gateway.upstream.weight_update.Ticket.version_spans``; ``prompt_token_ids``: the prompt
+    sent to the engine (``confirm`` checks the engine used it)."""
 
     mode: ContinuationMode
     extension: Extension | None = None
@@ -63,10 +68,16 @@ class Continuation:
     render_key: str | None = None
     canonical: CanonicalCall | None = None
     weight_versions: dict[int, list[Any]] = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None
 
-
-class DerenderError(httpx.RemoteProtocolError):
-    """vLLM's derender refused a chunk of a stream already under way (an upstream failure)."""
+    def confirm(self, engine_prompt: list[int] | None) -> None:
+        """Keep ``built`` = ``exact`` only when the engine reports the prompt it was sent:
+        vLLM renders the messages instead of taking forwarded ids for some bodies (``echo``,
+        non-text content), and such a call was then the template's."""
+        if self.built != "exact" or engine_prompt == self.prompt_token_ids:
+            return
+        log.warning("the engine did not sample from the exact prompt sent: recorded as template")
+        self.built, self.suffix_tokens = "template", None
 
 
 def _error_response(answer: httpx.Response, content: bytes) -> httpx.Response:
@@ -87,19 +98,22 @@ async def send_exact(
 ) -> httpx.Response:
     """The chat answer to ``body`` (an upstream chat completions body) with its prompt built
     from ``continuation.extension`` (``end_token``: the template's end-of-turn token, from
-    ``gateway.upstream.replicas.probe_exact``); ``continuation.built`` and ``suffix_tokens``
-    are set on the way (``template`` when the rendering has no boundary: then the template's own ids
-    are the prompt). A non-200 answer of any endpoint is returned as it came. Raises
-    ``httpx.HTTPError`` as the HTTP client does."""
+    ``gateway.upstream.replicas.probe_exact``); ``continuation.built``, ``suffix_tokens`` and
+    ``prompt_token_ids`` are set on the way (``template`` when the rendering has no boundary:
+    then the template's own ids are the prompt). ``timeout``: the limits of a unary call;
+    None for a stream (the client's defaults: its read timeout is the silence allowed between
+    chunks). A stream is returned open, as vLLM's chat endpoint answered it; a non-200 answer
+    of any endpoint is returned as it came. Raises ``httpx.HTTPError`` as the HTTP client does.
+    """
     extension = continuation.extension
     assert extension is not None, "send_exact continues a turn"
+    limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
     render = await client.post(
-        base_url + RENDER_PATH, content=dumps(body), headers=JSON_HEADERS, timeout=timeout
+        base_url + RENDER_PATH, content=dumps(body), headers=JSON_HEADERS, timeout=limits
     )
     if render.status_code != 200:
         return _error_response(render, render.content)
-    request: dict[str, Any] = render.json()
-    _restate_max_tokens(request["sampling_params"], body)
+    request: dict[str, Any] = loads(render.content)
     built = exact_prompt(extension.turn.sequence, end_token, request["token_ids"])
     if built is not None:
         request["token_ids"] = built.token_ids
@@ -107,28 +121,35 @@ async def send_exact(
     else:
         continuation.built, continuation.suffix_tokens = "template", None
     prompt: list[int] = request["token_ids"]
-    stream = body.get("stream") is True
-    generate = client.build_request(
-        "POST",
-        base_url + GENERATE_PATH,
-        content=dumps(request),
-        headers=JSON_HEADERS,
-        timeout=timeout,
+    continuation.prompt_token_ids = prompt
+    if body.get("stream") is True:
+        chat = client.build_request(
+            "POST",
+            base_url + CHAT_PATH,
+            content=dumps(forwarding(body, prompt)),
+            headers=JSON_HEADERS,
+            timeout=limits,
+        )
+        return await client.send(chat, stream=True)
+    _restate_max_tokens(request["sampling_params"], body)
+    answer = await client.post(
+        base_url + GENERATE_PATH, content=dumps(request), headers=JSON_HEADERS, timeout=timeout
     )
-    answer = await client.send(generate, stream=stream)
     if answer.status_code != 200:
-        content = await answer.aread()
-        await answer.aclose()
-        return _error_response(answer, content)
-    if not stream:
-        generated = answer.json()
-        _keep_weight_versions(continuation, generated.get("choices"))
-        return await _unary(client, base_url, body, prompt, generated, timeout)
-    return httpx.Response(
-        200,
-        headers={"content-type": "text/event-stream"},
-        stream=_DerenderedStream(client, base_url, body, prompt, answer, continuation),
-    )
+        return _error_response(answer, answer.content)
+    generated = loads(answer.content)
+    _keep_weight_versions(continuation, generated.get("choices"))
+    return await _unary(client, base_url, body, prompt, generated, timeout)
+
+
+def forwarding(body: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    """``body`` with ``prompt`` as the prompt ids vLLM's chat endpoint samples from instead of
+    rendering the messages (``kv_transfer_params.prompt_token_ids``; the body's own
+    ``kv_transfer_params`` keys are kept: ``plan_continuation`` continues no body that
+    forwards ids of its own)."""
+    params = body.get("kv_transfer_params")
+    carried = params if isinstance(params, dict) else {}
+    return {**body, "kv_transfer_params": {**carried, "prompt_token_ids": prompt}}
 
 
 # ``SamplingParams.max_tokens``' default in vLLM 0.32: its msgspec struct omits fields equal to
@@ -190,7 +211,7 @@ async def _unary(
     )
     if derender.status_code != 200:
         return _error_response(derender, derender.content)
-    answer: dict[str, Any] = derender.json()
+    answer: dict[str, Any] = loads(derender.content)
     # What the chat endpoint adds for ``return_token_ids`` (the gateway always asks): the
     # prompt at the top level, the sampled ids per choice.
     answer["prompt_token_ids"] = prompt
@@ -203,141 +224,3 @@ async def _unary(
             for entry in logprobs["content"]:
                 entry["top_logprobs"] = []
     return httpx.Response(200, content=dumps(answer), headers=JSON_HEADERS)
-
-
-class _DerenderedStream(httpx.AsyncByteStream):
-    """The chat SSE of a streamed exact continuation, derendered from the generate stream."""
-
-    def __init__(
-        self,
-        client: httpx.AsyncClient,
-        base_url: str,
-        body: dict[str, Any],
-        prompt: list[int],
-        generate: httpx.Response,
-        continuation: Continuation,
-    ) -> None:
-        self._client = client
-        self._continuation = continuation
-        self._url = base_url + DERENDER_PATH
-        self._body = body
-        self._prompt = prompt
-        self._generate = generate
-        self._states: dict[int, Any] = {}
-        self._prompt_sent = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for payloads in _data_reads(self._generate):
-            out: list[bytes] = []
-            for chunk in _merged(payloads):
-                if chunk is None:
-                    out.append(b"data: [DONE]\n\n")
-                else:
-                    out.append(b"data: " + dumps(await self._derendered(chunk)) + b"\n\n")
-            if out:
-                yield b"".join(out)
-
-    async def _derendered(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        choices = chunk.get("choices") or []
-        index = int(choices[0].get("index", 0)) if choices else -1
-        _keep_weight_versions(self._continuation, choices)
-        answer = await self._client.post(
-            self._url,
-            content=dumps(
-                {
-                    "stream": True,
-                    "model": self._body.get("model"),
-                    "generate_chunk": chunk,
-                    "stream_state": self._states.get(index),
-                    "chat_request": self._body,
-                    "prompt_token_ids": self._prompt,
-                    "prompt_tokens": len(self._prompt),
-                }
-            ),
-            headers=JSON_HEADERS,
-        )
-        if answer.status_code != 200:
-            raise DerenderError(f"derender answered {answer.status_code}: {answer.text[:300]}")
-        result = answer.json()
-        self._states[index] = result.get("stream_state")
-        out: dict[str, Any] = {k: v for k, v in result["chunk"].items() if v is not None}
-        if not self._prompt_sent:
-            out["prompt_token_ids"] = self._prompt
-            self._prompt_sent = True
-        for piece, choice in zip(choices, out.get("choices", []), strict=False):
-            choice["delta"] = {
-                k: v for k, v in (choice.get("delta") or {}).items() if v is not None
-            }
-            if choice.get("stop_reason") is None:
-                choice.pop("stop_reason", None)
-            choice["token_ids"] = piece.get("token_ids") or []
-            content = (piece.get("logprobs") or {}).get("content")
-            choice["logprobs"] = (
-                None
-                if content is None
-                else {
-                    "content": [
-                        {
-                            "token": "",
-                            "logprob": entry["logprob"],
-                            "bytes": None,
-                            "top_logprobs": [],
-                        }
-                        for entry in content
-                    ]
-                }
-            )
-        return out
-
-    async def aclose(self) -> None:
-        await self._generate.aclose()  # closing the connection makes vLLM abort the request
-
-
-async def _data_reads(response: httpx.Response) -> AsyncIterator[list[bytes]]:
-    """The ``data`` payloads of vLLM's generate stream (``data: <json>`` lines, blank lines
-    between events), one list per read that completed at least one."""
-    tail = b""
-    async for piece in response.aiter_raw():
-        lines = (tail + piece).split(b"\n")
-        tail = lines.pop()
-        payloads = [line[6:] for line in lines if line.startswith(b"data: ")]
-        if payloads:
-            yield payloads
-    if tail.startswith(b"data: "):
-        yield [tail[6:]]
-
-
-def _merged(payloads: list[bytes]) -> list[dict[str, Any] | None]:
-    """One read's generate chunks with each choice's consecutive chunks merged into one (ids,
-    logprobs concatenated; the last finish reason, weight versions and usage kept); None for
-    ``[DONE]``. Order across choices and around usage-only chunks is kept."""
-    merged: list[dict[str, Any] | None] = []
-    for payload in payloads:
-        if payload.strip() == b"[DONE]":
-            merged.append(None)
-            continue
-        chunk = loads(payload)
-        previous = merged[-1] if merged else None
-        choices = chunk.get("choices") or []
-        if (
-            previous is not None
-            and len(choices) == 1
-            and len(previous.get("choices") or []) == 1
-            and previous["choices"][0].get("index") == choices[0].get("index")
-            and previous["choices"][0].get("finish_reason") is None
-            and not previous.get("usage")
-        ):
-            _extend(previous["choices"][0], choices[0])
-            continue
-        merged.append(chunk)
-    return merged
-
-
-def _extend(into: dict[str, Any], more: dict[str, Any]) -> None:
-    into["token_ids"] = [*(into.get("token_ids") or []), *(more.get("token_ids") or [])]
-    mine, theirs = into.get("logprobs"), more.get("logprobs")
-    if mine is not None and theirs is not None:
-        mine["content"] = [*(mine.get("content") or []), *(theirs.get("content") or [])]
-    for name in ("finish_reason", "stop_reason", "weight_versions"):
-        if more.get(name) is not None:
-            into[name] = more[name]
