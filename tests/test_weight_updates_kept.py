@@ -4,10 +4,11 @@ each step records which tokens each version sampled.
 
 The proof that the spans are exact: the stored behaviour logprob of every token equals the one
 recomputed (transformers, float32, at the row's temperature) under the weights of its span's
-version, within 1e-5, while the two versions' logprobs of the same tokens differ by far more.
-Streams split by the gateway's own count; exact continuations (streamed or unary) by the
-engine's ``weight_versions``; a unary call through the chat endpoint cannot tell where its
-answer was split: flagged, not trained on.
+version, within 1e-5 on average and 3e-5 for any one token (fp32 noise), while the two
+versions' logprobs of the same tokens differ by far more. Streams (exact continuations
+included: vLLM's chat endpoint with forwarded prompt ids) split by the gateway's own count; a
+unary exact continuation by the engine's ``weight_versions``; a unary call through the chat
+endpoint cannot tell where its answer was split: flagged, not trained on.
 
 The barrier, not a guess at timing: the update is published only once vLLM runs every call and
 each stream has read ``BARRIER_TOKENS`` more tokens since (the engine steps every running
@@ -41,7 +42,12 @@ from datapool.batches.spec import BatchSpec
 from datapool.settings import PoolSettings
 from trajgate.vllm_server import VLLMServer
 
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # mean absolute gap per span (nats, fp32)
+# The largest single token's gap: vLLM's batched CPU kernels against the trainer's one sequence
+# at fp32 reach 3.1e-6 to 1.19e-5 over a 600-token call (6 runs, 2026-12-04), so a 1e-5 bound
+# on the max failed by noise; a token read under the wrong version is far outside either bound
+# (the spans differ by > 100 x TOLERANCE on average, checked below).
+TOKEN_TOLERANCE = 3e-5
 TEMPERATURE = 0.6
 BARRIER_TOKENS = 8
 # A call's tokens when the engine freezes: those sampled before every call ran (their arrival
@@ -261,8 +267,9 @@ def test_a_kept_update_aborts_nothing_and_every_token_matches_its_spans_version(
         under = [
             _token_logprobs(m, step["prompt_token_ids"], step["response_token_ids"]) for m in models
         ]  # each [R]
-        assert float((stored[:split] - under[0][:split]).abs().max()) < TOLERANCE
-        assert float((stored[split:] - under[1][split:]).abs().max()) < TOLERANCE
+        for gap in (stored[:split] - under[0][:split], stored[split:] - under[1][split:]):
+            assert float(gap.abs().mean()) < TOLERANCE
+            assert float(gap.abs().max()) < TOKEN_TOLERANCE
         # The check tells the versions apart: each span is far from the other version.
         assert float((stored[:split] - under[1][:split]).abs().mean()) > 100 * TOLERANCE
         assert float((stored[split:] - under[0][split:]).abs().mean()) > 100 * TOLERANCE
