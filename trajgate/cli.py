@@ -666,6 +666,13 @@ def bench_gateway(
     steps_per_trajectory: Annotated[
         int, typer.Option(help="Calls per trajectory (turns of a --continuation conversation).")
     ] = 8,
+    mode_rounds: Annotated[
+        int,
+        typer.Option(
+            help="With --continuation: rounds each mode's calls are split into, the modes "
+            "alternating (A B, B A, ...) so background work falls on both alike."
+        ),
+    ] = 6,
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
@@ -699,6 +706,7 @@ def bench_gateway(
         dialect=dialect,
         continuations=modes,  # type: ignore[arg-type]
         steps_per_trajectory=steps_per_trajectory,
+        mode_rounds=mode_rounds,
     )
     if as_json:
         typer.echo(json.dumps(run_benchmark(settings), indent=2))

@@ -48,7 +48,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -139,6 +139,14 @@ class BenchSettings(BaseModel):
         "multi-turn conversations that echo the emulator's answers through the gateway once "
         "per mode, on a channel set to it (trajgate.bench.continuation); empty: one "
         "single-turn request, the gateway's default mode.",
+    )
+    mode_rounds: int = Field(
+        default=6,
+        ge=1,
+        description="With continuations: each mode's measured calls are sent in this many "
+        "rounds, the modes alternating (A B, B A, ...), so the gateway's background work (group "
+        "commits, health checks) and the machine's drift fall on every mode alike; 1 measures "
+        "each mode in one window.",
     )
 
 
@@ -369,17 +377,19 @@ async def drive(
     stream: bool,
     requests: int,
     headers: dict[str, str] | None = None,
+    calls_made: list[int] | None = None,
 ) -> Sample:
     """Send ``requests`` calls from the workers; worker ``w``'s ``k``-th call sends
     ``bodies[k % len(bodies)]`` (turn ``k % S`` of a conversation, or the one body) to
     ``path_of(w, k)``. A call counts when ``Caller.call`` says it succeeded; otherwise it is an
-    error, the first one kept as text."""
+    error, the first one kept as text. ``calls_made``: each worker's calls so far, where its
+    ``k`` starts and is left (a later drive then continues its conversations)."""
     sample = Sample()
     next_call = 0
 
     async def work(caller: Caller, worker_index: int) -> None:
         nonlocal next_call
-        k = 0
+        k = 0 if calls_made is None else calls_made[worker_index]
         while next_call < requests:
             next_call += 1
             path, body = path_of(worker_index, k), bodies[k % len(bodies)]
@@ -396,6 +406,8 @@ async def drive(
             else:
                 sample.errors += 1
                 sample.first_error = sample.first_error or error
+        if calls_made is not None:
+            calls_made[worker_index] = k
 
     cpu_started, wall_started = time.process_time(), time.perf_counter()
     await asyncio.gather(*(work(caller, w) for w, caller in enumerate(workers)))
@@ -565,15 +577,7 @@ async def _measure(
     per call during the measured run."""
     pids = {"emulator": targets.emulator_pid, "gateway": targets.gateway_pid if gateway else None}
     async with callers(base_url, settings.loadgen, concurrency, stream_end) as workers:
-        if settings.warmup_requests:
-            await drive(
-                workers,
-                lambda w, k: path_of(-1 - w, k),  # negative workers: warm-up trajectories
-                bodies,
-                stream=stream,
-                requests=max(settings.warmup_requests, concurrency),
-                headers=headers,
-            )
+        await _warm_up(workers, path_of, bodies, stream, settings, headers)
         before = {name: process_cpu_s(pid) for name, pid in pids.items()}
         sample = await drive(
             workers, path_of, bodies, stream=stream, requests=settings.requests, headers=headers
@@ -585,6 +589,99 @@ async def _measure(
     }
     cpu["loadgen_cpu_ms_per_call"] = _cpu_ms_per_call(0.0, sample.loadgen_cpu_s, calls)
     return sample, cpu
+
+
+async def _warm_up(
+    workers: list[Caller],
+    path_of: Callable[[int, int], str],
+    bodies: list[bytes],
+    stream: bool,
+    settings: BenchSettings,
+    headers: dict[str, str] | None,
+) -> None:
+    """The unmeasured calls before a measured run, on the same connections."""
+    if settings.warmup_requests:
+        await drive(
+            workers,
+            lambda w, k: path_of(-1 - w, k),  # negative workers: warm-up trajectories
+            bodies,
+            stream=stream,
+            requests=max(settings.warmup_requests, len(workers)),
+            headers=headers,
+        )
+
+
+async def _measure_modes(
+    targets: Targets,
+    base_url: str,
+    paths: dict[str, Callable[[int, int], str]],
+    bodies: list[bytes],
+    stream: bool,
+    concurrency: int,
+    settings: BenchSettings,
+    stream_end: bytes,
+) -> dict[str, tuple[Sample, dict[str, float | None]]]:
+    """``_measure`` of each continuation mode in ``paths`` (mode -> path), interleaved: after
+    every mode's warm-up, ``settings.mode_rounds`` rounds, each sending every mode its share of
+    the measured calls, in alternating order (``ABBA``); samples and each process's CPU are
+    summed per mode over the rounds. Each mode keeps its own connections, and each worker's
+    conversations continue from round to round."""
+    pids = {"emulator": targets.emulator_pid, "gateway": targets.gateway_pid}
+    modes = list(paths)
+    rounds = settings.mode_rounds
+    shares = [settings.requests // rounds + (r < settings.requests % rounds) for r in range(rounds)]
+    samples = {mode: Sample() for mode in modes}
+    cpu_s: dict[str, dict[str, float | None]] = {m: dict.fromkeys(pids, 0.0) for m in modes}
+    made = {mode: [0] * concurrency for mode in modes}
+    async with AsyncExitStack() as stack:
+        workers = {
+            mode: await stack.enter_async_context(
+                callers(base_url, settings.loadgen, concurrency, stream_end)
+            )
+            for mode in modes
+        }
+        for mode in modes:
+            await _warm_up(workers[mode], paths[mode], bodies, stream, settings, mode_headers(mode))
+        for index, share in enumerate(shares):
+            for mode in modes if index % 2 == 0 else modes[::-1]:
+                before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+                part = await drive(
+                    workers[mode],
+                    paths[mode],
+                    bodies,
+                    stream=stream,
+                    requests=share,
+                    headers=mode_headers(mode),
+                    calls_made=made[mode],
+                )
+                for name, pid in pids.items():
+                    after, spent = process_cpu_s(pid), cpu_s[mode][name]
+                    start = before[name]
+                    cpu_s[mode][name] = (
+                        None
+                        if after is None or start is None or spent is None
+                        else spent + after - start
+                    )
+                _add(samples[mode], part)
+    result = {}
+    for mode, sample in samples.items():
+        calls = sample.ok + sample.errors
+        cpu = {
+            f"{name}_cpu_ms_per_call": _cpu_ms_per_call(0.0, spent, calls)
+            for name, spent in cpu_s[mode].items()
+        }
+        cpu["loadgen_cpu_ms_per_call"] = _cpu_ms_per_call(0.0, sample.loadgen_cpu_s, calls)
+        result[mode] = (sample, cpu)
+    return result
+
+
+def _add(total: Sample, part: Sample) -> None:
+    total.latencies_ms += part.latencies_ms
+    total.first_byte_ms += part.first_byte_ms
+    total.wall_s += part.wall_s
+    total.errors += part.errors
+    total.first_error = total.first_error or part.first_error
+    total.loadgen_cpu_s += part.loadgen_cpu_s
 
 
 def _stats(prefix: str, sample: Sample) -> dict[str, Any]:
@@ -727,13 +824,24 @@ def _run_one(
 
     direct, direct_cpu = measure(targets.emulator_url, _fixed_path("/v1", "chat"), "chat", False)
     if settings.continuations:
+
+        def mode_path(mode: str) -> Callable[[int, int], str]:
+            return lambda w, k: gateway_path(w, k).replace(f"{run_id}-", f"{run_id}-{mode}-", 1)
+
+        measured = asyncio.run(
+            _measure_modes(
+                targets,
+                targets.gateway_url,
+                {mode: mode_path(mode) for mode in settings.continuations},
+                bodies,
+                stream,
+                concurrency,
+                settings,
+                STREAM_ENDS[dialect],
+            )
+        )
         modes: dict[str, dict[str, Any]] = {}
-        for mode in settings.continuations:
-
-            def mode_path(w: int, k: int, mode: str = mode) -> str:
-                return gateway_path(w, k).replace(f"{run_id}-", f"{run_id}-{mode}-", 1)
-
-            sample, cpu = measure(targets.gateway_url, mode_path, dialect, True, mode_headers(mode))
+        for mode, (sample, cpu) in measured.items():
             prefix = f"{run_id}-{mode}-m"
             modes[mode] = {
                 **_compare(direct, sample, "gateway"),
