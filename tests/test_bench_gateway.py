@@ -53,12 +53,25 @@ def emulator() -> Iterator[EmulatorThread]:
     server.stop()
 
 
+class _AnyItem:
+    """The item of an empty list: equal to any item's structure. vLLM sends ``bytes: []`` for a
+    token that is not valid UTF-8 alone (its ``token`` is ""), where the emulator's ids have
+    bytes; the list is still a list of ints."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "any"
+
+
 def structure(value: Any) -> Any:
-    """Keys and JSON types of ``value``, lists by their first item: what must match vLLM."""
+    """Keys and JSON types of ``value``, lists by their first item (an empty one matches any):
+    what must match vLLM."""
     if isinstance(value, dict):
         return {key: structure(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [structure(value[0])] if value else []
+        return [structure(value[0]) if value else _AnyItem()]
     return type(value).__name__
 
 
