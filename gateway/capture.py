@@ -131,7 +131,7 @@ def _wrong_kind(value: Any, expected: str, where: str) -> NoReturn:
     raise ValueError(f"expected {expected} at {where}, got {type(value).__name__}: {value!r:.80}")
 
 
-def dumps(value: dict[str, Any]) -> bytes:
+def dumps(value: dict[str, Any] | list[Any]) -> bytes:
     """JSON as vLLM serialises it (pydantic: compact, UTF-8 as is, shortest float digits).
 
     orjson refuses integers past 64 bits and strings with lone surrogates, which pydantic would

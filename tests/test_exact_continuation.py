@@ -666,6 +666,63 @@ def test_a_body_with_its_own_kv_transfer_params_is_not_continued(
     assert step.continuation == "template"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once(
+    exact_gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+) -> None:
+    # The render is the one exchange exact mode adds before sampling: it leaves while the
+    # gateway asks the pool about re-sends (every call does), and the call uses it.
+    from gateway.proxy import routes
+    from gateway.proxy.continuation import engine
+
+    events: list[str] = []
+    render, find_resend = engine._render, routes.find_resend
+
+    async def recorded_render(*args: Any) -> httpx.Response:
+        events.append("render")
+        return await render(*args)
+
+    def recorded_find_resend(*args: Any) -> str | None:
+        events.append("lookup")
+        return find_resend(*args)
+
+    monkeypatch.setattr(engine, "_render", recorded_render)
+    monkeypatch.setattr(routes, "find_resend", recorded_find_resend)
+    trajectory = f"ahead-{stream}"
+    messages = forced_turn(exact_gateway, trajectory, [SYSTEM, USER], stream=stream)
+    assert events == ["lookup"]  # a first call extends nothing: no render at all
+    answer = {**ANSWER, "messages": messages, "stream": stream}
+    events.clear()
+    chat(exact_gateway, trajectory, answer)
+    assert events == ["render", "lookup"]
+    # The same body again (a re-send): prepared again under the earlier call's id; the render
+    # sent ahead serves it when that gives the very same body, else the new body is rendered.
+    events.clear()
+    chat(exact_gateway, trajectory, answer)
+    assert events in (["render", "lookup"], ["render", "lookup", "render"])
+    # A rewritten turn: the render sent ahead is dropped, the template renders the call.
+    events.clear()
+    rewritten = [*messages[:2], {**messages[2], "content": "changed"}, *messages[3:]]
+    chat(exact_gateway, trajectory, {**answer, "messages": rewritten})
+    assert events == ["render", "lookup"]
+    steps = steps_of(pool_settings, trajectory)
+    assert [s.continuation for s in steps] == ["template", "exact", "exact", "template"]
+    assert steps[2].call_id == steps[1].call_id and "resend" in steps[2].flags
+    assert steps[1].prompt_token_ids == steps[2].prompt_token_ids
+
+
+def test_the_forwarded_body_is_the_rendered_body_with_the_prompt_ids_added() -> None:
+    from gateway.capture import dumps
+    from gateway.proxy.continuation.engine import forwarding
+
+    body = {"model": MODEL, "messages": [SYSTEM, USER], "tools": [WEATHER], "stream": True}
+    forwarded = json.loads(forwarding(dumps(body), [1, 2, 3]))
+    assert forwarded == {**body, "kv_transfer_params": {"prompt_token_ids": [1, 2, 3]}}
+
+
 def _stream_parts(url: str, body: dict[str, Any]) -> dict[str, Any]:
     """A chat stream's content, token ids (when sent) and logprob entries, reassembled."""
     content, ids, logprobs = [], [], []

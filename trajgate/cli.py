@@ -673,6 +673,13 @@ def bench_gateway(
             "alternating (A B, B A, ...) so background work falls on both alike."
         ),
     ] = 6,
+    pin_cores: Annotated[
+        bool,
+        typer.Option(
+            help="The gateway on cores of its own, the emulator and load generator on the last "
+            "one (2+ cores, --gateway-mode process): no engine work preempts the gateway."
+        ),
+    ] = False,
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
@@ -689,7 +696,8 @@ def bench_gateway(
     if not set(values) <= {"false", "true"}:
         raise typer.BadParameter(f"--stream takes 'false' or 'true', got {stream}")
     streams = tuple(value == "true" for value in values)
-    settings = BenchSettings(
+    settings = _settings(
+        BenchSettings,
         requests=requests,
         warmup_requests=warmup_requests,
         concurrencies=tuple(concurrency or [1, 64]),
@@ -698,15 +706,16 @@ def bench_gateway(
         response_tokens=response_tokens,
         ttft_ms=ttft_ms,
         inter_token_ms=inter_token_ms,
-        gateway_mode=gateway_mode,  # type: ignore[arg-type]
-        loadgen=loadgen,  # type: ignore[arg-type]
+        gateway_mode=gateway_mode,
+        loadgen=loadgen,
         proxy_urls=tuple(proxy_url or []),
         emulator_port=emulator_port,
         data_dir=data_dir,
         dialect=dialect,
-        continuations=modes,  # type: ignore[arg-type]
+        continuations=modes,
         steps_per_trajectory=steps_per_trajectory,
         mode_rounds=mode_rounds,
+        pin_cores=pin_cores,
     )
     if as_json:
         typer.echo(json.dumps(run_benchmark(settings), indent=2))

@@ -52,7 +52,13 @@ from gateway.proxy.attribution import (
     read_json_object,
 )
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
-from gateway.proxy.continuation.engine import CONTINUATION_MODES, Continuation, send_exact
+from gateway.proxy.continuation.engine import (
+    CONTINUATION_MODES,
+    Continuation,
+    RenderAhead,
+    render_ahead,
+    send_exact,
+)
 from gateway.proxy.continuation.history import (
     candidate_keys,
     find_extension,
@@ -272,6 +278,8 @@ async def forward_call(
         upstream = lifetime.upstream = await ticket.guard(open_upstream(state, call))
     except CallAborted:
         await abort_call(state, call, None)
+    finally:
+        call.continuation.discard()  # a render sent ahead that no attempt took
     if not call.prepared.stream:
         ticket.release()  # the whole answer is in: its sampling ended
     try:
@@ -321,38 +329,65 @@ async def new_call(
     """The ``prepared`` call with the policy alias resolved, the channel's sampling defaults
     where the client omitted a field, and the earlier call it re-sends (same body within
     ``resend_window_s``), whose call id it then shares. A body continuing an earlier call
-    (``Dialect.earlier_call_id``) gets that call's step read from the pool."""
+    (``Dialect.earlier_call_id``) gets that call's step read from the pool.
+
+    The upstream body is final before the pool is asked about re-sends and turns, so an exact
+    continuation's render is already on its way meanwhile (``render_ahead_of``); a re-send's
+    body is prepared again under the earlier call's id (the render ahead then goes unused
+    unless ``send_exact`` finds the same body)."""
     body = prepared.client_body
     resolution = state.policy.resolve(body.get("model"))
     digest = request_hash(dialect.name, body)
-    resend_of = None
-    if state.settings.resend_window_s > 0 and not idempotency_key:
-        resend_of = await pool_lookup(
-            state,
-            find_resend,
-            state.store.engine,
-            attribution.trajectory_id,
-            digest,
-            state.settings.resend_window_s,
-        )
-    call_id = resend_of or str(uuid.uuid4())
     earlier = await earlier_call(state, dialect, body, attribution)
     defaults = state.settings.sampling_defaults_for(attribution.channel)
-    prepared = with_sampling_defaults(
-        dialect.prepare_call(prepared, resolution.upstream_model, call_id, earlier), defaults
-    )
     policy = state.settings.sampling_policy_for(attribution.channel)
-    prepared, replaced = apply_policy(dialect, prepared, policy, defaults)
-    check_limits(dialect, prepared, state.settings.generation_limits)
-    continuation = await plan_continuation(state, attribution, prepared.upstream_body, dialect)
+
+    def prepared_as(call_id: str) -> tuple[Prepared, dict[str, Any]]:
+        call = with_sampling_defaults(
+            dialect.prepare_call(prepared, resolution.upstream_model, call_id, earlier), defaults
+        )
+        call, replaced = apply_policy(dialect, call, policy, defaults)
+        check_limits(dialect, call, state.settings.generation_limits)
+        return call, replaced
+
+    call_id = str(uuid.uuid4())
+    final, replaced = prepared_as(call_id)
+    ahead = render_ahead_of(state, attribution, dialect, final)
+    try:
+        if ahead is not None:
+            # Let the render reach the replica before the pool lookups below, whose threads
+            # would otherwise hold the GIL while the render is still being sent.
+            await asyncio.sleep(0)
+        resend_of = None
+        if state.settings.resend_window_s > 0 and not idempotency_key:
+            resend_of = await pool_lookup(
+                state,
+                find_resend,
+                state.store.engine,
+                attribution.trajectory_id,
+                digest,
+                state.settings.resend_window_s,
+            )
+        if resend_of is not None:
+            call_id = resend_of
+            final, replaced = prepared_as(call_id)
+        continuation = await plan_continuation(state, attribution, final.upstream_body, dialect)
+    except BaseException:
+        if ahead is not None:
+            ahead.discard()
+        raise
+    if continuation.extension is not None:
+        continuation.ahead = ahead
+    elif ahead is not None:
+        ahead.discard()
     sampling = sampling_record(
-        prepared.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
+        final.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
     )
     return Call(
         dialect=dialect,
         attribution=attribution,
         body=body,
-        prepared=prepared,
+        prepared=final,
         policy_version=resolution.policy_version,
         call_id=call_id,
         request_hash=digest,
@@ -361,6 +396,32 @@ async def new_call(
         continuation=continuation,
         sampling=sampling,
     )
+
+
+def render_ahead_of(
+    state: GatewayState, attribution: Attribution, dialect: Dialect, prepared: Prepared
+) -> RenderAhead | None:
+    """The exact continuation's render, sent now (``engine.render_ahead``) when the call would
+    send one: an exact channel's chat call whose trajectory has a turn in this gateway's
+    memory (so it most likely extends one), to the replica ``open_upstream`` will try first,
+    once that replica is known to serve exact continuations for this kind of call. None
+    otherwise (the render, if any, is then sent when the call goes upstream)."""
+    body = prepared.upstream_body
+    if (
+        state.settings.continuation_for(attribution.channel) != "exact"
+        or dialect.upstream_path != CHAT_PATH
+        or "kv_transfer_params" in body
+        or not state.turns.turns_of(attribution.trajectory_id)
+    ):
+        return None
+    try:
+        replica = state.upstreams.pick(attribution.trajectory_id)
+    except NoHealthyUpstreamError:
+        return None
+    if replica.end_token is None or not (replica.forwards_prompt_ids or not prepared.stream):
+        return None
+    timeout = None if prepared.stream else upstream_timeout(state)
+    return render_ahead(state.client, replica, body, timeout)
 
 
 async def plan_continuation(
@@ -562,10 +623,9 @@ async def try_replica(
             ):
                 response = await send_exact(
                     state.client,
-                    replica.url,
+                    replica,
                     call.upstream_body,
                     call.continuation,
-                    replica.end_token,
                     None if stream else upstream_timeout(state),
                 )
             else:

@@ -50,11 +50,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from sqlalchemy import func, select
 
 from datapool import db
@@ -140,6 +141,14 @@ class BenchSettings(BaseModel):
         "per mode, on a channel set to it (trajgate.bench.continuation); empty: one "
         "single-turn request, the gateway's default mode.",
     )
+    pin_cores: bool = Field(
+        default=False,
+        description="Run the gateway on cores of its own and the emulator and the load "
+        "generator on the last core (needs 2 cores and gateway_mode 'process'). Unpinned on a "
+        "2-core machine, the scheduler wakes the emulator on the gateway's core and lets it "
+        "preempt the gateway while the emulated engine works (a render, say): time the "
+        "gateway then waits for a core, not work it does. A real engine runs elsewhere.",
+    )
     mode_rounds: int = Field(
         default=6,
         ge=1,
@@ -148,6 +157,14 @@ class BenchSettings(BaseModel):
         "commits, health checks) and the machine's drift fall on every mode alike; 1 measures "
         "each mode in one window.",
     )
+
+    @model_validator(mode="after")
+    def _pinning_can_run(self) -> BenchSettings:
+        if self.pin_cores and self.gateway_mode != "process":
+            raise ValueError("pin_cores needs gateway_mode 'process' (a thread shares its cores)")
+        if self.pin_cores and len(os.sched_getaffinity(0)) < 2:
+            raise ValueError("pin_cores needs at least 2 cores: one for the gateway, one beside")
+        return self
 
 
 @dataclass
@@ -486,7 +503,11 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
     db.upgrade(database_url)
     children: list[subprocess.Popen[bytes]] = []
     thread_server: Any = None
+    outside, gateway_cores = pinned_cores() if settings.pin_cores else (None, None)
+    before = os.sched_getaffinity(0)
     try:
+        if outside is not None:
+            os.sched_setaffinity(0, outside)  # the load generator, and the emulator it starts
         with open(log_dir / "emulator.log", "wb") as log:
             emulator = subprocess.Popen(
                 [sys.executable, "-m", "trajgate.bench.emulator"],
@@ -501,7 +522,18 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
             command = [sys.executable, "-m", "trajgate.cli", "serve", "--upstream", emulator_url]
             command += ["--port", str(gateway_port), "--database-url", database_url]
             with open(log_dir / "gateway.log", "wb") as log:
-                gateway = subprocess.Popen(command, stdout=log, stderr=log, env=gateway_env)
+                gateway = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=log,
+                    env=gateway_env,
+                    # set in the child before it starts, so every thread it makes inherits it
+                    preexec_fn=(
+                        None
+                        if gateway_cores is None
+                        else partial(os.sched_setaffinity, 0, gateway_cores)
+                    ),
+                )
             children.append(gateway)
             gateway_pid = gateway.pid
             wait_healthy(f"{gateway_url}/health", gateway, 180.0)  # loaded machines start slowly
@@ -526,6 +558,7 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
             )
         yield Targets(emulator_url, emulator.pid, gateway_url, gateway_pid, database_url)
     finally:
+        os.sched_setaffinity(0, before)
         if thread_server is not None:
             thread_server.stop()
         for child in reversed(children):
@@ -534,6 +567,13 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def pinned_cores() -> tuple[set[int], set[int]]:
+    """``(outside, gateway)``: the last core of this process's for the emulator and the load
+    generator, the others for the gateway (``BenchSettings.pin_cores``)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {cores[-1]}, set(cores[:-1])
 
 
 def count_steps(database_url: str, trajectory_prefix: str, continuation: str | None = None) -> int:

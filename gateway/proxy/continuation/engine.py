@@ -22,6 +22,13 @@ from the start (O(T) transport and up to O(T^2) parsing per chunk, by vLLM's own
 ``DerenderStreamState``), and it leaves logprob token text empty. Never: parses a tool call or
 reasoning, or decodes a token (vLLM does both).
 
+The render is the one exchange exact mode adds before the engine samples, so it is sent as
+early as it can be (``render_ahead``): as soon as the call's upstream body is final and its
+trajectory has a turn in the gateway's memory, while the gateway still looks up re-sends and
+the turn the call extends in the pool. ``send_exact`` uses it when the call goes to that
+replica with that very body; otherwise (another replica, a body prepared again for a re-send)
+it renders anew, and a call that extends no turn discards it.
+
 Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does), and a
 chat endpoint that honours forwarded prompt ids (vLLM 0.32 does);
 ``gateway.upstream.replicas.probe_exact`` tells whether a replica has them.
@@ -29,6 +36,7 @@ chat endpoint that honours forwarded prompt ids (vLLM 0.32 does);
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,16 +44,60 @@ from typing import Any, Literal
 import httpx
 
 from datapool.steps.canonical import CanonicalCall
-from gateway.capture import dumps, loads
+from gateway.capture import UNREADABLE, dumps, loads_object
 from gateway.proxy.continuation.history import Extension
-from gateway.proxy.continuation.prompt import exact_prompt
-from gateway.upstream.replicas import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER_PATH
+from gateway.proxy.continuation.prompt import turn_prefix
+from gateway.upstream.replicas import (
+    CHAT_PATH,
+    DERENDER_PATH,
+    GENERATE_PATH,
+    RENDER_PATH,
+    Replica,
+)
 
 log = logging.getLogger("trajgate.continuation")
 
 ContinuationMode = Literal["exact", "template"]
 CONTINUATION_MODES: tuple[ContinuationMode, ...] = ("exact", "template")
 JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass
+class RenderAhead:
+    """A render sent before the call knew whether it would use it (``render_ahead``): to
+    ``replica`` for ``body`` (the very object, the call's upstream body)."""
+
+    replica: Replica
+    body: dict[str, Any]
+    content: bytes  # ``body`` as JSON, as sent
+    task: asyncio.Future[httpx.Response]
+
+    def discard(self) -> None:
+        """Cancel the render, or read its outcome if it is done (so a failure it met is not
+        reported as never retrieved). Idempotent."""
+        if not self.task.done():
+            self.task.cancel()
+        elif not self.task.cancelled():
+            self.task.exception()
+
+
+def render_ahead(
+    client: httpx.AsyncClient, replica: Replica, body: dict[str, Any], timeout: httpx.Timeout | None
+) -> RenderAhead:
+    """Send ``body``'s render to ``replica`` now, in a task; ``timeout`` as ``send_exact``
+    takes it. The caller hands it to ``Continuation.ahead`` or discards it."""
+    limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+    content = dumps(body)
+    task = asyncio.ensure_future(_render(client, replica, content, limits))
+    return RenderAhead(replica, body, content, task)
+
+
+async def _render(
+    client: httpx.AsyncClient, replica: Replica, content: bytes, limits: Any
+) -> httpx.Response:
+    return await client.post(
+        replica.endpoint(RENDER_PATH), content=content, headers=JSON_HEADERS, timeout=limits
+    )
 
 
 @dataclass
@@ -59,7 +111,8 @@ class Continuation:
     ``weight_versions``: by choice index, the engine's ``weight_versions`` spans as a unary
     ``/inference/v1/generate`` reported them (``[{"version", "start", "end"}, ...]``), read by
     ``gateway.upstream.weight_update.Ticket.version_spans``; ``prompt_token_ids``: the prompt
-    sent to the engine (``confirm`` checks the engine used it)."""
+    sent to the engine (``confirm`` checks the engine used it); ``ahead``: the render sent
+    ahead for it, until ``send_exact`` takes it (``discard`` cancels one never taken)."""
 
     mode: ContinuationMode
     extension: Extension | None = None
@@ -69,6 +122,13 @@ class Continuation:
     canonical: CanonicalCall | None = None
     weight_versions: dict[int, list[Any]] = field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
+    ahead: RenderAhead | None = None
+
+    def discard(self) -> None:
+        """Drop the render sent ahead, if ``send_exact`` did not take it."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.discard()
 
     def confirm(self, engine_prompt: list[int] | None) -> None:
         """Keep ``built`` = ``exact`` only when the engine reports the prompt it was sent:
@@ -90,31 +150,45 @@ def _error_response(answer: httpx.Response, content: bytes) -> httpx.Response:
 
 async def send_exact(
     client: httpx.AsyncClient,
-    base_url: str,
+    replica: Replica,
     body: dict[str, Any],
     continuation: Continuation,
-    end_token: int,
     timeout: httpx.Timeout | None,
 ) -> httpx.Response:
-    """The chat answer to ``body`` (an upstream chat completions body) with its prompt built
-    from ``continuation.extension`` (``end_token``: the template's end-of-turn token, from
-    ``gateway.upstream.replicas.probe_exact``); ``continuation.built``, ``suffix_tokens`` and
+    """The chat answer to ``body`` (an upstream chat completions body) on ``replica`` with its
+    prompt built from ``continuation.extension`` (``replica.end_token``, the template's
+    end-of-turn token, learnt by ``gateway.upstream.replicas.probe_exact``, must be known);
+    ``continuation.built``, ``suffix_tokens`` and
     ``prompt_token_ids`` are set on the way (``template`` when the rendering has no boundary:
     then the template's own ids are the prompt). ``timeout``: the limits of a unary call;
     None for a stream (the client's defaults: its read timeout is the silence allowed between
     chunks). A stream is returned open, as vLLM's chat endpoint answered it; a non-200 answer
-    of any endpoint is returned as it came. Raises ``httpx.HTTPError`` as the HTTP client does.
+    of any endpoint is returned as it came. Raises ``httpx.HTTPError`` as the HTTP client does,
+    and ``httpx.DecodingError`` for a 200 answer of render, generate or derender that is not
+    the JSON object it should be.
     """
-    extension = continuation.extension
-    assert extension is not None, "send_exact continues a turn"
+    extension, end_token = continuation.extension, replica.end_token
+    assert extension is not None and end_token is not None, "send_exact continues a turn"
+    assert "kv_transfer_params" not in body, "plan_continuation continues no such body"
     limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-    render = await client.post(
-        base_url + RENDER_PATH, content=dumps(body), headers=JSON_HEADERS, timeout=limits
+    ahead = _taken_ahead(continuation, replica, body)
+    content = dumps(body) if ahead is None else ahead.content
+    task = (
+        ahead.task
+        if ahead is not None
+        else asyncio.ensure_future(_render(client, replica, content, limits))
     )
+    prefix = turn_prefix(extension.turn.sequence, end_token)  # while the render is out
+    render = await task
     if render.status_code != 200:
         return _error_response(render, render.content)
-    request: dict[str, Any] = loads(render.content)
-    built = exact_prompt(extension.turn.sequence, end_token, request["token_ids"])
+    request = _answer_of(render, "render")
+    rendered, params = request.get("token_ids"), request.get("sampling_params")
+    if type(rendered) is not list or not isinstance(params, dict):
+        raise httpx.DecodingError(
+            f"vLLM's render answered without token_ids and sampling_params: {render.content[:80]!r}"
+        )
+    built = None if prefix is None else prefix.splice(rendered)
     if built is not None:
         request["token_ids"] = built.token_ids
         continuation.built, continuation.suffix_tokens = "exact", built.suffix_tokens
@@ -125,31 +199,56 @@ async def send_exact(
     if body.get("stream") is True:
         chat = client.build_request(
             "POST",
-            base_url + CHAT_PATH,
-            content=dumps(forwarding(body, prompt)),
+            replica.endpoint(CHAT_PATH),
+            content=forwarding(content, prompt),
             headers=JSON_HEADERS,
             timeout=limits,
         )
         return await client.send(chat, stream=True)
     _restate_max_tokens(request["sampling_params"], body)
     answer = await client.post(
-        base_url + GENERATE_PATH, content=dumps(request), headers=JSON_HEADERS, timeout=timeout
+        replica.endpoint(GENERATE_PATH),
+        content=dumps(request),
+        headers=JSON_HEADERS,
+        timeout=timeout,
     )
     if answer.status_code != 200:
         return _error_response(answer, answer.content)
-    generated = loads(answer.content)
+    generated = _answer_of(answer, "generate")
     _keep_weight_versions(continuation, generated.get("choices"))
-    return await _unary(client, base_url, body, prompt, generated, timeout)
+    return await _unary(client, replica, body, prompt, generated, timeout)
 
 
-def forwarding(body: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
-    """``body`` with ``prompt`` as the prompt ids vLLM's chat endpoint samples from instead of
-    rendering the messages (``kv_transfer_params.prompt_token_ids``; the body's own
-    ``kv_transfer_params`` keys are kept: ``plan_continuation`` continues no body that
-    forwards ids of its own)."""
-    params = body.get("kv_transfer_params")
-    carried = params if isinstance(params, dict) else {}
-    return {**body, "kv_transfer_params": {**carried, "prompt_token_ids": prompt}}
+def _answer_of(response: httpx.Response, endpoint: str) -> dict[str, Any]:
+    """A 200 answer's JSON object. Raises ``httpx.DecodingError`` for one the gateway cannot
+    read (not UTF-8 JSON, not an object): the replica answered, unreadably
+    (``routes.failed_attempt`` records it as ``upstream_error``)."""
+    try:
+        return loads_object(response.content)
+    except UNREADABLE as exc:
+        raise httpx.DecodingError(f"vLLM's {endpoint} answered unreadably: {exc!r}") from exc
+
+
+def _taken_ahead(
+    continuation: Continuation, replica: Replica, body: dict[str, Any]
+) -> RenderAhead | None:
+    """The render sent ahead for this call, when it went to ``replica`` for this very body
+    (taken off ``continuation``); one that did not is discarded."""
+    ahead, continuation.ahead = continuation.ahead, None
+    if ahead is not None and ahead.replica is replica and ahead.body is body:
+        return ahead
+    if ahead is not None:
+        ahead.discard()
+    return None
+
+
+def forwarding(content: bytes, prompt: list[int]) -> bytes:
+    """The chat body ``content`` (JSON of an object, as sent to render) with ``prompt`` as the
+    prompt ids vLLM's chat endpoint samples from instead of rendering the messages
+    (``kv_transfer_params.prompt_token_ids``), written by appending the key to the JSON text
+    rather than serialising the conversation again. ``plan_continuation`` continues no body
+    that has ``kv_transfer_params`` of its own, so the key is new."""
+    return content[:-1] + b',"kv_transfer_params":{"prompt_token_ids":' + dumps(prompt) + b"}}"
 
 
 # ``SamplingParams.max_tokens``' default in vLLM 0.32: its msgspec struct omits fields equal to
@@ -189,14 +288,14 @@ def _keep_weight_versions(continuation: Continuation, choices: Any) -> None:
 
 async def _unary(
     client: httpx.AsyncClient,
-    base_url: str,
+    replica: Replica,
     body: dict[str, Any],
     prompt: list[int],
     generated: dict[str, Any],
     timeout: httpx.Timeout | None,
 ) -> httpx.Response:
     derender = await client.post(
-        base_url + DERENDER_PATH,
+        replica.endpoint(DERENDER_PATH),
         content=dumps(
             {
                 "model": body.get("model"),
@@ -211,7 +310,7 @@ async def _unary(
     )
     if derender.status_code != 200:
         return _error_response(derender, derender.content)
-    answer: dict[str, Any] = loads(derender.content)
+    answer = _answer_of(derender, "derender")
     # What the chat endpoint adds for ``return_token_ids`` (the gateway always asks): the
     # prompt at the top level, the sampled ids per choice.
     answer["prompt_token_ids"] = prompt

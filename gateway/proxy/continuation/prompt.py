@@ -23,7 +23,6 @@ Case codes (Cnn) are defined in docs/capture-cases.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +39,51 @@ class ExactPrompt:
     suffix_tokens: int
 
 
-def exact_prompt(sequence: bytes, end_token: int, rendered: Sequence[int]) -> ExactPrompt | None:
+@dataclass(frozen=True)
+class TurnPrefix:
+    """``S`` closed as the template closes a turn, ready to splice: ``token_ids`` is ``S`` plus
+    ``end_token`` when the response stopped before it (``closed_here`` 1, else 0), ``closes``
+    the number of ``end_token`` in it (the boundary is ``F``'s ``closes``-th)."""
+
+    token_ids: list[int]
+    end_token: int
+    closes: int
+    closed_here: int
+
+    def splice(self, rendered: list[int]) -> ExactPrompt | None:
+        """The exact prompt for the template's rendering ``F`` (``rendered``, the list the
+        render endpoint's JSON gave): ``S' + F[j + 1:]``, ``j`` the index of ``F``'s
+        ``closes``-th ``end_token``. None when ``F`` closes fewer turns or nothing follows the
+        boundary. ``F`` is scanned as the list it came in (``list.index`` from one close to
+        the next): converting it to an array cost more than the whole search, on the exact
+        stream's critical path."""
+        position = -1
+        try:
+            for _ in range(self.closes):
+                position = rendered.index(self.end_token, position + 1)
+        except ValueError:  # fewer closes in F than turns in S: no boundary
+            return None
+        suffix = rendered[position + 1 :]
+        if not suffix:
+            return None
+        return ExactPrompt(self.token_ids + suffix, self.closed_here + len(suffix))
+
+
+def turn_prefix(sequence: bytes, end_token: int) -> TurnPrefix | None:
+    """The prefix of turn ``S`` (int32 bytes) for ``end_token``; None for an empty turn. Made
+    while the render is on its way, so only ``TurnPrefix.splice`` waits for it."""
+    ids = np.frombuffer(sequence, dtype=TOKEN_DTYPE)
+    if ids.size == 0:
+        return None
+    closes = int(np.count_nonzero(ids == end_token))
+    token_ids: list[int] = ids.tolist()
+    closed_here = 0 if token_ids[-1] == end_token else 1
+    if closed_here:
+        token_ids.append(end_token)
+    return TurnPrefix(token_ids, end_token, closes + closed_here, closed_here)
+
+
+def exact_prompt(sequence: bytes, end_token: int, rendered: list[int]) -> ExactPrompt | None:
     """The exact prompt after turn ``S`` (int32 bytes) for the template's rendering ``F``
     (``rendered``) of the new conversation.
 
@@ -48,19 +91,7 @@ def exact_prompt(sequence: bytes, end_token: int, rendered: Sequence[int]) -> Ex
     response stopped on it), ``S + F[j_m + 1:]``; else (a length cut, a stop string, a grammar
     that ended) the template closes the response's turn: ``S + [end_token] + F[j_{m+1} + 1:]``,
     ``j_i`` the index of the ``i``-th ``end_token`` in ``F``. None when ``F`` closes fewer turns
-    or nothing follows the boundary.
+    or nothing follows the boundary (``turn_prefix``, then ``TurnPrefix.splice``).
     """
-    ids = np.frombuffer(sequence, dtype=TOKEN_DTYPE)
-    if ids.size == 0:
-        return None
-    closes = int(np.count_nonzero(ids == end_token))
-    closed = int(ids[-1]) == end_token
-    close: list[int] = [] if closed else [end_token]
-    closes += len(close)
-    positions = np.flatnonzero(np.asarray(rendered, dtype=np.int64) == end_token)
-    if positions.size < closes:
-        return None
-    suffix = [int(token) for token in rendered[int(positions[closes - 1]) + 1 :]]
-    if not suffix:
-        return None
-    return ExactPrompt([*ids.tolist(), *close, *suffix], len(close) + len(suffix))
+    prefix = turn_prefix(sequence, end_token)
+    return None if prefix is None else prefix.splice(rendered)
