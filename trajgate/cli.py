@@ -503,6 +503,14 @@ GroupsOpt = Annotated[
 ]
 GroupSizeOpt = Annotated[int | None, typer.Option(help="Rollouts per task. Default: 4.")]
 AgentsOpt = Annotated[int | None, typer.Option(help="Agents running at once. Default: 8.")]
+LearningRateOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        help="AdamW learning rate of the LoRA updates. Default: 1e-2 (tiny), the value in "
+        "docs/demo.md (smollm2).",
+    ),
+]
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -531,6 +539,7 @@ def demo(
     groups: GroupsOpt = None,
     group_size: GroupSizeOpt = None,
     agents: AgentsOpt = None,
+    learning_rate: LearningRateOpt = None,
     control: Annotated[bool, typer.Option(help="Also run the shuffled-reward control.")] = True,
     asynchronous: Annotated[
         bool,
@@ -567,6 +576,7 @@ def demo(
         groups=groups,
         group_size=group_size,
         agents=agents,
+        learning_rate=learning_rate,
         control=control,
         asynchronous=asynchronous,
         max_staleness_versions=max_staleness,
@@ -590,6 +600,7 @@ def bench_loop(
     groups: GroupsOpt = None,
     group_size: GroupSizeOpt = None,
     agents: AgentsOpt = None,
+    learning_rate: LearningRateOpt = None,
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
     seed: Annotated[int, typer.Option(help="Seed of the first run; then +1 per run.")] = 0,
@@ -608,6 +619,7 @@ def bench_loop(
         groups=groups,
         group_size=group_size,
         agents=agents,
+        learning_rate=learning_rate,
         gateway_port=port,
         vllm_port=vllm_port,
         seed=seed,
