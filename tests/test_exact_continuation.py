@@ -643,6 +643,46 @@ def test_an_exact_stream_is_vllms_own_chat_stream_for_the_spliced_prompt(
     assert len(gaps) == 12 and max(gaps) < 1e-5
 
 
+@pytest.mark.parametrize("stop", ["end-token", "stop-string"])
+def test_an_exact_unary_answer_is_vllms_own_chat_answer_for_the_spliced_prompt(
+    vllm: vllm_server.VLLMServer,
+    exact_gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    stop: str,
+) -> None:
+    # Invariant 2 for exact unary calls (generate, then vLLM's derender): the chat endpoint
+    # given the stored prompt as forwarded ids answers the same, for a turn that stopped on
+    # the end token (derender decoded its text into the content: "...<|im_end|>") and one cut
+    # by a stop string (derender kept the string the chat endpoint cuts).
+    trajectory = f"own-unary-{stop}"
+    messages = forced_turn(exact_gateway, trajectory, [SYSTEM, USER])
+    url = f"{exact_gateway.url}/t/{trajectory}/v1/chat/completions"
+    extra: dict[str, Any] = {"stop": ["e"]} if stop == "stop-string" else {}
+    for seed in range(8):  # the tiny model ends a turn after ~300 tokens on average
+        body = {**ANSWER, "messages": messages, "max_tokens": 900, "seed": seed, **extra}
+        body |= {"logprobs": True, "return_token_ids": True}
+        through = httpx.post(url, json=body, timeout=300).json()
+        if through["choices"][0]["finish_reason"] == "stop":
+            break
+    else:
+        pytest.fail("no seeded answer of the tiny model stopped within 900 tokens")
+    step = steps_of(pool_settings, trajectory)[-1]
+    assert step.continuation == "exact" and step.extends_parent
+    forwarded = {**body, "kv_transfer_params": {"prompt_token_ids": step.prompt_token_ids}}
+    direct = httpx.post(f"{vllm.url}/v1/chat/completions", json=forwarded, timeout=300).json()
+    mine, theirs = through["choices"][0], direct["choices"][0]
+    assert theirs["token_ids"] == mine["token_ids"] == step.response_token_ids
+    assert mine["message"]["content"] == theirs["message"]["content"]
+    assert (mine["finish_reason"], mine["stop_reason"]) == (
+        theirs["finish_reason"],
+        theirs["stop_reason"],
+    )
+    assert through["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"]
+    entries = mine["logprobs"]["content"], theirs["logprobs"]["content"]
+    assert [e["token"] for e in entries[0]] == [e["token"] for e in entries[1]]
+    assert len(entries[0]) == len(step.response_token_ids)
+
+
 def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_sent() -> None:
     from gateway.proxy.continuation.engine import Continuation
 

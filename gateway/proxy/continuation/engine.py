@@ -14,7 +14,10 @@ it); the gateway splices the turn's own ids in; then:
 - a unary call samples from ``/inference/v1/generate`` (whose answer says which weight version
   sampled each token, ``weight_versions``: a unary call split by a kept reload is then exact)
   and vLLM's derender (``/v1/chat/completions/derender``) turns the ids into the chat answer
-  with the same parsers.
+  with the same parsers. Two of derender's ways differ from the chat endpoint's in vLLM 0.32,
+  and are met here: it decodes the token that stopped sampling into the text (the gateway
+  hides that token from it, ``_as_detokenized``), and it does not cut stop strings (a unary
+  call with ``stop`` strings goes to the chat endpoint with forwarded ids, as a stream does).
 
 Why not generate for streams as well: vLLM's streaming derender is stateless, so with a parser
 configured every chunk's call carries the prompt and all output so far and replays the parser
@@ -196,7 +199,8 @@ async def send_exact(
         continuation.built, continuation.suffix_tokens = "template", None
     prompt: list[int] = request["token_ids"]
     continuation.prompt_token_ids = prompt
-    if body.get("stream") is True:
+    stream = body.get("stream") is True
+    if stream or _cuts_at_strings(body):
         chat = client.build_request(
             "POST",
             replica.endpoint(CHAT_PATH),
@@ -204,7 +208,10 @@ async def send_exact(
             headers=JSON_HEADERS,
             timeout=limits,
         )
-        return await client.send(chat, stream=True)
+        answer = await client.send(chat, stream=True)
+        if not stream:
+            await answer.aread()
+        return answer
     _restate_max_tokens(request["sampling_params"], body)
     answer = await client.post(
         replica.endpoint(GENERATE_PATH),
@@ -299,7 +306,7 @@ async def _unary(
         content=dumps(
             {
                 "model": body.get("model"),
-                "generate_response": generated,
+                "generate_response": _as_detokenized(generated),
                 "chat_request": body,
                 "prompt_token_ids": prompt,
                 "prompt_tokens": len(prompt),
@@ -316,10 +323,44 @@ async def _unary(
     answer["prompt_token_ids"] = prompt
     sampled = {choice["index"]: choice for choice in generated.get("choices", [])}
     asked_top = bool(body.get("top_logprobs"))
+    completion_tokens = 0
     for choice in answer.get("choices", []):
         choice["token_ids"] = sampled.get(choice.get("index"), {}).get("token_ids")
+        completion_tokens += len(choice["token_ids"] or ())
         logprobs = choice.get("logprobs")
         if not asked_top and logprobs and logprobs.get("content"):
             for entry in logprobs["content"]:
                 entry["top_logprobs"] = []
+    usage = answer.get("usage")
+    if isinstance(usage, dict):  # every sampled token, the stop token _as_detokenized hid too
+        usage["completion_tokens"] = completion_tokens
+        usage["total_tokens"] = len(prompt) + completion_tokens
     return httpx.Response(200, content=dumps(answer), headers=JSON_HEADERS)
+
+
+def _cuts_at_strings(body: dict[str, Any]) -> bool:
+    """Whether the body asks for stop strings, which the chat endpoint cuts from the text and
+    vLLM 0.32's derender does not: such a unary call samples through the chat endpoint (with
+    forwarded ids, as a stream does) instead of generate and derender."""
+    return bool(body.get("stop"))
+
+
+def _as_detokenized(generated: dict[str, Any]) -> dict[str, Any]:
+    """generate's answer as derender must read it to write the chat endpoint's text: each
+    choice that stopped on a token (the end token, or one of ``stop_token_ids``: finish reason
+    ``stop`` with no stop string) without that token in its ``token_ids``, its logprobs whole.
+    vLLM 0.32's engine leaves the token that stopped sampling out of the text
+    (``IncrementalDetokenizer``: ``stop_terminated``), but its derender decodes every id it is
+    given, and with a tool or reasoning parser it keeps special tokens, so the end token's text
+    ended up in the content (``"3354<|im_end|>"``, tests/test_exact_continuation.py). A choice
+    that is the stop token alone is left whole (derender refuses an empty one)."""
+    choices = []
+    for choice in generated.get("choices") or ():
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        stopped_on_token = choice.get("finish_reason") == "stop" and not isinstance(
+            choice.get("stop_reason"), str
+        )
+        if isinstance(ids, list) and len(ids) > 1 and stopped_on_token:
+            choice = {**choice, "token_ids": ids[:-1]}
+        choices.append(choice)
+    return {**generated, "choices": choices}
