@@ -74,9 +74,12 @@ def run(
     system: str = "Use the calculator tool for arithmetic, then answer with its result.",
     max_tokens: int = 48,
     answer_max_tokens: int = 16,
+    seed: int | None = None,
 ) -> str:
     """One episode at temperature 1: the model answers or calls the calculator; after a call,
-    the tool's result and one more turn for the answer. Returns the final answer's text."""
+    the tool's result and one more turn for the answer. Returns the final answer's text.
+    ``seed``: the engine's sampling seed of the first turn (``seed + 1`` for the answer), so
+    an episode run again under other weights draws the same random numbers; None: unseeded."""
     client = OpenAI(base_url=base_url, api_key="unused")
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system},
@@ -84,7 +87,7 @@ def run(
         {"role": "user", "content": question},
     ]
 
-    def turn(most_tokens: int) -> Any:
+    def turn(most_tokens: int, turn_seed: int | None) -> Any:
         """The model's next message, sampled at temperature 1 with the tool offered."""
         return (
             client.chat.completions.create(
@@ -93,12 +96,13 @@ def run(
                 tools=TOOLS,  # type: ignore[arg-type]
                 max_tokens=most_tokens,
                 temperature=1.0,
+                **({} if turn_seed is None else {"seed": turn_seed}),
             )
             .choices[0]
             .message
         )
 
-    message = turn(max_tokens)
+    message = turn(max_tokens, seed)
     if not message.tool_calls:
         return str(message.content or "")
     messages.append(message.model_dump(exclude_none=True))
@@ -110,7 +114,7 @@ def run(
         expression = arguments.get("expression") if isinstance(arguments, dict) else None
         result = calculator(str(expression)) if expression is not None else "error: no expression"
         messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return str(turn(answer_max_tokens).content or "")
+    return str(turn(answer_max_tokens, None if seed is None else seed + 1).content or "")
 
 
 def main() -> None:

@@ -240,6 +240,7 @@ class DemoRun:
                 system=demo_task.CALCULATOR_SYSTEM_PROMPT,
                 max_tokens=SMOLLM2_CALL_MAX_TOKENS,
                 answer_max_tokens=SMOLLM2_ANSWER_MAX_TOKENS,
+                seed=episode_seed(self.config, group, member),
             )
             _ok(self.api.post(f"/api/trajectories/{trajectory_id}/complete"))
             return trajectory_id
@@ -512,6 +513,16 @@ MAX_RESAMPLED_ROUNDS = 3
 # a turn that rambles instead stops soon. Its answer after the tool's result: a number.
 SMOLLM2_CALL_MAX_TOKENS = 48
 SMOLLM2_ANSWER_MAX_TOKENS = 16
+
+
+def episode_seed(config: DemoConfig, group: int, member: int) -> int:
+    """The engine's sampling seed of rollout ``member`` of group ``group`` (SmolLM2's task):
+    the same in every round and both arms (common random numbers), so the versions an arm
+    plays are compared on the same random draws: an unchanged policy replays its episodes'
+    decisions, and a version's reward moves with its weights, not with sampling luck. Each is
+    still an exact sample of its policy; the rollouts of a group differ. Even: the agent seeds
+    the answer turn with ``seed + 1``."""
+    return 2 * ((config.seed * config.groups + group) * config.group_size + member)
 
 
 def _mean(values: list[float]) -> float:

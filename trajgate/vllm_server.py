@@ -165,6 +165,10 @@ def serving_mismatch(
     return None
 
 
+# The least prompt tokens one engine step may prefill (``--max-num-batched-tokens``).
+MIN_BATCHED_TOKENS = 16_384
+
+
 def server_command(
     venv_dir: Path,
     model_dir: Path,
@@ -194,8 +198,11 @@ def server_command(
         # Prefill a whole prompt in one step. A chunked prefill of a request that carries a seed
         # kills vLLM 0.32's CPU engine ("CPU Generator does not use offset" in
         # _bookkeeping_sync), and the default budget chunks prompts past a few thousand tokens.
+        # A step's budget is shared by the prompts prefilled together: at least
+        # MIN_BATCHED_TOKENS, so a short context (SmolLM2's 4,096) still fits the seeded
+        # prompts of many agents arriving at once (the SmolLM2 demo seeds every episode).
         "--max-num-batched-tokens",
-        str(max_model_len),
+        str(max(max_model_len, MIN_BATCHED_TOKENS)),
         "--enforce-eager",
         # vLLM's CPU default turns fp32 weights into bf16: logprobs then differ from the
         # trainer's by ~1e-3 nats. fp32 keeps the sampler/trainer gap near 1e-7.
