@@ -57,6 +57,7 @@ from gateway.proxy.continuation.engine import (
     Continuation,
     RenderAhead,
     render_ahead,
+    samples_from_forwarded_ids,
     send_exact,
 )
 from gateway.proxy.continuation.history import (
@@ -333,8 +334,8 @@ async def new_call(
 
     The upstream body is final before the pool is asked about re-sends and turns, so an exact
     continuation's render is already on its way meanwhile (``render_ahead_of``); a re-send's
-    body is prepared again under the earlier call's id (the render ahead then goes unused
-    unless ``send_exact`` finds the same body)."""
+    body is prepared again under the earlier call's id (``send_exact`` takes the render sent
+    ahead when that body's JSON is the same)."""
     body = prepared.client_body
     resolution = state.policy.resolve(body.get("model"))
     digest = request_hash(dialect.name, body)
@@ -372,17 +373,17 @@ async def new_call(
             call_id = resend_of
             final, replaced = prepared_as(call_id)
         continuation = await plan_continuation(state, attribution, final.upstream_body, dialect)
+        sampling = sampling_record(
+            final.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
+        )
     except BaseException:
         if ahead is not None:
             ahead.discard()
         raise
     if continuation.extension is not None:
-        continuation.ahead = ahead
+        continuation.ahead = ahead  # from here forward_call discards it, if no attempt takes it
     elif ahead is not None:
         ahead.discard()
-    sampling = sampling_record(
-        final.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
-    )
     return Call(
         dialect=dialect,
         attribution=attribution,
@@ -418,7 +419,8 @@ def render_ahead_of(
         replica = state.upstreams.pick(attribution.trajectory_id)
     except NoHealthyUpstreamError:
         return None
-    if replica.end_token is None or not (replica.forwards_prompt_ids or not prepared.stream):
+    forwarded = samples_from_forwarded_ids(body)
+    if replica.end_token is None or not (replica.forwards_prompt_ids or not forwarded):
         return None
     timeout = None if prepared.stream else upstream_timeout(state)
     return render_ahead(state.client, replica, body, timeout)
@@ -619,7 +621,10 @@ async def try_replica(
             if (
                 extends
                 and replica.end_token is not None
-                and (replica.forwards_prompt_ids or not stream)
+                and (
+                    replica.forwards_prompt_ids
+                    or not samples_from_forwarded_ids(call.upstream_body)
+                )
             ):
                 response = await send_exact(
                     state.client,

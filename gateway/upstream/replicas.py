@@ -267,8 +267,8 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
     if not replica.forwards_prompt_ids:
         log.warning(
             "upstream %s: its chat endpoint does not sample from forwarded prompt ids "
-            "(kv_transfer_params.prompt_token_ids, vLLM >= 0.32): its streamed calls use "
-            "continuation 'template'",
+            "(kv_transfer_params.prompt_token_ids, vLLM >= 0.32): its streamed calls and its "
+            "unary calls with stop strings use continuation 'template'",
             replica.url,
         )
     replica.end_token = end_of_turn(rendered[0], rendered[1])

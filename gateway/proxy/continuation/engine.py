@@ -29,8 +29,8 @@ The render is the one exchange exact mode adds before the engine samples, so it 
 early as it can be (``render_ahead``): as soon as the call's upstream body is final and its
 trajectory has a turn in the gateway's memory, while the gateway still looks up re-sends and
 the turn the call extends in the pool. ``send_exact`` uses it when the call goes to that
-replica with that very body; otherwise (another replica, a body prepared again for a re-send)
-it renders anew, and a call that extends no turn discards it.
+replica with that body; otherwise (another replica, a body that changed) it renders anew, and
+a call that extends no turn discards it.
 
 Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does), and a
 chat endpoint that honours forwarded prompt ids (vLLM 0.32 does);
@@ -174,15 +174,10 @@ async def send_exact(
     assert extension is not None and end_token is not None, "send_exact continues a turn"
     assert "kv_transfer_params" not in body, "plan_continuation continues no such body"
     limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+    prefix = turn_prefix(extension.turn.sequence, end_token)  # while a render sent ahead is out
     ahead = _taken_ahead(continuation, replica, body)
     content = dumps(body) if ahead is None else ahead.content
-    task = (
-        ahead.task
-        if ahead is not None
-        else asyncio.ensure_future(_render(client, replica, content, limits))
-    )
-    prefix = turn_prefix(extension.turn.sequence, end_token)  # while the render is out
-    render = await task
+    render = await (ahead.task if ahead is not None else _render(client, replica, content, limits))
     if render.status_code != 200:
         return _error_response(render, render.content)
     request = _answer_of(render, "render")
@@ -200,7 +195,7 @@ async def send_exact(
     prompt: list[int] = request["token_ids"]
     continuation.prompt_token_ids = prompt
     stream = body.get("stream") is True
-    if stream or _cuts_at_strings(body):
+    if samples_from_forwarded_ids(body):
         chat = client.build_request(
             "POST",
             replica.endpoint(CHAT_PATH),
@@ -239,10 +234,15 @@ def _answer_of(response: httpx.Response, endpoint: str) -> dict[str, Any]:
 def _taken_ahead(
     continuation: Continuation, replica: Replica, body: dict[str, Any]
 ) -> RenderAhead | None:
-    """The render sent ahead for this call, when it went to ``replica`` for this very body
-    (taken off ``continuation``); one that did not is discarded."""
+    """The render sent ahead for this call, when it went to ``replica`` for this body (the
+    very object, or one of the same JSON: a re-send's body prepared again), taken off
+    ``continuation``; one that did not is discarded."""
     ahead, continuation.ahead = continuation.ahead, None
-    if ahead is not None and ahead.replica is replica and ahead.body is body:
+    if (
+        ahead is not None
+        and ahead.replica is replica
+        and (ahead.body is body or dumps(body) == ahead.content)
+    ):
         return ahead
     if ahead is not None:
         ahead.discard()
@@ -306,7 +306,7 @@ async def _unary(
         content=dumps(
             {
                 "model": body.get("model"),
-                "generate_response": _as_detokenized(generated),
+                "generate_response": _as_detokenized(generated, body),
                 "chat_request": body,
                 "prompt_token_ids": prompt,
                 "prompt_tokens": len(prompt),
@@ -338,29 +338,34 @@ async def _unary(
     return httpx.Response(200, content=dumps(answer), headers=JSON_HEADERS)
 
 
-def _cuts_at_strings(body: dict[str, Any]) -> bool:
-    """Whether the body asks for stop strings, which the chat endpoint cuts from the text and
-    vLLM 0.32's derender does not: such a unary call samples through the chat endpoint (with
-    forwarded ids, as a stream does) instead of generate and derender."""
-    return bool(body.get("stop"))
+def samples_from_forwarded_ids(body: dict[str, Any]) -> bool:
+    """Whether an exact continuation of ``body`` samples through the chat endpoint with
+    forwarded prompt ids (a replica must honour them: ``Replica.forwards_prompt_ids``): a
+    stream, or a unary call with stop strings, which the chat endpoint cuts from the text and
+    vLLM 0.32's derender does not. Other unary calls use generate and derender."""
+    return body.get("stream") is True or bool(body.get("stop"))
 
 
-def _as_detokenized(generated: dict[str, Any]) -> dict[str, Any]:
+def _as_detokenized(generated: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """generate's answer as derender must read it to write the chat endpoint's text: each
     choice that stopped on a token (the end token, or one of ``stop_token_ids``: finish reason
     ``stop`` with no stop string) without that token in its ``token_ids``, its logprobs whole.
     vLLM 0.32's engine leaves the token that stopped sampling out of the text
     (``IncrementalDetokenizer``: ``stop_terminated``), but its derender decodes every id it is
     given, and with a tool or reasoning parser it keeps special tokens, so the end token's text
-    ended up in the content (``"3354<|im_end|>"``, tests/test_exact_continuation.py). A choice
-    that is the stop token alone is left whole (derender refuses an empty one)."""
+    ended up in the content (``"3354<|im_end|>"``, tests/test_exact_continuation.py). With
+    ``include_stop_str_in_output`` the engine keeps that token's text, and so does this. A
+    choice that is the stop token alone is left whole (derender refuses an empty one)."""
+    if body.get("include_stop_str_in_output") is True:
+        return generated
     choices = []
     for choice in generated.get("choices") or ():
-        ids = choice.get("token_ids") if isinstance(choice, dict) else None
-        stopped_on_token = choice.get("finish_reason") == "stop" and not isinstance(
-            choice.get("stop_reason"), str
-        )
-        if isinstance(ids, list) and len(ids) > 1 and stopped_on_token:
-            choice = {**choice, "token_ids": ids[:-1]}
+        if isinstance(choice, dict):
+            ids = choice.get("token_ids")
+            stopped_on_token = choice.get("finish_reason") == "stop" and not isinstance(
+                choice.get("stop_reason"), str
+            )
+            if isinstance(ids, list) and len(ids) > 1 and stopped_on_token:
+                choice = {**choice, "token_ids": ids[:-1]}
         choices.append(choice)
     return {**generated, "choices": choices}
