@@ -162,6 +162,8 @@ class BenchSettings(BaseModel):
     def _pinning_can_run(self) -> BenchSettings:
         if self.pin_cores and self.gateway_mode != "process":
             raise ValueError("pin_cores needs gateway_mode 'process' (a thread shares its cores)")
+        if self.pin_cores and not hasattr(os, "sched_setaffinity"):
+            raise ValueError("pin_cores needs Linux (os.sched_setaffinity)")
         if self.pin_cores and len(os.sched_getaffinity(0)) < 2:
             raise ValueError("pin_cores needs at least 2 cores: one for the gateway, one beside")
         return self
@@ -504,10 +506,12 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
     children: list[subprocess.Popen[bytes]] = []
     thread_server: Any = None
     outside, gateway_cores = pinned_cores() if settings.pin_cores else (None, None)
-    before = os.sched_getaffinity(0)
+    before = os.sched_getaffinity(0) if outside is not None else None
     try:
         if outside is not None:
-            os.sched_setaffinity(0, outside)  # the load generator, and the emulator it starts
+            # this thread (the load generator's) and the emulator started from it; the
+            # process's other threads, if any, keep their cores
+            os.sched_setaffinity(0, outside)
         with open(log_dir / "emulator.log", "wb") as log:
             emulator = subprocess.Popen(
                 [sys.executable, "-m", "trajgate.bench.emulator"],
@@ -558,7 +562,8 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
             )
         yield Targets(emulator_url, emulator.pid, gateway_url, gateway_pid, database_url)
     finally:
-        os.sched_setaffinity(0, before)
+        if before is not None:
+            os.sched_setaffinity(0, before)
         if thread_server is not None:
             thread_server.stop()
         for child in reversed(children):
