@@ -506,9 +506,18 @@ AgentsOpt = Annotated[int | None, typer.Option(help="Agents running at once. Def
 LearningRateOpt = Annotated[
     float | None,
     typer.Option(
-        min=0.0,
-        help="AdamW learning rate of the LoRA updates. Default: 1e-2 (tiny), the value in "
-        "docs/demo.md (smollm2).",
+        min=1e-12,
+        help="AdamW learning rate of the LoRA updates. Default: 1e-2 (tiny), 5e-4 (smollm2); "
+        "docs/demo.md says why.",
+    ),
+]
+ResampledRoundsOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="Rounds played again on a version when no group of its round had a reward spread "
+        "(dynamic sampling). Default: 3 (tiny), 0 (smollm2: its episodes are seeded, so a "
+        "replay draws mostly the same ones).",
     ),
 ]
 ModelOpt = Annotated[
@@ -540,6 +549,7 @@ def demo(
     group_size: GroupSizeOpt = None,
     agents: AgentsOpt = None,
     learning_rate: LearningRateOpt = None,
+    resampled_rounds: ResampledRoundsOpt = None,
     control: Annotated[bool, typer.Option(help="Also run the shuffled-reward control.")] = True,
     asynchronous: Annotated[
         bool,
@@ -577,6 +587,7 @@ def demo(
         group_size=group_size,
         agents=agents,
         learning_rate=learning_rate,
+        max_resampled_rounds=resampled_rounds,
         control=control,
         asynchronous=asynchronous,
         max_staleness_versions=max_staleness,
@@ -601,6 +612,7 @@ def bench_loop(
     group_size: GroupSizeOpt = None,
     agents: AgentsOpt = None,
     learning_rate: LearningRateOpt = None,
+    resampled_rounds: ResampledRoundsOpt = None,
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
     vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
     seed: Annotated[int, typer.Option(help="Seed of the first run; then +1 per run.")] = 0,
@@ -620,6 +632,7 @@ def bench_loop(
         group_size=group_size,
         agents=agents,
         learning_rate=learning_rate,
+        max_resampled_rounds=resampled_rounds,
         gateway_port=port,
         vllm_port=vllm_port,
         seed=seed,

@@ -53,11 +53,19 @@ DemoModelName = Literal["tiny", "smollm2"]
 # The reward function of each model's task (``trajgate.demo_task``).
 REWARD_NAMES: dict[str, str] = {"tiny": "numeric_answer", "smollm2": "correct_answer"}
 # Learning rates per model when ``DemoConfig.learning_rate`` is unset: see DemoConfig.
-LEARNING_RATES: dict[str, float] = {"tiny": 1e-2, "smollm2": 1e-3}
+LEARNING_RATES: dict[str, float] = {"tiny": 1e-2, "smollm2": 5e-4}
 # Sizes that differ from DemoConfig's (the tiny model's) per model: a SmolLM2 episode costs
 # ~100x the tiny model's CPU time (134.5M parameters against ~1M, prompts of ~340 tokens), so its
 # rounds are 8 groups x 4 and its arms 4 updates (docs/demo.md).
-MODEL_DEFAULTS: dict[str, dict[str, Any]] = {"smollm2": {"rounds": 4, "groups": 8}}
+# SmolLM2 trains on merged rows: exact continuation makes an episode one token sequence (the
+# call, the calculator's result, the answer), one row of ~400 tokens instead of two whose
+# second repeats the first's ~340-token prompt (the update is the same: token_mean over the
+# same sampled tokens with the same advantages; about half the trainer's CPU once the model
+# calls). Its rounds are not replayed when no group has a reward spread: its episodes are seeded
+# (``episode_seed``), so a replay on the same version would mostly draw the same episodes.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "smollm2": {"rounds": 4, "groups": 8, "layout": "merged", "max_resampled_rounds": 0}
+}
 
 
 class DemoError(RuntimeError):
@@ -84,9 +92,19 @@ class DemoConfig:
     # None: the model's (LEARNING_RATES). Tiny: with numbers one direction of the model
     # (trajgate.tinymodel), 1e-2 takes the trained arm from ~0.1 to ~0.98 in 5 updates while
     # the control stays within +-0.07; at 3e-2 the trained arm is unstable and a control seed
-    # walked +0.55 (docs/demo.md). SmolLM2: 1e-3, so a handful of single-step updates can move
-    # a pretrained model's call rate (not tuned by measurement yet: docs/demo.md).
+    # walked +0.55 (docs/demo.md). SmolLM2: 5e-4. One AdamW step at 1e-3 moved the call rate
+    # by +0.55 with the real rewards and by -0.25 and -0.23 with shuffled ones
+    # (scripts/control_drift.py): AdamW's first steps move every parameter by about the rate,
+    # noise or not, so the control walks half as far as the trained arm; at 5e-4 the trained
+    # arm still reaches ~0.94 in 4 updates (docs/demo.md).
     learning_rate: float | None = None
+    # Training rows: one per step ('per_step') or one per chain of steps that extend one another
+    # ('merged'); the tiny demo's grammar-constrained first steps are kept out of training by a
+    # curation rule, so it trains its answers per step.
+    layout: Literal["per_step", "merged"] = "per_step"
+    # Dynamic sampling (DAPO): at most this many more rounds on one version when no group of a
+    # round had a reward spread.
+    max_resampled_rounds: int = 3
     lora_rank: int = 8
     control: bool = True
     # Asynchronous: agents keep playing rounds while the trainer trains on earlier ones; a batch
@@ -102,6 +120,8 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.model not in REWARD_NAMES:
             raise ValueError(f"model {self.model!r}: choose one of {sorted(REWARD_NAMES)}")
+        if self.learning_rate is not None and self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
     @classmethod
     def for_model(cls, model: DemoModelName, **given: Any) -> DemoConfig:
@@ -119,7 +139,7 @@ class DemoConfig:
 
     @property
     def effective_learning_rate(self) -> float:
-        return self.learning_rate or LEARNING_RATES[self.model]
+        return LEARNING_RATES[self.model] if self.learning_rate is None else self.learning_rate
 
 
 def _load_example(name: str) -> ModuleType:
@@ -332,7 +352,7 @@ class DemoRun:
         spec: dict[str, Any] = {
             "channel": channel,
             "algorithm": "grpo",
-            "layout": "per_step",
+            "layout": self.config.layout,
             "group_size": self.config.group_size,
             "reward_names": [self.config.reward_name],
             "name": f"{channel}-v{version}",
@@ -483,7 +503,7 @@ class DemoRun:
             # alike teaches nothing; play more rounds on the same version until one group has
             # a reward spread (the batch takes every unbatched ready group of the channel).
             extra = 0
-            while metrics is None and extra < MAX_RESAMPLED_ROUNDS:
+            while metrics is None and extra < self.config.max_resampled_rounds:
                 self.say(f"  {channel} v{version}: no group had a reward spread; playing again")
                 rewards += self.rewards_of(self.play_round(channel, round_index))
                 round_index += 1
@@ -507,8 +527,6 @@ class DemoRun:
         return curve
 
 
-# At most this many extra rounds on one version when no group has a reward spread.
-MAX_RESAMPLED_ROUNDS = 3
 # SmolLM2's first turn: a worked example's call is 35 tokens, so 48 lets a call complete while
 # a turn that rambles instead stops soon. Its answer after the tool's result: a number.
 SMOLLM2_CALL_MAX_TOKENS = 48
@@ -733,5 +751,6 @@ def measure_learning(
             "agents": config.agents,
             "learning_rate": config.effective_learning_rate,
             "answer_max_tokens": config.answer_max_tokens,
+            "layout": config.layout,
         },
     }

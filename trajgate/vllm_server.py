@@ -198,9 +198,10 @@ def server_command(
         # Prefill a whole prompt in one step. A chunked prefill of a request that carries a seed
         # kills vLLM 0.32's CPU engine ("CPU Generator does not use offset" in
         # _bookkeeping_sync), and the default budget chunks prompts past a few thousand tokens.
-        # A step's budget is shared by the prompts prefilled together: at least
-        # MIN_BATCHED_TOKENS, so a short context (SmolLM2's 4,096) still fits the seeded
-        # prompts of many agents arriving at once (the SmolLM2 demo seeds every episode).
+        # A step's budget is shared by the prompts prefilled together (the scheduler splits the
+        # one that does not fit): at least MIN_BATCHED_TOKENS, so a short context (SmolLM2's
+        # 4,096) still fits the seeded prompts of many agents arriving at once (the SmolLM2
+        # demo seeds every episode; its 8 agents prefill about 3,100 tokens at most).
         "--max-num-batched-tokens",
         str(max(max_model_len, MIN_BATCHED_TOKENS)),
         "--enforce-eager",
