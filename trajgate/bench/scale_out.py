@@ -162,18 +162,21 @@ def generate_parts(
     return [b"data: " + event + b"\n\n" for event in [*events, b"[DONE]"]]
 
 
-def _chat_logprobs(ids: list[int], logprobs: list[dict[str, Any]] | None) -> Any:
+def _chat_logprobs(logprobs: list[dict[str, Any]] | None) -> Any:
+    """The chat logprobs of generate's entries, one per entry, each read by its own
+    ``token_id``: as vLLM's derender, which keeps the stop token's logprob when the gateway
+    leaves that token out of the ids to decode (``_as_detokenized``)."""
     if logprobs is None:
         return None
     return {
         "content": [
             {
-                "token": _text(i),
+                "token": _text(entry["token_id"]),
                 "logprob": entry["logprob"],
-                "bytes": list(_text(i).encode()),
+                "bytes": list(_text(entry["token_id"]).encode()),
                 "top_logprobs": [],
             }
-            for i, entry in zip(ids, logprobs, strict=True)
+            for entry in logprobs
         ]
     }
 
@@ -209,7 +212,7 @@ def derender(book: ResponseBook, body: dict[str, Any], request_id: str) -> dict[
             {
                 "index": choice.get("index", 0),
                 "message": message,
-                "logprobs": _chat_logprobs(ids, content),
+                "logprobs": _chat_logprobs(content),
                 "finish_reason": choice.get("finish_reason"),
                 "stop_reason": choice.get("stop_reason"),
                 "token_ids": None,
