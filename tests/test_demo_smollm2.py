@@ -37,7 +37,7 @@ from trajgate import demo_task
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "inspector"
 GROUPS, GROUP_SIZE = 2, 4
-ANSWER_MAX_TOKENS = 16  # trajgate.demo.SMOLLM2_ANSWER_MAX_TOKENS
+ANSWER_MAX_TOKENS = 16  # trajgate.demo.MODEL_DEFAULTS["smollm2"]["answer_max_tokens"]
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(

@@ -64,7 +64,14 @@ LEARNING_RATES: dict[str, float] = {"tiny": 1e-2, "smollm2": 5e-4}
 # calls). Its rounds are not replayed when no group has a reward spread: its episodes are seeded
 # (``episode_seed``), so a replay on the same version would mostly draw the same episodes.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "smollm2": {"rounds": 4, "groups": 8, "layout": "merged", "max_resampled_rounds": 0}
+    "smollm2": {
+        "rounds": 4,
+        "groups": 8,
+        "layout": "merged",
+        "max_resampled_rounds": 0,
+        # Its answer after the tool's result: a number (a product has at most 4 digits).
+        "answer_max_tokens": 16,
+    }
 }
 
 
@@ -86,8 +93,8 @@ class DemoConfig:
     groups: int = 16
     group_size: int = 4
     agents: int = 8
-    # One answer token: the decision (a number or not) is one sampled token, so its advantage is
-    # not spread over tokens that did not make it.
+    # Tokens of the answer after the tool's result. Tiny: one, the decision (a number or not)
+    # is one sampled token, so its advantage is not spread over tokens that did not make it.
     answer_max_tokens: int = 1
     # None: the model's (LEARNING_RATES). Tiny: with numbers one direction of the model
     # (trajgate.tinymodel), 1e-2 takes the trained arm from ~0.1 to ~0.98 in 5 updates while
@@ -259,7 +266,7 @@ class DemoRun:
                 history=demo_task.calculator_shots(),
                 system=demo_task.CALCULATOR_SYSTEM_PROMPT,
                 max_tokens=SMOLLM2_CALL_MAX_TOKENS,
-                answer_max_tokens=SMOLLM2_ANSWER_MAX_TOKENS,
+                answer_max_tokens=self.config.answer_max_tokens,
                 seed=episode_seed(self.config, group, member),
             )
             _ok(self.api.post(f"/api/trajectories/{trajectory_id}/complete"))
@@ -528,9 +535,8 @@ class DemoRun:
 
 
 # SmolLM2's first turn: a worked example's call is 35 tokens, so 48 lets a call complete while
-# a turn that rambles instead stops soon. Its answer after the tool's result: a number.
+# a turn that rambles instead stops soon.
 SMOLLM2_CALL_MAX_TOKENS = 48
-SMOLLM2_ANSWER_MAX_TOKENS = 16
 
 
 def episode_seed(config: DemoConfig, group: int, member: int) -> int:
