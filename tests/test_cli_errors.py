@@ -101,7 +101,15 @@ def test_demo_refuses_a_vllm_port_taken_by_something_else(tmp_path: Path) -> Non
     with _not_vllm() as port:
         line = _one_line_error(
             _cli(
-                "demo", "--exit", "--port", str(free_port()), "--vllm-port", str(port), cwd=tmp_path
+                "demo",
+                "--model",
+                "tiny",
+                "--exit",
+                "--port",
+                str(free_port()),
+                "--vllm-port",
+                str(port),
+                cwd=tmp_path,
             )
         )
     assert f"port {port} answers /health but is not vLLM" in line
@@ -114,5 +122,7 @@ def test_demo_refuses_a_gateway_port_in_use_before_starting_anything(tmp_path: P
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        line = _one_line_error(_cli("demo", "--exit", "--port", str(port), cwd=tmp_path))
+        line = _one_line_error(
+            _cli("demo", "--model", "tiny", "--exit", "--port", str(port), cwd=tmp_path)
+        )
     assert f"port {port} is in use" in line and "--port" in line

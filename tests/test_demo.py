@@ -35,6 +35,8 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
             "-m",
             "trajgate.cli",
             "demo",
+            "--model",
+            "tiny",
             "--exit",
             "--json",
             "--rounds",
