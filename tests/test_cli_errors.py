@@ -126,3 +126,32 @@ def test_demo_refuses_a_gateway_port_in_use_before_starting_anything(tmp_path: P
             _cli("demo", "--model", "tiny", "--exit", "--port", str(port), cwd=tmp_path)
         )
     assert f"port {port} is in use" in line and "--port" in line
+
+
+def test_demo_refuses_one_port_for_the_gateway_and_vllm_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: the same port for both started vLLM there, then the gateway's start
+    failed with a traceback and left vLLM running. Now refused before anything starts."""
+    port = str(free_port())
+    result = _cli("demo", "--exit", "--port", port, "--vllm-port", port, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: the gateway and vLLM cannot share port {port}"
+    assert not (tmp_path / ".trajgate").exists()
+
+
+def test_demo_refuses_sizes_it_could_not_train_on(tmp_path: Path) -> None:
+    """No agents, no rounds, or groups of one rollout (no reward spread, so GRPO never
+    trains): usage errors naming the flag, no traceback (``--agents 0`` was a ValueError of the
+    thread pool after vLLM's start)."""
+    for flag, value, least in (
+        ("--agents", "0", 1),
+        ("--rounds", "0", 1),
+        ("--groups", "0", 1),
+        ("--group-size", "1", 2),
+    ):
+        result = _cli("demo", "--exit", flag, value, cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"Invalid value for '{flag}'" in result.stderr
+        assert f"greater than or equal to {least}" in result.stderr
+    assert not (tmp_path / ".trajgate").exists()

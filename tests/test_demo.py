@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests_support import free_port
 
@@ -103,3 +104,28 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
     assert [(m.step, m.policy_version) for m in posted] == [(1, 1), (2, 2)]
     assert all(math.isfinite(v) for m in posted for v in m.metrics.values())
     assert all(m.metrics["grad_norm"] > 0 and "loss" in m.metrics for m in posted)
+
+
+def test_a_start_that_fails_part_way_stops_what_it_started(monkeypatch: Any) -> None:
+    """Found by a review: ``run_demo`` called ``start`` outside its ``finally``, so a failure
+    after vLLM had started (the gateway's port taken in between) left vLLM running after
+    ``--exit``. Now what started is stopped, and only that (``stop`` of a part-way run)."""
+    import pytest
+
+    from trajgate import demo
+
+    stopped: list[str] = []
+
+    class _Started:
+        def stop(self) -> None:
+            stopped.append("vllm")
+
+    def start_then_fail(self: demo.DemoRun) -> None:
+        self.vllm = _Started()  # type: ignore[assignment]
+        raise demo.DemoError("the gateway did not start")
+
+    monkeypatch.setattr(demo.DemoRun, "start", start_then_fail)
+    config = demo.DemoConfig.for_model("tiny", gateway_port=free_port(), vllm_port=free_port())
+    with pytest.raises(demo.DemoError, match="the gateway did not start"):
+        demo.run_demo(config, echo=False)
+    assert stopped == ["vllm"]

@@ -34,8 +34,14 @@ db_app = typer.Typer(help="The pool's database schema (Alembic migrations).", no
 vllm_app = typer.Typer(
     help="A real vLLM upstream on this machine (CPU build).", no_args_is_help=True
 )
-model_app = typer.Typer(help="The tiny locally generated model.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks against an emulated vLLM upstream.", no_args_is_help=True)
+model_app = typer.Typer(
+    help="The demo's models: the tiny generated one, SmolLM2-135M-Instruct.", no_args_is_help=True
+)
+bench_app = typer.Typer(
+    help="Benchmarks: the gateway and pool against an emulated vLLM; the demo's learning (loop) "
+    "and weight updates against a real one.",
+    no_args_is_help=True,
+)
 app.add_typer(db_app, name="db")
 app.add_typer(vllm_app, name="vllm")
 app.add_typer(model_app, name="model")
@@ -494,15 +500,20 @@ def _run_user_facing(action: Callable[[], T], *also: type[Exception]) -> T:
 RoundsOpt = Annotated[
     int | None,
     typer.Option(
-        help="RL updates per arm (a version whose round shows no reward spread plays up to 3 "
-        "more rounds first). Default: 6 (tiny), 4 (smollm2)."
+        min=1,
+        help="RL updates per arm (a version whose round shows no reward spread plays up to "
+        "--resampled-rounds more rounds first). Default: 6 (tiny), 4 (smollm2).",
     ),
 ]
 GroupsOpt = Annotated[
-    int | None, typer.Option(help="Tasks (groups) per round. Default: 16 (tiny), 8 (smollm2).")
+    int | None,
+    typer.Option(min=1, help="Tasks (groups) per round. Default: 16 (tiny), 8 (smollm2)."),
 ]
-GroupSizeOpt = Annotated[int | None, typer.Option(help="Rollouts per task. Default: 4.")]
-AgentsOpt = Annotated[int | None, typer.Option(help="Agents running at once. Default: 8.")]
+GroupSizeOpt = Annotated[
+    int | None,
+    typer.Option(min=2, help="Rollouts per task (GRPO compares them: 2 or more). Default: 4."),
+]
+AgentsOpt = Annotated[int | None, typer.Option(min=1, help="Agents running at once. Default: 8.")]
 LearningRateOpt = Annotated[
     float | None,
     typer.Option(
@@ -529,6 +540,16 @@ ModelOpt = Annotated[
         "~6 minutes)."
     ),
 ]
+
+
+def _demo_config(build: Callable[..., T], model: str, **given: Any) -> T:
+    """``build(model, **given)`` (``DemoConfig.for_model``), or exit 2 with its one-line
+    complaint (ports shared, a size out of range): no traceback."""
+    try:
+        return build(model, **given)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 def _demo_model(model: str) -> Literal["tiny", "smollm2"]:
@@ -562,7 +583,13 @@ def demo(
     max_staleness: Annotated[
         int, typer.Option(help="Async: drop steps more than this many versions behind.")
     ] = 1,
-    seed: Annotated[int, typer.Option(help="Seed of LoRA initialisation and the control.")] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(
+            help="Seed of LoRA initialisation and the control's shuffles; with smollm2 also of "
+            "every episode's sampling."
+        ),
+    ] = 0,
     exit_after: Annotated[
         bool,
         typer.Option(
@@ -581,7 +608,8 @@ def demo(
     _require_extra("demo", "torch", "transformers", "peft", "openai", "langchain_openai")
     from trajgate.demo import DemoConfig, DemoError, run_demo
 
-    config = DemoConfig.for_model(
+    config = _demo_config(
+        DemoConfig.for_model,
         _demo_model(model),
         rounds=rounds,
         groups=groups,
@@ -606,7 +634,9 @@ def demo(
 
 @bench_app.command("loop")
 def bench_loop(
-    runs: Annotated[int, typer.Option(help="Demo runs, with seeds 0, 1, ...", min=1)] = 3,
+    runs: Annotated[
+        int, typer.Option(help="Demo runs, with seeds S, S+1, ... (S: --seed)", min=1)
+    ] = 3,
     model: ModelOpt = "smollm2",
     rounds: RoundsOpt = None,
     groups: GroupsOpt = None,
@@ -626,7 +656,8 @@ def bench_loop(
     _require_extra("demo", "torch", "transformers", "peft", "openai", "langchain_openai")
     from trajgate.demo import DemoConfig, DemoError, measure_learning
 
-    config = DemoConfig.for_model(
+    config = _demo_config(
+        DemoConfig.for_model,
         _demo_model(model),
         rounds=rounds,
         groups=groups,

@@ -127,6 +127,12 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.model not in REWARD_NAMES:
             raise ValueError(f"model {self.model!r}: choose one of {sorted(REWARD_NAMES)}")
+        # A group of one has no reward spread, so GRPO would never train on it.
+        for name, least in (("rounds", 1), ("groups", 1), ("group_size", 2), ("agents", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if self.gateway_port == self.vllm_port:
+            raise ValueError(f"the gateway and vLLM cannot share port {self.gateway_port}")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
@@ -198,7 +204,10 @@ class DemoRun:
         else:
             self.model_dir = tinymodel.generate(vllm_server.default_model_dir())
             served, max_model_len = vllm_server.SERVED_MODEL_NAME, vllm_server.MAX_MODEL_LEN
-        vllm_server.install(log=False)
+        if not vllm_server.is_healthy(f"http://127.0.0.1:{self.config.vllm_port}"):
+            # A server already there (a CUDA build on a GPU host) is reused by start: no CPU
+            # build needed then.
+            vllm_server.install(log=False)
         try:
             self.vllm = vllm_server.start(
                 self.model_dir,
@@ -216,9 +225,12 @@ class DemoRun:
         )
         db.upgrade(self.pool_settings.resolved_database_url())
         settings = GatewaySettings(upstream_url=self.vllm.url, port=self.config.gateway_port)
-        self.gateway = BackgroundServer(
-            create_app(settings, self.pool_settings), port=settings.port
-        ).start()
+        try:
+            self.gateway = BackgroundServer(
+                create_app(settings, self.pool_settings), port=settings.port
+            ).start()
+        except RuntimeError as exc:  # the port was taken after the check above
+            raise DemoError(f"{exc}; choose another port with --port") from exc
         self.api = httpx.Client(base_url=self.gateway.url, timeout=300)
         self.pool = PoolClient(self.gateway.url)
         self.sync = WeightSync(
@@ -242,12 +254,18 @@ class DemoRun:
         )
 
     def stop(self) -> None:
-        self.sync.unload_all()
-        self.pool.close()
-        self.sync.close()
-        self.api.close()
-        self.gateway.stop()
-        self.vllm.stop()  # a no-op when the server was already running before the demo
+        """Stop what ``start`` started, also when it failed part way (only what exists)."""
+        if hasattr(self, "sync"):
+            self.sync.unload_all()
+            self.sync.close()
+        if hasattr(self, "pool"):
+            self.pool.close()
+        if hasattr(self, "api"):
+            self.api.close()
+        if hasattr(self, "gateway"):
+            self.gateway.stop()
+        if hasattr(self, "vllm"):
+            self.vllm.stop()  # a no-op when the server was already running before the demo
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -598,7 +616,11 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     )
     started = time.monotonic()
     run = DemoRun(config, say)
-    run.start()
+    try:
+        run.start()
+    except BaseException:
+        run.stop()  # what started before the failure (vLLM first), nothing else
+        raise
     try:
         mode = "asynchronous" if config.asynchronous else "synchronous"
         say(
