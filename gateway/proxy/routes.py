@@ -56,8 +56,8 @@ from gateway.proxy.continuation.engine import (
     CONTINUATION_MODES,
     Continuation,
     RenderAhead,
+    continues_exactly,
     render_ahead,
-    samples_from_forwarded_ids,
     send_exact,
 )
 from gateway.proxy.continuation.history import (
@@ -419,8 +419,7 @@ def render_ahead_of(
         replica = state.upstreams.pick(attribution.trajectory_id)
     except NoHealthyUpstreamError:
         return None
-    forwarded = samples_from_forwarded_ids(body)
-    if replica.end_token is None or not (replica.forwards_prompt_ids or not forwarded):
+    if not continues_exactly(replica, body):
         return None
     timeout = None if prepared.stream else upstream_timeout(state)
     return render_ahead(state.client, replica, body, timeout)
@@ -618,14 +617,7 @@ async def try_replica(
                 await state.upstreams.learn_exact(
                     state.client, replica, settings.upstream_connect_timeout_s
                 )
-            if (
-                extends
-                and replica.end_token is not None
-                and (
-                    replica.forwards_prompt_ids
-                    or not samples_from_forwarded_ids(call.upstream_body)
-                )
-            ):
+            if extends and continues_exactly(replica, call.upstream_body):
                 response = await send_exact(
                     state.client,
                     replica,

@@ -175,8 +175,7 @@ async def send_exact(
     assert "kv_transfer_params" not in body, "plan_continuation continues no such body"
     limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
     prefix = turn_prefix(extension.turn.sequence, end_token)  # while a render sent ahead is out
-    ahead = _taken_ahead(continuation, replica, body)
-    content = dumps(body) if ahead is None else ahead.content
+    ahead, content = _taken_ahead(continuation, replica, body)
     render = await (ahead.task if ahead is not None else _render(client, replica, content, limits))
     if render.status_code != 200:
         return _error_response(render, render.content)
@@ -233,20 +232,19 @@ def _answer_of(response: httpx.Response, endpoint: str) -> dict[str, Any]:
 
 def _taken_ahead(
     continuation: Continuation, replica: Replica, body: dict[str, Any]
-) -> RenderAhead | None:
+) -> tuple[RenderAhead | None, bytes]:
     """The render sent ahead for this call, when it went to ``replica`` for this body (the
     very object, or one of the same JSON: a re-send's body prepared again), taken off
-    ``continuation``; one that did not is discarded."""
+    ``continuation`` (one that did not is discarded), and the body's JSON, dumped at most
+    once."""
     ahead, continuation.ahead = continuation.ahead, None
-    if (
-        ahead is not None
-        and ahead.replica is replica
-        and (ahead.body is body or dumps(body) == ahead.content)
-    ):
-        return ahead
-    if ahead is not None:
-        ahead.discard()
-    return None
+    if ahead is None:
+        return None, dumps(body)
+    content = ahead.content if ahead.body is body else dumps(body)
+    if ahead.replica is replica and content == ahead.content:
+        return ahead, content
+    ahead.discard()
+    return None, content
 
 
 def forwarding(content: bytes, prompt: list[int]) -> bytes:
@@ -336,6 +334,14 @@ async def _unary(
         usage["completion_tokens"] = completion_tokens
         usage["total_tokens"] = len(prompt) + completion_tokens
     return httpx.Response(200, content=dumps(answer), headers=JSON_HEADERS)
+
+
+def continues_exactly(replica: Replica, body: dict[str, Any]) -> bool:
+    """Whether ``replica`` serves an exact continuation of ``body``: its end token is known
+    (probed), and it samples from forwarded prompt ids where ``body`` needs them."""
+    return replica.end_token is not None and (
+        replica.forwards_prompt_ids or not samples_from_forwarded_ids(body)
+    )
 
 
 def samples_from_forwarded_ids(body: dict[str, Any]) -> bool:
