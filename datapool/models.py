@@ -71,7 +71,7 @@ def _as_utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-def _in_utc_range(value: datetime) -> datetime:
+def in_utc_range(value: datetime) -> datetime:
     """``value`` in UTC (naive taken as UTC); ValueError when UTC cannot hold it (Python's
     years are 1 to 9999: ``0001-01-01T00:00:01+07:00`` is a year 0 instant)."""
     try:
@@ -114,7 +114,7 @@ def _unix_seconds(value: Any) -> Any:
 # seconds (never milliseconds), converted to UTC at once, so an instant outside Python's UTC range
 # is a 400 naming the field instead of an OverflowError in the query (every such parameter uses
 # this one type).
-UTCTimestamp = Annotated[datetime, BeforeValidator(_unix_seconds), AfterValidator(_in_utc_range)]
+UTCTimestamp = Annotated[datetime, BeforeValidator(_unix_seconds), AfterValidator(in_utc_range)]
 
 
 # The largest value of an Integer column on PostgreSQL (INTEGER: 32 bits; SQLite's hold 64). Every

@@ -4,6 +4,8 @@ SQLite and PostgreSQL: 409 after completion, reward backfill by step id, unrewar
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -212,6 +214,23 @@ def test_filters_and_cursor_pages_cover_every_trajectory_once(api: httpx.Client)
     found = api.get("/api/trajectories", params={"q": "capybara"}).json()["data"]
     assert [t["id"] for t in found] == ["page-0"]
     assert_envelope(api.get("/api/trajectories", params={"cursor": "garbage"}), 400)
+
+
+@pytest.mark.parametrize(
+    ("instant", "trajectory_id"),
+    [
+        ("0001-01-01T00:00:00+05:00", "page-0"),  # year 0 in UTC
+        ("9999-12-31T23:00:00-05:00", "page-0"),  # year 10000 in UTC
+        ("2026-01-01T00:00:00+00:00", "page\u0000-0"),  # NUL: PostgreSQL refuses it in text
+        ("2026-01-01T00:00:00+00:00", 7),
+    ],
+)
+def test_forged_cursor_is_refused_with_400(
+    api: httpx.Client, instant: str, trajectory_id: object
+) -> None:
+    forged = base64.urlsafe_b64encode(json.dumps([instant, trajectory_id]).encode()).decode()
+    error = assert_envelope(api.get("/api/trajectories", params={"cursor": forged}), 400)
+    assert "is not one this API returned" in error["message"]
 
 
 def test_reward_functions_run_on_completion_and_failures_are_recorded(

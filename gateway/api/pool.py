@@ -21,7 +21,14 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.db import Sessions
 from datapool.lifecycle import transitions as lifecycle
-from datapool.models import INTEGER_MAX, Step, Trajectory, TrajectoryStatus, UTCTimestamp
+from datapool.models import (
+    INTEGER_MAX,
+    Step,
+    Trajectory,
+    TrajectoryStatus,
+    UTCTimestamp,
+    in_utc_range,
+)
 from datapool.queries import groups, steps, trajectories
 from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
@@ -238,9 +245,14 @@ def _encode_cursor(created_at: datetime, trajectory_id: str) -> str:
 
 
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """The ``(created_at, id)`` a cursor holds; 400 for anything this API would not have written
+    (an instant UTC cannot hold, an id a trajectory cannot have, NUL included: PostgreSQL refuses
+    NUL in text, so it must never reach the query)."""
     try:
         created, trajectory_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return datetime.fromisoformat(created), str(trajectory_id)
+        if not isinstance(trajectory_id, str) or not TRAJECTORY_ID_PATTERN.fullmatch(trajectory_id):
+            raise ValueError("not a trajectory id")
+        return in_utc_range(datetime.fromisoformat(created)), trajectory_id
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"cursor {cursor[:40]!r} is not one this API returned") from exc
 
