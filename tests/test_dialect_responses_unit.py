@@ -317,6 +317,12 @@ def test_unknown_previous_response_id_is_a_400_naming_it() -> None:
         ({"input": "q", "max_output_tokens": "10"}, "max_output_tokens"),
         ({"input": "q", "temperature": True}, "temperature"),
         ({"input": "q", "include": "all"}, "include"),
+        ({"input": "q", "include": ["message.output_text.logprobs", "zzz"]}, "include[1]"),
+        ({"input": "q", "tools": [], "tool_choice": "required"}, "tool_choice"),
+        (
+            {"input": "q", "tools": [], "tool_choice": {"type": "function", "name": "f"}},
+            "tool_choice",
+        ),
         ({"input": "q", "conversation": "conv_1"}, "conversation"),
         # Top-level bounds (gateway.dialects.responses.protocol; issue 29 item 10).
         ({"input": []}, "input"),
@@ -339,6 +345,14 @@ def test_bad_input_is_a_400_naming_the_field(body: dict[str, Any], param: str) -
         "invalid_request_error",
         param,
     )
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none"])
+def test_a_tool_choice_without_tools_is_dropped_as_openai_does(tool_choice: str) -> None:
+    # Codex's compaction request: tools [] with "auto"; vLLM would refuse the field alone.
+    body = {"model": "m", "input": "summarise", "tools": [], "tool_choice": tool_choice}
+    chat = translate_request(body).chat_body
+    assert "tool_choice" not in chat and "tools" not in chat
 
 
 def test_an_out_of_bounds_field_is_refused_with_its_bound_and_the_value_sent() -> None:

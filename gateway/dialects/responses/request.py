@@ -88,6 +88,22 @@ KNOWN_FIELDS = frozenset(
     )
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Every value of ``include`` the Responses API defines. Only the logprobs change what is served;
+# the others name outputs of hosted tools (refused here) or encrypted reasoning (Codex asks for
+# it; a local engine has none to give), so they are accepted and answer nothing extra. A value
+# outside the list is a client's mistake, refused as OpenAI refuses it.
+INCLUDE_VALUES = frozenset(
+    (
+        LOGPROBS_INCLUDE,
+        "reasoning.encrypted_content",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "file_search_call.results",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+    )
+)
 # Sampling fields: the client's name → the chat field it becomes.
 SAMPLING = {
     "max_output_tokens": Field("max_tokens", int, "an integer"),
@@ -224,7 +240,18 @@ def translate_body(body: dict[str, Any]) -> Translation:
     if tools:
         chat["tools"] = tools
     if "tool_choice" in body:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        choice = _tool_choice(body["tool_choice"])
+        if tools:
+            chat["tool_choice"] = choice
+        elif choice not in ("auto", "none"):
+            raise InvalidRequestError(
+                f"'tool_choice' {body['tool_choice']!r} needs a tool to call, but 'tools' "
+                "offers none",
+                param="tool_choice",
+            )
+        # else: with no tools, "auto" and "none" both mean plain text (OpenAI accepts such a
+        # body: Codex's compaction sends tools [] with "auto"), while vLLM refuses a tool_choice
+        # without tools; so the field is dropped.
     if "parallel_tool_calls" in body:
         _expect(body["parallel_tool_calls"], bool, "parallel_tool_calls", "a boolean")
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
@@ -251,6 +278,12 @@ def _include(include: Any) -> list[str]:
     _expect(include, list, "include", "a list of strings")
     for position, entry in enumerate(include):
         _expect(entry, str, f"include[{position}]", "a string")
+        if entry not in INCLUDE_VALUES:
+            raise InvalidRequestError(
+                f"'include[{position}]' must be one of {', '.join(sorted(INCLUDE_VALUES))}, "
+                f"got {entry!r:.60}",
+                param=f"include[{position}]",
+            )
     return list(include)
 
 
