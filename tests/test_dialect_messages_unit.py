@@ -468,6 +468,22 @@ USER_Q = {"role": "user", "content": "q"}
             "tool_choice.type",
         ),
         ({"messages": [USER_Q], "max_tokens": 8, "thinking": {"type": "on"}}, "thinking.type"),
+        (
+            {
+                "messages": [USER_Q],
+                "max_tokens": 8,
+                "thinking": {"type": "enabled", "budget_tokens": "x"},
+            },
+            "thinking.budget_tokens",
+        ),
+        (
+            {
+                "messages": [USER_Q],
+                "max_tokens": 8,
+                "thinking": {"type": "enabled", "budget_tokens": 0},
+            },
+            "thinking.budget_tokens",
+        ),
         # Top-level bounds (gateway.dialects.messages.protocol; issue 29 item 10).
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": 5}, "metadata"),
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"user_id": 5}}, "metadata"),

@@ -37,13 +37,13 @@ found. Both are left out of the upstream body and named in ``Translation.omitted
 false), ``any`` → ``required``, ``tool`` → the named function, ``none`` → ``none``.
 ``thinking`` → ``chat_template_kwargs.enable_thinking`` (true for ``enabled``/``adaptive``, false
 for ``disabled``: the switch Qwen3-family templates read, ignored by templates without it);
-its ``budget_tokens`` is recorded only. ``output_config.format`` (structured output) →
-``response_format``. ``metadata``, ``cache_control`` (anywhere), ``context_management``,
-``output_config.effort`` and any other top-level field are accepted and change nothing: the
-client's body is stored as sent, and Claude Code adds beta fields often. Every top-level field
-Anthropic defines is checked against its type and bounds (``gateway.dialects.messages.protocol``:
-``metadata`` an object, ``top_k`` at least 0, ``temperature`` 0 to 1, ...) before anything goes
-upstream.
+its ``budget_tokens`` (an integer >= 1 when sent) is recorded only. ``output_config.format``
+(structured output) → ``response_format``. ``metadata``, ``cache_control`` (anywhere),
+``context_management``, ``output_config.effort`` and any other top-level field are accepted and
+change nothing: the client's body is stored as sent, and Claude Code adds beta fields often. Every
+top-level field Anthropic defines is checked against its type and bounds
+(``gateway.dialects.messages.protocol``: ``metadata`` an object, ``top_k`` at least 0,
+``temperature`` 0 to 1, ...) before anything goes upstream.
 
 Errors: a wrong type, a missing field, an unknown block type, a block in the wrong role is an
 ``InvalidRequestError`` (400) whose ``param`` is the field's path in Anthropic's dotted form
@@ -365,6 +365,12 @@ def _thinking(thinking: Any) -> bool | None:
     kind = thinking.get("type")
     if kind not in THINKING_TYPES:
         raise _fail("thinking.type", f"must be one of {', '.join(THINKING_TYPES)}, got {kind!r}")
+    budget = thinking.get("budget_tokens")
+    if budget is not None:
+        # Recorded only (no template reads it), but a value Anthropic refuses is refused here too.
+        _expect(budget, int, "thinking.budget_tokens", "an integer")
+        if budget < 1:
+            raise _fail("thinking.budget_tokens", f"must be at least 1, got {budget}")
     return bool(kind != "disabled")
 
 
