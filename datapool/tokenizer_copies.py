@@ -8,10 +8,14 @@ for each model whose tokenizer it learns from a replica (``gateway.tokenizer_dir
 view reads ``directory_of`` when no replica lists the model any more.
 
 Never: encodes or decodes (``datapool.queries.token_text`` decodes), or copies anything but
-``tokenizer.json`` (all the token view reads). Files are written to a temporary name and
-renamed, so a reader never sees half a copy. Gateway processes sharing one data directory
-merge ``models.json`` on each write (a name written at the same instant by two of them may
-keep either's; both name a tokenizer that model was served with).
+``tokenizer.json`` (all the token view reads), and then only a regular file that lies under the
+model's directory (a link out of it, to ``/etc/passwd`` say, is refused; a Hugging Face cache
+snapshot's links into its repository's ``blobs/`` are followed), of at most
+``TOKENIZER_MAX_BYTES``, read once in chunks while it is hashed, and kept only when it loads as a
+tokenizer. Files are written to a temporary name and renamed, so a reader never sees half a
+copy. Gateway processes sharing one data directory merge ``models.json`` on each write (a name
+written at the same instant by two of them may keep either's; both name a tokenizer that model
+was served with).
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 from pathlib import Path
 
 TOKENIZER_FILE = "tokenizer.json"
 INDEX_FILE = "models.json"
+# The largest tokenizer.json copied: the largest vocabularies served today (~260k tokens) write
+# 20 to 35 MB; a file many times that is not a tokenizer, and must not be read into the pool.
+TOKENIZER_MAX_BYTES = 128 * 2**20
+_CHUNK_BYTES = 2**20
 
 
 class TokenizerCopies:
@@ -40,21 +49,22 @@ class TokenizerCopies:
         ``model``'s; returns the copy's directory.
 
         Raises:
+            ValueError: the file is not one to copy: not a regular file under ``source_dir``,
+                over ``TOKENIZER_MAX_BYTES``, or not a tokenizer (it does not load).
             OSError: the source cannot be read or the pool's directory cannot be written.
         """
-        source = source_dir / TOKENIZER_FILE
+        source, key = _source_file(source_dir)
         with self._lock:
-            digest = self._digest(source)
-            copy_dir = self.directory / digest
-            if not (copy_dir / TOKENIZER_FILE).is_file():
-                copy_dir.mkdir(parents=True, exist_ok=True)
-                _write_atomically(copy_dir / TOKENIZER_FILE, source.read_bytes())
+            digest = self._digests.get(key)
+            if digest is None or not (self.directory / digest / TOKENIZER_FILE).is_file():
+                digest = self._copy(source)
+                self._digests[key] = digest
             index = self._index()
             if index.get(model) != digest:
                 index[model] = digest
                 text = json.dumps(index, indent=1, sort_keys=True).encode()
                 _write_atomically(self.directory / INDEX_FILE, text)
-            return copy_dir
+            return self.directory / digest
 
     def directory_of(self, model: str) -> Path | None:
         """The copy recorded for ``model``, if there is one on disk."""
@@ -80,15 +90,67 @@ class TokenizerCopies:
             return {}
         return {k: v for k, v in index.items() if isinstance(k, str) and isinstance(v, str)}
 
-    def _digest(self, source: Path) -> str:
-        stat = source.stat()
-        key = (str(source.resolve()), stat.st_size, stat.st_mtime_ns)
-        if key not in self._digests:
-            self._digests[key] = hashlib.sha256(source.read_bytes()).hexdigest()
-        return self._digests[key]
+    def _copy(self, source: Path) -> str:
+        """Stream ``source`` into the pool (hashing as it goes: one read), keep it under its
+        SHA-256 if it loads as a tokenizer; returns the digest. Raises as ``remember``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_name(self.directory / TOKENIZER_FILE)
+        digest = hashlib.sha256()
+        try:
+            size = 0
+            with source.open("rb") as reader, tmp.open("wb") as writer:
+                while chunk := reader.read(_CHUNK_BYTES):
+                    size += len(chunk)
+                    if size > TOKENIZER_MAX_BYTES:  # grown since it was looked at
+                        raise ValueError(_too_large(source))
+                    digest.update(chunk)
+                    writer.write(chunk)
+            copy_dir = self.directory / digest.hexdigest()
+            if not (copy_dir / TOKENIZER_FILE).is_file():
+                _check_loads(tmp, source)
+                copy_dir.mkdir(exist_ok=True)
+                tmp.replace(copy_dir / TOKENIZER_FILE)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return digest.hexdigest()
+
+
+def _source_file(source_dir: Path) -> tuple[Path, tuple[str, int, int]]:
+    """``source_dir/tokenizer.json`` resolved, and its (path, size, mtime in ns); ValueError
+    when it is not a regular file under ``source_dir`` (or, in a Hugging Face cache snapshot,
+    under the snapshot's repository) or is over ``TOKENIZER_MAX_BYTES``."""
+    root = source_dir.resolve(strict=True)
+    # A Hugging Face cache snapshot (<repo>/snapshots/<revision>) links its files to <repo>/blobs.
+    base = root.parent.parent if root.parent.name == "snapshots" else root
+    source = (root / TOKENIZER_FILE).resolve(strict=True)
+    if not source.is_relative_to(base):
+        raise ValueError(f"{source_dir / TOKENIZER_FILE} links to {source}, outside {base}")
+    info = source.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{source} is not a regular file")
+    if info.st_size > TOKENIZER_MAX_BYTES:
+        raise ValueError(_too_large(source))
+    return source, (str(source), info.st_size, info.st_mtime_ns)
+
+
+def _too_large(source: Path) -> str:
+    return f"{source} is larger than {TOKENIZER_MAX_BYTES} bytes: not a tokenizer to copy"
+
+
+def _check_loads(path: Path, source: Path) -> None:
+    from tokenizers import Tokenizer  # lazily, as datapool.queries.token_text
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as exc:  # the library raises its own untyped errors for any bad file
+        raise ValueError(f"{source} does not load as a tokenizer: {exc}") from None
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = _tmp_name(path)
     tmp.write_bytes(data)
     tmp.replace(path)

@@ -97,7 +97,7 @@ class TokenizerDirs:
             return
         try:
             self.copies.remember(model, root)
-        except OSError as exc:  # the live view still decodes; only a reopened pool would not
+        except (OSError, ValueError) as exc:  # the live view still decodes; a reopened pool not
             log.warning("could not keep a copy of %s's tokenizer in the pool: %s", model, exc)
 
     def choose(self, model: str | None, override: Path | None) -> TokenizerChoice | None:

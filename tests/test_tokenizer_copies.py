@@ -12,7 +12,10 @@ import httpx
 import pytest
 from openai import OpenAI
 from tests_support import free_port
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
+from datapool import tokenizer_copies
 from datapool.settings import PoolSettings
 from datapool.tokenizer_copies import TokenizerCopies
 from gateway.app import create_app
@@ -28,22 +31,29 @@ def _no_tokenizer_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRAJGATE_TOKENIZER_DIR", raising=False)
 
 
+def tokenizer_json(*words: str) -> str:
+    """A real (word-level) tokenizer's JSON: a copy is kept only when it loads as one."""
+    vocab = {word: i for i, word in enumerate(("[UNK]", *words))}
+    return Tokenizer(WordLevel(vocab, unk_token="[UNK]")).to_str()
+
+
 def test_models_sharing_a_tokenizer_share_one_copy_found_again_after_a_restart(
     tmp_path: Path,
 ) -> None:
     base, other = tmp_path / "base", tmp_path / "other"
-    for directory, text in ((base, '{"model": "base"}'), (other, '{"model": "other"}')):
+    base_text, other_text = tokenizer_json("base"), tokenizer_json("other")
+    for directory, text in ((base, base_text), (other, other_text)):
         directory.mkdir()
         (directory / "tokenizer.json").write_text(text)
     copies = TokenizerCopies(tmp_path / "pool" / "tokenizers")
     first = copies.remember("base", base)
     assert copies.remember("policy-v1", base) == first  # the same file: one copy
-    assert (first / "tokenizer.json").read_text() == '{"model": "base"}'
+    assert (first / "tokenizer.json").read_text() == base_text
     assert copies.shared_directory() == first
-    (base / "tokenizer.json").write_text('{"model": "changed"}')  # the source may go or change
+    (base / "tokenizer.json").write_text(tokenizer_json("changed"))  # the source may change
     reopened = TokenizerCopies(tmp_path / "pool" / "tokenizers")
     assert reopened.directory_of("policy-v1") == first
-    assert (first / "tokenizer.json").read_text() == '{"model": "base"}'
+    assert (first / "tokenizer.json").read_text() == base_text
     second = reopened.remember("other", other)
     assert second != first
     assert reopened.directory_of("other") == second
@@ -54,12 +64,54 @@ def test_models_sharing_a_tokenizer_share_one_copy_found_again_after_a_restart(
     )
 
 
+def test_a_link_out_of_the_model_directory_is_never_copied(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").symlink_to(secret)
+    copies = TokenizerCopies(tmp_path / "pool" / "tokenizers")
+    with pytest.raises(ValueError, match="outside"):
+        copies.remember("policy", model)
+    assert copies.directory_of("policy") is None
+    pool_files = [p for p in (tmp_path / "pool").rglob("*") if p.is_file()]
+    assert pool_files == []
+
+
+def test_a_hugging_face_snapshot_link_into_its_blobs_is_followed(tmp_path: Path) -> None:
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text(tokenizer_json("hub"))
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").symlink_to(Path("..", "..", "blobs", "abc123"))
+    copy = TokenizerCopies(tmp_path / "pool").remember("policy", snapshot)
+    assert (copy / "tokenizer.json").read_text() == tokenizer_json("hub")
+
+
+def test_a_file_that_is_not_a_tokenizer_or_is_too_large_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    copies = TokenizerCopies(tmp_path / "pool")
+    with pytest.raises(ValueError, match="does not load as a tokenizer"):
+        copies.remember("policy", model)
+    (model / "tokenizer.json").write_text(tokenizer_json("w" * 600))
+    monkeypatch.setattr(tokenizer_copies, "TOKENIZER_MAX_BYTES", 512)
+    with pytest.raises(ValueError, match="larger than 512 bytes"):
+        copies.remember("policy", model)
+    assert copies.directory_of("policy") is None
+    assert [p for p in (tmp_path / "pool").rglob("*") if p.is_file()] == []
+
+
 def test_a_reopened_pool_chooses_its_copy_when_no_replica_lists_the_model(
     tmp_path: Path,
 ) -> None:
     base = tmp_path / "base"
     base.mkdir()
-    (base / "tokenizer.json").write_text("{}")
+    (base / "tokenizer.json").write_text(tokenizer_json("base"))
     listed = [
         {"id": "base", "root": str(base), "parent": None},
         {"id": "policy-v3", "root": str(tmp_path / "adapters" / "v3"), "parent": "base"},
