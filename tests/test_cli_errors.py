@@ -17,8 +17,10 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
 from tests_support import free_port
 
+from trajgate import vllm_server
 from trajgate.vllm_server import VLLMServer
 
 
@@ -155,3 +157,33 @@ def test_demo_refuses_sizes_it_could_not_train_on(tmp_path: Path) -> None:
         assert f"Invalid value for '{flag}'" in result.stderr
         assert f"greater than or equal to {least}" in result.stderr
     assert not (tmp_path / ".trajgate").exists()
+
+
+def test_vllm_that_exits_while_starting_leaves_no_pid_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stand-in for vLLM's environment whose python exits at once, as vLLM does when the model
+    # cannot be served (a context longer than the weights', say).
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text("#!/bin/sh\nexit 3\n")
+    python.chmod(0o755)
+    (venv / "trajgate-vllm.txt").write_text(vllm_server.VLLM_PACKAGE)
+    monkeypatch.setenv("TRAJGATE_HOME", str(tmp_path / "home"))
+    port = free_port()
+    with pytest.raises(vllm_server.VLLMStartError, match="exited with 3"):
+        vllm_server.start(tmp_path, venv_dir=venv, port=port, log_path=tmp_path / "vllm.log")
+    assert not (tmp_path / "home" / "run" / f"vllm-{port}.pid").exists()
+    assert vllm_server.stop_on_port(port) is False  # nothing left to stop
+
+
+def test_vllm_start_serves_a_model_under_its_own_name_and_context(tmp_path: Path) -> None:
+    model = tmp_path / "SmolLM2-135M-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 8192}')
+    assert vllm_server.served_defaults(model) == ("SmolLM2-135M-Instruct", 8192)
+    assert vllm_server.served_defaults(vllm_server.default_model_dir()) == ("tiny", 131072)
+    bare = tmp_path / "bare"
+    bare.mkdir()  # no config.json: the default context
+    assert vllm_server.served_defaults(bare) == ("bare", vllm_server.MAX_MODEL_LEN)

@@ -348,17 +348,38 @@ def vllm_start(
     model: Annotated[Path | None, typer.Option(help="Model directory.")] = None,
     port: Annotated[int, typer.Option(help="Port.")] = 8100,
     timeout_s: Annotated[float, typer.Option(help="Seconds to wait for /health.")] = 300.0,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(
+            help="The name vLLM serves the model under. Default: 'tiny' for the tiny model, "
+            "else the model directory's name."
+        ),
+    ] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            help="Context in tokens. Default: the model's max_position_embeddings "
+            "(config.json); 131,072 for the tiny model."
+        ),
+    ] = None,
 ) -> None:
     """Start vLLM in the background (or reuse a healthy one on PORT) and wait for /health."""
+    model_dir = model or vllm_server.default_model_dir()
+    default_name, default_len = vllm_server.served_defaults(model_dir)
     server = _run_user_facing(
         lambda: vllm_server.start(
-            model or vllm_server.default_model_dir(), port=port, ready_timeout_s=timeout_s
+            model_dir,
+            port=port,
+            ready_timeout_s=timeout_s,
+            served_model_name=served_model_name or default_name,
+            max_model_len=max_model_len or default_len,
         )
     )
     typer.echo(
         json.dumps(
             {
                 "url": server.url,
+                "model": server.served_model_name,
                 "pid": server.pid,
                 "log": str(server.log_path) if server.log_path else None,
             }

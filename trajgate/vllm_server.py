@@ -11,6 +11,7 @@ installed, and a server already healthy on the requested port is reused.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -62,6 +63,21 @@ def default_venv_dir() -> Path:
 
 def default_model_dir() -> Path:
     return trajgate_home() / "models" / "tiny-qwen2"
+
+
+def served_defaults(model_dir: Path) -> tuple[str, int]:
+    """The name and context (tokens) ``trajgate vllm start --model model_dir`` serves by default:
+    the tiny model's ``tiny`` and 131,072; any other directory under its own name with the
+    context its ``config.json`` gives (``max_position_embeddings``), so a model is never served
+    with a context its weights lack (vLLM exits on that) or under the tiny model's name."""
+    if model_dir.resolve() == default_model_dir().resolve():
+        return SERVED_MODEL_NAME, MAX_MODEL_LEN
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        positions = int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        positions = MAX_MODEL_LEN
+    return model_dir.resolve().name, positions
 
 
 def venv_python(venv_dir: Path) -> Path:
@@ -309,6 +325,7 @@ def start(
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            _pid_path(port).unlink(missing_ok=True)  # nothing runs under it any more
             raise VLLMStartError(
                 f"vLLM exited with {proc.returncode}; its log: {log_path}\n{_tail(log_path)}"
             )
@@ -316,6 +333,7 @@ def start(
             return server
         time.sleep(1.0)
     server.stop()
+    _pid_path(port).unlink(missing_ok=True)
     raise VLLMStartError(
         f"vLLM not healthy after {ready_timeout_s:.0f} s; its log: {log_path}\n{_tail(log_path)}"
     )
