@@ -295,3 +295,23 @@ def test_a_crash_flags_only_the_calls_it_cut_and_an_agent_that_carries_on_lifts_
     finally:
         writer.close()
     store.engine.dispose()
+
+
+def test_serve_logs_one_line_per_proxied_call(
+    emulator: EmulatorThread, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    port, log = free_port(), tmp_path / "gateway.log"
+    process = start_gateway(emulator.url, pool_settings, port, log)
+    try:
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/t/logged-1/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+        assert answer.status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    lines = [line for line in log.read_text().splitlines() if "call trajectory=logged-1" in line]
+    assert len(lines) == 1, log.read_text()[-2000:]
+    assert "outcome=ok" in lines[0] and lines[0].startswith("INFO:")

@@ -240,6 +240,7 @@ def serve(
         "host": settings.host,
         "port": settings.port,
         "log_level": "info",
+        "log_config": _log_config(),
         "access_log": access_log,
         # uvloop and httptools (uvicorn[standard]): the event loop and HTTP parsing in C, several
         # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
@@ -254,6 +255,19 @@ def serve(
         uvicorn.run(application, **options)
     else:
         _serve_workers(settings, pool, options)
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, plus the gateway's own loggers (``trajgate.*``: the line each proxied
+    call writes, warnings of the pool and the replicas) at INFO on uvicorn's stderr handler;
+    without it they had no handler, and the per-call line was never printed."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["trajgate"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 def _serve_workers(settings: GatewaySettings, pool: PoolSettings, options: dict[str, Any]) -> None:
