@@ -1,7 +1,8 @@
 """C14 with real processes: ``trajgate serve`` in front of the emulator, 200 concurrent agents,
 ``kill -9`` mid-load, restart; every step whose response was delivered is present exactly once,
 completed trajectories stay complete, only those with a call in flight are flagged ``incomplete``,
-and an agent that carries on lifts the flag. Two rounds, on SQLite and PostgreSQL."""
+and an agent that carries on lifts the flag. Two rounds, on SQLite and PostgreSQL. The same
+process logs one line per proxied call."""
 
 from __future__ import annotations
 
