@@ -27,7 +27,7 @@ from datapool.db import make_engine
 from datapool.lifecycle.transitions import close_trajectory
 from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
-from datapool.steps.canonical import Message
+from datapool.steps.canonical import Message, as_rendered
 from datapool.steps.payloads import pack_ids
 from datapool.steps.store import PoolStore
 from gateway.dialects.chat_completions.serving import canonical_of_chat
@@ -283,6 +283,67 @@ def test_a_message_sent_as_one_text_block_then_as_its_string_is_the_same_history
     two_parts = [{"type": "text", "text": "# Env"}, {"type": "text", "text": "ironment"}]
     assert extended({"role": "system", "content": two_parts}) is None
     assert extended({"role": "system", "content": "# Environment, changed"}) is None
+
+
+def billing_line(cch: str) -> str:
+    """Claude Code's attribution line as it sends it to a first-party base URL."""
+    return f"x-anthropic-billing-header: cc_version=2.1.3.a1f; cc_entrypoint=cli; cch={cch};"
+
+
+def test_claude_codes_billing_line_is_compared_as_vllm_renders_it() -> None:
+    # vLLM drops the line (and a block holding nothing else) from system messages before it
+    # renders, so a cch that changes on every call changes no prompt.
+    response = {"role": "assistant", "content": "21"}
+    key = render_key({"model": MODEL})
+
+    def system(cch: str, *, own_block: bool) -> dict[str, Any]:
+        if own_block:
+            blocks = [{"type": "text", "text": billing_line(cch)}, {"type": "text", "text": "Hi"}]
+            return {"role": "system", "content": blocks}
+        return {"role": "system", "content": [{"type": "text", "text": f"{billing_line(cch)}\nHi"}]}
+
+    for own_block in (False, True):
+        first = system("a1b2c", own_block=own_block)
+        turn_id = turn_key(key, canonical(first, USER), *canonical(response))
+        assert turn_id is not None
+        turn = Turn(turn_id, *canonical(response), pack_ids([1, 2, 3]))
+        again = system("ffee0", own_block=own_block)
+        messages = canonical(again, USER, response, {"role": "user", "content": "thanks"})
+        found = find_extension(candidate_keys(key, messages), messages, {turn.key: turn}.get)
+        assert found is not None and found.new_from == 3
+    # The line only counts where vLLM strips it: first in a system message's text part.
+    changed = canonical({"role": "system", "content": "Hi"}, USER, response)
+    turn_id = turn_key(
+        key, canonical({"role": "system", "content": "Hello"}, USER), *canonical(response)
+    )
+    assert turn_id is not None
+    turn = Turn(turn_id, *canonical(response), pack_ids([1, 2, 3]))
+    assert find_extension(candidate_keys(key, changed), changed, {turn.key: turn}.get) is None
+    user_line = {"role": "user", "content": billing_line("a1b2c")}
+    assert canonical(user_line)[0] == as_rendered(canonical(user_line)[0])
+
+
+def test_a_messages_session_with_a_new_cch_every_call_continues_exactly(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    url = f"{exact_gateway.url}/t/billing/v1/messages"
+    history: list[Any] = [{"role": "user", "content": USER["content"]}]
+    for cch in ("0a1b2", "c3d4e", "f5a6b"):
+        system = [
+            {"type": "text", "text": billing_line(cch)},
+            {"type": "text", "text": SYSTEM["content"]},
+        ]
+        body = {"model": MODEL, "system": system, "messages": history, "max_tokens": 4}
+        answer = httpx.post(url, json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        history = [
+            *history,
+            {"role": "assistant", "content": answer.json()["content"]},
+            {"role": "user", "content": "go on"},
+        ]
+    steps = steps_of(pool_settings, "billing")
+    assert [s.continuation for s in steps] == ["template", "exact", "exact"]
+    assert all(s.extends_parent and "prefix_break" not in s.flags for s in steps[1:])
 
 
 @pytest.fixture

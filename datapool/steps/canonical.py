@@ -208,14 +208,24 @@ def response_of(response: Mapping[str, Any] | None) -> Message:
     return Message("assistant") if response is None else Message.from_json(response)
 
 
+# Claude Code's attribution line, the first line of its first system block: its ``cch`` value
+# changes on every request. vLLM (0.32, ``_strip_claude_code_billing_header``) drops that line
+# from every system text part before rendering, and the part too when nothing else is in it.
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
 def as_rendered(message: Message) -> Message:
-    """``message`` with a content of exactly one text part (holding nothing but its type and
-    text) as that text: the chat template, as vLLM renders it, reads both the same (it joins
-    text parts with a newline, so one part is its text). Claude Code sends a message as one text
-    block while it carries the conversation's cache breakpoint and as a string on later calls;
-    compared through this, the history is unchanged. Lists of several parts stay as sent (a
-    template that reads the parts may render them otherwise)."""
+    """``message`` as vLLM's template reads it, for comparing histories: a system message
+    without Claude Code's billing line (``BILLING_HEADER``: vLLM strips it, so a ``cch`` that
+    changes on every call changes no prompt), and a content of exactly one text part (holding
+    nothing but its type and text) as that text: the chat template, as vLLM renders it, reads
+    both the same (it joins text parts with a newline, so one part is its text). Claude Code
+    sends a message as one text block while it carries the conversation's cache breakpoint and
+    as a string on later calls; compared through this, the history is unchanged. Lists of
+    several parts stay as sent (a template that reads the parts may render them otherwise)."""
     content = message.content
+    if message.role == "system" and content:
+        content = _without_billing_header(content)
     if (
         isinstance(content, list)
         and len(content) == 1
@@ -224,8 +234,33 @@ def as_rendered(message: Message) -> Message:
         and content[0]["type"] == "text"
         and isinstance(content[0]["text"], str)
     ):
-        return replace(message, content=content[0]["text"])
-    return message
+        content = content[0]["text"]
+    return message if content is message.content else replace(message, content=content)
+
+
+def _without_billing_header(content: str | list[Any]) -> str | list[Any]:
+    """``content`` as vLLM renders a system message's parts: a text part that starts with the
+    billing header loses its first line, and is gone when that was all of it; ``content`` itself
+    when no part starts with it."""
+    if isinstance(content, str):
+        if not content.startswith(BILLING_HEADER):
+            return content
+        rest = content.partition("\n")[2]
+        return rest or []
+    stripped = False
+    kept: list[Any] = []
+    for part in content:
+        text = part if isinstance(part, str) else None
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text")
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            kept.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            kept.append(rest if isinstance(part, str) else {**part, "text": rest})
+        stripped = True
+    return kept if stripped else content
 
 
 def first_turns(messages: Sequence[Message]) -> tuple[Message, ...]:
