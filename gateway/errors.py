@@ -45,6 +45,9 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
 ``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still
 sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);
+``replica_weights_unknown`` (503, every replica the call could use took part in a full-weight
+update that failed, ``gateway.upstream.replicas``); ``weight_update_failed`` (502, a replica
+failed a step of a full-weight update, ``gateway.api.admin``);
 ``upstream_unreachable`` (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:

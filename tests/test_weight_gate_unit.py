@@ -11,7 +11,9 @@ import asyncio
 
 import pytest
 
-from gateway.upstream.weight_update import CallAborted, Ticket, WeightGate
+from gateway.errors import ServiceUnavailableError
+from gateway.upstream.replicas import UpstreamPool
+from gateway.upstream.weight_update import CallAborted, ReloadError, Ticket, WeightGate
 
 
 async def _aborted_while_waiting() -> str:
@@ -164,3 +166,54 @@ def test_an_engine_split_no_reload_of_this_gateway_made_is_unknown() -> None:
     with pytest.raises(LookupError):
         _call_across().version_spans(3, 0, 12, [_span("3", 0, 7), _span("8", 7, 12)])
     assert _call_across().version_spans(3, 0, 12, [_span("3", 0, 12)]) is None
+
+
+# A kept update that fails: ``WeightGate.keep`` marks the calls in flight, and
+# ``UpstreamPool.replacing_weights`` takes the replicas it touched out of routing.
+
+
+def test_a_call_in_flight_across_a_failed_kept_update_is_unknown_whatever_the_engine_reports() -> (
+    None
+):
+    async def across_a_failed_update() -> Ticket:
+        gate = WeightGate()
+        ticket = await gate.admit()
+
+        async def reload() -> None:  # the replica took the reload, then refused its label
+            raise ReloadError("http://r", ["http://r"], "404: no /update_weight_version")
+
+        async def resume() -> None:
+            pass
+
+        with pytest.raises(ReloadError):
+            await gate.keep(reload, resume, 4, "4:x")
+        return ticket
+
+    ticket = asyncio.run(across_a_failed_update())
+    # The label was never set, so the engine reports one span under its old label: read
+    # alone it would say every token is version 3's.
+    with pytest.raises(LookupError):
+        ticket.version_spans(3, 0, 12, [_span("default", 0, 12)])
+
+
+def test_replicas_a_failed_update_touched_are_never_picked_until_a_publish_succeeds() -> None:
+    pool = UpstreamPool(["http://a", "http://b", "http://c"])
+    # a accepted the reload, b's reload failed once sent, c refused before reloading.
+    with pytest.raises(ReloadError), pool.replacing_weights(2):
+        raise ReloadError("http://b", ["http://a"], "500: reload broke", partial=True)
+    assert {pool.pick(f"t{n}").url for n in range(20)} == {"http://c"}
+    with pytest.raises(ReloadError), pool.replacing_weights(3):
+        raise ReloadError("http://c", ["http://c"], "404: no /update_weight_version")
+    with pytest.raises(ServiceUnavailableError) as refused:
+        pool.pick("t0")
+    assert (refused.value.status_code, refused.value.code) == (503, "replica_weights_unknown")
+    with pool.replacing_weights(4):
+        pass  # every replica reloaded and the version registered
+    assert {pool.pick(f"t{n}").url for n in range(20)} == {"http://a", "http://b", "http://c"}
+
+
+def test_a_publish_that_fails_after_the_reloads_leaves_every_replicas_weights_unknown() -> None:
+    pool = UpstreamPool(["http://a", "http://b"])
+    with pytest.raises(RuntimeError), pool.replacing_weights(2):
+        raise RuntimeError("the pool could not register version 2")
+    assert [r.weights_unknown is not None for r in pool.replicas] == [True, True]

@@ -182,8 +182,10 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     ``version``). 409 ``policy_version_conflict`` when ``version`` is registered with another
     model name or weights location (nothing paused; an identical re-send reloads the same
     weights again); 409 when this gateway runs several worker processes (the pause
-    would hold only this one; nothing paused); 502 when a replica refused the reload (the
-    version is not registered, the held calls are released; publish again)."""
+    would hold only this one; nothing paused); 502 ``weight_update_failed`` when a replica
+    failed the update (the version is not registered, the held calls are released; the
+    message names the replicas that accepted the reload, which are refused calls until a
+    publish succeeds, ``UpstreamPool.replacing_weights``; publish again)."""
     if state.settings.workers > 1:
         raise ConflictError(
             f"full-weight updates need a gateway with one worker process, this one runs "
@@ -203,26 +205,34 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     timeout_s = state.settings.upstream_total_timeout_s
     mode = body.mode or state.settings.weight_update_mode
 
+    registered = False  # the version is active: a failure after it is the resume's alone
+
     async def register() -> None:
+        nonlocal registered
         await run_in_threadpool(
             state.policy.register, body.version, body.model_name, body.weights_location, True
         )
+        registered = True
+
+    upstreams = state.upstreams
 
     async def reload_and_register() -> None:
-        await reload_replicas(state.client, urls, body.weights_location, timeout_s)
-        await register()
+        with upstreams.replacing_weights(body.version):
+            await reload_replicas(state.client, urls, body.weights_location, timeout_s)
+            await register()
 
     label = reload_label(body.version)
 
     async def pause_reload_and_register() -> None:
         await pause_replicas(state.client, urls, timeout_s)
-        await reload_kept_replicas(state.client, urls, body.weights_location, label, timeout_s)
-        await register()
+        with upstreams.replacing_weights(body.version):
+            await reload_kept_replicas(state.client, urls, body.weights_location, label, timeout_s)
+            await register()
 
     async def resume() -> None:
         await resume_replicas(state.client, urls, timeout_s)
 
-    gate = state.upstreams.gate
+    gate = upstreams.gate
     try:
         if mode == "keep":
             _, report = await gate.keep(pause_reload_and_register, resume, body.version, label)
@@ -234,9 +244,24 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
         else:
             raise ValueError(f"weight update mode must be one of {UPDATE_MODES}, got {mode!r}")
     except ReloadError as exc:
+        if registered:
+            raise UpstreamError(
+                f"version {body.version} is registered and active on every replica, but "
+                f"replica {exc.url} did not resume ({exc.detail}): its calls wait until it does",
+                code="weight_update_failed",
+            ) from exc
         if claimed:
             await run_in_threadpool(state.policy.unregister_unused, body.version)
-        raise UpstreamError(str(exc)) from exc
+        refused = (
+            f"; calls to {exc.weights_unknown} are refused (503 replica_weights_unknown) until "
+            "a publish succeeds"
+            if exc.weights_unknown
+            else ""
+        )
+        raise UpstreamError(
+            f"{exc}; version {body.version} is not registered{refused}: publish again",
+            code="weight_update_failed",
+        ) from exc
     state.metrics.record_weight_update(report)
     return WeightUpdatePublic(
         version=body.version,

@@ -6,7 +6,10 @@ dead replica out and bring it back, and per-replica in-flight counts. Never: ret
 the proxy decides when a retry is safe (only before any byte reached the client).
 ``InFlight`` is the one place the in-flight count goes up and down. ``UpstreamPool.gate``
 is the replicas' weight gate: calls wait there while their weights are replaced in place
-(``gateway.upstream.weight_update``).
+(``gateway.upstream.weight_update``). A replica that took part in a full-weight update that
+failed (``UpstreamPool.replacing_weights``) may hold weights of no registered version: no call
+is routed to it until a publish succeeds (``weights_unknown_error``, 503), so no step is stamped
+with a version its replica no longer holds.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -16,11 +19,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.upstream.weight_update import WeightGate
+from gateway.errors import ServiceUnavailableError
+from gateway.upstream.weight_update import ReloadError, WeightGate
 
 log = logging.getLogger("trajgate.upstreams")
 
@@ -44,6 +50,10 @@ class Replica:
     # Whether its chat endpoint samples from forwarded prompt ids (``probe_exact``): exact
     # streams need it; without it they use the template.
     forwards_prompt_ids: bool = False
+    # Why its weights may be no registered version's (a full-weight update that failed after
+    # it accepted the reload, or during it: ``UpstreamPool.replacing_weights``); None when it
+    # holds the active version's. Never routed to while set.
+    weights_unknown: str | None = None
     # One exact-continuation probe at a time (the health loop's, or a call's that came first).
     exact_probe: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     # Parsed once per path: httpx parses a URL string on every request (its host as an IP
@@ -113,6 +123,19 @@ class NoHealthyUpstreamError(RuntimeError):
     """Every replica is marked unhealthy (or excluded after failing this call)."""
 
 
+def weights_unknown_error(why: str) -> ServiceUnavailableError:
+    """503 ``replica_weights_unknown``: every replica that could serve the call took part in a
+    full-weight update that failed (``why``), so its weights may be of no registered version."""
+    return ServiceUnavailableError(
+        "no replica can serve this call with weights of a known policy version: a "
+        f"full-weight update failed ({why}). A replica that took part in it may hold the "
+        "new weights under the old version, so calls to it are refused until a publish "
+        "succeeds: publish again (POST /admin/weight-updates; mode 'drain' where the "
+        "replicas lack /update_weight_version).",
+        code="replica_weights_unknown",
+    )
+
+
 class UpstreamPool:
     """Picks a replica per call.
 
@@ -131,13 +154,23 @@ class UpstreamPool:
         self.gate = WeightGate()
 
     def pick(self, trajectory_id: str, exclude: frozenset[str] = frozenset()) -> Replica:
-        """The replica for this call. Raises ``NoHealthyUpstreamError`` when none is usable."""
+        """The replica for this call, never one whose weights are unknown.
+
+        Raises:
+            NoHealthyUpstreamError: none is usable (none captures, or every one is excluded).
+            ServiceUnavailableError: every replica that captures has unknown weights (503
+                ``replica_weights_unknown``, ``weights_unknown_error``).
+        """
         capturing = [r for r in self.replicas if r.returns_token_ids is not False]
         if not capturing:
             raise NoHealthyUpstreamError(
                 f"no upstream returns token ids (probed {[r.url for r in self.replicas]}); "
                 "trajgate needs vLLM >= 0.10.2, which honours return_token_ids"
             )
+        known = [r for r in capturing if r.weights_unknown is None]
+        if not known:
+            raise weights_unknown_error(str(capturing[0].weights_unknown))
+        capturing = known
         candidates = [r for r in capturing if r.healthy and r.url not in exclude]
         if not candidates:
             # All marked down: try the ones not excluded anyway rather than refusing outright.
@@ -151,6 +184,34 @@ class UpstreamPool:
         if sticky.in_flight - least.in_flight > self.sticky_slack:
             return least
         return sticky
+
+    @contextmanager
+    def replacing_weights(self, version: int) -> Iterator[None]:
+        """Around a full-weight update's reload of every replica and the registration of
+        ``version``: ending normally, every replica holds the active version (its weights are
+        known again); ending with a ``ReloadError``, the replicas it names as reloaded or part
+        loaded are marked ``weights_unknown`` (those that refused before their reload keep
+        serving); ending otherwise (the registration failed, the publish was cancelled), every
+        replica is. The error propagates."""
+        try:
+            yield
+        except ReloadError as exc:
+            self._weights_unknown(exc.weights_unknown, f"publishing version {version}: {exc}")
+            raise
+        except BaseException as exc:
+            urls = [replica.url for replica in self.replicas]
+            self._weights_unknown(urls, f"publishing version {version}: {exc!r}")
+            raise
+        for replica in self.replicas:
+            replica.weights_unknown = None
+
+    def _weights_unknown(self, urls: list[str], why: str) -> None:
+        for replica in self.replicas:
+            if replica.url in urls:
+                replica.weights_unknown = why
+                log.error(
+                    "upstream %s: weights unknown, no call is routed to it (%s)", replica.url, why
+                )
 
     def mark_failure(self, replica: Replica) -> None:
         replica.consecutive_failures += 1

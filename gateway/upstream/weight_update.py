@@ -33,6 +33,13 @@ at a time.
    the engine reports the split itself (below);
 4. ``POST /resume`` on every replica (whatever failed before), then the gate opens.
 
+An update that fails part way (a replica refused its pause, reload, cache reset or label, or
+the version could not be registered) marks every call in flight unknown whatever the engine's
+spans say (``Ticket.update_failed``: the engine's label may be the old one over new weights),
+and the replicas that accepted the reload, or whose reload failed once sent
+(``ReloadError.weights_unknown``), are refused calls until a publish succeeds
+(``UpstreamPool.replacing_weights``): they may hold weights of no registered version.
+
 Where the engine reports which weight version sampled each token (``weight_versions`` of
 vLLM's ``/inference/v1/generate``, which a unary exact continuation uses), its spans
 are read instead of the gateway's counts (``Ticket.engine_spans`` says how its labels map to
@@ -118,6 +125,9 @@ class Ticket:
         # Each kept reload this call sampled across: (the new version, its counts at the
         # split, None when unknown, the engine's label of the new weights).
         self.marks: list[tuple[int, Counts | None, str | None]] = []
+        # A kept update failed while this call sampled: some replica may hold weights of no
+        # registered version, and its engine's labels may be stale (``version_spans``).
+        self.update_failed = False
         self._gate = gate
         self._waiting: asyncio.Task[Any] | None = None  # the task inside ``guard``, if any
         self._cut = False  # ``abort`` cancelled ``_waiting``: that cancellation is ours
@@ -155,10 +165,14 @@ class Ticket:
         output tokens, on the final chunk), used when ``engine_spans`` can read them as policy
         versions; otherwise the gateway's own counts at each kept reload.
 
-        Raises ``LookupError`` when the split is not known: a reload split a call whose tokens
-        were not counted (a unary call) and the engine did not report it, or the engine reports
-        tokens of several weight versions while this gateway reloaded none during the call.
+        Raises ``LookupError`` when the split is not known: a kept update failed while the call
+        sampled (``update_failed``: whatever the engine reports, for its label was not set or
+        not set everywhere), a reload split a call whose tokens were not counted (a unary call)
+        and the engine did not report it, or the engine reports tokens of several weight
+        versions while this gateway reloaded none during the call.
         """
+        if self.update_failed:
+            raise LookupError("a full-weight update failed while the call sampled")
         spans = None if reported is None else self.engine_spans(policy_version, reported, tokens)
         if spans is None:
             if not self.marks:
@@ -377,8 +391,9 @@ class WeightGate:
         call in flight, run ``resume``, reopen.
 
         ``resume`` runs however ``reload`` ends; when ``reload`` fails the calls in flight are
-        marked unknown (some replicas may hold weights of no registered version) and its error
-        propagates. One pause at a time, as ``pause``.
+        marked unknown whatever the engine reports (``Ticket.update_failed``: some replicas may
+        hold weights of no registered version, under a label that was not changed) and its
+        error propagates. One pause at a time, as ``pause``.
         """
         async with self._lock:
             self._open.clear()
@@ -417,6 +432,7 @@ class WeightGate:
                     continue
                 if ticket.sampled is None or late:
                     ticket.mark(version, False, label)
+                    ticket.update_failed = ticket.update_failed or not known
                     unknown += 1
                 elif ticket.quiet(now):
                     ticket.mark(version, True, label)
@@ -444,29 +460,26 @@ async def reload_replicas(
 
     Raises:
         ReloadError: a replica refused or could not be reached, or its prefix cache could not
-            be reset; names the replica and the replicas reloaded before it.
+            be reset; names the replica, those that accepted the reload and those whose
+            weights are unknown.
     """
-    done: list[str] = []
+    reloaded: list[str] = []
     for url in urls:
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
-        await _post(client, url, "/collective_rpc", reload, timeout_s, done)
+        await _reload_weights(client, url, weights_location, timeout_s, reloaded)
         deadline = time.monotonic() + RESET_RETRY_S
-        while not await _reset_prefix_cache(client, url, timeout_s, done, force=False):
+        while not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=False):
             if time.monotonic() > deadline:
-                if not await _reset_prefix_cache(client, url, timeout_s, done, force=True):
-                    raise ReloadError(url, done, "its prefix cache could not be reset")
+                if not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=True):
+                    raise ReloadError(url, reloaded, "its prefix cache could not be reset")
                 break
             await asyncio.sleep(0.05)
-        done.append(url)
 
 
 async def pause_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
     """``POST /pause?mode=keep`` on each replica: vLLM freezes its requests, answering once its
     engine finished the step in flight (vLLM 0.32, dev mode). Raises ``ReloadError``."""
-    paused: list[str] = []
     for url in urls:
-        await _post(client, url, "/pause?mode=keep", {}, timeout_s, paused)
-        paused.append(url)
+        await _post(client, url, "/pause?mode=keep", {}, timeout_s, [])
 
 
 async def resume_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
@@ -493,14 +506,13 @@ async def reload_kept_replicas(
     reset with the frozen requests preempted (recomputed under the new weights on resume),
     then the engine's weight version label set to ``label`` (``reload_label``). Raises
     ``ReloadError``."""
-    done: list[str] = []
+    reloaded: list[str] = []
     for url in urls:
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
-        await _post(client, url, "/collective_rpc", reload, timeout_s, done)
-        if not await _reset_prefix_cache(client, url, timeout_s, done, force=True):
-            raise ReloadError(url, done, "its prefix cache could not be reset")
-        await _post(client, url, "/update_weight_version", {"new_version": label}, timeout_s, done)
-        done.append(url)
+        await _reload_weights(client, url, weights_location, timeout_s, reloaded)
+        if not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=True):
+            raise ReloadError(url, reloaded, "its prefix cache could not be reset")
+        label_body = {"new_version": label}
+        await _post(client, url, "/update_weight_version", label_body, timeout_s, reloaded)
 
 
 def reload_label(version: int) -> str:
@@ -510,11 +522,25 @@ def reload_label(version: int) -> str:
     return f"{version}:{secrets.token_hex(6)}"
 
 
+async def _reload_weights(
+    client: httpx.AsyncClient,
+    url: str,
+    weights_location: str,
+    timeout_s: float,
+    reloaded: list[str],
+) -> None:
+    """``reload_weights`` on ``url``, added to ``reloaded`` once it accepted; raises
+    ``ReloadError`` (``partial`` when the reload may have begun: see ``_post``)."""
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
+    await _post(client, url, "/collective_rpc", reload, timeout_s, reloaded, reloading=True)
+    reloaded.append(url)
+
+
 async def _reset_prefix_cache(
-    client: httpx.AsyncClient, url: str, timeout_s: float, done: list[str], *, force: bool
+    client: httpx.AsyncClient, url: str, timeout_s: float, reloaded: list[str], *, force: bool
 ) -> bool:
     path = "/reset_prefix_cache?reset_running_requests=true" if force else "/reset_prefix_cache"
-    answer = await _post(client, url, path, {}, timeout_s, done)
+    answer = await _post(client, url, path, {}, timeout_s, reloaded)
     try:
         return bool(answer.json().get("success", True))
     except (ValueError, AttributeError):
@@ -527,24 +553,51 @@ async def _post(
     path: str,
     body: dict[str, Any],
     timeout_s: float,
-    done: list[str],
+    reloaded: list[str],
+    *,
+    reloading: bool = False,
 ) -> httpx.Response:
+    """POST ``body`` to the replica; raises ``ReloadError`` naming the replicas that accepted
+    the reload (``reloaded``). ``reloading``: the request is a reload, so a failure once it
+    was sent (an answer of 5xx, a timeout, a cut connection) may have left the replica's
+    weights part loaded (``ReloadError.partial``); one never sent (no connection) or refused
+    as a request (4xx: no such route, a bad body) changed nothing."""
     try:
         response = await client.post(f"{url}{path}", json=body, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        raise ReloadError(url, done, repr(exc)) from exc
+        unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+        raise ReloadError(url, reloaded, repr(exc), partial=reloading and not unsent) from exc
     if response.status_code >= 400:
-        raise ReloadError(url, done, f"{response.status_code}: {response.text[:500]}")
+        detail = f"{response.status_code}: {response.text[:500]}"
+        raise ReloadError(url, reloaded, detail, partial=reloading and response.status_code >= 500)
     return response
 
 
 class ReloadError(RuntimeError):
-    """A replica refused the reload; ``reloaded`` lists the replicas that took it before."""
+    """A replica failed a step of a weight update.
 
-    def __init__(self, url: str, reloaded: list[str], detail: str) -> None:
-        super().__init__(
-            f"replica {url} refused the weight reload ({detail}); replicas reloaded before it: "
-            f"{reloaded or 'none'}"
+    ``reloaded``: the replicas that accepted the reload (``reload_weights`` answered 2xx), this
+    one included when it failed after that (its prefix cache reset or its label);
+    ``partial``: this replica's reload itself failed once sent, so its weights may be part
+    loaded; ``weights_unknown``: the replicas that may no longer hold the active version's
+    weights (both).
+    """
+
+    def __init__(
+        self, url: str, reloaded: list[str], detail: str, *, partial: bool = False
+    ) -> None:
+        message = (
+            f"replica {url} failed the weight update ({detail}); replicas that accepted the "
+            f"reload: {reloaded or 'none'}"
         )
+        if partial:
+            message += f"; {url}'s reload failed part way: its weights are unknown"
+        super().__init__(message)
         self.url = url
-        self.reloaded = reloaded
+        self.detail = detail
+        self.reloaded = list(reloaded)
+        self.partial = partial
+
+    @property
+    def weights_unknown(self) -> list[str]:
+        return [*self.reloaded, self.url] if self.partial else self.reloaded

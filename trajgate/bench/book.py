@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from trajgate.bench.weight_endpoints import WeightEndpoints
 from trajgate.config import ConfigFileSettings
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-emulated"
@@ -111,6 +112,12 @@ class ResponseBook:
         # touched only from the serving loop.
         self.streams_flow = asyncio.Event()
         self.streams_flow.set()
+        # Cleared: unary answers wait before they are sent (``EmulatorThread.hold_answers``);
+        # ``held_answers`` of them are waiting now.
+        self.answers_flow = asyncio.Event()
+        self.answers_flow.set()
+        self.held_answers = 0
+        self.weights = WeightEndpoints()  # the weight-update endpoints and the engine's label
 
     def prompt_of(self, body: dict[str, Any]) -> list[int]:
         """The prompt's IDs ``[P]`` for a request ``body`` (see ``prompt_ids``); raises

@@ -31,6 +31,12 @@ docs/benchmarks.md).
 ``resume_streams`` (an engine that stopped sampling mid-answer), so a test that must cut a stream
 mid-way knows the stream is still open whatever the machine's load (tests/test_pool_crash.py).
 
+``EmulatorThread.hold_answers`` makes every unary answer (chat and generate) wait, sampled,
+until ``release_answers`` (``held_answers`` says how many wait), so a test knows a call is in
+flight upstream while it does something else (tests/test_weight_updates_failed.py). The
+weight-update endpoints a full-weight update sends (``trajgate.bench.weight_endpoints``) answer
+as vLLM's dev mode does, or fail as told (``EmulatorThread.fail``).
+
 ``ResponseBook.token_times`` keeps, for the latest streamed answers, when each token's chunk was
 written (``time.monotonic()`` seconds, taken just before the write), so a test can compare when
 a client received a token with when the engine sent it (tests/test_dialect_streaming.py).
@@ -46,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from trajgate.bench import scale_out
+from trajgate.bench import scale_out, weight_endpoints
 from trajgate.bench.book import (
     _MAX_HEAD_BYTES,
     SYSTEM_FINGERPRINT,
@@ -134,6 +140,9 @@ class _Connection(asyncio.Protocol):
                 self._send(*_error(405, f"method {method} not allowed on {path}"))
             else:
                 await self._scale_out(path, body)
+        elif path in weight_endpoints.PATHS and method == "POST":
+            status, answer = self.book.weights.answer(path, body)
+            self._send(status, _dumps(answer))
         elif path in ("/health", "/v1/models", "/v1/chat/completions"):
             self._send(*_error(405, f"method {method} not allowed on {path}"))
         else:
@@ -156,6 +165,7 @@ class _Connection(asyncio.Protocol):
         gap_s = settings.inter_token_ms / 1000.0
         if not shape.stream:
             await _sleep_until(first_at + gap_s * (shape.completion_tokens - 1))
+            await self._held()
             self._send(200, parts[0])
             return
         await self._stream(parts, shape, 2 * shape.n, first_at, gap_s)
@@ -184,9 +194,20 @@ class _Connection(asyncio.Protocol):
         gap_s = settings.inter_token_ms / 1000.0
         if not shape.stream:
             await _sleep_until(first_at + gap_s * (shape.completion_tokens - 1))
+            await self._held()
             self._send(200, parts[0])
             return
         await self._stream(parts, shape, shape.n, first_at, gap_s)
+
+    async def _held(self) -> None:
+        """Wait while unary answers are held (``EmulatorThread.hold_answers``)."""
+        if self.book.answers_flow.is_set():
+            return
+        self.book.held_answers += 1
+        try:
+            await self.book.answers_flow.wait()
+        finally:
+            self.book.held_answers -= 1
 
     async def _stream(
         self, parts: list[bytes], shape: _Shape, first_batch: int, first_at: float, gap_s: float
@@ -299,6 +320,34 @@ class EmulatorThread:
     def resume_streams(self) -> None:
         """Stalled streams go on (their missed token times have passed: they flush at once)."""
         self._in_loop(self.book.streams_flow.set)
+
+    def hold_answers(self) -> None:
+        """From now on (returns once in effect), every unary answer waits, sampled, before it
+        is sent, until ``release_answers``."""
+        self._in_loop(self.book.answers_flow.clear)
+
+    def release_answers(self) -> None:
+        """The held unary answers are sent."""
+        self._in_loop(self.book.answers_flow.set)
+
+    def held_answers(self) -> int:
+        """How many unary answers wait now (``hold_answers``)."""
+        return self.book.held_answers
+
+    def fail(self, path: str, status: int | None) -> None:
+        """From now on, the weight-update endpoint ``path`` (``weight_endpoints.PATHS``)
+        answers ``status`` and changes nothing; None: it answers as usual again."""
+        if path not in weight_endpoints.PATHS:
+            raise ValueError(f"path must be one of {weight_endpoints.PATHS}, got {path!r}")
+        faults = self.book.weights.faults
+
+        def set_fault() -> None:
+            if status is None:
+                faults.pop(path, None)
+            else:
+                faults[path] = status
+
+        self._in_loop(set_fault)
 
     def _in_loop(self, action: Callable[[], None]) -> None:
         done = threading.Event()

@@ -15,8 +15,11 @@ template would.
 Shapes follow vLLM 0.32's ``entrypoints/scale_out`` protocol (``GenerateRequest``,
 ``GenerateTokensResponse``, ``GenerateTokensStreamResponse``, ``DerenderChatRequest``), read
 in its source. Deliberately simpler: ``sampling_params`` holds only the fields the emulator
-reads (``n``, ``max_tokens``, ``logprobs``, ``temperature``, ``seed``); ``weight_versions`` is
-null; no streamed derender; the sampled ids are the book's seeded ids whatever the prompt.
+reads (``n``, ``max_tokens``, ``logprobs``, ``temperature``, ``seed``); ``weight_versions``
+is one span over a unary answer's tokens labelled with the engine's label when the request
+came (``trajgate.bench.weight_endpoints``: the emulator samples a whole answer at once), null
+on streamed chunks; no streamed derender; the sampled ids are the book's seeded ids whatever
+the prompt.
 Served only with ``prompt_ids="messages"`` (a fixed prompt has no turns to continue), else
 404 like a vLLM started without ``--enable-scale-out``.
 """
@@ -127,6 +130,9 @@ def generate_parts(
         for index in range(shape.n):
             ids, lps = book.choice_tokens(index)
             choice = _generate_choice(shape, index, ids[:completion], lps[:completion])
+            choice["weight_versions"] = [
+                {"version": book.weights.label, "start": 0, "end": len(ids[:completion])}
+            ]
             choices.append({**choice, "finish_reason": shape.finish_reason, "stop_reason": None})
         answer = {
             **head,
