@@ -155,3 +155,23 @@ def test_demo_refuses_sizes_it_could_not_train_on(tmp_path: Path) -> None:
         assert f"Invalid value for '{flag}'" in result.stderr
         assert f"greater than or equal to {least}" in result.stderr
     assert not (tmp_path / ".trajgate").exists()
+
+
+def test_train_says_in_one_line_that_the_gateway_does_not_answer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()  # nobody listens there
+    result = _cli(
+        "train",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--gateway-url",
+        f"http://127.0.0.1:{port}",
+        "--device",
+        "cpu",
+        cwd=tmp_path,
+    )
+    # the model loads first (transformers draws its progress bar on stderr), then one line
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: http://127.0.0.1:{port} did not answer (ConnectError"), line
