@@ -187,3 +187,23 @@ def test_vllm_start_serves_a_model_under_its_own_name_and_context(tmp_path: Path
     bare = tmp_path / "bare"
     bare.mkdir()  # no config.json: the default context
     assert vllm_server.served_defaults(bare) == ("bare", vllm_server.MAX_MODEL_LEN)
+
+
+def test_train_says_in_one_line_that_the_gateway_does_not_answer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()  # nobody listens there
+    result = _cli(
+        "train",
+        "--model-dir",
+        str(tiny_model_dir),
+        "--gateway-url",
+        f"http://127.0.0.1:{port}",
+        "--device",
+        "cpu",
+        cwd=tmp_path,
+    )
+    # the model loads first (transformers draws its progress bar on stderr), then one line
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: http://127.0.0.1:{port} did not answer (ConnectError"), line

@@ -1,6 +1,7 @@
 """Leases on SQLite and PostgreSQL: an expired lease returns the batch exactly once, concurrent
 consumers never hold the same batch, a batch is trained on once per consumer, and lease state
-is only in SQL (a fresh store, as after a gateway restart, sees it)."""
+is only in SQL (a fresh store, as after a gateway restart, sees it); a renewed lease outlives its
+first expiry, and only the current unexpired lease is renewed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from batch_helpers import agent_turns, make_store, write_trajectory
 from datapool.batches import leases
 from datapool.batches.build import BatchSpec, materialise
 from datapool.batches.settings import BatchSettings
+from datapool.errors import InvalidPoolRequestError, UnknownTargetError
 from datapool.models import Batch
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
@@ -126,3 +128,46 @@ def test_a_consumer_can_lease_exactly_the_batch_it_asked_for(
     assert leases.lease_next(store.sessions, "control", 60, batch_id=newer) is None  # consumed
     untouched = leases.lease_next(store.sessions, "control", 60)
     assert untouched is not None and untouched.batch_id == older
+
+
+def test_a_renewed_lease_outlives_its_first_expiry_and_is_still_acked_once(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = make_store(pool_settings)
+    [batch_id] = make_batches(store, tmp_path, 1)
+    lease = leases.lease_next(store.sessions, "slow-trainer", 2.0)
+    assert lease is not None
+    renewed = leases.renew(store.sessions, batch_id, "slow-trainer", lease.lease_id, 60)
+    assert renewed.lease_id == lease.lease_id
+    # 2 s lease, renewed to 60 s from a moment later: at least 58 s further on
+    assert (renewed.expires_at - lease.expires_at).total_seconds() >= 58
+    time.sleep(2.2)  # past the first expiry
+    assert leases.lease_next(store.sessions, "other", 60) is None  # still held
+    leases.ack(store.sessions, batch_id, "slow-trainer", lease.lease_id, 3)
+    with make_store(pool_settings).sessions() as session:
+        batch = session.get(Batch, batch_id)
+        assert batch is not None
+        assert (batch.status, batch.leases, batch.expired_leases) == ("consumed", 1, 0)
+
+
+def test_only_the_current_unexpired_lease_is_renewed(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = make_store(pool_settings)
+    [batch_id] = make_batches(store, tmp_path, 1)
+    lease = leases.lease_next(store.sessions, "a", 1.0)
+    assert lease is not None
+    with pytest.raises(leases.LeaseNotCurrentError):  # another consumer's name
+        leases.renew(store.sessions, batch_id, "b", lease.lease_id, 60)
+    with pytest.raises(InvalidPoolRequestError):
+        leases.renew(store.sessions, batch_id, "a", lease.lease_id, 0)
+    with pytest.raises(UnknownTargetError):
+        leases.renew(store.sessions, "no-such-batch", "a", lease.lease_id, 60)
+    time.sleep(1.2)  # expired, nobody has taken it over yet: lost all the same
+    with pytest.raises(leases.LeaseNotCurrentError):
+        leases.renew(store.sessions, batch_id, "a", lease.lease_id, 60)
+    again = leases.lease_next(store.sessions, "a", 60)
+    assert again is not None
+    leases.ack(store.sessions, batch_id, "a", again.lease_id, 1)
+    with pytest.raises(leases.LeaseNotCurrentError):  # acked: the lease ended
+        leases.renew(store.sessions, batch_id, "a", again.lease_id, 60)

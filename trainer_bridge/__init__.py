@@ -5,6 +5,8 @@ Shape legend: ``B`` batch rows, ``T`` tokens per row.
 
 - ``client``: ``PoolClient`` leases a batch, reads its rows, acks or nacks (``train_batch`` does
   one lease → update → ack; ``LeaseLostError``).
+- ``leases``: ``LeaseKeeper`` renews a consumer's leases while it works and applies the rule for
+  one lost anyway (every trainer path takes, acks and nacks leases through it).
 - ``collate``: batch rows to padded tensors ``[B, T]`` (``Row``, ``row_from_step``, ``collate``).
 - ``packing``: which rows go into each forward pass, padded or packed end to end into token
   budgets (``plan_micro_batches``, ``pack``, ``unpack``).

@@ -1,18 +1,19 @@
-"""The trainer's client of the pool: lease a batch, read its rows, ack or nack.
+"""The trainer's client of the pool: lease a batch, read its rows, renew, ack or nack.
 
 Owns: the HTTP calls of ``/api/batches/lease``, ``/api/batches/{id}/rows`` (Arrow IPC),
-``/ack``, ``/nack`` and ``/api/training-metrics`` (each update's metrics, which the inspector's
-training chart draws), and turning Arrow rows into ``trainer_bridge.collate.Row``s or straight
-into a padded ``TrainBatch``. Never: builds or changes rows; they arrive exactly as the pool
-materialised them (token IDs, loss mask, behaviour logprobs, advantage).
+``/renew``, ``/ack``, ``/nack`` and ``/api/training-metrics`` (each update's metrics, which the
+inspector's training chart draws), and turning Arrow rows into ``trainer_bridge.collate.Row``s
+or straight into a padded ``TrainBatch``. Never: builds or changes rows; they arrive exactly as
+the pool materialised them (token IDs, loss mask, behaviour logprobs, advantage). Keeping leases
+alive while an update runs, and the rule for one lost anyway, is ``trainer_bridge.leases``.
 
 Typical loop::
 
-    with PoolClient("http://127.0.0.1:8000") as pool:
-        while (lease := pool.lease("trainer-0", lease_s=600)) is not None:
+    with PoolClient("http://127.0.0.1:8000") as pool, LeaseKeeper(pool, "trainer-0", 600) as keeper:
+        while (lease := keeper.lease()) is not None:  # renewed every 200 s until ack/nack
             batch = train_batch(pool.rows(lease.batch_id), pad_token_id=0)
-            ...  # one RL update
-            pool.ack(lease, policy_version_trained=version)
+            ...  # one RL update, as long as it takes
+            keeper.ack(lease, policy_version_trained=version)
             pool.post_training_metrics("trainer-0", version + 1, metrics)
 """
 
@@ -39,8 +40,9 @@ class PoolClientError(RuntimeError):
 
 
 class LeaseLostError(PoolClientError):
-    """The lease expired or was taken over before ack/nack (the pool answered 409 ``lease_lost``,
-    its ``LeaseNotCurrentError``); do not count the update as done."""
+    """The lease expired or was taken over before a renewal, ack or nack (the pool answered 409
+    ``lease_lost``, its ``LeaseNotCurrentError``); do not count the update as done
+    (``trainer_bridge.leases.LeaseKeeper.ack`` applies the rule for it)."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,21 @@ class PoolClient:
         response = self._check(self._http.post("/api/batches/lease", json=body))
         if response.status_code == 204:
             return None
-        data = response.json()
-        return LeasedBatch(
-            data["batch_id"],
-            data["consumer"],
-            data["lease_id"],
-            data["expires_at"],
-            data["rows"],
-            data["tokens"],
+        return _leased(response.json())
+
+    def renew(self, lease: LeasedBatch, lease_s: float | None = None) -> LeasedBatch:
+        """Extend a held lease to ``lease_s`` seconds from now (the pool's default when None; at
+        most its ``TRAJGATE_LEASE_MAX_S``); the same lease with its new ``expires_at``.
+
+        Raises:
+            LeaseLostError: the lease expired, was released or was taken over.
+            PoolClientError: any other refusal (400: ``lease_s`` above the pool's maximum).
+        """
+        body: dict[str, Any] = {"consumer": lease.consumer, "lease_id": lease.lease_id}
+        if lease_s is not None:
+            body["lease_s"] = lease_s
+        return _leased(
+            self._check(self._http.post(f"/api/batches/{lease.batch_id}/renew", json=body)).json()
         )
 
     def rows(self, batch_id: str) -> pa.Table:
@@ -168,6 +177,17 @@ class PoolClient:
                 json={"consumer": lease.consumer, "lease_id": lease.lease_id, "reason": reason},
             )
         )
+
+
+def _leased(data: dict[str, Any]) -> LeasedBatch:
+    return LeasedBatch(
+        data["batch_id"],
+        data["consumer"],
+        data["lease_id"],
+        data["expires_at"],
+        data["rows"],
+        data["tokens"],
+    )
 
 
 def rows_from_table(table: pa.Table, *, skip_unscored: bool = False) -> list[Row]:

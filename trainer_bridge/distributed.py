@@ -19,7 +19,11 @@ float tolerance). After the update rank 0 acks, every rank joins in saving the w
 sharded model's are gathered), rank 0 publishes them (vLLM, then the gateway's policy registry)
 and posts the update's metrics to the pool's training metrics (run = the consumer id); a failed
 update on rank 0 nacks, and a crashed rank lets the lease expire, so the batch comes back either
-way.
+way. Rank 0's ``trainer_bridge.leases.LeaseKeeper`` renews every lease it holds (every
+``lease_s / 3``) until it is acked, checkpoints included, so ``lease_s`` bounds how long a
+crashed trainer keeps its batches, not how long N updates take; a lease lost anyway is said in
+one line and counted once (that module's rule; a skipped batch that comes back is acked without
+training because the lineage holds it).
 
 Two ways to hold the model (``TRAJGATE_TRAINER_SHARDING``): ``replicated``, every rank the whole
 model, gradients all-reduced once per update after accumulation (what DDP does with ``no_sync``
@@ -58,8 +62,9 @@ import torch
 import torch.distributed as dist
 
 from trainer_bridge.checkpoint import Lineage, latest, load, save
-from trainer_bridge.client import LeasedBatch, LeaseLostError, PoolClient, rows_from_table
+from trainer_bridge.client import LeasedBatch, PoolClient, rows_from_table
 from trainer_bridge.collate import Row, collate
+from trainer_bridge.leases import LeaseKeeper
 from trainer_bridge.settings import DistributedSettings, TrainerSettings
 from trainer_bridge.sharding import local_numel
 from trainer_bridge.sync import WeightSync
@@ -129,8 +134,8 @@ class _Leases:
     ``<checkpoint_dir>/leases.json`` so a restarted trainer can settle them at once: ack those its
     checkpoint holds, nack the others (instead of waiting for them to expire)."""
 
-    def __init__(self, pool: PoolClient, checkpoint_dir: Path | None) -> None:
-        self.pool = pool
+    def __init__(self, keeper: LeaseKeeper, checkpoint_dir: Path | None) -> None:
+        self.keeper = keeper
         self.file = None if checkpoint_dir is None else checkpoint_dir / "leases.json"
         self.held: list[tuple[LeasedBatch, int | None]] = []  # (lease, version trained or None)
 
@@ -157,25 +162,28 @@ class _Leases:
         """Ack every lease whose update is trained (and, with checkpoints, checkpointed)."""
         for lease, version in list(self.held):
             if version is not None:
-                self.pool.ack(lease, policy_version_trained=version)
+                self.keeper.ack(lease, policy_version_trained=version)
                 self.drop(lease)
 
     def settle_previous(self, lineage: Lineage) -> None:
-        """After a restart: ack the leases the checkpoint holds, nack the rest. A lease that
-        expired meanwhile is left alone: its batch comes back and is acked (held) or trained."""
+        """After a restart: ack the leases the checkpoint holds (one that expired meanwhile is
+        leased again and acked, or skipped: ``LeaseKeeper.ack``), nack the rest."""
         if self.file is None or not self.file.exists():
             return
         for data, _ in json.loads(self.file.read_text()):
             lease = LeasedBatch(**data)
             version = lineage.version_of(lease.batch_id)
-            try:
-                if version is None:
-                    self.pool.nack(lease, reason="trainer restarted before checkpointing it")
-                else:
-                    self.pool.ack(lease, policy_version_trained=version)
-            except LeaseLostError:
-                pass
+            if version is None:
+                self.keeper.nack(lease, reason="trainer restarted before checkpointing it")
+            else:
+                self.keeper.ack(lease, policy_version_trained=version)
         self._write()
+
+
+def _say(line: str) -> None:
+    """A line about a lease (only rank 0 holds any) on stderr: stdout carries the ranks' JSON
+    reports, one line each."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _crash_point(stage: str, updates: int) -> None:
@@ -222,13 +230,16 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
     )
     idle_since = time.monotonic()
     headers = {"Authorization": f"Bearer {settings.admin_token}"} if settings.admin_token else None
-    with PoolClient(settings.pool_url, headers=headers) as pool:
-        leases = _Leases(pool, checkpoint_dir if world.rank == 0 else None)
+    with (
+        PoolClient(settings.pool_url, headers=headers) as pool,
+        LeaseKeeper(pool, settings.consumer, settings.lease_s, say=_say) as keeper,
+    ):
+        leases = _Leases(keeper, checkpoint_dir if world.rank == 0 else None)
         leases.settle_previous(lineage)
         while settings.max_updates is None or len(report.updates) < settings.max_updates:
             lease: LeasedBatch | None = None
             if world.rank == 0:
-                lease = pool.lease(settings.consumer, lease_s=settings.lease_s)
+                lease = keeper.lease()
             lease = _broadcast(lease)
             if lease is None:
                 waited = time.monotonic() - idle_since
@@ -240,7 +251,7 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
             held = lineage.version_of(lease.batch_id)
             if held is not None:  # trained into the checkpoint, its ack lost in a crash
                 if world.rank == 0:
-                    pool.ack(lease, policy_version_trained=held)
+                    keeper.ack(lease, policy_version_trained=held)
                 report.recovered.append({"batch_id": lease.batch_id, "policy_version": held})
                 continue
             version = lineage.policy_version + 1
@@ -292,7 +303,7 @@ def _update_on_share(
         return trainer.update(collate(share, settings.pad_token_id), world)
     except BaseException:
         if world.rank == 0:
-            pool.nack(lease, reason="distributed update failed")
+            leases.keeper.nack(lease, reason="distributed update failed")
             leases.drop(lease)
         raise
 

@@ -3,8 +3,11 @@
 Owns: ``trajgate train``. It needs only URLs and a model path, so the same loop runs against the
 CPU demo's services and against a GPU host (vLLM on GPUs, the trainer on a GPU: ``--device cuda``
 or the default ``auto``). Each update's metrics go to the pool's training metrics (run = the
-consumer id), which the inspector's training chart draws. Never: runs agents or computes
-rewards; it trains on what the pool hands out, one batch per update, exactly once per consumer.
+consumer id), which the inspector's training chart draws. A lease is renewed while its update
+runs (``trainer_bridge.leases.LeaseKeeper``), so ``lease_s`` only bounds how long a crashed
+trainer keeps its batch; one lost anyway is said in one line and counted once (that module's
+rule). Never: runs agents or computes rewards; it trains on what the pool hands out, one batch
+per update, exactly once per consumer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import httpx
 
 from trainer_bridge.client import PoolClient, train_batch
+from trainer_bridge.leases import LeaseKeeper
 from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.sync import WeightSync
 from trainer_bridge.trainer import PolicyTrainer
@@ -30,7 +34,7 @@ class LoopSettings:
     gateway_url: str
     vllm_urls: list[str]
     consumer: str = "trainer-0"
-    lease_s: float = 600.0
+    lease_s: float = 600.0  # renewed every lease_s / 3 while an update runs
     spec: dict[str, Any] | None = None  # materialised whenever no batch is waiting
     first_version: int | None = None  # default: the gateway's active version
     max_updates: int | None = None
@@ -59,7 +63,8 @@ def run_loop(
 ) -> list[dict[str, float]]:
     """Train until ``max_updates`` or ``idle_exit_s``; returns each update's metrics.
 
-    A failed update is nacked (the batch returns to the pool) and re-raised.
+    A failed update is nacked (the batch returns to the pool) and re-raised; a lease lost
+    during an update is said through ``say`` in one line (``trainer_bridge.leases``' rule).
     """
     trainer = PolicyTrainer(trainer_settings)
     version = (
@@ -75,9 +80,12 @@ def run_loop(
     )
     idle_since = time.monotonic()
     headers = {"Authorization": f"Bearer {loop.admin_token}"} if loop.admin_token else None
-    with PoolClient(loop.gateway_url, headers=headers) as pool:
+    with (
+        PoolClient(loop.gateway_url, headers=headers) as pool,
+        LeaseKeeper(pool, loop.consumer, loop.lease_s, say=say) as leases,
+    ):
         while loop.max_updates is None or len(loop.metrics) < loop.max_updates:
-            lease = pool.lease(loop.consumer, lease_s=loop.lease_s)
+            lease = leases.lease()
             if lease is None and loop.spec is not None:
                 created = httpx.post(
                     f"{loop.gateway_url}/api/batches", json=loop.spec, headers=headers, timeout=300
@@ -85,9 +93,7 @@ def run_loop(
                 if created.status_code not in (201, 409):  # 409: nothing ready yet
                     created.raise_for_status()
                 if created.status_code == 201:
-                    lease = pool.lease(
-                        loop.consumer, lease_s=loop.lease_s, batch_id=created.json()["id"]
-                    )
+                    lease = leases.lease(batch_id=created.json()["id"])
             if lease is None:
                 if (
                     loop.idle_exit_s is not None
@@ -99,9 +105,9 @@ def run_loop(
             try:
                 metrics = trainer.update(train_batch(pool.rows(lease.batch_id), loop.pad_token_id))
             except BaseException:
-                pool.nack(lease, reason="update failed")
+                leases.nack(lease, reason="update failed")
                 raise
-            pool.ack(lease, policy_version_trained=version)
+            leases.ack(lease, policy_version_trained=version)
             adapter = trainer.save_for_vllm(
                 loop.adapter_dir / f"{loop.adapter_prefix}-v{version + 1}"
             )

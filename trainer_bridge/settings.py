@@ -98,7 +98,8 @@ class DistributedSettings(ConfigFileSettings):
     lease_s: float = Field(
         default=600.0,
         gt=0,
-        description="Lease length: longer than one update, short enough to recover a crash.",
+        description="Lease length; renewed every third of it while the trainer works (however "
+        "long an update takes), so it bounds how long a crashed trainer keeps its batches.",
     )
     max_updates: int | None = Field(
         default=None, ge=1, description="Stop after this many updates; unset: run until idle."
@@ -143,5 +144,5 @@ class DistributedSettings(ConfigFileSettings):
         default=1,
         ge=1,
         description="Checkpoint every N updates. Leases are acknowledged only once a checkpoint "
-        "holds their update, so lease_s must outlast N updates; a crash retrains at most N.",
+        "holds their update (renewed until then); a crash retrains at most N.",
     )

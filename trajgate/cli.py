@@ -500,6 +500,9 @@ def train(
         typer.echo(json.dumps(report, indent=2))
         return
     _require_extra("train", "torch", "transformers", "peft")
+    import httpx
+
+    from trainer_bridge.client import PoolClientError
     from trainer_bridge.loop import LoopSettings, run_loop
 
     loop = LoopSettings(
@@ -511,7 +514,23 @@ def train(
         idle_exit_s=idle_exit_s,
         admin_token=admin_token,
     )
-    run_loop(loop, settings, say=typer.echo)
+    # A lost lease is said by the loop itself and training goes on; what ends it is a service
+    # that refuses (the pool's envelope) or does not answer: one line each, no traceback.
+    try:
+        _run_user_facing(lambda: run_loop(loop, settings, say=typer.echo), PoolClientError)
+    except httpx.TransportError as exc:
+        typer.echo(f"error: {_unanswered(exc)}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def _unanswered(exc: Any) -> str:
+    """One line for an ``httpx.TransportError``: which service did not answer, and how."""
+    try:
+        url = exc.request.url
+        where = f"{url.scheme}://{url.netloc.decode()}"
+    except RuntimeError:  # raised outside a request: httpx did not attach one
+        where = "a service"
+    return f"{where} did not answer ({type(exc).__name__}: {exc}); is it running?"
 
 
 def _run_user_facing(action: Callable[[], T], *also: type[Exception]) -> T:

@@ -42,6 +42,7 @@ from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 from trainer_bridge.client import PoolClient, train_batch
+from trainer_bridge.leases import LeaseKeeper
 from trainer_bridge.settings import TrainerSettings
 from trainer_bridge.sync import WeightSync
 from trainer_bridge.trainer import PolicyTrainer, UpdateMetrics
@@ -50,6 +51,9 @@ from trajgate import demo_task, smollm2, tinymodel, vllm_server
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 PAD_TOKEN_ID = 0
 DemoModelName = Literal["tiny", "smollm2"]
+# A batch lease of the demo's trainer, renewed every third of it while the update runs (however
+# long it takes); a crashed demo's batch is free again this long after.
+DEMO_LEASE_S = 300.0
 # The reward function of each model's task (``trajgate.demo_task``).
 REWARD_NAMES: dict[str, str] = {"tiny": "numeric_answer", "smollm2": "correct_answer"}
 # Learning rates per model when ``DemoConfig.learning_rate`` is unset: see DemoConfig.
@@ -393,15 +397,22 @@ class DemoRun:
         if created.status_code == 409 and created.json()["error"]["code"] == "nothing_ready":
             return None
         batch_id = _ok(created).json()["id"]
-        # This batch and no other: a consumer's "next" batch may be another channel's.
-        lease = self.pool.lease(f"demo-{channel}", lease_s=600, batch_id=batch_id)
-        if lease is None:
-            raise RuntimeError("the batch just created was not leasable")
-        table = self.pool.rows(lease.batch_id)
-        if shuffle is not None:
-            table = shuffled_rewards(table, shuffle)
-        metrics = trainer.update(train_batch(table, PAD_TOKEN_ID))
-        self.pool.ack(lease, policy_version_trained=version)
+        # Renewed while the update runs: on a busy machine an update outlasted a fixed 600 s
+        # lease, its ack was refused and the demo ended in a traceback with the arm's result lost.
+        with LeaseKeeper(self.pool, f"demo-{channel}", DEMO_LEASE_S, say=self.say) as leases:
+            # This batch and no other: a consumer's "next" batch may be another channel's.
+            lease = leases.lease(batch_id=batch_id)
+            if lease is None:
+                raise RuntimeError("the batch just created was not leasable")
+            try:
+                table = self.pool.rows(lease.batch_id)
+                if shuffle is not None:
+                    table = shuffled_rewards(table, shuffle)
+                metrics = trainer.update(train_batch(table, PAD_TOKEN_ID))
+            except BaseException:
+                leases.nack(lease, reason="update failed")
+                raise
+            leases.ack(lease, policy_version_trained=version)
         # one row per update for the inspector's training chart: run = the arm's channel
         self.pool.post_training_metrics(channel, version + 1, metrics)
         self.batches_trained += 1

@@ -1,16 +1,18 @@
 """Leases: handing materialised batches to consumers exactly once each.
 
 Owns: ``lease_next`` (atomically give a consumer the oldest ready batch it has not consumed and
-nobody holds), ``ack`` (the update succeeded: recorded once per consumer, with the policy version
-it trained) and ``nack`` (give it back now). State lives in SQL only, so leases survive gateway
-restarts and work across several gateway processes. Never: reads or writes batch files.
+nobody holds), ``renew`` (a consumer still working extends its lease: the expiry moves to
+``lease_s`` from now, as a queue consumer extends a message's visibility), ``ack`` (the update
+succeeded: recorded once per consumer, with the policy version it trained) and ``nack`` (give it
+back now). State lives in SQL only, so leases survive gateway restarts and work across several
+gateway processes. Never: reads or writes batch files.
 
 Atomicity: on PostgreSQL the candidate row is taken with ``SELECT ... FOR UPDATE SKIP LOCKED``
 (concurrent consumers skip each other's row instead of waiting or colliding); on SQLite one
 ``UPDATE ... WHERE id = (SELECT ...) RETURNING`` runs under the database's single writer lock.
 Either way the UPDATE re-checks the lease condition, so two consumers never hold one batch.
-An expired lease counts in ``expired_leases`` when the next consumer takes the batch over; an
-ack or nack with a lease that expired (or was taken over) is refused with
+An expired lease counts in ``expired_leases`` when the next consumer takes the batch over; a
+renewal, ack or nack with a lease that expired (or was taken over) is refused with
 ``LeaseNotCurrentError`` (the gateway answers 409 ``lease_lost``; the trainer's client raises its
 own ``trainer_bridge.client.LeaseLostError`` from that answer).
 """
@@ -25,7 +27,7 @@ from typing import Any
 from sqlalchemy import and_, case, exists, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from datapool.errors import InvalidPoolRequestError, UnknownTargetError
+from datapool.errors import InvalidPoolRequestError, PoolError, UnknownTargetError
 from datapool.models import Batch, BatchConsumption, utc_now
 
 LEASABLE = ("ready", "consumed", "leased")
@@ -107,28 +109,67 @@ def lease_next(
     return Lease(row[0], consumer, lease_id, expires_at, row[1], row[2], row[3])
 
 
+def _current(batch_id: str, consumer: str, lease_id: str, now: datetime) -> Any:
+    """The batch's lease is this one and has not expired (an expired lease is lost even before
+    another consumer takes the batch over: its consumer cannot know whether one did)."""
+    return and_(
+        Batch.id == batch_id,
+        Batch.lease_id == lease_id,
+        Batch.lease_owner == consumer,
+        Batch.lease_expires_at >= now,
+    )
+
+
+def _not_current(session: Session, batch_id: str, consumer: str, lease_id: str) -> PoolError:
+    if session.get(Batch, batch_id) is None:
+        return UnknownTargetError(f"no batch {batch_id!r}", param="batch_id")
+    return LeaseNotCurrentError(
+        f"lease {lease_id!r} of {consumer!r} on batch {batch_id} is not current (expired, "
+        "released or taken over); lease the next batch instead",
+        param="lease_id",
+    )
+
+
 def _release(session: Session, batch_id: str, consumer: str, lease_id: str, status: Any) -> None:
-    now = utc_now()
     released = session.execute(
         update(Batch)
-        .where(
-            Batch.id == batch_id,
-            Batch.lease_id == lease_id,
-            Batch.lease_owner == consumer,
-            Batch.lease_expires_at >= now,
-        )
+        .where(_current(batch_id, consumer, lease_id, utc_now()))
         .values(status=status, lease_owner=None, lease_id=None, lease_expires_at=None)
         .returning(Batch.id)
         .execution_options(synchronize_session=False)
     ).first()
     if released is None:
-        if session.get(Batch, batch_id) is None:
-            raise UnknownTargetError(f"no batch {batch_id!r}", param="batch_id")
-        raise LeaseNotCurrentError(
-            f"lease {lease_id!r} of {consumer!r} on batch {batch_id} is not current (expired, "
-            "released or taken over); lease the next batch instead",
-            param="lease_id",
-        )
+        raise _not_current(session, batch_id, consumer, lease_id)
+
+
+def renew(
+    sessions: sessionmaker[Session], batch_id: str, consumer: str, lease_id: str, lease_s: float
+) -> Lease:
+    """Extend ``consumer``'s current lease on the batch to ``lease_s`` seconds from now (it may
+    end earlier than before: the consumer says how long it still needs); the lease id stays.
+
+    Raises:
+        InvalidPoolRequestError: ``lease_s`` <= 0.
+        UnknownTargetError: no such batch.
+        LeaseNotCurrentError: the lease expired, was released or was taken over (the gateway
+            answers 409 ``lease_lost``); a lost lease is never revived, so a consumer that
+            stalled past its expiry learns it here, before it acks.
+    """
+    if lease_s <= 0:
+        raise InvalidPoolRequestError(f"lease_s must be > 0, got {lease_s}", param="lease_s")
+    now = utc_now()
+    expires_at = now + timedelta(seconds=lease_s)
+    with sessions.begin() as session:
+        row = session.execute(
+            update(Batch)
+            .where(_current(batch_id, consumer, lease_id, now))
+            .values(lease_expires_at=expires_at)
+            .returning(Batch.uri, Batch.rows, Batch.tokens)
+            .execution_options(synchronize_session=False)
+        ).first()
+        if row is None:
+            raise _not_current(session, batch_id, consumer, lease_id)
+    return Lease(batch_id, consumer, lease_id, expires_at, row[0], row[1], row[2])
 
 
 def ack(

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.batches import leases
+from datapool.batches.settings import BatchSettings
 from datapool.curation import bulk_labels, labels, readiness
 from datapool.curation import rules as curation
 from datapool.curation.selection import TrajectoryFilter
@@ -407,6 +408,17 @@ class LeasePublic(BaseModel):
     rows_url: str
 
 
+class RenewRequest(BaseModel):
+    consumer: str
+    lease_id: str
+    lease_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="The lease ends this long from now; default TRAJGATE_LEASE_DEFAULT_S, at "
+        "most TRAJGATE_LEASE_MAX_S.",
+    )
+
+
 class AckRequest(BaseModel):
     consumer: str
     lease_id: str
@@ -456,22 +468,17 @@ async def list_batches(
     return [BatchPublic(**_batch_public(b)) for b in found]
 
 
-@router.post("/batches/lease", response_model=LeasePublic | None)
-async def lease_batch(
-    body: LeaseRequest, sessions: SessionsDep, settings: BatchSettingsDep
-) -> LeasePublic | Response:
-    """Lease the oldest ready batch this consumer has not consumed; 204 when there is none."""
-    lease_s = body.lease_s or settings.lease_default_s
+def _lease_s(asked: float | None, settings: BatchSettings) -> float:
+    lease_s = asked or settings.lease_default_s
     if lease_s > settings.lease_max_s:
         raise InvalidRequestError(
             f"lease_s {lease_s} exceeds TRAJGATE_LEASE_MAX_S {settings.lease_max_s}",
             param="lease_s",
         )
-    lease = await run_in_threadpool(
-        leases.lease_next, sessions, body.consumer, lease_s, body.batch_id
-    )
-    if lease is None:
-        return Response(status_code=204)
+    return lease_s
+
+
+def _lease_public(lease: leases.Lease) -> LeasePublic:
     return LeasePublic(
         batch_id=lease.batch_id,
         consumer=lease.consumer,
@@ -481,6 +488,36 @@ async def lease_batch(
         tokens=lease.tokens,
         rows_url=f"/api/batches/{lease.batch_id}/rows",
     )
+
+
+@router.post("/batches/lease", response_model=LeasePublic | None)
+async def lease_batch(
+    body: LeaseRequest, sessions: SessionsDep, settings: BatchSettingsDep
+) -> LeasePublic | Response:
+    """Lease the oldest ready batch this consumer has not consumed; 204 when there is none."""
+    lease = await run_in_threadpool(
+        leases.lease_next,
+        sessions,
+        body.consumer,
+        _lease_s(body.lease_s, settings),
+        body.batch_id,
+    )
+    if lease is None:
+        return Response(status_code=204)
+    return _lease_public(lease)
+
+
+@router.post("/batches/{batch_id}/renew", response_model=LeasePublic)
+async def renew_lease(
+    batch_id: str, body: RenewRequest, sessions: SessionsDep, settings: BatchSettingsDep
+) -> LeasePublic:
+    """Extend a held lease to ``lease_s`` from now (a consumer still working); 409
+    ``lease_lost`` when the lease expired, was released or was taken over."""
+    lease_s = _lease_s(body.lease_s, settings)
+    lease: leases.Lease = await _held(
+        leases.renew, sessions, batch_id, body.consumer, body.lease_id, lease_s
+    )
+    return _lease_public(lease)
 
 
 @router.get("/batches/{batch_id}", response_model=BatchDetail)
@@ -538,7 +575,7 @@ async def batch_rows(
 @router.post("/batches/{batch_id}/ack", status_code=204)
 async def ack_batch(batch_id: str, body: AckRequest, sessions: SessionsDep) -> Response:
     """The consumer trained on the batch: recorded once, with the policy version trained."""
-    await _release(
+    await _held(
         leases.ack, sessions, batch_id, body.consumer, body.lease_id, body.policy_version_trained
     )
     return Response(status_code=204)
@@ -547,13 +584,14 @@ async def ack_batch(batch_id: str, body: AckRequest, sessions: SessionsDep) -> R
 @router.post("/batches/{batch_id}/nack", status_code=204)
 async def nack_batch(batch_id: str, body: NackRequest, sessions: SessionsDep) -> Response:
     """Give the batch back now (the update failed); the next lease may take it."""
-    await _release(leases.nack, sessions, batch_id, body.consumer, body.lease_id)
+    await _held(leases.nack, sessions, batch_id, body.consumer, body.lease_id)
     return Response(status_code=204)
 
 
-async def _release(fn: Any, sessions: Sessions, *args: Any) -> None:
+async def _held(fn: Any, sessions: Sessions, *args: Any) -> Any:
+    """``fn(sessions, *args)`` on a held lease: one that is no longer held answers 409."""
     try:
-        await run_in_threadpool(fn, sessions, *args)
+        return await run_in_threadpool(fn, sessions, *args)
     except leases.LeaseNotCurrentError as exc:
         raise ConflictError(exc.message, param=exc.param, code="lease_lost") from exc
 

@@ -15,9 +15,11 @@ returns the episode's reward, or None when the gateway's reward functions score 
 (``TRAJGATE_REWARD_FUNCTIONS``). Missing is never 0: a trajectory that stays unrewarded past
 ``ready_timeout_s`` raises ``EpisodeError`` with the pool's readiness reasons.
 
-Exactly-once: the batch is leased by ``consumer`` and acknowledged once its rows are read and
-handed to the caller (the trainer trains on them in the same process right after); a crash in
-between leaves the lease to expire and the rows come back to the pool.
+Exactly-once: the batch is leased by ``consumer`` (renewed while its rows are read:
+``trainer_bridge.leases.LeaseKeeper``, whose rule also covers a lease lost anyway) and
+acknowledged once its rows are read and handed to the caller (the trainer trains on them in the
+same process right after); a crash in between leaves the lease to expire and the rows come back
+to the pool.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Any
 
 import httpx
 
-from trainer_bridge.client import LeasedBatch, PoolClient, PoolClientError
+from trainer_bridge.client import PoolClient, PoolClientError
 from trainer_bridge.integrations.rows import PoolRow, pool_rows
+from trainer_bridge.leases import LeaseKeeper
 
 Agent = Callable[[str, Any], float | None]
 """``agent(base_url, prompt)``: run one episode through ``base_url``; its reward or None."""
@@ -194,19 +197,17 @@ class PoolEpisodes:
             },
         }
         batch_id = self._check(self._api.post("/api/batches", json=spec)).json()["id"]
-        lease = self.pool.lease(self.consumer, lease_s=self.lease_s, batch_id=batch_id)
-        if lease is None:
-            raise EpisodeError(f"batch {batch_id} was just materialised but is not leasable")
-        rows = self._read(lease)
-        self.pool.ack(lease)
+        with LeaseKeeper(self.pool, self.consumer, self.lease_s) as leases:
+            lease = leases.lease(batch_id=batch_id)
+            if lease is None:
+                raise EpisodeError(f"batch {batch_id} was just materialised but is not leasable")
+            try:
+                rows = pool_rows(self.pool.rows(lease.batch_id))
+            except Exception as error:
+                leases.nack(lease, reason=str(error)[:500])
+                raise
+            leases.ack(lease)
         return rows
-
-    def _read(self, lease: LeasedBatch) -> list[PoolRow]:
-        try:
-            return pool_rows(self.pool.rows(lease.batch_id))
-        except Exception as error:
-            self.pool.nack(lease, reason=str(error)[:500])
-            raise
 
     def run(self, episodes: Sequence[Episode]) -> list[PoolRow]:
         """``play``, ``wait_ready`` and ``rows`` of these episodes."""

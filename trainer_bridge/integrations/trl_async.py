@@ -16,7 +16,9 @@ batch at the second weight sync after the trainer took its last sample (TRL's pl
 accelerate's dispatcher may each hold one micro-batch across a sync, so a sample taken before
 sync ``v`` is trained by sync ``v + 1`` at the latest: exactly once), and nacks the batches still
 held at ``stop`` (their rows come back; the last batch may then be trained again, at least once
-rather than lost). A sample TRL drops as too stale counts as taken: the trainer's decision.
+rather than lost). A sample TRL drops as too stale counts as taken: the trainer's decision. Its
+``trainer_bridge.leases.LeaseKeeper`` renews every held lease (each ``lease_s / 3``) until that
+ack, however many updates it waits, and applies its rule to a lease lost anyway.
 Optionally it tells the gateway each new version (``policy_model_name``; the one call
 ``POST /admin/policy-versions``). Never: re-tokenizes, recomputes an advantage, or changes a
 value.
@@ -37,6 +39,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trainer_bridge.client import LeasedBatch, PoolClient
 from trainer_bridge.integrations.episodes import PoolEpisodes
+from trainer_bridge.leases import LeaseKeeper
 
 
 @dataclass
@@ -100,6 +103,7 @@ class PoolRolloutWorker:
         self.consumer = consumer
         self.temperature = temperature
         self.lease_s = lease_s
+        self.leases = LeaseKeeper(pool, consumer, lease_s)
         self.poll_interval_s = poll_interval_s
         self.max_held_batches = max_held_batches
         self.version_offset = version_offset
@@ -122,6 +126,7 @@ class PoolRolloutWorker:
         if self._thread is not None:
             return
         self._heartbeat = time.monotonic()
+        self.leases.start()
         self._thread = threading.Thread(target=self._run, name="pool-rollout-worker", daemon=True)
         self._thread.start()
 
@@ -135,7 +140,8 @@ class PoolRolloutWorker:
             held = list(self._state.held.values())
             self._state.held.clear()
         for batch in held:
-            self.pool.nack(batch.lease, reason="rollout worker stopped before training on it")
+            self.leases.nack(batch.lease, reason="rollout worker stopped before training on it")
+        self.leases.stop()
 
     def update_model_version(self, model_version: int) -> None:
         """A weight sync finished: acknowledge every batch whose last sample was taken two or
@@ -152,8 +158,9 @@ class PoolRolloutWorker:
             for batch in done:
                 del self._state.held[batch.lease.batch_id]
         for batch in done:
-            self.pool.ack(batch.lease, policy_version_trained=model_version + self.version_offset)
-            self._state.acked.append(batch.lease.batch_id)
+            trained = model_version + self.version_offset
+            if self.leases.ack(batch.lease, policy_version_trained=trained):
+                self._state.acked.append(batch.lease.batch_id)
         if self.episodes is not None and self.policy_model_name is not None:
             version = self.version_offset + model_version
             location = f"trl-async:{self.consumer}:v{model_version}"
@@ -190,7 +197,7 @@ class PoolRolloutWorker:
                 self._heartbeat = time.monotonic()
                 with self._lock:
                     full = len(self._state.held) >= self.max_held_batches
-                lease = None if full else self.pool.lease(self.consumer, lease_s=self.lease_s)
+                lease = None if full else self.leases.lease()
                 if lease is None:
                     self._stop.wait(self.poll_interval_s)
                     continue
@@ -207,7 +214,7 @@ class PoolRolloutWorker:
         try:
             samples = self.samples(table, lease.batch_id)
         except Exception as error:
-            self.pool.nack(lease, reason=str(error)[:500])
+            self.leases.nack(lease, reason=str(error)[:500])
             raise
         with self._lock:
             self._state.held[lease.batch_id] = _Held(lease, queued=len(samples))
