@@ -846,6 +846,71 @@ def bench_gateway(
     typer.echo(json.dumps({"goals_met": report["goals_met"]}))
 
 
+@bench_app.command("horizon")
+def bench_horizon(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions per configuration.")] = 4,
+    turns: Annotated[int, typer.Option(help="Calls per session (at least 10).")] = 200,
+    dialect: Annotated[
+        list[str] | None,
+        typer.Option(help="'chat', 'responses' and/or 'messages' (repeat); default all three."),
+    ] = None,
+    stream: Annotated[
+        list[str] | None, typer.Option(help="'false' and/or 'true' (repeat); default both.")
+    ] = None,
+    prompt_tokens: Annotated[
+        int, typer.Option(help="Tokens the emulator renders per message.")
+    ] = 60,
+    response_tokens: Annotated[int, typer.Option(help="Tokens sampled per call.")] = 40,
+    tool_result_chars: Annotated[int, typer.Option(help="Characters of a tool result.")] = 450,
+    reads_per_tenth: Annotated[
+        int, typer.Option(help="Steps of session 0 read back per tenth (GET /api/steps).")
+    ] = 5,
+    pin_cores: Annotated[
+        bool,
+        typer.Option(
+            help="The gateway on cores of its own, the emulator and load generator on the last "
+            "one (2+ cores)."
+        ),
+    ] = False,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Keep the gateway's pool and logs here.")
+    ] = None,
+) -> None:
+    """Long coding-agent sessions (an 11-tool list of ~28 KB, the whole history re-sent each
+    turn) through the gateway against the emulator: per tenth of the session, the gateway's CPU
+    per call, the latency it adds, the bytes stored per step, and the time to read a step and
+    the trajectory view; last tenth ÷ first tenth side by side."""
+    from trajgate.bench.gateway import BENCH_DIALECTS
+    from trajgate.bench.horizon import HorizonSettings, run_horizon, side_by_side
+
+    dialects = tuple(dialect or BENCH_DIALECTS)
+    if not set(dialects) <= set(BENCH_DIALECTS):
+        raise typer.BadParameter(f"--dialect takes one of {BENCH_DIALECTS}, got {dialects}")
+    values = [value.lower() for value in stream or ["false", "true"]]
+    if not set(values) <= {"false", "true"}:
+        raise typer.BadParameter(f"--stream takes 'false' or 'true', got {stream}")
+    settings = _settings(
+        HorizonSettings,
+        sessions=sessions,
+        turns=turns,
+        dialects=dialects,
+        streams=tuple(value == "true" for value in values),
+        prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        tool_result_chars=tool_result_chars,
+        reads_per_tenth=reads_per_tenth,
+        pin_cores=pin_cores,
+        data_dir=data_dir,
+    )
+    report = run_horizon(settings, progress=lambda line: typer.echo(line, err=True))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    for line in side_by_side(report):
+        typer.echo(line)
+
+
 @bench_app.command("pool")
 def bench_pool(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,

@@ -54,12 +54,18 @@ def mode_headers(mode: str) -> dict[str, str]:
     return {"x-trajgate-channel": channel_of(mode)}
 
 
+def emulator_answer(response_tokens: int) -> str:
+    """The text of the emulator's answer (choice 0, default seed, ``response_tokens`` long),
+    what an agent that only appends echoes back as its assistant turn."""
+    book = ResponseBook(EmulatorSettings(response_tokens=response_tokens))
+    ids, _logprobs = book.choice_tokens(0)
+    return "".join(_text(i) for i in ids)
+
+
 def conversation_bodies(first: dict[str, Any], turns: int, response_tokens: int) -> list[bytes]:
     """The ``S = turns`` bodies of a trajectory (see the module docstring); ``first`` is the
     bench's chat request (turn 0), ``response_tokens`` the emulator's answer length."""
-    book = ResponseBook(EmulatorSettings(response_tokens=response_tokens))
-    ids, _logprobs = book.choice_tokens(0)
-    answer = {"role": "assistant", "content": "".join(_text(i) for i in ids)}
+    answer = {"role": "assistant", "content": emulator_answer(response_tokens)}
     bodies, messages = [], list(first["messages"])
     for turn in range(turns):
         bodies.append(httpx.Request("POST", "/", json={**first, "messages": messages}).content)
