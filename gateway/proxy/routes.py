@@ -14,7 +14,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
@@ -183,7 +183,7 @@ async def answer_side_route(
         check_trajectory_id(trajectory_id)
     attribution = await attribute(state, request, trajectory_id)
     body = await read_json_object(request, state.settings.max_body_bytes)
-    await refuse_other_channel(state, attribution)
+    await settle_channel(state, attribution)  # a refusal only: nothing here follows the channel
     replica = state.upstreams.pick(attribution.trajectory_id)
     try:
         answer = await side.answer(body, ReplicaEngine(state.client, replica))
@@ -238,7 +238,7 @@ async def proxy_call(
     body = await read_json_object(request, state.settings.max_body_bytes)
     prepared = dialect.prepare(body)  # the call's one translation: a bad body is a 400 now
     check_model(body)
-    await refuse_other_channel(state, attribution)
+    attribution = await settle_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
     writer.check_accepting()
@@ -525,20 +525,49 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
     )
 
 
-async def refuse_other_channel(state: GatewayState, attribution: Attribution) -> None:
-    """A key bound to a channel writes only into trajectories of that channel (a new one is
-    created in it): raises ``PermissionDeniedError`` (403) for an existing trajectory of
-    another, before anything goes upstream. One pool read, only for channel-bound keys."""
-    if attribution.key_channel is None:
-        return
-    trajectory = await pool_lookup(
-        state, state.store.get_trajectory, attribution.trajectory_id, needed=True
+async def settle_channel(state: GatewayState, attribution: Attribution) -> Attribution:
+    """The call's attribution with its trajectory's own channel, whose settings the call gets
+    (``TRAJGATE_CONTINUATION_CHANNELS``, ``TRAJGATE_SAMPLING_POLICY``,
+    ``TRAJGATE_SAMPLING_DEFAULTS``) whatever channel the call names, or none.
+
+    A channel named by ``X-Trajgate-Channel`` or a channel-bound key that is not an existing
+    trajectory's own raises ``PermissionDeniedError`` (403) before anything goes upstream: a
+    trajectory's channel is set when it is created, and a key bound to a channel writes only
+    into that channel's trajectories. A new trajectory keeps the named channel (it is created
+    in it). The pool is read only when the channel can matter: a channel named by the call, or
+    settings per channel; a read for a channel-bound key is ``needed`` (refused when the pool
+    cannot answer), any other goes on as for a new trajectory in 'serve' mode.
+    """
+    settings = state.settings
+    per_channel = (
+        bool(settings.continuation_channels)
+        or any(name != "*" for name in settings.sampling_policy)
+        or any(name != "*" for name in settings.sampling_defaults)
     )
-    if trajectory is not None and trajectory.channel != attribution.key_channel:
+    if attribution.channel is None and not per_channel:
+        return attribution  # every channel gets the same settings and none is named
+    trajectory = await pool_lookup(
+        state,
+        state.store.get_trajectory,
+        attribution.trajectory_id,
+        needed=attribution.key_channel is not None,
+    )
+    if trajectory is None:
+        return attribution
+    named, own = attribution.channel, trajectory.channel
+    if named is not None and named != own:
+        if attribution.key_channel is not None:
+            raise PermissionDeniedError(
+                f"this API key is bound to channel {attribution.key_channel!r}; trajectory "
+                f"{attribution.trajectory_id!r} is in channel {own!r}"
+            )
         raise PermissionDeniedError(
-            f"this API key is bound to channel {attribution.key_channel!r}; trajectory "
-            f"{attribution.trajectory_id!r} is in channel {trajectory.channel!r}"
+            f"X-Trajgate-Channel names channel {named!r}; trajectory "
+            f"{attribution.trajectory_id!r} is in channel {own!r} (a trajectory's channel is "
+            "set when it is created)",
+            code="channel_mismatch",
         )
+    return replace(attribution, channel=own)
 
 
 async def pool_lookup(
