@@ -33,18 +33,6 @@ TRUNCATED = "truncated"
 TOOL_CALL_TRUNCATED = "tool_call_truncated"
 THINKING_OFF = "thinking_off"
 PREFILL = "prefill"
-# Sampled under a grammar (forced tool call, JSON schema, regex): vLLM reports logprobs of the
-# masked distribution (a forced token has logprob 0), not of the policy the trainer computes, so
-# the importance ratio against them is meaningless. Curation usually keeps such steps out.
-CONSTRAINED = "constrained"
-_STRUCTURED_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
-
 
 # An integer literal of 19 or more digits may not fit in 64 bits, where orjson would hand back a
 # float instead of the exact int (not a float's digits: no '.' before, no '.', 'e' or digit after).
@@ -156,7 +144,8 @@ def quality_flags(
     body: dict[str, Any], finish_reason: str | None, message: dict[str, Any] | None
 ) -> list[str]:
     """Facts curation may act on: truncated at max_tokens, a tool call cut mid-call (C18),
-    thinking turned off, an assistant prefill (C09), sampling under a grammar."""
+    thinking turned off, an assistant prefill (C09). Sampling under a grammar (``constrained``)
+    is the proxy's (``gateway.proxy.sampling``): it knows the replicas' tool strict level."""
     flags: list[str] = []
     if finish_reason == "length":
         flags.append(TRUNCATED)
@@ -168,20 +157,7 @@ def quality_flags(
         flags.append(THINKING_OFF)
     if body.get("continue_final_message") is True:
         flags.append(PREFILL)
-    if is_constrained(body):
-        flags.append(CONSTRAINED)
     return flags
-
-
-def is_constrained(body: dict[str, Any]) -> bool:
-    """Whether vLLM samples this request under a grammar (see ``CONSTRAINED``)."""
-    tool_choice = body.get("tool_choice")
-    if body.get("tools") and (tool_choice == "required" or isinstance(tool_choice, dict)):
-        return True
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-        return True
-    return any(body.get(field) is not None for field in _STRUCTURED_FIELDS)
 
 
 _INT32_END = 2**31

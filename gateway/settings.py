@@ -91,6 +91,9 @@ SAMPLING_POLICIES: tuple[str, ...] = get_args(SamplingPolicy)
 # vLLM's --logprobs-mode values trajgate knows how to train from (gateway.proxy.sampling).
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+# vLLM's --tool-strict-level values: when tool calls are sampled under a grammar.
+ToolStrictLevel = Literal["auto", "function", "parameter"]
+TOOL_STRICT_LEVELS: tuple[str, ...] = get_args(ToolStrictLevel)
 # How a full-weight update treats the calls in flight (gateway.upstream.weight_update).
 UpdateMode = Literal["keep", "drain"]
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
@@ -398,8 +401,11 @@ class GatewaySettings(ConfigFileSettings):
             'allowed_token_ids, bad_words; greedy), as JSON {"*": "flag", "train": "override"}: '
             "'flag' (default) passes them and flags the step 'narrowed'; 'override' resets them "
             "to neutral values; 'enforce' makes the channel's sampling_defaults replace the "
-            "client's values; 'refuse' answers 400 (sampling_refused). What was replaced is "
-            "recorded on the step (sampling.replaced)."
+            "client's values; 'refuse' answers 400 (sampling_refused). Tools marked 'strict' "
+            "(the OpenAI Agents SDK's default) make vLLM sample tool calls under a grammar "
+            "(flagged constrained): 'override' removes 'strict' where it alone does that "
+            "(tool_choice auto), 'refuse' refuses it. What was replaced is recorded on the "
+            "step (sampling.replaced)."
         ),
     )
     upstream_logprobs_mode: LogprobsMode = Field(
@@ -411,6 +417,19 @@ class GatewaySettings(ConfigFileSettings):
             "'raw_logprobs' (vLLM's own default) reports temperature 1, so steps sampled at "
             "another temperature are flagged raw_logprobs and never trained on. Must match "
             "the server: the step records it and the trainer divides by its temperature."
+        ),
+    )
+
+    upstream_tool_strict_level: ToolStrictLevel = Field(
+        default="auto",
+        description=(
+            "The --tool-strict-level the vLLM replicas run with (server-wide; 'auto' is vLLM's "
+            "default and what `trajgate vllm start` runs; a parser whose own default is "
+            "stricter, such as glm47's 'function', counts as that). 'auto': with tool_choice "
+            "auto, tool calls are sampled under a grammar only for strict tools or "
+            "parallel_tool_calls false; 'function' or 'parameter': every tool call is. Steps "
+            "with a tool call sampled under a grammar are flagged constrained, so it must not "
+            "be lower than the server's."
         ),
     )
 

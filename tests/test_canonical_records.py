@@ -261,6 +261,48 @@ def test_migration_0013_gives_steps_stored_before_it_their_canonical_record(
             assert step.call.messages is None and step.call.sampling["max_tokens"] == 4
 
 
+def test_migration_0013_gives_delta_stored_turns_the_records_and_bases_the_pool_writes(
+    tmp_path: Path,
+) -> None:
+    """Two turns per dialect, the second's request and record stored as deltas on the first:
+    the migration's frozen rules (migrations.legacy) rebuild both as the live code wrote them."""
+    url = f"sqlite:///{tmp_path / 'chain.sqlite3'}"
+    db.upgrade(url)
+    store = PoolStore(make_engine(url), PoolSettings(data_dir=tmp_path / "d", database_url=url))
+    expected = {}
+    for dialect, body in DIALECTS:
+        second = body(SYSTEM, ARGUMENTS, "sunny")
+        name = dialect.history_field
+        assert name is not None
+        # The first turn asks the task alone (chat's history holds the system message too).
+        first = {**second, name: second[name][: 2 if dialect.name == "chat.completions" else 1]}
+        for call in (record(dialect, first, [1, 2]), record(dialect, second, [1, 2, 7, 8, 4])):
+            store.record_call(f"chain-{dialect.name}", call)
+        expected[f"chain-{dialect.name}"] = (first, second)
+    with store.engine.connect() as connection:
+        written = connection.execute(
+            select(Step.id, Step.canonical, Step.canonical_base).order_by(Step.id)
+        ).all()
+    assert [base for _, _, base in written].count(None) == 0
+    assert any(base for _, _, base in written)  # the second turns are deltas
+    with store.engine.begin() as connection:
+        connection.execute(update(Step).values(canonical=None, history_field=None))
+    db.downgrade(url, "0012")
+    db.upgrade(url)
+    with store.engine.connect() as connection:
+        migrated = connection.execute(
+            select(Step.id, Step.canonical, Step.canonical_base).order_by(Step.id)
+        ).all()
+    assert migrated == written
+    store = PoolStore(make_engine(url), store.settings)
+    for dialect, _ in DIALECTS:
+        first, second = expected[f"chain-{dialect.name}"]
+        steps = store.steps_of(f"chain-{dialect.name}")
+        assert [step.call for step in steps] == [
+            dialect.canonical(dialect.prepare(b).upstream_body) for b in (first, second)
+        ]
+
+
 def test_a_message_resent_as_its_string_is_no_change_of_the_history() -> None:
     """Claude Code's environment message: one text block on the call that carries the cache
     breakpoint, its string on the next. The break (the tool call the template re-renders) is

@@ -25,7 +25,7 @@ from anthropic.types import Message, RawMessageStreamEvent
 from anthropic.types.shared import ErrorResponse
 from pydantic import TypeAdapter
 
-from gateway.capture import CONSTRAINED, PREFILL, TRUNCATED
+from gateway.capture import PREFILL, TRUNCATED
 from gateway.dialects.messages.render import signature
 from gateway.dialects.messages.request import translate_request
 from gateway.dialects.messages.serving import Messages, MessagesPrepared, count_tokens
@@ -35,6 +35,7 @@ from gateway.errors import (
     TrajgateError,
     UpstreamTimeoutError,
 )
+from gateway.proxy.sampling import constrained_by
 
 DATA = Path(__file__).parent / "data"
 CHAT: dict[str, Any] = json.loads((DATA / "responses_chat.json").read_text())
@@ -955,7 +956,9 @@ def test_a_recorded_digit_tool_stream_gives_an_empty_input_and_keeps_the_engine_
     assert choice.response_message is not None
     arguments = choice.response_message["tool_calls"][0]["function"]["arguments"]
     assert arguments.startswith("201745711")  # the engine's text, kept in the common form
-    assert CONSTRAINED in choice.flags and TRUNCATED in choice.flags
+    assert TRUNCATED in choice.flags
+    # 'any' is chat's required: the answer is sampled under the call's grammar.
+    assert constrained_by(prepared.upstream_body, "auto") == ["tool_choice"]
 
 
 def test_an_error_inside_the_upstream_stream_ends_it_with_an_error_event() -> None:

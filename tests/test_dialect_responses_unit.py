@@ -18,11 +18,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.capture import CONSTRAINED, TRUNCATED
+from gateway.capture import TRUNCATED
 from gateway.dialects.responses.request import EarlierResponse, translate_request
 from gateway.dialects.responses.serving import Responses, ResponsesPrepared
 from gateway.dialects.responses.stream import ResponsesEvents, frame
 from gateway.errors import InvalidRequestError
+from gateway.proxy.sampling import constrained_by
 
 DATA = Path(__file__).parent / "data"
 RECORDED: dict[str, Any] = json.loads((DATA / "responses_chat.json").read_text())
@@ -470,7 +471,9 @@ def test_tool_calls_render_as_function_call_items_without_an_empty_message() -> 
     assert response["tools"] == [WEATHER] and response["tool_choice"] == "auto"
 
 
-def test_unary_capture_reads_the_chat_answer_and_flags_a_named_tool_choice_constrained() -> None:
+def test_unary_capture_reads_the_chat_answer_of_a_named_tool_choice_sampled_under_a_grammar() -> (
+    None
+):
     recorded = RECORDED["tool_unary"]
     prepared = DIALECT.prepare(
         {
@@ -484,7 +487,8 @@ def test_unary_capture_reads_the_chat_answer_and_flags_a_named_tool_choice_const
     (choice,) = captured.choices
     assert captured.prompt_ids == recorded["answer"]["prompt_token_ids"]
     assert choice.response_token_ids == recorded["answer"]["choices"][0]["token_ids"]
-    assert CONSTRAINED in choice.flags and TRUNCATED in choice.flags
+    assert TRUNCATED in choice.flags
+    assert constrained_by(prepared.upstream_body, "auto") == ["tool_choice"]
 
 
 # -- streaming ------------------------------------------------------------------------------

@@ -228,7 +228,14 @@ class DemoRun:
             reward_functions=[f"trajgate.demo_task:{self.config.reward_name}"],
         )
         db.upgrade(self.pool_settings.resolved_database_url())
-        settings = GatewaySettings(upstream_url=self.vllm.url, port=self.config.gateway_port)
+        # 'override' strips the tiny agents' strict tools from their answer turns (tool_choice
+        # auto), which vLLM would otherwise sample under a grammar (flagged constrained, never
+        # trained on); their forced first calls keep strict, constrained either way.
+        settings = GatewaySettings(
+            upstream_url=self.vllm.url,
+            port=self.config.gateway_port,
+            sampling_policy={"*": "override"},
+        )
         try:
             self.gateway = BackgroundServer(
                 create_app(settings, self.pool_settings), port=settings.port

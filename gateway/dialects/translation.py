@@ -166,8 +166,8 @@ class TranslatedPrepared(Prepared):
     """A call whose upstream body is a chat translation of the client's body."""
 
     def chat_prepared(self) -> Prepared:
-        """The same call as a chat call: the capture's quality flags read the chat body (tools,
-        tool_choice, response_format, chat_template_kwargs, continue_final_message)."""
+        """The same call as a chat call: the capture's quality flags read the chat body
+        (chat_template_kwargs, continue_final_message)."""
         return Prepared(self.upstream_body, self.upstream_body, self.asked)
 
 

@@ -342,12 +342,13 @@ async def new_call(
     earlier = await earlier_call(state, dialect, body, attribution)
     defaults = state.settings.sampling_defaults_for(attribution.channel)
     policy = state.settings.sampling_policy_for(attribution.channel)
+    tool_strict_level = state.settings.upstream_tool_strict_level
 
     def prepared_as(call_id: str) -> tuple[Prepared, dict[str, Any]]:
         call = with_sampling_defaults(
             dialect.prepare_call(prepared, resolution.upstream_model, call_id, earlier), defaults
         )
-        call, replaced = apply_policy(dialect, call, policy, defaults)
+        call, replaced = apply_policy(dialect, call, policy, defaults, tool_strict_level)
         check_limits(dialect, call, state.settings.generation_limits)
         return call, replaced
 
@@ -374,7 +375,11 @@ async def new_call(
             final, replaced = prepared_as(call_id)
         continuation = await plan_continuation(state, attribution, final.upstream_body, dialect)
         sampling = sampling_record(
-            final.upstream_body, state.settings.upstream_logprobs_mode, policy, replaced
+            final.upstream_body,
+            state.settings.upstream_logprobs_mode,
+            policy,
+            replaced,
+            tool_strict_level=tool_strict_level,
         )
     except BaseException:
         if ahead is not None:

@@ -34,8 +34,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from datapool.steps.messages import StoredRequest, full_request, reconstruct_messages
-    from migrations.legacy import history_field_before_0013
+    from migrations.legacy import StoredRequest, full_requests, messages_before_0013
 
     steps = sa.table(
         "steps",
@@ -66,19 +65,16 @@ def downgrade() -> None:
                 steps.c.response_message,
             ).where(steps.c.trajectory_id == trajectory_id)
         ).all()
-        stored = {
-            row[0]: StoredRequest(*row, history_field=history_field_before_0013(row[3]))
-            for row in rows
-        }
-        messages = reconstruct_messages(stored, list(stored))
+        stored = {row[0]: StoredRequest(*row) for row in rows}
+        messages = messages_before_0013(stored)
         for step_id, entry in stored.items():
             if entry.messages_base is None and entry.upstream_request is not None:
                 continue
-            full = full_request(entry, messages[step_id])
+            request, upstream_request = full_requests(entry, messages[step_id])
             connection.execute(
                 steps.update()
                 .where(steps.c.id == step_id)
-                .values(request=full.request, upstream_request=full.upstream_request)
+                .values(request=request, upstream_request=upstream_request)
             )
     with op.batch_alter_table("steps") as batch:
         batch.alter_column("upstream_request", existing_type=sa.JSON(), nullable=False)

@@ -6,12 +6,13 @@ messages a delta on the parent's, as ``messages_base`` is for the request) and
 ``steps.history_field`` (the request's field that holds the resent history, named by the
 call's dialect instead of a list of dialect fields inside the pool).
 
-Upgrade gives every existing step both: ``history_field`` by the rule the pool used until now
-(``migrations.legacy``), ``canonical`` from its stored upstream request through the dialect
-that recorded it (``steps.endpoint``, ``Dialect.canonical``: the same code that writes new
-rows), one trajectory at a time, as a delta on the parent's where the parent is a step of the
-same trajectory with a canonical record. A step of an endpoint no dialect serves any more keeps
-NULL (no record). Downgrade drops the columns (the record is derived data).
+Upgrade gives every existing step both: ``history_field`` by the rule the pool used until now,
+``canonical`` from its stored upstream request by the rule of the dialect that recorded it
+(``steps.endpoint``; the dialects' ``canonical`` as it was at this revision, frozen in
+``migrations.legacy``, so later changes of the live code leave this migration as it is), one
+trajectory at a time, as a delta on the parent's where the parent is a step of the same
+trajectory with a canonical record. A step of an endpoint no dialect served keeps NULL (no
+record). Downgrade drops the columns (the record is derived data).
 
 Revision ID: 0013
 Revises: 0012
@@ -39,18 +40,17 @@ def upgrade() -> None:
 
 
 def _backfill() -> None:
-    from datapool.steps.messages import (
+    from migrations.legacy import (
+        ENDPOINTS_0013,
         StoredRequest,
-        canonical_response_key,
-        full_request,
+        canonical_0013,
+        canonical_response_0013,
+        full_requests,
         message_key,
         messages_base,
-        reconstruct_messages,
+        messages_before_0013,
     )
-    from gateway.dialects import DIALECTS
-    from migrations.legacy import history_field_before_0013
 
-    dialects = {dialect.name: dialect for dialect in DIALECTS}
     steps = sa.table(
         "steps",
         sa.column("id", sa.String()),
@@ -85,27 +85,25 @@ def _backfill() -> None:
             .where(steps.c.trajectory_id == trajectory_id)
             .order_by(steps.c.step_index, steps.c.choice_index)
         ).all()
-        stored = {
-            row[0]: StoredRequest(*row[:7], history_field=history_field_before_0013(row[3]))
-            for row in rows
-        }
-        messages = reconstruct_messages(stored, list(stored))
+        stored = {row[0]: StoredRequest(*row[:7]) for row in rows}
+        messages = messages_before_0013(stored)
         keys: dict[str, list[str]] = {}  # C + [R] as message keys, per step with a record
         for row in rows:
             step_id, parent_id, endpoint = row[0], row[1], row[7]
             entry = stored[step_id]
             values: dict[str, Any] = {"history_field": entry.history_field}
-            dialect = dialects.get(endpoint)
-            if dialect is not None:
-                upstream = full_request(entry, messages[step_id]).upstream_request
-                record = dialect.canonical(upstream).to_json()
+            if endpoint in ENDPOINTS_0013:
+                upstream = full_requests(entry, messages[step_id])[1]
+                record = canonical_0013(endpoint, upstream)
                 own = record["messages"]
                 base = None
                 if isinstance(own, list):
                     base = messages_base(keys.get(parent_id or ""), own)
                     own_keys = [message_key(m) for m in own]
                     if entry.response_message is not None:
-                        own_keys.append(message_key(canonical_response_key(entry.response_message)))
+                        own_keys.append(
+                            message_key(canonical_response_0013(entry.response_message))
+                        )
                     keys[step_id] = own_keys
                     if base:
                         record["messages"] = own[base:]
