@@ -191,13 +191,15 @@ def integrity_flags(
     ids: list[int] | None, logprobs: list[float] | None, prompt_ids: list[int] | None
 ) -> list[str]:
     """``ids_missing`` when sampled IDs ``[T]`` or logprobs are absent, ``ids_incomplete`` when
-    their lengths differ, ``prompt_ids_missing`` when the prompt IDs are absent."""
+    their lengths differ, ``prompt_ids_missing`` when the prompt IDs are absent or empty (no
+    template renders an empty prompt, and vLLM refuses one it tokenizes itself: an empty list
+    is a prompt the engine was handed, not the one it rendered)."""
     flags: list[str] = []
     if ids is None or logprobs is None:
         flags.append(IDS_MISSING)
     elif len(ids) != len(logprobs):
         flags.append(IDS_INCOMPLETE)
-    if prompt_ids is None:
+    if not prompt_ids:
         flags.append(PROMPT_IDS_MISSING)
     return flags
 

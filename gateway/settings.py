@@ -300,6 +300,17 @@ class GatewaySettings(ConfigFileSettings):
             "bodies over slow links. Time the gateway itself has not read is not counted."
         ),
     )
+    allow_client_kv_transfer_params: bool = Field(
+        default=False,
+        description=(
+            "Accept a chat or completions body that carries kv_transfer_params of its own "
+            "(disaggregated serving: a router hands the decode instance the prefill's KV and, "
+            "in vLLM 0.32, the prompt's token ids). Such a body chooses the prompt vLLM samples "
+            "from, and so the prompt ids its step records (an empty list gave an ok step with "
+            "none), so by default it is a 400; the gateway's own exact continuation never needs "
+            "a client to send it."
+        ),
+    )
     max_choices: int = Field(
         default=128,
         ge=1,

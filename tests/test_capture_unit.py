@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from datapool.steps.records import ChoiceRecord
-from gateway.capture import ABORTED, IDS_INCOMPLETE, IDS_MISSING, PROMPT_IDS_MISSING, TRUNCATED
+from gateway.capture import (
+    ABORTED,
+    IDS_INCOMPLETE,
+    IDS_MISSING,
+    PROMPT_IDS_MISSING,
+    TRUNCATED,
+    integrity_flags,
+)
 from gateway.dialects import DIALECTS, ClientAsked
 from gateway.dialects.chat_completions.serving import ChatCompletions
 from gateway.dialects.choices import strip_for_client
@@ -258,3 +265,10 @@ def test_loads_gives_what_json_loads_gives(text: bytes) -> None:
 
     parsed, expected = loads(text), json.loads(text)
     assert repr(parsed) == repr(expected)  # repr: an int and an equal float differ, NaN != NaN
+
+
+def test_an_empty_prompt_is_flagged_as_missing_prompt_ids() -> None:
+    # No template renders an empty prompt: an empty list is ids the engine was handed.
+    assert integrity_flags([5], [-0.1], []) == [PROMPT_IDS_MISSING]
+    assert integrity_flags([5], [-0.1], None) == [PROMPT_IDS_MISSING]
+    assert integrity_flags([5], [-0.1], [1, 2]) == []

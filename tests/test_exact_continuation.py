@@ -779,14 +779,34 @@ def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_s
 
 
 def test_a_body_with_its_own_kv_transfer_params_is_not_continued(
-    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+    vllm: vllm_server.VLLMServer, pool_settings: PoolSettings
 ) -> None:
-    # Disaggregated serving sends kv_transfer_params itself; the gateway leaves its prompt alone.
-    messages = forced_turn(exact_gateway, "own-kv", [SYSTEM, USER])
-    body = {**ANSWER, "messages": messages, "kv_transfer_params": {}, "stream": True}
-    chat(exact_gateway, "own-kv", body)
+    # Disaggregated serving sends kv_transfer_params itself; the gateway, told to accept it,
+    # leaves its prompt alone.
+    with gateway_with(
+        pool_settings,
+        free_port(),
+        upstream_url=vllm.url,
+        allow_client_kv_transfer_params=True,
+    ) as server:
+        messages = forced_turn(server, "own-kv", [SYSTEM, USER])
+        body = {**ANSWER, "messages": messages, "kv_transfer_params": {}, "stream": True}
+        chat(server, "own-kv", body)
     _, step = steps_of(pool_settings, "own-kv")
     assert step.continuation == "template"
+
+
+@pytest.mark.parametrize("kv", [{}, {"prompt_token_ids": []}, {"prompt_token_ids": [1, 2]}])
+def test_a_clients_kv_transfer_params_is_refused_before_vllm_by_default(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings, kv: dict[str, Any]
+) -> None:
+    # It would choose the prompt vLLM samples from ({"prompt_token_ids": []} was an ok,
+    # trainable step with no prompt ids).
+    body = {**ANSWER, "messages": [SYSTEM, USER], "kv_transfer_params": kv}
+    answer = httpx.post(f"{exact_gateway.url}/t/own-kv/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "kv_transfer_params"
+    assert steps_of(pool_settings, "own-kv") == []
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])

@@ -174,6 +174,18 @@ def check_model(body: dict[str, Any]) -> None:
         )
 
 
+def check_engine_fields(body: dict[str, Any], allow_kv_transfer_params: bool) -> None:
+    """Raise ``InvalidRequestError`` for ``kv_transfer_params`` in a client's body unless the
+    gateway allows it (``allow_client_kv_transfer_params``): vLLM samples from the prompt ids it
+    carries, so the client, not the engine's rendering, would choose what the step records."""
+    if "kv_transfer_params" in body and not allow_kv_transfer_params:
+        raise InvalidRequestError(
+            "kv_transfer_params chooses the prompt vLLM samples from; this gateway does not "
+            "accept it from clients (TRAJGATE_ALLOW_CLIENT_KV_TRANSFER_PARAMS)",
+            param="kv_transfer_params",
+        )
+
+
 def check_group_id(group_id: str | None) -> str | None:
     """Raise ``InvalidRequestError`` unless the group id is None or 1-200 of
     ``[A-Za-z0-9._:-]`` starting with a letter or digit (it appears in URL paths)."""

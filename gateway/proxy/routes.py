@@ -46,6 +46,7 @@ from gateway.errors import (
 from gateway.proxy.attribution import (
     Attribution,
     attribute,
+    check_engine_fields,
     check_idempotency_key,
     check_model,
     check_trajectory_id,
@@ -238,6 +239,7 @@ async def proxy_call(
     body = await read_json_object(request, state.settings.max_body_bytes)
     prepared = dialect.prepare(body)  # the call's one translation: a bad body is a 400 now
     check_model(body)
+    check_engine_fields(body, state.settings.allow_client_kv_transfer_params)
     attribution = await settle_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
