@@ -24,7 +24,7 @@ from gateway.capture import IDS_INCOMPLETE
 from gateway.dialects import Dialect, Prepared
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.continuation.engine import Continuation
-from gateway.proxy.continuation.history import Turn, turn_key
+from gateway.proxy.continuation.history import HistoryKeys, Turn
 from gateway.proxy.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica
@@ -54,6 +54,9 @@ class Call:
     ticket: Ticket = field(default_factory=Ticket)
     # How its prompt is built: the template's rendering, or an exact continuation of a turn.
     continuation: Continuation = field(default_factory=lambda: Continuation("template"))
+    # On an exact channel's chat path, the keys of its history (``history.history_keys``),
+    # walked once when its turn was looked for: its own turn's key comes from them (``keyed``).
+    history: HistoryKeys | None = None
     # What it samples with (``gateway.proxy.sampling.sampling_record``), stored as
     # ``steps.sampling``.
     sampling: dict[str, Any] | None = None
@@ -243,16 +246,12 @@ def remember_turns(state: GatewayState, call: Call, record: CallRecord) -> None:
 def keyed(call: Call, choice: ChoiceRecord) -> ChoiceRecord:
     """``choice`` with the key of the turn it answered (``history.turn_key``, stored as
     ``steps.turn_key``) on an exact channel's chat path, when its ids are whole."""
-    continuation = call.continuation
-    canonical, body_key = continuation.canonical, continuation.render_key
+    history = call.history
     if (
-        canonical is None
-        or body_key is None
-        or canonical.messages is None
+        history is None
         or choice.response_message is None
         or choice.response_token_ids is None
         or IDS_INCOMPLETE in choice.flags
     ):
         return choice
-    key = turn_key(body_key, canonical.messages, response_of(choice.response_message))
-    return replace(choice, turn_key=key)
+    return replace(choice, turn_key=history.answered_by(response_of(choice.response_message)))

@@ -62,8 +62,9 @@ from gateway.proxy.continuation.engine import (
     send_exact,
 )
 from gateway.proxy.continuation.history import (
-    candidate_keys,
+    HistoryKeys,
     find_extension,
+    history_keys,
     render_key,
     stored_turn,
 )
@@ -375,7 +376,9 @@ async def new_call(
         if resend_of is not None:
             call_id = resend_of
             final, replaced = prepared_as(call_id)
-        continuation = await plan_continuation(state, attribution, final.upstream_body, dialect)
+        continuation, history = await plan_continuation(
+            state, attribution, final.upstream_body, dialect
+        )
         sampling = sampling_record(
             final.upstream_body,
             state.settings.upstream_logprobs_mode,
@@ -402,6 +405,7 @@ async def new_call(
         idempotency_key=idempotency_key,
         resend_of=resend_of,
         continuation=continuation,
+        history=history,
         sampling=sampling,
     )
 
@@ -434,25 +438,30 @@ def render_ahead_of(
 
 async def plan_continuation(
     state: GatewayState, attribution: Attribution, upstream_body: dict[str, Any], dialect: Dialect
-) -> Continuation:
+) -> tuple[Continuation, HistoryKeys | None]:
     """How the call's prompt will be built: on an exact channel, the latest turn of the
     trajectory its canonical conversation extends (``gateway.proxy.continuation.history``),
     from the gateway's memory or else from the pool (a turn another worker, replica or an
-    earlier run of the gateway served), if any; the template's rendering otherwise."""
+    earlier run of the gateway served), if any; the template's rendering otherwise. With it,
+    on an exact channel's chat path, the keys of the call's history (``history_keys``), from
+    which its own turn's key is made once answered (``gateway.proxy.call.keyed``)."""
     mode = state.settings.continuation_for(attribution.channel)
     if mode == "template" or dialect.upstream_path != CHAT_PATH:
-        return Continuation(mode)
+        return Continuation(mode), None
     if "kv_transfer_params" in upstream_body:  # disaggregated serving chooses its own prompt
-        return Continuation(mode)
+        return Continuation(mode), None
     if mode != "exact":
         raise ValueError(f"continuation {mode!r}; valid: {', '.join(CONTINUATION_MODES)}")
     canonical = dialect.canonical(upstream_body)
     body_key = render_key(upstream_body)
     continuation = Continuation(mode, render_key=body_key, canonical=canonical)
-    messages = canonical.messages or ()
-    candidates = candidate_keys(body_key, messages)
+    if canonical.messages is None:  # no conversation: nothing to extend, no turn to key
+        return continuation, None
+    messages = canonical.messages
+    history = history_keys(body_key, messages)
+    candidates = history.candidates
     if not candidates:
-        return continuation
+        return continuation, history
     trajectory_id = attribution.trajectory_id
     memory = state.turns.turns_of(trajectory_id)
     extension = find_extension(candidates, messages, memory.get)
@@ -467,7 +476,7 @@ async def plan_continuation(
             state.turns.add(trajectory_id, found.turn)
             extension = found
     continuation.extension = extension
-    return continuation
+    return continuation, history
 
 
 async def earlier_call(

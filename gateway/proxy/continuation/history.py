@@ -1,7 +1,8 @@
 """Which earlier turn a call's conversation continues: the append-only test of exact continuation.
 
 Owns: ``turn_key``, the key of a turn (a history and the response message that answered it);
-``candidate_keys``, the keys a new call's conversation would extend; ``find_extension``, which
+``history_keys``, the keys a new call's conversation would extend and, from the same walk,
+the key of the turn it becomes once answered; ``find_extension``, which
 picks the latest of them that a turn in memory or in the pool answers and checks the echo;
 and ``TurnMemory``, a bounded memory per trajectory of its recent turns (each ok choice of a
 call: its key, the response message the gateway returned, ``S = P + R``, its token sequence).
@@ -176,10 +177,28 @@ def turn_key(body_render_key: str, history: Sequence[Message], response: Message
     return _with_response(digest, echo)
 
 
-def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tuple[int, str]]:
-    """``(k, key)`` for every assistant message ``k`` of ``messages`` (a new call's canonical
-    messages), the latest first: the ``turn_key`` of ``messages[:k]`` answered by
-    ``messages[k]``, the turn the call would extend from there. O(total message size)."""
+@dataclass(frozen=True)
+class HistoryKeys:
+    """What one walk over a call's canonical messages gives (``history_keys``): ``candidates``,
+    ``(k, key)`` for every assistant message ``k``, the latest first (the turn the call would
+    extend from there), and the digest of the whole history, from which the key of the turn
+    the call itself becomes is made once its response is known (``answered_by``), so the
+    history is serialised and hashed once per call, not once to find its turn and again to
+    key it."""
+
+    candidates: list[tuple[int, str]]
+    digest: Any  # sha256 of the render key and every message, not yet of a response
+
+    def answered_by(self, response: Message) -> str | None:
+        """``turn_key`` of the whole history answered by ``response`` (None when ``response``
+        can never be echoed: ``echo_form``)."""
+        echo = echo_form(response)
+        return None if echo is None else _with_response(self.digest, echo)
+
+
+def history_keys(body_render_key: str, messages: Sequence[Message]) -> HistoryKeys:
+    """``HistoryKeys`` of ``messages`` (a new call's canonical messages): one walk, each
+    message's history form serialised and hashed once. O(total message size)."""
     found: list[tuple[int, str]] = []
     digest = _history_digest(body_render_key)
     for k, message in enumerate(messages):
@@ -190,7 +209,14 @@ def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tu
         digest.update(b"\0M")
         digest.update(_history_form(message).encode())
     found.reverse()
-    return found
+    return HistoryKeys(found, digest)
+
+
+def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tuple[int, str]]:
+    """``(k, key)`` for every assistant message ``k`` of ``messages`` (a new call's canonical
+    messages), the latest first: the ``turn_key`` of ``messages[:k]`` answered by
+    ``messages[k]``, the turn the call would extend from there (``history_keys``)."""
+    return history_keys(body_render_key, messages).candidates
 
 
 def find_extension(
