@@ -1,6 +1,7 @@
 """The inspector's views of one long coding-agent session: bytes and server milliseconds.
 
-Records a session of ``--turns`` calls (and one of a tenth as many, for the ratio) into a fresh
+Records a session of ``--turns`` calls (and one of a tenth as many, for the ratio) in chat
+completions or the Messages API (``--dialect``) into a fresh
 SQLite pool through ``PoolStore`` (``trajgate.bench.long_session``: 28 KB tool list, ~450-character
 tool results), then reads ``GET /api/inspector/trajectories/<id>`` and the last step's first token
 page, whole and its first window of 2,000 positions, in-process (Starlette's test client: server
@@ -27,7 +28,7 @@ from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from trajgate.bench.long_session import record_session
+from trajgate.bench.long_session import DIALECTS, record_session
 
 
 def _timed(client: TestClient, path: str, repeats: int) -> tuple[float, float, int]:
@@ -49,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dialect", choices=DIALECTS, default="chat")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         pool = PoolSettings(data_dir=Path(tmp))
@@ -56,12 +58,16 @@ def main() -> None:
         store = PoolStore(make_engine(pool.resolved_database_url()), pool)
         short_turns = max(1, args.turns // 10)
         sessions = {
-            "long": record_session(store, "long", args.turns),
-            "short": record_session(store, "short", short_turns),
+            "long": record_session(store, "long", args.turns, args.dialect),
+            "short": record_session(store, "short", short_turns, args.dialect),
         }
         store.engine.dispose()
         app = create_app(GatewaySettings(allowed_hosts=["testserver"]), pool)
-        result: dict[str, Any] = {"turns": args.turns, "short_turns": short_turns}
+        result: dict[str, Any] = {
+            "dialect": args.dialect,
+            "turns": args.turns,
+            "short_turns": short_turns,
+        }
         with TestClient(app) as client:
             for name in sessions:
                 view = f"/api/inspector/trajectories/{name}"

@@ -1,7 +1,8 @@
 """The inspector on a 200-turn coding-agent session: views that grow with the steps, not with
 the square of the turns.
 
-One session of 200 calls and one of 20, recorded through the pool's own write path
+Per dialect (chat completions, and the Messages API as Claude Code speaks it), one session of 200
+calls and one of 20, recorded through the dialect and the pool's own write path
 (``trajgate.bench.long_session``: a 28 KB tool list on every call, each turn re-sending the whole
 history plus the model's tool call and a ~450-character tool result), on SQLite only: the views
 are computed in Python from the records the store reads back, the same on both backends (the
@@ -29,8 +30,10 @@ from datapool.settings import PoolSettings
 from datapool.steps.canonical import response_of
 from gateway.app import create_app
 from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.messages import Messages
 from gateway.settings import GatewaySettings
 from trajgate.bench.long_session import (
+    DIALECTS,
     ENV_TOKENS,
     FIRST_PROMPT_TOKENS,
     RESPONSE_TOKENS,
@@ -45,16 +48,18 @@ SHORT_TURNS = 20
 
 @pytest.fixture(scope="module")
 def horizon(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolSettings, dict[str, Session]]:
-    """A SQLite pool holding trajectory ``long`` (200 turns) and ``short`` (20 turns)."""
+    """A SQLite pool holding trajectories ``<dialect>-long`` (200 turns) and ``<dialect>-short``
+    (20 turns) of each dialect."""
     tmp = tmp_path_factory.mktemp("horizon")
     url = f"sqlite:///{tmp / 'pool.sqlite3'}"
     db.upgrade(url)
     pool = PoolSettings(data_dir=tmp / "data", database_url=url)
     store = make_store(pool)
-    sessions = {
-        "long": record_session(store, "long", TURNS),
-        "short": record_session(store, "short", SHORT_TURNS),
-    }
+    sessions = {}
+    for dialect in DIALECTS:
+        for name, turns in (("long", TURNS), ("short", SHORT_TURNS)):
+            trajectory_id = f"{dialect}-{name}"
+            sessions[trajectory_id] = record_session(store, trajectory_id, turns, dialect)
     store.engine.dispose()
     return pool, sessions
 
@@ -69,16 +74,18 @@ def client(horizon: tuple[PoolSettings, dict[str, Session]]) -> Iterator[TestCli
         yield test_client
 
 
-def canonical_messages(request: dict[str, Any]) -> list[Any]:
-    """The canonical messages of a chat request (what the pool records, from the same dialect)."""
-    messages = ChatCompletions().canonical(request).to_json()["messages"]
-    assert isinstance(messages, list)
-    return messages
+def canonical_of(dialect: str, request: dict[str, Any]) -> dict[str, Any]:
+    """The canonical record of a request (what the pool records, from the same dialect code)."""
+    translator = ChatCompletions() if dialect == "chat" else Messages()
+    return translator.canonical(translator.prepare(request).upstream_body).to_json()
 
 
-def test_trajectory_view_bytes_per_step_do_not_grow_with_the_history(client: TestClient) -> None:
-    long = client.get("/api/inspector/trajectories/long")
-    short = client.get("/api/inspector/trajectories/short")
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_trajectory_view_bytes_per_step_do_not_grow_with_the_history(
+    client: TestClient, dialect: str
+) -> None:
+    long = client.get(f"/api/inspector/trajectories/{dialect}-long")
+    short = client.get(f"/api/inspector/trajectories/{dialect}-short")
     assert long.status_code == short.status_code == 200
     # Turn 200 re-sends ~150 KB of history and the 28 KB tool list; the view ships neither
     # again: a step adds one tool result (~0.5 KB) and its answer, so bytes per step stay flat
@@ -90,10 +97,11 @@ def test_trajectory_view_bytes_per_step_do_not_grow_with_the_history(client: Tes
     assert len(long.json()["tools"]) == 1  # one tool list, sent once
 
 
+@pytest.mark.parametrize("dialect", DIALECTS)
 def test_added_messages_along_the_parent_chain_rebuild_each_steps_full_history(
-    client: TestClient, horizon: tuple[PoolSettings, dict[str, Session]]
+    client: TestClient, horizon: tuple[PoolSettings, dict[str, Session]], dialect: str
 ) -> None:
-    view = client.get("/api/inspector/trajectories/long").json()
+    view = client.get(f"/api/inspector/trajectories/{dialect}-long").json()
     steps = view["steps"]
     assert len(steps) == TURNS
     by_id = {s["id"]: s for s in steps}
@@ -104,10 +112,10 @@ def test_added_messages_along_the_parent_chain_rebuild_each_steps_full_history(
         if parent is not None:
             head = [*full[parent["id"]], response_of(parent["response_message"]).to_json()]
         full[step["id"]] = head[: step["messages_base"]] + step["messages_added"]
-    requests = horizon[1]["long"].requests
-    tools = ChatCompletions().canonical(requests[0]).to_json()["tools"]
+    requests = horizon[1][f"{dialect}-long"].requests
+    tools = canonical_of(dialect, requests[0])["tools"]
     for k, step in enumerate(steps):
-        expected = canonical_messages(requests[k])
+        expected = canonical_of(dialect, requests[k])["messages"]
         assert json.dumps(full[step["id"]]) == json.dumps(expected), f"turn {k}"
         assert view["tools"][step["tools_key"]] == tools
         if k:
@@ -120,15 +128,15 @@ def test_added_messages_along_the_parent_chain_rebuild_each_steps_full_history(
 def test_full_history_on_demand_is_the_request_exactly_as_sent(
     client: TestClient, horizon: tuple[PoolSettings, dict[str, Session]]
 ) -> None:
-    session = horizon[1]["long"]
+    session = horizon[1]["chat-long"]
     for k in (0, 1, TURNS // 2, TURNS - 1):
         response = client.get(f"/api/inspector/steps/{session.step_ids[k]}/history")
         assert response.status_code == 200, response.text
         history = response.json()
         # Same JSON text, key order included: the body exactly as the agent sent it.
         assert json.dumps(history["request"]) == json.dumps(session.requests[k])
-        assert history["canonical"]["messages"] == canonical_messages(session.requests[k])
-        assert history["trajectory_id"] == "long"
+        assert history["canonical"] == canonical_of("chat", session.requests[k])
+        assert history["trajectory_id"] == "chat-long"
     missing = client.get("/api/inspector/steps/no-such-step/history")
     assert missing.status_code == 404
     assert missing.json()["error"]["param"] == "step_id"
@@ -137,7 +145,7 @@ def test_full_history_on_demand_is_the_request_exactly_as_sent(
 def test_token_pages_of_a_long_step_join_into_the_whole_step(
     client: TestClient, horizon: tuple[PoolSettings, dict[str, Session]]
 ) -> None:
-    step_id = horizon[1]["long"].step_ids[20]
+    step_id = horizon[1]["chat-long"].step_ids[20]
     whole = client.get(f"/api/steps/{step_id}/tokens").json()
     prompt_count = FIRST_PROMPT_TOKENS + 20 * (RESPONSE_TOKENS + ENV_TOKENS)  # 2,600
     assert (whole["prompt_token_count"], whole["response_token_count"]) == (prompt_count, 40)
@@ -188,7 +196,7 @@ def test_a_200_turn_trajectory_opens_with_full_history_and_token_pages_on_demand
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     unreachable = f"http://127.0.0.1:{free_port()}"
     with gateway_with(pool, free_port(), upstream_url=unreachable) as server:
-        page.goto(f"{server.url}/inspector/trajectories/long")
+        page.goto(f"{server.url}/inspector/trajectories/chat-long")
         steps = page.get_by_test_id("step")
         expect(steps).to_have_count(TURNS, timeout=30_000)
         final = steps.nth(last)

@@ -1,10 +1,11 @@
 """A long coding-agent session written into a pool, for the inspector's long-horizon checks.
 
-Owns: the calls of one chat-completions session of ``T`` turns, shaped like a coding agent's
-(Claude Code, Codex CLI): a system prompt, a task, an 11-tool list of about 28 KB sent on every
-call, and per turn the whole history again plus the model's tool call and a ~450-character
-tool result; each call recorded through ``PoolStore.record_call`` (the pool's own write path,
-canonical record from the chat dialect), so the rows are what the gateway would store. Never:
+Owns: the calls of one session of ``T`` turns, shaped like a coding agent's (Claude Code, Codex
+CLI): a system prompt, a task, an 11-tool list of about 28 KB sent on every call, and per turn
+the whole history again plus the model's tool call and a ~450-character tool result; in chat
+completions or, like Claude Code, the Anthropic Messages API. Each call goes through its
+dialect's ``prepare`` (the upstream body) and ``canonical``, then ``PoolStore.record_call`` (the
+pool's own write path), so the rows are what the gateway would store. Never:
 times anything or asserts goals (the callers do: tests/test_inspector_horizon.py,
 ``scripts/inspector_view_figures.py``).
 
@@ -21,7 +22,9 @@ from typing import Any
 
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
+from gateway.dialects.base import Dialect
 from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.messages import Messages
 
 FIRST_PROMPT_TOKENS = 600
 ENV_TOKENS = 60
@@ -100,6 +103,38 @@ def messages_at(turn: int) -> list[dict[str, Any]]:
     return messages
 
 
+def messages_body_at(turn: int) -> dict[str, Any]:
+    """The same turn as an Anthropic Messages body: the system prompt beside the messages, the
+    tools with ``input_schema``, ``tool_use`` and ``tool_result`` blocks."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Fix the failing test in tests/test_handler.py."}
+    ]
+    for k in range(turn):
+        call = response_of(k)["tool_calls"][0]
+        use = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"]}
+        use["input"] = json.loads(call["function"]["arguments"])
+        result = {"type": "tool_result", "tool_use_id": call["id"], "content": tool_result(k)}
+        messages += [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in tool_list()
+    ]
+    return {
+        "model": "tiny",
+        "max_tokens": 1024,
+        "system": SYSTEM_PROMPT,
+        "messages": messages,
+        "tools": tools,
+    }
+
+
+DIALECTS = ("chat", "messages")
+
+
 @dataclass(frozen=True)
 class Session:
     """What was recorded: each call's step id and the request body the agent sent."""
@@ -108,17 +143,30 @@ class Session:
     requests: list[dict[str, Any]]
 
 
-def record_session(store: PoolStore, trajectory_id: str, turns: int) -> Session:
-    """Record ``turns`` calls of one session into ``store`` (module docstring) and return them."""
+def record_session(
+    store: PoolStore, trajectory_id: str, turns: int, dialect_name: str = "chat"
+) -> Session:
+    """Record ``turns`` calls of one session into ``store`` (module docstring) in
+    ``dialect_name`` (``chat`` or ``messages``) and return them. Raises ``ValueError`` for
+    another dialect name."""
     tools = tool_list()
-    dialect = ChatCompletions()
+    dialect: Dialect
+    if dialect_name == "chat":
+        dialect = ChatCompletions()
+    elif dialect_name == "messages":
+        dialect = Messages()
+    else:
+        raise ValueError(f"dialect must be one of {DIALECTS}, got {dialect_name!r}")
     prompt = [(7 * i) % 5000 for i in range(FIRST_PROMPT_TOKENS)]
     step_ids: list[str] = []
     requests: list[dict[str, Any]] = []
     for turn in range(turns):
         response = [5000 + (turn * RESPONSE_TOKENS + i) % 3000 for i in range(RESPONSE_TOKENS)]
-        request = {"model": "tiny", "messages": messages_at(turn), "tools": tools}
-        upstream = {**request, "return_token_ids": True, "logprobs": True}
+        if dialect_name == "chat":
+            request = {"model": "tiny", "messages": messages_at(turn), "tools": tools}
+        else:
+            request = messages_body_at(turn)
+        upstream = dialect.prepare(request).upstream_body
         choice = ChoiceRecord(
             0, response, [-0.5] * RESPONSE_TOKENS, response_of(turn), "tool_calls"
         )
