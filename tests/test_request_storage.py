@@ -14,6 +14,7 @@ from datapool import db
 from datapool.db import make_engine
 from datapool.models import Step
 from datapool.settings import PoolSettings
+from datapool.steps.canonical import response_of
 from datapool.steps.messages import apply_merge_patch, expand_requests, merge_patch
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
@@ -386,4 +387,17 @@ def test_every_request_of_a_real_agent_reads_back_as_the_client_sent_it(
     assert response.json()["request"] == sent[-1]
     detail = httpx.get(f"{gateway.url}/api/inspector/trajectories/real-agent", timeout=30)
     assert detail.status_code == 200, detail.text
-    assert [s["request"] for s in detail.json()["steps"]] == sent
+    # The inspector ships what each step added; along the parent chain it is the full
+    # conversation (the edited history included), which it also serves whole on demand.
+    shown = detail.json()["steps"]
+    by_id = {s["id"]: s for s in shown}
+    rebuilt: dict[str, list[Any]] = {}
+    for step, body in zip(shown, sent, strict=True):
+        parent = by_id.get(step["parent_step_id"])
+        head = []
+        if parent is not None:
+            head = [*rebuilt[parent["id"]], response_of(parent["response_message"]).to_json()]
+        rebuilt[step["id"]] = head[: step["messages_base"]] + step["messages_added"]
+        history = httpx.get(f"{gateway.url}/api/inspector/steps/{step['id']}/history", timeout=30)
+        assert history.json()["request"] == body
+        assert rebuilt[step["id"]] == history.json()["canonical"]["messages"]

@@ -4,7 +4,10 @@
   (``trajectory_page``, ``trajectory_with_steps``).
 - ``listing``: the inspector's sorted, filtered, paged list and trajectory view (``ListQuery``,
   ``list_page``, ``trajectory_view``, ``describe``, ``list_marks``).
-- ``steps``: one step, and its tokens with their text (``step_view``, ``step_tokens``).
+- ``conversation``: what each step of a trajectory added to its conversation, and one step's
+  full conversation on demand (``conversation_deltas``, ``step_history``).
+- ``steps``: one step, and its tokens with their text, whole or a window at a time
+  (``step_view``, ``step_tokens``).
 - ``groups``: a group of rollouts with its counts (``group_with_counts``, ``group_rollouts``).
 - ``labels``, ``rewards``: label and reward histories as stored (``label_history``,
   ``current_label``, ``reward_history``).

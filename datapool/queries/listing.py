@@ -20,7 +20,7 @@ from sqlalchemy import and_, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
 from datapool.curation.labels import current_labels, labels_of_trajectories
-from datapool.curation.readiness import trajectory_readiness
+from datapool.curation.readiness import assess
 from datapool.curation.selection import TrajectoryFilter, trajectory_conditions
 from datapool.db import Sessions, chunks
 from datapool.models import (
@@ -32,6 +32,7 @@ from datapool.models import (
     Trajectory,
     UTCTimestamp,
 )
+from datapool.queries.conversation import conversation_deltas
 from datapool.queries.rewards import reward_names
 from datapool.queries.specs import channel_specs, judged_spec
 from datapool.rewards.values import current_rewards
@@ -389,8 +390,6 @@ STEP_COLUMNS = (
     "ttft_ms",
     "continuation",
     "suffix_tokens",
-    "request",
-    "canonical",
     "response_message",
     "created_at",
 )
@@ -403,20 +402,25 @@ def trajectory_view(
     batch_id: str | None = None,
     chosen_rewards: Sequence[str] = (),
 ) -> dict[str, Any] | None:
-    """A trajectory, its steps in order (no token payloads), their rewards, labels and marks,
-    and ``readiness`` for a batch: judged against ``readiness.spec`` (see
-    ``datapool.queries.specs.judged_spec``; the newest batch spec of the trajectory's channel
-    unless ``batch_id`` or ``chosen_rewards`` choose), with ``readiness.specs`` the channel's
-    recent specs to choose from; None for an unknown id."""
+    """A trajectory, its steps in order (no token payloads; of each step's conversation only
+    what it added, ``datapool.queries.conversation``, with the trajectory's distinct tool lists
+    once in ``tools``), their rewards, labels and marks, and ``readiness`` for a batch: judged
+    against ``readiness.spec`` (see ``datapool.queries.specs.judged_spec``; the newest batch
+    spec of the trajectory's channel unless ``batch_id`` or ``chosen_rewards`` choose), with
+    ``readiness.specs`` the channel's recent specs to choose from; None for an unknown id."""
     with sessions() as session:
-        row = _view(session, trajectory_id)
-        if row is None:
+        trajectory = session.get(Trajectory, trajectory_id)
+        if trajectory is None:
             return None
+        row, steps = _view(session, trajectory)
         spec = judged_spec(
             session, row["channel"], batch_id=batch_id, chosen_rewards=chosen_rewards
         )
         choices = channel_specs(session, row["channel"])
-    verdict = trajectory_readiness(sessions, trajectory_id, spec["reward_names"])
+        # The view's step rows, so readiness does not read (and parse) every step again.
+        verdict = assess(session, [trajectory], spec["reward_names"], step_rows=steps)[
+            trajectory_id
+        ]
     row["readiness"] = {
         "ready": verdict.ready,
         "reasons": verdict.reasons,
@@ -428,10 +432,9 @@ def trajectory_view(
     return row
 
 
-def _view(session: Session, trajectory_id: str) -> dict[str, Any] | None:
-    trajectory = session.get(Trajectory, trajectory_id)
-    if trajectory is None:
-        return None
+def _view(session: Session, trajectory: Trajectory) -> tuple[dict[str, Any], list[Step]]:
+    """The view of ``trajectory`` without its readiness, and its step rows in call order."""
+    trajectory_id = trajectory.id
     (row,) = describe(session, [trajectory])
     steps = list(
         session.scalars(
@@ -440,7 +443,8 @@ def _view(session: Session, trajectory_id: str) -> dict[str, Any] | None:
             .order_by(Step.step_index, Step.choice_index)
         )
     )
-    expand_requests(session, steps)  # the full requests, not their stored deltas
+    expand_requests(session, steps)  # the full records, then what each step added to them
+    added, tools = conversation_deltas(steps)
     step_ids = [s.id for s in steps]
     step_rewards = current_rewards(session, "step", step_ids)
     labels = labels_of_trajectories(session, [trajectory_id])
@@ -450,16 +454,18 @@ def _view(session: Session, trajectory_id: str) -> dict[str, Any] | None:
     row["rejected_calls"] = trajectory.rejected_calls
     row["label_tags"] = _label(labels.get(("trajectory", trajectory_id)))
     row["marks"] = [m for m in marks if m["target"] == "trajectory"]
+    row["tools"] = tools
     row["steps"] = [
         {
             **{k: getattr(s, k) for k in STEP_COLUMNS},
+            **added[s.id],
             "rewards": step_rewards.get(s.id, {}),
             "label": _label(labels.get(("step", s.id))),
             "marks": [m for m in marks if m["target"] == "step" and m["target_id"] == s.id],
         }
         for s in steps
     ]
-    return row
+    return row, steps
 
 
 def _label(view: Any) -> dict[str, Any] | None:

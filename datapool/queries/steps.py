@@ -1,10 +1,10 @@
 """One step as the pool API and the inspector's token view show it.
 
 Owns: a stored step with its current rewards and, when a tokenizer is configured, its decoded
-text (``GET /api/steps/{id}``), and the token view (``GET /api/steps/{id}/tokens``: IDs, their
-text with the tokenizer the caller chose for the step's model, behaviour logprobs, loss mask,
-where the prompt stops repeating the parent). Never: encodes text into token IDs; IDs are the
-stored ones (see ``datapool.queries.token_text``).
+text (``GET /api/steps/{id}``), and the token view (``GET /api/steps/{id}/tokens``, whole or one
+window of positions at a time: IDs, their text with the tokenizer the caller chose for the
+step's model, behaviour logprobs, loss mask, where the prompt stops repeating the parent).
+Never: encodes text into token IDs; IDs are the stored ones (see ``datapool.queries.token_text``).
 """
 
 from __future__ import annotations
@@ -52,18 +52,38 @@ def step_tokens(
     store: PoolStore,
     step_id: str,
     choose: Callable[[str | None], tuple[Path, str] | None] | None = None,
+    *,
+    offset: int = 0,
+    limit: int | None = None,
 ) -> dict[str, Any] | None:
-    """The token view of a step (None for an unknown id): prompt and response IDs, behaviour
-    logprobs (non-finite ones as None, which JSON can carry), ``loss_mask`` (0 per prompt token,
-    1 per sampled token), ``prompt_base_tokens``, and with a tokenizer ``token_texts`` (each ID
-    decoded alone), ``special_token_ids`` (the added tokens among them) and ``tokenizer``
-    (``{path, source}``). ``choose`` maps the step's ``model`` to ``(directory, source)``;
-    without it, ``TRAJGATE_TOKENIZER_DIR`` is the only tokenizer."""
+    """The token view of a step, or of the window ``[offset, offset + limit)`` of its positions
+    (prompt tokens first, then response tokens; ``limit`` None: to the end); None for an unknown
+    id.
+
+    Of the window: ``prompt_token_ids`` and ``response_token_ids`` (the part of each inside it;
+    None when the engine reported none), behaviour ``response_logprobs`` (non-finite ones as
+    None, which JSON can carry), ``loss_mask`` (0 per prompt token, 1 per sampled token), and
+    with a tokenizer ``token_texts`` (each ID decoded alone), ``special_token_ids`` (the added
+    tokens among them) and ``tokenizer`` (``{path, source}``). Of the whole step:
+    ``prompt_token_count``, ``response_token_count``, ``prompt_base_tokens``,
+    ``divergence_offset``; ``next_offset`` is where the next window starts (None at the end).
+    Only the window is decoded, so a page of a long step costs what a short step does.
+    ``choose`` maps the step's ``model`` to ``(directory, source)``; without it,
+    ``TRAJGATE_TOKENIZER_DIR`` is the only tokenizer. Raises ``ValueError`` when ``offset`` is
+    past the step's last position."""
     step = store.get_step(step_id)
     if step is None:
         return None
     prompt = step.prompt_token_ids or []
     response = step.response_token_ids or []
+    total = len(prompt) + len(response)
+    if offset > total:
+        raise ValueError(f"offset {offset} is past the step's {total} tokens (expected <= {total})")
+    end = total if limit is None else min(total, offset + limit)
+    # The window's parts, as positions in each list (a response position is offset by P).
+    prompt_part = slice(min(offset, len(prompt)), min(end, len(prompt)))
+    response_part = slice(max(0, offset - len(prompt)), max(0, end - len(prompt)))
+    window_prompt, window_response = prompt[prompt_part], response[response_part]
     if choose is not None:
         chosen = choose(step.model)
     elif store.settings.tokenizer_dir is not None:
@@ -73,7 +93,7 @@ def step_tokens(
     texts: list[str] | None = None
     special: list[int] = []
     if chosen is not None:
-        ids = [*prompt, *response]
+        ids = [*window_prompt, *window_response]
         texts = decode_each(chosen[0], ids)
         special = sorted(special_ids(chosen[0]) & set(ids))
     logprobs = step.response_logprobs
@@ -84,12 +104,16 @@ def step_tokens(
         "policy_version": step.policy_version,
         "model": step.model,
         "flags": list(step.flags or []),
-        "prompt_token_ids": step.prompt_token_ids,
-        "response_token_ids": step.response_token_ids,
-        "response_logprobs": [None if not math.isfinite(x) else x for x in logprobs]
+        "offset": offset,
+        "next_offset": end if end < total else None,
+        "prompt_token_count": len(prompt),
+        "response_token_count": len(response),
+        "prompt_token_ids": None if step.prompt_token_ids is None else window_prompt,
+        "response_token_ids": None if step.response_token_ids is None else window_response,
+        "response_logprobs": [None if not math.isfinite(x) else x for x in logprobs[response_part]]
         if logprobs is not None
         else None,
-        "loss_mask": [0] * len(prompt) + [1] * len(response),
+        "loss_mask": [0] * len(window_prompt) + [1] * len(window_response),
         "prompt_base_tokens": step.prompt_base_tokens or 0,
         "divergence_offset": step.divergence_offset,
         "token_texts": texts,

@@ -1,8 +1,9 @@
 """The JSON endpoints the web inspector's views need, under ``/api``.
 
-Owns: the schemas of sorted/paged trajectory lists, the trajectory view, a step's token view, a
-group's rollouts with advantages, curation marks, batch previews, chart aggregates and the
-trainer's metrics (each endpoint one call to ``datapool.queries`` or ``datapool.batches``); and
+Owns: the schemas of sorted/paged trajectory lists, the trajectory view (what each step added)
+and a step's full conversation on demand, a step's token view (whole or a window), a group's
+rollouts with advantages, curation marks, batch previews, chart aggregates and the trainer's
+metrics (each endpoint one call to ``datapool.queries`` or ``datapool.batches``); and
 the inspector's guard: the admin token (when one is set) on every endpoint here, and a
 same-origin check on every write. Never: runs SQL or opens a session; encodes text into token IDs
 (the token view decodes stored IDs one by one with the tokenizer vLLM serves the step's model
@@ -30,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from datapool.batches import build as batches
 from datapool.errors import UnknownTargetError
 from datapool.models import INTEGER_MAX, UTCTimestamp
-from datapool.queries import charts, groups, listing, steps
+from datapool.queries import charts, conversation, groups, listing, steps
 from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.auth import check_admin_token
@@ -43,6 +44,7 @@ from gateway.errors import (
 from gateway.state import StateDep
 
 MAX_IDS = 100_000
+MAX_TOKEN_PAGE = 100_000
 
 
 def reject_cross_site(request: Request) -> None:
@@ -128,8 +130,10 @@ async def trajectory_view(
     batch_id: str | None = None,
     reward_name: Annotated[list[str], Query()] = [],  # noqa: B006 (FastAPI copies defaults)
 ) -> dict[str, Any]:
-    """One trajectory and its steps in order (messages, tools, response, rewards, labels, rule
-    marks, lineage and prefix-break windows; no token IDs), with its batch readiness judged
+    """One trajectory and its steps in order (of each step's messages only those it added to
+    its parent's, ``messages_base`` saying how many it repeats; its tool list as a key of
+    ``tools``; response, rewards, labels, rule marks, lineage and prefix-break windows; no token
+    IDs), with its batch readiness judged
     against ``readiness.spec``: ``batch_id``'s spec, else a spec requiring the ``reward_name``
     values, else the newest batch spec of the trajectory's channel (else the pool's newest
     reward name)."""
@@ -148,13 +152,31 @@ async def trajectory_view(
     return view
 
 
+@router.get("/inspector/steps/{step_id}/history")
+async def step_history(step_id: str, sessions: SessionsDep) -> dict[str, Any]:
+    """One step's full conversation, which the trajectory view leaves out (it sends what each
+    step added): ``request``, the client's body exactly as sent, and ``canonical``, the
+    canonical record with every message and tool."""
+    history = await run_in_threadpool(conversation.step_history, sessions, step_id)
+    if history is None:
+        raise NotFoundError(f"no step {step_id!r}", param="step_id")
+    return history
+
+
 @router.get("/steps/{step_id}/tokens")
-async def step_tokens(step_id: str, state: StateDep) -> dict[str, Any]:
+async def step_tokens(
+    step_id: str,
+    state: StateDep,
+    offset: Annotated[int, Query(ge=0, le=INTEGER_MAX)] = 0,
+    limit: Annotated[int | None, Query(ge=1, le=MAX_TOKEN_PAGE)] = None,
+) -> dict[str, Any]:
     """A step's exact prompt and response IDs with behaviour logprobs, the loss mask (1 on
     sampled tokens), where the prompt stops repeating the parent's prompt + response
     (``prompt_base_tokens``), and each ID's text decoded alone with the step's model's tokenizer
     (learnt from vLLM's ``/v1/models``, or ``TRAJGATE_TOKENIZER_DIR``); without one,
-    ``token_texts`` is null and ``tokenizer_note`` says why."""
+    ``token_texts`` is null and ``tokenizer_note`` says why. ``offset``/``limit`` give one
+    window of its positions (prompt first, then response; ``next_offset`` continues); an
+    ``offset`` past the step's last token is a 400."""
     dirs = state.tokenizer_dirs
     override = state.store.settings.tokenizer_dir
     if override is None:
@@ -165,7 +187,13 @@ async def step_tokens(step_id: str, state: StateDep) -> dict[str, Any]:
         chosen = dirs.choose(model, override)
         return None if chosen is None else (chosen.directory, chosen.source)
 
-    view = await run_in_threadpool(steps.step_tokens, state.store, step_id, choose)
+    def run() -> dict[str, Any] | None:
+        try:
+            return steps.step_tokens(state.store, step_id, choose, offset=offset, limit=limit)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="offset") from exc
+
+    view = await run_in_threadpool(run)
     if view is None:
         raise NotFoundError(f"no step {step_id!r}", param="step_id")
     view["tokenizer_note"] = None if view["tokenizer"] else dirs.note(view["model"])

@@ -9,6 +9,8 @@ const LIST_KEYS = ["status", "channel", "group_id", "tag", "flag", "reward_name"
   "order", "offset", "limit"];
 const MULTI = ["status", "tag", "flag"];
 const LIVE_INTERVAL_MS = 2000;
+// The token view reads a long step one window of positions at a time.
+const TOKEN_PAGE = 2000;
 const CHARTS_INTERVAL_MS = 5000;
 
 function emptyFilter() {
@@ -79,8 +81,14 @@ document.addEventListener("alpine:init", () => {
     readinessBatch: "",
     stepOrder: [],
     isTree: false,
+    // Full conversations fetched on demand, by step id (the trajectory view sends only what
+    // each step added to its parent's).
+    histories: {},
     tok: null,
     tokenList: [],
+    tokLo: 0,
+    tokHi: 0,
+    tokenPageSize: TOKEN_PAGE,
     tokenMode: "text",
     tokenModeChosen: false,
     hoverText: "",
@@ -181,7 +189,9 @@ document.addEventListener("alpine:init", () => {
       this.readFilter();
       this.say("");
       if (parts[0] === "trajectories" && parts[1]) return this.showTrajectory(parts[1]);
-      if (parts[0] === "steps" && parts[1]) return this.showTokens(parts[1]);
+      if (parts[0] === "steps" && parts[1]) {
+        return this.showTokens(parts[1], Number(new URLSearchParams(location.search).get("offset")) || 0);
+      }
       if (parts[0] === "groups" && parts[1]) return this.showGroup(parts[1]);
       if (parts[0] === "curation") return this.showCuration();
       if (parts[0] === "batches") return this.showBatches();
@@ -369,7 +379,9 @@ document.addEventListener("alpine:init", () => {
 
     // ---- trajectory ----------------------------------------------------------------------
     async showTrajectory(id, keepView = false) {
-      if (!keepView) { this.view = "trajectory"; this.traj = null; this.readinessBatch = ""; }
+      if (!keepView) {
+        this.view = "trajectory"; this.traj = null; this.readinessBatch = ""; this.histories = {};
+      }
       try {
         // Readiness is judged against the newest batch spec of the channel unless one is chosen.
         const chosen = this.readinessBatch ? `?batch_id=${encodeURIComponent(this.readinessBatch)}` : "";
@@ -406,6 +418,34 @@ document.addEventListener("alpine:init", () => {
       visit(null, 0);
       this.stepOrder = order;
     },
+    // A step's messages as shown: the full conversation once fetched, else what it added.
+    stepMessages(s) {
+      const full = this.histories[s.id];
+      if (full) return (full.canonical || {}).messages || [];
+      return s.messages_added || [];
+    },
+    stepTools(s) {
+      return (s.tools_key && this.traj && this.traj.tools[s.tools_key]) || [];
+    },
+    // "repeats 12 messages of step 5's conversation": what the added messages follow.
+    repeatsText(s) {
+      if (!s.messages_base) return "";
+      const parent = this.traj.steps.find((p) => p.id === s.parent_step_id);
+      const where = parent ? `step ${parent.step_index}` : "the parent step";
+      return `${s.messages_base} earlier message${s.messages_base === 1 ? "" : "s"} repeat ${where}'s conversation; below, what this step added`;
+    },
+    async toggleHistory(s) {
+      if (this.histories[s.id]) {
+        const rest = { ...this.histories };
+        delete rest[s.id];
+        this.histories = rest;
+        return;
+      }
+      try {
+        const full = await this.api(`/api/inspector/steps/${encodeURIComponent(s.id)}/history`);
+        this.histories = { ...this.histories, [s.id]: full };
+      } catch (err) { this.fail(err); }
+    },
     contentText(content) {
       if (content === null || content === undefined) return "";
       if (typeof content === "string") return content;
@@ -417,45 +457,78 @@ document.addEventListener("alpine:init", () => {
 
     // ---- tokens --------------------------------------------------------------------------
     // The token view's own functions (step rewards and other step facts go elsewhere).
-    async showTokens(stepId) {
+    // One window of TOKEN_PAGE positions first (from ?offset=), more on demand: a step of a
+    // long session has tens of thousands of tokens, too many to decode and lay out at once.
+    async showTokens(stepId, offset = 0) {
       this.view = "tokens";
       this.tok = null;
       this.hoverText = "";
       try {
-        const tok = await this.api(`/api/steps/${encodeURIComponent(stepId)}/tokens`);
+        const tok = await this.tokenPage(stepId, offset);
         this.tokenList = this.tokenItems(tok);
+        this.tokLo = tok.offset;
+        this.tokHi = this.tokLo + this.tokenList.length;
         if (!tok.token_texts) this.tokenMode = "ids";
         else if (this.tokenMode === "ids" && !this.tokenModeChosen) this.tokenMode = "text";
         this.tok = tok;
       } catch (err) { this.fail(err); }
     },
-    // One item per prompt and response token: its classes, logprob colour and hover text.
+    tokenPage(stepId, offset, limit = TOKEN_PAGE) {
+      return this.api(`/api/steps/${encodeURIComponent(stepId)}/tokens?offset=${offset}&limit=${limit}`);
+    },
+    tokenTotal() {
+      return this.tok ? this.tok.prompt_token_count + this.tok.response_token_count : 0;
+    },
+    async moreTokens() {
+      try {
+        const page = await this.tokenPage(this.tok.step_id, this.tokHi);
+        const items = this.tokenItems(page);
+        this.tokenList = [...this.tokenList, ...items];
+        this.tokHi += items.length;
+      } catch (err) { this.fail(err); }
+    },
+    async earlierTokens() {
+      try {
+        const start = Math.max(0, this.tokLo - TOKEN_PAGE);
+        const page = await this.tokenPage(this.tok.step_id, start, this.tokLo - start);
+        this.tokenList = [...this.tokenItems(page), ...this.tokenList];
+        this.tokLo = start;
+      } catch (err) { this.fail(err); }
+    },
+    // Where this step's own prompt tokens start (after the parent's prompt + response).
+    async newTokens() {
+      await this.showTokens(this.tok.step_id, this.tok.prompt_base_tokens);
+    },
+    // One item per prompt and response token of a window (its positions start at tok.offset):
+    // its classes, logprob colour and hover text.
     tokenItems(tok) {
       const prompt = tok.prompt_token_ids || [];
       const response = tok.response_token_ids || [];
       const texts = tok.token_texts;
       const special = new Set(tok.special_token_ids || []);
-      return [...prompt, ...response].map((id, i) => {
-        const inResponse = i >= prompt.length;
-        const r = i - prompt.length;
+      const promptCount = tok.prompt_token_count;
+      return [...prompt, ...response].map((id, k) => {
+        const i = tok.offset + k;
+        const inResponse = i >= promptCount;
+        const r = k - prompt.length;
         const lp = inResponse && tok.response_logprobs ? tok.response_logprobs[r] : null;
-        const text = texts ? texts[i] : null;
+        const text = texts ? texts[k] : null;
         const cls = ["tk"];
         if (!inResponse) { cls.push("prompt"); if (i < tok.prompt_base_tokens) cls.push("history"); }
-        if (tok.loss_mask[i]) cls.push("masked");
-        if (i === prompt.length) cls.push("boundary");
+        if (tok.loss_mask[k]) cls.push("masked");
+        if (i === promptCount) cls.push("boundary");
         if (special.has(id)) cls.push("special");
         return {
           i, id, cls: cls.join(" "),
           style: inResponse ? logprobColour(lp) : "",
           text: text === null ? String(id) : showable(text),
           special: special.has(id),
-          boundary: i === prompt.length,
+          boundary: i === promptCount,
           title: `#${i} ${inResponse ? "response" : "prompt"} · id ${id}`
             + (text === null ? "" : ` · text ${JSON.stringify(text)}`)
             + (special.has(id) ? " · special" : "")
             + (inResponse ? ` · logprob ${lp === null ? "n/a" : lp.toFixed(4)}` : "")
-            + ` · loss mask ${tok.loss_mask[i]}`,
+            + ` · loss mask ${tok.loss_mask[k]}`,
         };
       });
     },
