@@ -14,6 +14,9 @@ from sqlalchemy import Connection, text
 
 from datapool import db
 from datapool.db import make_engine
+from datapool.queries.export import export_trajectories
+from datapool.rewards.functions import tool_call_format
+from datapool.rewards.values import RewardContext
 from datapool.settings import PoolSettings
 from datapool.steps.bodies import BLOB_MIN_BYTES
 from datapool.steps.records import CallRecord, ChoiceRecord
@@ -351,3 +354,48 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
     for trajectory_id, calls in sent.items():
         assert_read_back_as_sent(store, trajectory_id, calls)
     store.engine.dispose()
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS[:3], ids=lambda d: getattr(d, "name", ""))
+def test_exports_and_rewards_of_a_long_session_read_the_whole_bodies(
+    sqlite_pool: PoolSettings,
+    dialect: Dialect,
+    body: Callable[[int], dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    """The tool list a reward function checks a call against, and the messages an export
+    writes, are the ones sent, though the pool holds them as a blob and as deltas."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls = run_session(store, dialect, body, 40, "t")
+    # The final step's one tool call names an offered tool with its required key: 1/1.
+    assert tool_call_format(RewardContext("t", None, None, {}, store.steps_of("t"))) == 1.0
+    out = tmp_path / "steps.jsonl"
+    assert export_trajectories(store, ["t"], out, "jsonl") == 40
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row, call in zip(rows, calls, strict=True):
+        assert call.canonical is not None
+        assert row["messages_json"] == json.dumps(call.canonical.to_json()["messages"])
+
+
+def test_a_rewritten_message_stores_the_upstream_messages_from_it_on_and_reads_back(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """A Messages client that rewrites an old tool result (an agent compacting its context):
+    the translated upstream messages are stored from the first one that differs, not whole."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    dialect = Messages()
+    calls = run_session(store, dialect, messages_body, 10, "t")
+    rewritten = messages_body(10)
+    # messages: [task, (assistant, result) x 10]; result 3 is at 2 + 2*3 = 8.
+    rewritten["messages"][8]["content"][0]["content"] = "(cut)"
+    calls.append(turn_call(dialect, rewritten, 10))
+    store.record_call("t", calls[-1])
+    with store.engine.connect() as connection:
+        deltas = connection.execute(
+            text("SELECT body_deltas FROM steps WHERE step_index = 10")
+        ).scalar_one()
+    upstream = calls[-1].upstream_request["messages"]
+    # The upstream list starts with the system prompt, so Messages' item 8 is its item 9.
+    assert upstream[9]["content"] == "(cut)"
+    assert json.loads(deltas)["upstream"]["messages"] == 9
+    assert_read_back_as_sent(store, "t", calls)

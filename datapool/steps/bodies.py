@@ -63,8 +63,12 @@ def message_key(value: Any) -> str:
     return json.dumps(value)
 
 
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate (JSON allows one) too
+
+
 def _string_hash(text: str) -> bytes:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    return hashlib.sha256(_utf8(text)).digest()
 
 
 @dataclass(frozen=True)
@@ -91,13 +95,26 @@ class EncodedBody:
 
 def blob_sha(text: str) -> str:
     """The ``json_blobs`` key of a value whose JSON text is ``text``: its sha256, hex."""
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(_utf8(text)).hexdigest()
 
 
-def _common_prefix(keys: Sequence[str], parent: Sequence[str]) -> int:
+def shared_prefix(values: Sequence[Any], theirs: Sequence[str]) -> int:
+    """How many leading ``values`` have the JSON text of the keys ``theirs`` (``message_key``
+    of each of the parent's items), in order.
+
+    An agent appends, so the likely answers are checked first with one ``json.dumps`` of the
+    first m values against ``theirs[:m]`` joined as a JSON array (a JSON array's text splits
+    into its items one way only, so equal texts mean equal items), in C: m = all of
+    ``theirs``, then all but the last (the parent's response, which a client may echo in its
+    own form). Only when both fail is each value dumped and compared (a history rewritten at
+    some message)."""
+    for m in (len(theirs), len(theirs) - 1):
+        joined = "[" + ", ".join(theirs[:m]) + "]"
+        if m > 0 and len(values) >= m and json.dumps(values[:m]) == joined:
+            return m
     n = 0
-    for mine, theirs in zip(keys, parent, strict=False):
-        if mine != theirs:
+    for value, key in zip(values, theirs, strict=False):
+        if message_key(value) != key:
             break
         n += 1
     return n
@@ -122,12 +139,12 @@ def encode_body(
             continue
         text: str | None = None
         if isinstance(value, list):
-            keys = [message_key(item) for item in value]
             theirs = parent.lists.get(name) if parent is not None else None
+            n = 0 if theirs is None else shared_prefix(value, theirs)
+            # One string per shared item, not one per step; only the new items are dumped.
+            keys = [*(theirs or ())[:n], *(message_key(item) for item in value[n:])]
+            lists[name] = keys
             if theirs is not None:
-                n = _common_prefix(keys, theirs)
-                keys[:n] = theirs[:n]  # one string per shared item, not one per step
-                lists[name] = keys
                 identical = n == len(keys) == len(theirs)
                 sha = parent.blobs.get(name) if parent is not None else None
                 if identical and sha is not None:
@@ -136,16 +153,18 @@ def encode_body(
                 if n:
                     stored[name], spec[name] = value[n:], n
                     continue
-            lists[name] = keys
             text = "[" + ", ".join(keys) + "]"  # json.dumps of the list, from its items' keys
         elif isinstance(value, str) and len(value) >= STRING_DELTA_MIN_CHARS:
-            strings[name] = (len(value), _string_hash(value))
             theirs_string = parent.strings.get(name) if parent is not None else None
-            if theirs_string is not None:
+            if theirs_string is not None and theirs_string[0] < len(value):
                 length, digest = theirs_string
-                if length < len(value) and _string_hash(value[:length]) == digest:
+                head = hashlib.sha256(_utf8(value[:length]))
+                if head.digest() == digest:
+                    head.update(_utf8(value[length:]))  # the whole string's, in one pass
+                    strings[name] = (len(value), head.digest())
                     stored[name], spec[name] = value[length:], length
                     continue
+            strings[name] = (len(value), _string_hash(value))
         if text is None:
             text = message_key(value)
         if len(text) < BLOB_MIN_BYTES:

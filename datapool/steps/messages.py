@@ -70,6 +70,7 @@ from datapool.steps.bodies import (
     encode_body,
     load_blob,
     message_key,
+    shared_prefix,
 )
 from datapool.steps.canonical import CanonicalCall, response_of
 
@@ -115,12 +116,7 @@ def messages_base(parent_keys: Sequence[str] | None, messages: Any) -> int | Non
         return None
     if not parent_keys:
         return 0
-    base = 0
-    for key, message in zip(parent_keys, messages, strict=False):
-        if message_key(message) != key:
-            break
-        base += 1
-    return base
+    return shared_prefix(messages, parent_keys)
 
 
 def stored_request(
