@@ -238,6 +238,11 @@ class Step(Base):
     # canonical messages and response: ``canonical["messages"]`` holds ``C[canonical_base:]``.
     canonical: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     canonical_base: Mapped[int | None] = mapped_column(Integer)
+    # How ``request``, ``upstream_request`` and ``canonical`` read back beyond the history
+    # deltas above (migration 0015, ``datapool.steps.bodies``): per body, the fields stored as a
+    # delta on the parent step's same field (an int) or as a ``json_blobs`` row (its sha256);
+    # NULL: every field as stored.
+    body_deltas: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
     finish_reason: Mapped[str | None] = mapped_column(String(50))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -296,6 +301,18 @@ class StepPayload(Base):
     prompt_delta: Mapped[bytes | None] = mapped_column(LargeBinary)
     response_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     response_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
+
+
+class JsonBlob(Base):
+    """One JSON value that steps share (a tool list, a system prompt), stored once
+    (``datapool.steps.bodies``): keyed by the sha256 of its JSON text, which ``body`` holds
+    exactly as hashed. Rows are immutable and never deleted while a step may refer to them."""
+
+    __tablename__ = "json_blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    body: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 

@@ -172,6 +172,33 @@ def test_like_wildcards_in_q_match_only_themselves(store: PoolStore, client: Tes
         assert ids(client, q="nowhere") == []
 
 
+def test_q_finds_words_of_a_tool_list_stored_once_for_every_step(
+    store: PoolStore, client: TestClient
+) -> None:
+    """A tool list of 512 bytes or more is a shared ``json_blobs`` row, not part of each step's
+    canonical JSON; q still finds its words, on no other trajectory."""
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "description": "x" * 100}}
+        for i in range(6)
+    ]
+    tools[3]["function"]["description"] = "Frobnicates the widget."
+    request = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    lifecycle.create_trajectory(store.sessions, "tooled")
+    store.record_call(
+        "tooled",
+        dataclasses.replace(
+            call([1, 2], [3]), request=request, canonical=ChatCompletions().canonical(request)
+        ),
+    )
+    record(store, "plain", "no tools here")
+    with store.engine.connect() as connection:
+        canonical = connection.execute(text("SELECT canonical FROM steps")).scalars().all()
+    assert not any("Frobnicates" in str(value) for value in canonical)  # stored as a blob
+    for ids in (api_ids, inspector_ids):
+        assert ids(client, q="frobnicates the") == ["tooled"]
+        assert ids(client, q="no tools") == ["plain"]
+
+
 def test_a_tag_with_an_underscore_matches_only_itself(store: PoolStore, client: TestClient) -> None:
     lifecycle.create_trajectory(store.sessions, "exact", tags=["a_b"])
     lifecycle.create_trajectory(store.sessions, "lookalike", tags=["axb"])

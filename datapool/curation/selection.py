@@ -13,11 +13,11 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import Text, cast, exists, select
+from sqlalchemy import Text, cast, exists, or_, select
 from sqlalchemy.orm import Session
 
 from datapool.curation.labels import Quality, current_labels
-from datapool.models import INTEGER_MAX, Step, Trajectory, UTCTimestamp
+from datapool.models import INTEGER_MAX, JsonBlob, Step, Trajectory, UTCTimestamp
 from datapool.rewards.values import current_rewards_query
 
 
@@ -67,18 +67,24 @@ def json_contains(column: Any, value: str) -> Any:
 
 
 def request_text_contains(text: str) -> Any:
-    """Some step of the trajectory has ``text`` in its stored canonical record's JSON (any case;
-    scans), so the same words are found whatever API the agent spoke.
+    """Some step of the trajectory has ``text`` in its stored canonical record's JSON, or in a
+    ``json_blobs`` value one of its bodies refers to (any case; scans), so the same words are
+    found whatever API the agent spoke.
 
     The JSON text holds message contents and roles, tool definitions and sampling parameters,
-    each message once (steps store a delta on their parent). ``text`` is matched as the JSON
-    writes it (quotes, backslashes and non-ASCII characters escaped), so it finds what a
-    message says rather than its escaped spelling.
+    each message once (steps store a delta on their parent) and each tool list or system prompt
+    once (a blob, ``datapool.steps.bodies``). ``text`` is matched as the JSON writes it (quotes,
+    backslashes and non-ASCII characters escaped), so it finds what a message says rather than
+    its escaped spelling.
     """
-    as_json = json.dumps(text)[1:-1]  # the string's JSON spelling, without the quotes
+    pattern = _like_substring(json.dumps(text)[1:-1])  # its JSON spelling, without the quotes
+    in_blob = exists().where(
+        JsonBlob.body.ilike(pattern, escape=_LIKE_ESCAPE),
+        cast(Step.body_deltas, Text).contains(JsonBlob.sha256),
+    )
     return exists().where(
         Step.trajectory_id == Trajectory.id,
-        cast(Step.canonical, Text).ilike(_like_substring(as_json), escape=_LIKE_ESCAPE),
+        or_(cast(Step.canonical, Text).ilike(pattern, escape=_LIKE_ESCAPE), in_blob),
     )
 
 

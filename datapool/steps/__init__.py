@@ -19,6 +19,8 @@ the parent step, and the rows are written in one transaction.
   diverges and why (``choose_parent``, ``first_divergence``, ``classify_divergence``).
 - ``messages``: requests as stored: messages as a delta on the parent step, the upstream body as
   a merge patch (``request_delta``, ``full_request``, ``expand_requests``).
+- ``bodies``: every other field of a step's bodies as a delta on the parent's or a shared
+  ``json_blobs`` row (``encode_body``, ``decode_body``, ``BodyKeys``).
 - ``payloads``: token payloads: SQL blobs, then Parquet files, prompts as a delta on the parent
   (``encode_payload``, ``reconstruct``, ``prompts_of``, ``PayloadFiles`` for compaction).
 - ``chain``: the one walk back along a step's parent deltas (``walk``, ``resolve``).

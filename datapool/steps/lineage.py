@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from datapool.models import Step, StepOutcome
+from datapool.steps.bodies import BodyKeys, Doc, body_keys
 from datapool.steps.canonical import CanonicalCall, Message
 from datapool.steps.messages import (
     ParentKeys,
@@ -81,6 +82,8 @@ class _Candidate:
     # None: no record.
     canonical_keys: list[str] | None = None
     tree: str | None = None  # the side call whose tree it is in (``prefix.Candidate.tree``)
+    # Its bodies' memory for a child's field deltas (``datapool.steps.bodies``).
+    bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,7 +156,9 @@ class TrajectoryTokens:
         candidate)."""
         for candidate in reversed(self.candidates):
             if candidate.step_id == step_id:
-                return ParentKeys(candidate.message_keys, candidate.canonical_keys)
+                return ParentKeys(
+                    candidate.message_keys, candidate.canonical_keys, candidate.bodies
+                )
         return ParentKeys(None, None)
 
     def tokens_of(self, step_id: str) -> int:
@@ -270,6 +275,7 @@ class TrajectoryTokens:
                         kind=placement.divergence_kind,
                         detail=placement.divergence_detail,
                         canonical_keys=canonical_keys,
+                        bodies=request.bodies,
                     )
         if step_ids:
             self.latest_step_id = step_ids[0]
@@ -287,6 +293,7 @@ class TrajectoryTokens:
         kind: str | None = None,
         detail: dict[str, Any] | None = None,
         canonical_keys: list[str] | None = None,
+        bodies: Mapping[Doc, BodyKeys] | None = None,
     ) -> None:
         """Remember step ``step_id`` placed at ``parent`` with sequence ``prompt + response``
         (int32 bytes), its message keys (``datapool.steps.messages.history_keys``), the call it
@@ -326,6 +333,7 @@ class TrajectoryTokens:
                 detail,
                 canonical_keys,
                 tree,
+                bodies or {},
             )
         )
 
@@ -372,6 +380,18 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
                 canonical_keys = [key(m) for m in canonical]
                 if row.response_message is not None:
                     canonical_keys.append(message_key(canonical_response_key(row.response_message)))
+            deltas = row.body_deltas or {}
+            bodies: dict[Doc, BodyKeys] = {
+                "request": body_keys(
+                    _without(row.request, row.history_field), deltas.get("request")
+                )
+            }
+            if row.upstream_request_patch is None and row.upstream_request is not None:
+                bodies["upstream"] = body_keys(row.upstream_request, deltas.get("upstream"))
+            if row.canonical is not None:
+                bodies["canonical"] = body_keys(
+                    _without(row.canonical, "messages"), deltas.get("canonical")
+                )
             tokens.add(
                 row.id,
                 lineage,
@@ -383,8 +403,14 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
                 kind=row.divergence_kind,
                 detail=detail,
                 canonical_keys=canonical_keys,
+                bodies=bodies,
             )
     return tokens
+
+
+def _without(body: Mapping[str, Any], name: str | None) -> dict[str, Any]:
+    """``body`` without its history list ``name`` (another delta stores it)."""
+    return {key: value for key, value in body.items() if key != name or not isinstance(value, list)}
 
 
 class LineageCache:

@@ -30,10 +30,16 @@ full history list, ``R_p`` its response message):
   ``canonical.response_of``). NULL ``canonical``: a call recorded without one.
 - ``upstream_request_patch`` = the JSON Merge Patch (RFC 7396 §2, which obsoletes RFC 7386 with
   the same algorithm) that turns the full client request into the upstream request: only what
-  the gateway added or changed (``return_token_ids``, ``logprobs``, ``stream_options``). When a
-  merge patch cannot say it exactly (a key set to ``null``, a different key order), or on a
-  row written before migration 0007, ``upstream_request`` holds the whole upstream request
-  and the patch is NULL.
+  the gateway added or changed (``return_token_ids``, ``logprobs``, ``stream_options``), for a
+  body the gateway passes through. When a merge patch cannot say it exactly (a key set to
+  ``null``, a different key order) or would hold an array (a translated body: a merge patch
+  replaces an array whole, so it would grow with the history), ``upstream_request`` holds the
+  upstream request and the patch is NULL.
+- Beyond the history lists, every body (the request's other fields, the upstream request when
+  no patch says it, the canonical record's other fields) is stored by ``datapool.steps.bodies``
+  against the parent step's same body: a list or string that extends the parent's as the part
+  appended, a large value (a tool list, a system prompt) as a shared ``json_blobs`` row;
+  ``steps.body_deltas`` says which. NULL: every field as stored (rows before migration 0015).
 
 The parent is the step token lineage chose (``parent_step_id``); the writer compares against
 the parent's message keys it keeps in memory (``datapool.steps.lineage``), never rereads SQL for it.
@@ -41,9 +47,8 @@ the parent's message keys it keeps in memory (``datapool.steps.lineage``), never
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import inspect, select
@@ -51,17 +56,29 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from datapool.db import chunks
-from datapool.models import Step
+from datapool.models import JsonBlob, Step
 from datapool.steps import chain
+from datapool.steps.bodies import (
+    BodyKeys,
+    Doc,
+    EncodedBody,
+    FieldSpec,
+    RequestMissingError,
+    based_on_parent,
+    blob_shas,
+    decode_body,
+    encode_body,
+    load_blob,
+    message_key,
+    shared_prefix,
+)
 from datapool.steps.canonical import CanonicalCall, response_of
+
+__all__ = ["RequestMissingError", "message_key"]  # re-exported: migrations 0007 and 0013 use them
 
 # Marks a loaded Step whose ``request`` attribute already holds the full request (the value is
 # that very dict, so a row reloaded from the database is not mistaken for an expanded one).
 _EXPANDED = "trajgate_full_request"
-
-
-class RequestMissingError(LookupError):
-    """A step's messages are a delta on a parent whose request is not stored (or too short)."""
 
 
 def history_of(request: Mapping[str, Any], field_name: str | None) -> list[Any] | None:
@@ -76,15 +93,6 @@ def history_of(request: Mapping[str, Any], field_name: str | None) -> list[Any] 
 def canonical_response_key(response_message: Any) -> Any:
     """The JSON of a step's response as its canonical message (``R_p`` of ``C_p + [R_p]``)."""
     return response_of(response_message).to_json()
-
-
-def message_key(message: Any) -> str:
-    """A message as JSON text: equal keys mean the reconstructed message is the same JSON.
-
-    Text, not ``==``: in Python ``1 == 1.0 == True`` and dict comparison ignores key order, so a
-    message equal as a Python value could still read back differently.
-    """
-    return json.dumps(message)
 
 
 def history_keys(
@@ -108,12 +116,7 @@ def messages_base(parent_keys: Sequence[str] | None, messages: Any) -> int | Non
         return None
     if not parent_keys:
         return 0
-    base = 0
-    for key, message in zip(parent_keys, messages, strict=False):
-        if message_key(message) != key:
-            break
-        base += 1
-    return base
+    return shared_prefix(messages, parent_keys)
 
 
 def stored_request(
@@ -138,6 +141,12 @@ class RequestDelta:
     canonical: dict[str, Any] | None = None  # ``steps.canonical``: its JSON with ``C[c:]``
     canonical_base: int | None = None  # c
     canonical_messages: list[Any] | None = None  # C whole (not stored: for the lineage memory)
+    # ``steps.body_deltas`` (``datapool.steps.bodies``); None when every field is as stored.
+    body_deltas: dict[str, dict[str, FieldSpec]] | None = None
+    # The ``json_blobs`` rows (sha -> JSON text) the step needs that its parent did not.
+    new_blobs: dict[str, str] = field(default_factory=dict)
+    # Each body's memory for the children's deltas (the upstream's only when stored whole).
+    bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,7 @@ class ParentKeys:
 
     request: Sequence[str] | None
     canonical: Sequence[str] | None
+    bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)  # ``RequestDelta.bodies``
 
 
 def request_delta(
@@ -157,9 +167,22 @@ def request_delta(
     canonical: CanonicalCall | None,
 ) -> RequestDelta:
     """Store ``request`` as a delta on the parent's ``H_p``, ``canonical`` as a delta on its
-    ``C_p + [R_p]``, and ``upstream_request`` as a merge patch on ``request``."""
-    base = messages_base(parent.request, history_of(request, history_field))
+    ``C_p + [R_p]``, ``upstream_request`` as a merge patch on ``request`` where one says it
+    without an array, and every other field through ``datapool.steps.bodies``."""
+    history = history_of(request, history_field)
+    base = messages_base(parent.request, history)
+    encoded: dict[Doc, EncodedBody] = {
+        "request": encode_body(
+            stored_request(request, history_field, base),
+            parent.bodies.get("request"),
+            history_field if history is not None else None,
+        )
+    }
     patch = merge_patch(request, upstream_request)
+    if patch is not None and any(isinstance(value, list) for value in patch.values()):
+        patch = None
+    if patch is None:
+        encoded["upstream"] = encode_body(upstream_request, parent.bodies.get("upstream"))
     stored_canonical, canonical_base, messages = None, None, None
     if canonical is not None:
         stored_canonical = canonical.to_json()
@@ -167,14 +190,29 @@ def request_delta(
         canonical_base = messages_base(parent.canonical, messages)
         if canonical_base:
             stored_canonical["messages"] = messages[canonical_base:]
+        encoded["canonical"] = encode_body(
+            stored_canonical,
+            parent.bodies.get("canonical"),
+            "messages" if messages is not None else None,
+        )
+    deltas: dict[str, dict[str, FieldSpec]] = {
+        doc: body.spec for doc, body in encoded.items() if body.spec
+    }
+    new_blobs: dict[str, str] = {}
+    for body in encoded.values():
+        new_blobs.update(body.new_blobs)
+    upstream = encoded.get("upstream")
     return RequestDelta(
-        stored_request(request, history_field, base),
+        encoded["request"].stored,
         base,
-        upstream_request if patch is None else None,
+        None if upstream is None else upstream.stored,
         patch,
-        stored_canonical,
+        None if canonical is None else encoded["canonical"].stored,
         canonical_base,
         messages,
+        deltas or None,
+        new_blobs,
+        {doc: body.keys for doc, body in encoded.items()},
     )
 
 
@@ -249,6 +287,7 @@ class StoredRequest:
     history_field: str | None = None
     canonical: dict[str, Any] | None = None
     canonical_base: int | None = None
+    body_deltas: dict[str, dict[str, FieldSpec]] | None = None
 
 
 @dataclass(frozen=True)
@@ -348,23 +387,52 @@ def _messages(
 
 
 def full_request(
-    entry: StoredRequest, messages: list[Any] | None, canonical: list[Any] | None = None
+    entry: StoredRequest,
+    messages: list[Any] | None,
+    canonical: list[Any] | None = None,
+    *,
+    parent: FullRequest | None = None,
+    blobs: Mapping[str, Any] | None = None,
 ) -> FullRequest:
     """A step's full client and upstream requests, given its full ``messages``, and its
-    canonical record given its full ``canonical`` messages."""
+    canonical record given its full ``canonical`` messages; ``parent`` (the parent step's, when
+    ``entry.body_deltas`` has a delta on it) and ``blobs`` (values by sha, every one
+    ``entry.body_deltas`` names) read its other fields back (``datapool.steps.bodies``).
+
+    Raises ``RequestMissingError`` when something the row needs is not given."""
+    deltas = entry.body_deltas or {}
+    blobs = blobs or {}
+    step_id = entry.step_id
     request = entry.request
     name = entry.history_field
     if entry.messages_base is not None and messages is not None and name is not None:
         request = {**request, name: messages}
+    request = decode_body(
+        step_id, request, deltas.get("request"), None if parent is None else parent.request, blobs
+    )
     if entry.upstream_request_patch is not None:
         upstream = apply_merge_patch(request, entry.upstream_request_patch)
     elif entry.upstream_request is not None:
-        upstream = entry.upstream_request
+        upstream = decode_body(
+            step_id,
+            entry.upstream_request,
+            deltas.get("upstream"),
+            None if parent is None else parent.upstream_request,
+            blobs,
+        )
     else:
-        raise RequestMissingError(f"step {entry.step_id} has neither upstream request nor patch")
+        raise RequestMissingError(f"step {step_id} has neither upstream request nor patch")
     record = entry.canonical
     if record is not None and entry.canonical_base:
         record = {**record, "messages": canonical}
+    if record is not None:
+        record = decode_body(
+            step_id,
+            record,
+            deltas.get("canonical"),
+            None if parent is None else parent.canonical,
+            blobs,
+        )
     return FullRequest(request, upstream, record)
 
 
@@ -379,6 +447,7 @@ _STORED_COLUMNS = (
     Step.history_field,
     Step.canonical,
     Step.canonical_base,
+    Step.body_deltas,
 )
 
 
@@ -409,11 +478,12 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
         stored[row.id] = _stored_of(row)
 
     views = [{k: _History(v, canonical) for k, v in stored.items()} for canonical in (False, True)]
-    # Trajectories whose rows lack an ancestor some row's lists are a delta on.
+    # Trajectories whose rows lack an ancestor some row's lists or bodies are a delta on.
     needed = {
         row.trajectory_id
         for row in todo
         if any(chain.walk(row.id, view, _based_on)[1] for view in views)
+        or chain.walk(row.id, stored, _body_based_on)[1]
     }
     if needed:
         trajectory_ids = sorted(needed)
@@ -424,7 +494,8 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
                 stored.setdefault(values[0], StoredRequest(*values))
     known: dict[str, list[Any]] = {}
     known_canonical: dict[str, list[Any]] = {}
-    for row in rows:  # rows already expanded serve as known full lists
+    known_bodies: dict[str, FullRequest] = {}
+    for row in rows:  # rows already expanded serve as known full lists and bodies
         if is_expanded(row):
             messages = history_of(row.request, row.history_field)
             if messages is not None:
@@ -432,15 +503,47 @@ def expand_requests(session: Session, rows: Iterable[Step]) -> None:
             canonical = (row.canonical or {}).get("messages")
             if isinstance(canonical, list):
                 known_canonical[row.id] = canonical
+            if row.upstream_request is not None:
+                known_bodies[row.id] = FullRequest(row.request, row.upstream_request, row.canonical)
     ids = [row.id for row in todo]
-    full = reconstruct_messages(stored, ids, known)
-    full_canonical = reconstruct_messages(stored, ids, known_canonical, canonical=True)
+    # Every stored entry: a body's delta chain may need an ancestor no list chain needed.
+    every = list(stored)
+    full = reconstruct_messages(stored, every, known)
+    full_canonical = reconstruct_messages(stored, every, known_canonical, canonical=True)
+    blobs = _load_blobs(session, stored.values())
+
+    def apply(entry: StoredRequest, bodies: Mapping[str, FullRequest]) -> FullRequest:
+        parent = bodies.get(entry.parent_step_id) if entry.parent_step_id is not None else None
+        return full_request(
+            entry, full[entry.step_id], full_canonical[entry.step_id], parent=parent, blobs=blobs
+        )
+
+    results = chain.resolve(ids, stored, _body_based_on, apply, _request_missing, known_bodies)
     for row in todo:
-        result = full_request(stored[row.id], full[row.id], full_canonical[row.id])
+        result = results[row.id]
         set_committed_value(row, "request", result.request)
         set_committed_value(row, "upstream_request", result.upstream_request)
         set_committed_value(row, "canonical", result.canonical)
         inspect(row).info[_EXPANDED] = result.request
+
+
+def _body_based_on(entry: StoredRequest) -> str | None:
+    """The step whose bodies ``entry``'s are a delta on (``datapool.steps.bodies``); None when
+    no field is."""
+    return entry.parent_step_id if based_on_parent(entry.body_deltas) else None
+
+
+def _load_blobs(session: Session, entries: Iterable[StoredRequest]) -> dict[str, Any]:
+    """The JSON values of every ``json_blobs`` row ``entries`` refer to, by sha (one query per
+    chunk of shas; a trajectory refers to few)."""
+    shas = sorted(set().union(*(blob_shas(entry.body_deltas) for entry in entries)))
+    blobs: dict[str, Any] = {}
+    for chunk in chunks(shas):
+        for sha, text in session.execute(
+            select(JsonBlob.sha256, JsonBlob.body).where(JsonBlob.sha256.in_(chunk))
+        ):
+            blobs[sha] = load_blob(text)
+    return blobs
 
 
 def canonical_call(row: Step) -> CanonicalCall | None:

@@ -24,6 +24,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from datapool.db import insert_ignore, insert_ignoring
 from datapool.models import (
     CallAttempt,
+    JsonBlob,
     Step,
     StepPayload,
     Trajectory,
@@ -43,6 +44,7 @@ _STEPS = typing.cast(Table, Step.__table__)
 _PAYLOADS = typing.cast(Table, StepPayload.__table__)
 _ATTEMPTS = typing.cast(Table, CallAttempt.__table__)
 _GROUPS = typing.cast(Table, TrajectoryGroup.__table__)
+_BLOBS = typing.cast(Table, JsonBlob.__table__)
 
 # (status, call_count, flags) as read under the write lock
 TrajectoryState = tuple[str, int, list[str]]
@@ -115,6 +117,7 @@ class WriteBatch:
         self._steps: list[dict[str, Any]] = []
         self._payloads: list[dict[str, Any]] = []
         self._attempts: list[dict[str, Any]] = []
+        self._blobs: dict[str, str] = {}  # ``json_blobs`` rows: sha256 -> JSON text
         # The kind of each step that starts a prefix break ("unknown" when none was found).
         self.prefix_breaks: list[str] = []
 
@@ -180,6 +183,7 @@ class WriteBatch:
                     "history_field": call.history_field,
                     "canonical": request.canonical,
                     "canonical_base": request.canonical_base,
+                    "body_deltas": request.body_deltas,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
                     "prompt_tokens": call.prompt_tokens,
@@ -212,6 +216,7 @@ class WriteBatch:
                 }
             )
             step_ids.append(step_id)
+        self._blobs.update(request.new_blobs)
         # A call's attempts commit with its steps: one transaction per batch, not one more per call.
         self._attempts += attempt_rows(call.attempts, now)
         return step_ids
@@ -219,6 +224,11 @@ class WriteBatch:
     def write(self, connection: Connection, statements: Statements, writer_id: str | None) -> None:
         """Insert every row (one executemany per table) and update the trajectories' counters
         (``call_count``, ``last_step_at``, ``writer_id``; ``rejected_calls``)."""
+        if self._blobs:  # before the steps that refer to them; rows that exist are kept
+            statements.insert_blobs(
+                connection,
+                [{"sha256": s, "body": t, "created_at": self.now} for s, t in self._blobs.items()],
+            )
         if self._steps:
             statements.insert(connection, _STEPS, self._steps)
             statements.insert(connection, _PAYLOADS, self._payloads)
@@ -317,6 +327,11 @@ class Statements:
             dialect,
             column_keys=["id", "status", "created_at"],
         )
+        self._blobs = _Prepared.of(
+            insert_ignoring(_BLOBS, dialect.name),
+            dialect,
+            column_keys=["sha256", "body", "created_at"],
+        )
         self._counts = _Prepared.of(
             update(_TRAJECTORIES)
             .where(_TRAJECTORIES.c.id == bindparam("b_id"))
@@ -332,6 +347,12 @@ class Statements:
         """Create the groups of ``rows`` (``{"id", "status", "created_at"}`` each) that do not
         exist yet (``INSERT ... ON CONFLICT DO NOTHING``), in one executemany."""
         connection.exec_driver_sql(self._groups.sql, self._groups.params(rows))
+
+    def insert_blobs(self, connection: Connection, rows: list[dict[str, Any]]) -> None:
+        """Create the ``json_blobs`` rows of ``rows`` (``{"sha256", "body", "created_at"}``
+        each) that do not exist yet (``INSERT ... ON CONFLICT DO NOTHING``: a blob is immutable,
+        so another step's row of the same sha is the same value), in one executemany."""
+        connection.exec_driver_sql(self._blobs.sql, self._blobs.params(rows))
 
     def insert(self, connection: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
         """``INSERT`` ``rows`` (each a value for every column of ``table``) in one DBAPI

@@ -1,0 +1,259 @@
+"""Step bodies as stored: each top-level field a delta on the parent step's, or a shared blob.
+
+Owns: the encoding of one JSON object body of a step (its client request, its upstream request,
+its canonical record) against the same body of its parent step (``encode_body``), its exact
+reconstruction (``decode_body``), the content-addressed ``json_blobs`` rows (``blob_row``), and
+the writer's memory of a body (``BodyKeys``, ``body_keys``). Never: touches the history list
+that ``datapool.steps.messages`` already stores as a delta on the parent's messages and
+response (the caller names it ``skip``), reads SQL, or knows a dialect.
+
+A coding agent re-sends, on every call, its tool list (tens of KB), its system prompt and a
+history that only grows; stored as sent, turn T costs O(T) bytes and a session O(T²). Here a
+body ``B`` whose parent step's same body is ``P`` is stored as a body with the same keys in the
+same order, and ``steps.body_deltas[doc][f]`` (``doc`` one of ``DOCS``) says how to read field
+``f`` back:
+
+- an int ``n``: ``B[f] = P[f][:n] + stored[f]``, for a list that extends the parent's (the
+  upstream messages of a translated dialect: ``stored[f]`` holds the items appended since) or a
+  string (a completions prompt: the characters appended). ``n`` counts items, or characters.
+- a string ``s`` (64 hex digits): ``B[f]`` is the JSON value of the ``json_blobs`` row ``s``
+  (``sha256`` of the value's JSON text, ``json.dumps`` with its default separators, key order
+  kept); ``stored[f]`` is null, the key kept for its place. A value of ``BLOB_MIN_BYTES`` or more
+  that is not such a delta (a tool list, a system prompt, the first call's messages) is stored
+  once for every step, trajectory and group that sends it.
+- absent: ``stored[f]`` is ``B[f]``.
+
+An item counts as shared when its JSON text is the parent's (``message_key``: ``1`` is not
+``1.0`` and key order counts), so a body reads back as the same JSON, not merely an equal value.
+A field shared with the parent as a blob stays that blob (no hashing again); a list extended is
+a delta, never a new blob, so a history is never stored twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# The bodies of a step that ``steps.body_deltas`` describes (its keys).
+Doc = Literal["request", "upstream", "canonical"]
+DOCS: tuple[Doc, ...] = ("request", "upstream", "canonical")
+# A value's JSON text at least this long is stored once, in ``json_blobs`` (a tool definition is
+# ~2.5 KB; short values cost less inline than a 64-character reference and a row).
+BLOB_MIN_BYTES = 512
+# A string field is stored as a delta on the parent's only past this many characters shared.
+STRING_DELTA_MIN_CHARS = 256
+
+# A field's spec in ``steps.body_deltas``: a prefix length, or a blob's sha256 hex.
+FieldSpec = int | str
+
+
+class RequestMissingError(LookupError):
+    """A step's body is a delta on a parent (or a blob) that is not stored, or is too short."""
+
+
+def message_key(value: Any) -> str:
+    """A JSON value as its text: equal keys mean the reconstructed value is the same JSON.
+
+    Text, not ``==``: in Python ``1 == 1.0 == True`` and dict comparison ignores key order, so a
+    value equal in Python could still read back differently.
+    """
+    return json.dumps(value)
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # a lone surrogate (JSON allows one) too
+
+
+def _string_hash(text: str) -> bytes:
+    return hashlib.sha256(_utf8(text)).digest()
+
+
+@dataclass(frozen=True)
+class BodyKeys:
+    """What the writer keeps of a step's body for its children's deltas: per list field the
+    ``message_key`` of each item (strings shared with the parent's for the common prefix), per
+    long string field ``(length, sha256)``, and the blob each blob-stored field is."""
+
+    lists: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    strings: Mapping[str, tuple[int, bytes]] = field(default_factory=dict)
+    blobs: Mapping[str, str] = field(default_factory=dict)  # field -> sha256 hex
+
+
+@dataclass(frozen=True)
+class EncodedBody:
+    """A body as stored (``stored``, its ``spec`` for ``steps.body_deltas``), its memory for
+    the children (``keys``) and the blob rows it needs that its parent did not (sha -> text)."""
+
+    stored: dict[str, Any]
+    spec: dict[str, FieldSpec]
+    keys: BodyKeys
+    new_blobs: dict[str, str]
+
+
+def blob_sha(text: str) -> str:
+    """The ``json_blobs`` key of a value whose JSON text is ``text``: its sha256, hex."""
+    return hashlib.sha256(_utf8(text)).hexdigest()
+
+
+def shared_prefix(values: Sequence[Any], theirs: Sequence[str]) -> int:
+    """How many leading ``values`` have the JSON text of the keys ``theirs`` (``message_key``
+    of each of the parent's items), in order.
+
+    An agent appends, so the likely answers are checked first with one ``json.dumps`` of the
+    first m values against ``theirs[:m]`` joined as a JSON array (a JSON array's text splits
+    into its items one way only, so equal texts mean equal items), in C: m = all of
+    ``theirs``, then all but the last (the parent's response, which a client may echo in its
+    own form). Only when both fail is each value dumped and compared (a history rewritten at
+    some message)."""
+    for m in (len(theirs), len(theirs) - 1):
+        joined = "[" + ", ".join(theirs[:m]) + "]"
+        if m > 0 and len(values) >= m and json.dumps(values[:m]) == joined:
+            return m
+    n = 0
+    for value, key in zip(values, theirs, strict=False):
+        if message_key(value) != key:
+            break
+        n += 1
+    return n
+
+
+def encode_body(
+    body: dict[str, Any], parent: BodyKeys | None, skip: str | None = None
+) -> EncodedBody:
+    """``body`` stored against its parent step's same body, whose memory is ``parent`` (None:
+    no parent, or one whose body is not remembered: no field is then a delta); ``skip`` names
+    a field stored as it is (the history list another delta already cut). See the module
+    docstring for the rules."""
+    stored: dict[str, Any] = {}
+    spec: dict[str, FieldSpec] = {}
+    lists: dict[str, Sequence[str]] = {}
+    strings: dict[str, tuple[int, bytes]] = {}
+    blobs: dict[str, str] = {}
+    new_blobs: dict[str, str] = {}
+    for name, value in body.items():
+        if name == skip:
+            stored[name] = value
+            continue
+        text: str | None = None
+        if isinstance(value, list):
+            theirs = parent.lists.get(name) if parent is not None else None
+            n = 0 if theirs is None else shared_prefix(value, theirs)
+            # One string per shared item, not one per step; only the new items are dumped.
+            keys = [*(theirs or ())[:n], *(message_key(item) for item in value[n:])]
+            lists[name] = keys
+            if theirs is not None:
+                identical = n == len(keys) == len(theirs)
+                sha = parent.blobs.get(name) if parent is not None else None
+                if identical and sha is not None:
+                    stored[name], spec[name], blobs[name] = None, sha, sha
+                    continue
+                if n:
+                    stored[name], spec[name] = value[n:], n
+                    continue
+            text = "[" + ", ".join(keys) + "]"  # json.dumps of the list, from its items' keys
+        elif isinstance(value, str) and len(value) >= STRING_DELTA_MIN_CHARS:
+            theirs_string = parent.strings.get(name) if parent is not None else None
+            if theirs_string is not None and theirs_string[0] < len(value):
+                length, digest = theirs_string
+                head = hashlib.sha256(_utf8(value[:length]))
+                if head.digest() == digest:
+                    head.update(_utf8(value[length:]))  # the whole string's, in one pass
+                    strings[name] = (len(value), head.digest())
+                    stored[name], spec[name] = value[length:], length
+                    continue
+            strings[name] = (len(value), _string_hash(value))
+        if text is None:
+            text = message_key(value)
+        if len(text) < BLOB_MIN_BYTES:
+            stored[name] = value
+            continue
+        sha = blob_sha(text)
+        stored[name], spec[name], blobs[name] = None, sha, sha
+        if parent is None or sha not in parent.blobs.values():
+            new_blobs[sha] = text
+    return EncodedBody(stored, spec, BodyKeys(lists, strings, blobs), new_blobs)
+
+
+def body_keys(body: Mapping[str, Any], spec: Mapping[str, FieldSpec] | None) -> BodyKeys:
+    """The memory ``encode_body`` would keep of ``body`` (a full body, read back), given the
+    ``spec`` it was stored with: for a writer that rebuilds its memory from the pool."""
+    lists = {
+        name: [message_key(item) for item in value]
+        for name, value in body.items()
+        if isinstance(value, list)
+    }
+    strings = {
+        name: (len(value), _string_hash(value))
+        for name, value in body.items()
+        if isinstance(value, str) and len(value) >= STRING_DELTA_MIN_CHARS
+    }
+    blobs = {name: s for name, s in (spec or {}).items() if isinstance(s, str)}
+    return BodyKeys(lists, strings, blobs)
+
+
+def decode_body(
+    step_id: str,
+    stored: Mapping[str, Any],
+    spec: Mapping[str, FieldSpec] | None,
+    parent: Mapping[str, Any] | None,
+    blobs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The full body of step ``step_id`` from its ``stored`` form and ``spec``, its parent's
+    full same body (``parent``) and the blob values by sha (``blobs``).
+
+    Raises ``RequestMissingError`` when a blob is not stored or the parent's body is missing,
+    of another type or shorter than a delta's base.
+    """
+    if not spec:
+        return dict(stored)
+    body: dict[str, Any] = {}
+    for name, value in stored.items():
+        how = spec.get(name)
+        if how is None:
+            body[name] = value
+        elif isinstance(how, str):
+            if how not in blobs:
+                raise RequestMissingError(
+                    f"step {step_id} stores its {name!r} as blob {how}, which is not stored"
+                )
+            body[name] = blobs[how]
+        else:
+            head = None if parent is None else parent.get(name)
+            if isinstance(head, list) and isinstance(value, list) and len(head) >= how:
+                body[name] = [*head[:how], *value]
+            elif isinstance(head, str) and isinstance(value, str) and len(head) >= how:
+                body[name] = head[:how] + value
+            else:
+                raise RequestMissingError(
+                    f"step {step_id} stores {name!r} as {how} of its parent's then a "
+                    f"{type(value).__name__}; the parent's is {_described(head)}"
+                )
+    return body
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, list | str):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "missing" if value is None else f"a {type(value).__name__}"
+
+
+def based_on_parent(spec: Mapping[str, Mapping[str, FieldSpec]] | None) -> bool:
+    """Whether a step's ``body_deltas`` has a field stored as a delta on its parent's."""
+    return bool(spec) and any(
+        isinstance(how, int) for fields in (spec or {}).values() for how in fields.values()
+    )
+
+
+def blob_shas(spec: Mapping[str, Mapping[str, FieldSpec]] | None) -> set[str]:
+    """The ``json_blobs`` rows a step's ``body_deltas`` refers to."""
+    return {
+        how for fields in (spec or {}).values() for how in fields.values() if isinstance(how, str)
+    }
+
+
+def load_blob(text: str) -> Any:
+    """A ``json_blobs.body`` back as its JSON value."""
+    return json.loads(text)

@@ -1,0 +1,401 @@
+"""Step bodies stored linear in turns in every dialect: a long coding-agent session with a large
+tool list costs the same bytes per step at turn 200 as at turn 20, and every body reads back as
+the same JSON that was sent (``datapool.steps.bodies``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, text
+
+from datapool import db
+from datapool.db import make_engine
+from datapool.queries.export import export_trajectories
+from datapool.rewards.functions import tool_call_format
+from datapool.rewards.values import RewardContext
+from datapool.settings import PoolSettings
+from datapool.steps.bodies import BLOB_MIN_BYTES
+from datapool.steps.records import CallRecord, ChoiceRecord
+from datapool.steps.store import PoolStore
+from gateway.dialects import Dialect
+from gateway.dialects.chat_completions import ChatCompletions
+from gateway.dialects.completions.serving import Completions
+from gateway.dialects.messages import Messages
+from gateway.dialects.responses import Responses
+
+SYSTEM = "You are a coding agent. Work in the repository, run the tests, keep changes small. " * 8
+TASK = "Fix the failing test in tests/test_parser.py."
+# 11 tools of ~2.5 KB each, about 28 KB of JSON: the size of Claude Code's tool list.
+TOOL_NAMES = ["Bash", "Read", "Write", "Edit", "Glob", "Grep", "LS", "Task", "Todo", "Web", "Ask"]
+DESCRIPTION = "Runs the tool on the workspace and returns its output as text. " * 36
+
+
+def schema(name: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "description": f"{name}: the file or directory"},
+            "command": {"type": "string", "description": "the command line, quoted"},
+        },
+        "required": ["path"],
+    }
+
+
+def arguments(turn: int) -> str:
+    return json.dumps({"path": f"src/module_{turn:03d}.py"})
+
+
+def result(turn: int) -> str:
+    """A ~450-character tool result, different every turn."""
+    return (f"turn {turn:03d}: " + "line of output from the tool, " * 15)[:450]
+
+
+def chat_body(turns: int) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": TASK},
+    ]
+    for turn in range(turns):
+        messages += [
+            chat_answer(turn),
+            {"role": "tool", "tool_call_id": f"c{turn}", "content": result(turn)},
+        ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": n, "description": DESCRIPTION, "parameters": schema(n)},
+        }
+        for n in TOOL_NAMES
+    ]
+    return {"model": "tiny", "max_tokens": 40, "messages": messages, "tools": tools}
+
+
+def chat_answer(turn: int) -> dict[str, Any]:
+    """The assistant message of ``turn`` (a tool call), as chat's answer carries it."""
+    call = {
+        "id": f"c{turn}",
+        "type": "function",
+        "function": {"name": "Read", "arguments": arguments(turn)},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def responses_body(turns: int) -> dict[str, Any]:
+    items: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    for turn in range(turns):
+        items += [
+            {
+                "type": "function_call",
+                "call_id": f"c{turn}",
+                "name": "Read",
+                "arguments": arguments(turn),
+            },
+            {"type": "function_call_output", "call_id": f"c{turn}", "output": result(turn)},
+        ]
+    tools = [
+        {"type": "function", "name": n, "description": DESCRIPTION, "parameters": schema(n)}
+        for n in TOOL_NAMES
+    ]
+    return {
+        "model": "tiny",
+        "max_output_tokens": 40,
+        "instructions": SYSTEM,
+        "input": items,
+        "tools": tools,
+    }
+
+
+def messages_body(turns: int) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    for turn in range(turns):
+        use = {
+            "type": "tool_use",
+            "id": f"toolu_{turn}",
+            "name": "Read",
+            "input": json.loads(arguments(turn)),
+        }
+        messages += [
+            {"role": "assistant", "content": [use]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": result(turn)}
+                ],
+            },
+        ]
+    tools = [{"name": n, "description": DESCRIPTION, "input_schema": schema(n)} for n in TOOL_NAMES]
+    return {
+        "model": "tiny",
+        "max_tokens": 40,
+        "system": SYSTEM,
+        "messages": messages,
+        "tools": tools,
+    }
+
+
+def completions_body(turns: int) -> dict[str, Any]:
+    """A completions agent re-sends its whole transcript as one growing prompt string."""
+    prompt = SYSTEM + "\n" + TASK + "\n"
+    for turn in range(turns):
+        prompt += f"Action: Read {arguments(turn)}\nObservation: {result(turn)}\n"
+    return {"model": "tiny", "max_tokens": 40, "prompt": prompt}
+
+
+SESSIONS: list[tuple[Dialect, Callable[[int], dict[str, Any]]]] = [
+    (ChatCompletions(), chat_body),
+    (Responses(), responses_body),
+    (Messages(), messages_body),
+    (Completions(), completions_body),
+]
+PROMPT_TOKENS_PER_TURN = 120  # a tool call echoed and its result (60 tokens per message)
+RESPONSE_TOKENS = 40
+
+
+def turn_call(dialect: Dialect, body: dict[str, Any], turn: int) -> CallRecord:
+    """Call ``turn`` as the gateway records it: the dialect's one translation and its record;
+    its prompt extends the previous call's prompt and response (token lineage: the parent)."""
+    prepared = dialect.prepare(body)
+    prompt = list(range(200 + turn * (PROMPT_TOKENS_PER_TURN + RESPONSE_TOKENS)))
+    response = list(range(len(prompt), len(prompt) + RESPONSE_TOKENS))
+    if dialect.name == "completions":
+        answer: dict[str, Any] = {"text": f"Action: Read {arguments(turn)}\n"}
+    else:
+        answer = chat_answer(turn)
+    return CallRecord(
+        request=body,
+        upstream_request=prepared.upstream_body,
+        model="tiny",
+        upstream="http://up",
+        policy_version=0,
+        latency_ms=1.0,
+        prompt_token_ids=prompt,
+        prompt_tokens=len(prompt),
+        choices=[ChoiceRecord(0, response, [-0.5] * RESPONSE_TOKENS, answer, "tool_calls")],
+        endpoint=dialect.name,
+        canonical=dialect.canonical(prepared.upstream_body),
+        history_field=dialect.history_field,
+        sampling={"temperature": 1.0, "max_tokens": 40},
+    )
+
+
+def run_session(
+    store: PoolStore,
+    dialect: Dialect,
+    body: Callable[[int], dict[str, Any]],
+    turns: int,
+    trajectory_id: str,
+) -> list[CallRecord]:
+    calls = [turn_call(dialect, body(turn), turn) for turn in range(turns)]
+    for call in calls:
+        store.record_call(trajectory_id, call)
+    return calls
+
+
+def _value_bytes(value: Any) -> int:
+    """What a column value stores: text and binary their length, JSON its text (SQLite hands
+    back text, psycopg the decoded value), a number or timestamp 8."""
+    if value is None:
+        return 0
+    if isinstance(value, str | bytes | memoryview):
+        return len(value)
+    if isinstance(value, dict | list):
+        return len(json.dumps(value))
+    return 8
+
+
+def _rows_bytes(connection: Connection, sql: str, **params: Any) -> list[int]:
+    return [sum(_value_bytes(v) for v in row) for row in connection.execute(text(sql), params)]
+
+
+def step_bytes(store: PoolStore, trajectory_id: str) -> list[int]:
+    """Per step (step order): the bytes of its ``steps`` row and its ``step_payloads`` row."""
+    with store.engine.connect() as connection:
+        steps = _rows_bytes(
+            connection,
+            "SELECT * FROM steps WHERE trajectory_id = :t ORDER BY step_index",
+            t=trajectory_id,
+        )
+        payloads = _rows_bytes(
+            connection,
+            "SELECT p.* FROM step_payloads p JOIN steps s ON s.id = p.step_id "
+            "WHERE s.trajectory_id = :t ORDER BY s.step_index",
+            t=trajectory_id,
+        )
+    return [a + b for a, b in zip(steps, payloads, strict=True)]
+
+
+def pool_bytes(store: PoolStore) -> int:
+    """Everything the pool keeps for its steps: trajectories, steps, payloads, blobs."""
+    with store.engine.connect() as connection:
+        return sum(
+            sum(_rows_bytes(connection, f"SELECT * FROM {table}"))
+            for table in ("trajectories", "steps", "step_payloads", "json_blobs")
+        )
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """The same JSON text: key order and ``1`` against ``1.0`` count."""
+    return json.dumps(a) == json.dumps(b)
+
+
+def assert_read_back_as_sent(store: PoolStore, trajectory_id: str, calls: list[CallRecord]) -> None:
+    steps = store.steps_of(trajectory_id)
+    assert len(steps) == len(calls)
+    for step, call in zip(steps, calls, strict=True):
+        assert same_json(step.request, call.request)
+        assert same_json(step.upstream_request, call.upstream_request)
+        assert call.canonical is not None and same_json(step.canonical, call.canonical.to_json())
+    last = store.get_step(steps[-1].id)
+    assert last is not None and same_json(last.upstream_request, calls[-1].upstream_request)
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+def test_a_200_turn_session_stores_the_same_bytes_per_step_at_turn_200_as_at_turn_20(
+    pool_settings: PoolSettings, dialect: Dialect, body: Callable[[int], dict[str, Any]]
+) -> None:
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    assert len(json.dumps(body(0).get("tools", []))) > 25_000 or dialect.name == "completions"
+    calls = run_session(store, dialect, body, 200, "long")
+    per_step = step_bytes(store, "long")
+    # Each turn appends the same ~1 KB (an echoed tool call, its 450-character result) and
+    # samples 40 tokens: what turn 200 stores is what turn 20 stores, give or take digits.
+    assert per_step[199] / per_step[19] <= 1.1, (per_step[19], per_step[199])
+    # 200 steps of ~3 KB of bodies + ~1.4 KB of tokens, and the tool list once per body form.
+    total = pool_bytes(store)
+    assert total <= 1_500_000, total
+    assert_read_back_as_sent(store, "long", calls)
+    store.engine.dispose()
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+def test_a_tool_list_and_system_prompt_are_stored_once_for_a_group(
+    sqlite_pool: PoolSettings, dialect: Dialect, body: Callable[[int], dict[str, Any]]
+) -> None:
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    run_session(store, dialect, body, 3, "rollout-a")
+    with store.engine.connect() as connection:
+        blobs = connection.execute(text("SELECT count(*) FROM json_blobs")).scalar_one()
+    run_session(store, dialect, body, 3, "rollout-b")  # the same task, another rollout
+    with store.engine.connect() as connection:
+        again = connection.execute(text("SELECT count(*) FROM json_blobs")).scalar_one()
+        big = connection.execute(
+            text("SELECT count(*) FROM steps WHERE length(request) >= :n"),
+            {"n": BLOB_MIN_BYTES * 8},
+        ).scalar_one()
+    assert again == blobs  # the second rollout's tool list and first prompt are the first's rows
+    assert big <= 2  # only each rollout's first call holds its first messages inline
+    store.engine.dispose()
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+def test_a_fresh_process_continues_the_body_deltas_and_reads_them_back(
+    sqlite_pool: PoolSettings, dialect: Dialect, body: Callable[[int], dict[str, Any]]
+) -> None:
+    """A writer whose memory was rebuilt from the pool (another process, a restart) stores the
+    next call as a delta too, with no new blob."""
+    url = sqlite_pool.resolved_database_url()
+    calls = run_session(PoolStore(make_engine(url), sqlite_pool), dialect, body, 20, "t")
+    store = PoolStore(make_engine(url), sqlite_pool)
+    before = step_bytes(store, "t")
+    calls.append(turn_call(dialect, body(20), 20))
+    store.record_call("t", calls[-1])
+    after = step_bytes(store, "t")
+    assert after[20] / after[19] <= 1.1, (before[19], after[20])
+    assert_read_back_as_sent(PoolStore(make_engine(url), sqlite_pool), "t", calls)
+
+
+def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_whole(
+    tmp_path: Path,
+) -> None:
+    """Steps of all four dialects as 0014 stored them (every body whole but the history
+    lists) shrink on upgrade and read back the same; downgrade gives the 0014 form back."""
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    db.upgrade(url)
+    settings = PoolSettings(data_dir=tmp_path / "d", database_url=url)
+    store = PoolStore(make_engine(url), settings)
+    sent = {
+        dialect.name: run_session(store, dialect, body, 6, dialect.name)
+        for dialect, body in SESSIONS
+    }
+    compact = pool_bytes(store)
+    store.engine.dispose()
+    db.downgrade(url, "0014")
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            text(
+                "SELECT trajectory_id, request, upstream_request, canonical FROM steps "
+                "ORDER BY step_index"
+            )
+        ).all()
+        whole = sum(
+            sum(_rows_bytes(connection, f"SELECT * FROM {t}"))
+            for t in ("trajectories", "steps", "step_payloads")
+        )
+    engine.dispose()
+    for trajectory_id, request, upstream, canonical in rows:
+        call = sent[trajectory_id][0]
+        # 0014's form: the tool list inline in every body, not a reference.
+        assert json.loads(request).get("tools") == call.request.get("tools")
+        if upstream is not None:
+            assert (
+                json.loads(upstream)["tools" if trajectory_id != "completions" else "prompt"]
+                is not None
+            )
+        assert json.loads(canonical)["tools"] == call.canonical.to_json()["tools"]  # type: ignore[union-attr]
+    assert whole > 2 * compact
+    db.upgrade(url)
+    store = PoolStore(make_engine(url), settings)
+    assert pool_bytes(store) < whole / 2
+    for trajectory_id, calls in sent.items():
+        assert_read_back_as_sent(store, trajectory_id, calls)
+    store.engine.dispose()
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS[:3], ids=lambda d: getattr(d, "name", ""))
+def test_exports_and_rewards_of_a_long_session_read_the_whole_bodies(
+    sqlite_pool: PoolSettings,
+    dialect: Dialect,
+    body: Callable[[int], dict[str, Any]],
+    tmp_path: Path,
+) -> None:
+    """The tool list a reward function checks a call against, and the messages an export
+    writes, are the ones sent, though the pool holds them as a blob and as deltas."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls = run_session(store, dialect, body, 40, "t")
+    # The final step's one tool call names an offered tool with its required key: 1/1.
+    assert tool_call_format(RewardContext("t", None, None, {}, store.steps_of("t"))) == 1.0
+    out = tmp_path / "steps.jsonl"
+    assert export_trajectories(store, ["t"], out, "jsonl") == 40
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    for row, call in zip(rows, calls, strict=True):
+        assert call.canonical is not None
+        assert row["messages_json"] == json.dumps(call.canonical.to_json()["messages"])
+
+
+def test_a_rewritten_message_stores_the_upstream_messages_from_it_on_and_reads_back(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """A Messages client that rewrites an old tool result (an agent compacting its context):
+    the translated upstream messages are stored from the first one that differs, not whole."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    dialect = Messages()
+    calls = run_session(store, dialect, messages_body, 10, "t")
+    rewritten = messages_body(10)
+    # messages: [task, (assistant, result) x 10]; result 3 is at 2 + 2*3 = 8.
+    rewritten["messages"][8]["content"][0]["content"] = "(cut)"
+    calls.append(turn_call(dialect, rewritten, 10))
+    store.record_call("t", calls[-1])
+    with store.engine.connect() as connection:
+        deltas = connection.execute(
+            text("SELECT body_deltas FROM steps WHERE step_index = 10")
+        ).scalar_one()
+    upstream = calls[-1].upstream_request["messages"]
+    # The upstream list starts with the system prompt, so Messages' item 8 is its item 9.
+    assert upstream[9]["content"] == "(cut)"
+    assert json.loads(deltas)["upstream"]["messages"] == 9
+    assert_read_back_as_sent(store, "t", calls)
