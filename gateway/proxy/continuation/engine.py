@@ -47,7 +47,7 @@ from typing import Any, Literal
 import httpx
 
 from datapool.steps.canonical import CanonicalCall
-from gateway.capture import UNREADABLE, dumps, loads_object
+from gateway.capture import UNREADABLE, dumps, loads_object, token_ids
 from gateway.proxy.continuation.history import Extension
 from gateway.proxy.continuation.prompt import turn_prefix
 from gateway.upstream.replicas import (
@@ -180,10 +180,10 @@ async def send_exact(
     if render.status_code != 200:
         return _error_response(render, render.content)
     request = _answer_of(render, "render")
-    rendered, params = request.get("token_ids"), request.get("sampling_params")
-    if type(rendered) is not list or not isinstance(params, dict):
+    rendered = _read(token_ids, request.get("token_ids"), "render's token_ids")
+    if not rendered or not isinstance(request.get("sampling_params"), dict):
         raise httpx.DecodingError(
-            f"vLLM's render answered without token_ids and sampling_params: {render.content[:80]!r}"
+            f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
         )
     built = None if prefix is None else prefix.splice(rendered)
     if built is not None:
@@ -216,8 +216,69 @@ async def send_exact(
     if answer.status_code != 200:
         return _error_response(answer, answer.content)
     generated = _answer_of(answer, "generate")
-    _keep_weight_versions(continuation, generated.get("choices"))
-    return await _unary(client, replica, body, prompt, generated, timeout)
+    sampled = _sampled(generated)
+    _keep_weight_versions(continuation, generated["choices"])
+    return await _unary(client, replica, body, prompt, generated, sampled, timeout)
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """One choice as generate reported it: what the step records of it comes from here."""
+
+    token_ids: list[int]  # [T], never empty
+    logprobs: list[float] | None  # [T], None when generate sent none
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+def _sampled(generated: dict[str, Any]) -> dict[int, _Sampled]:
+    """generate's choices by index. Raises ``httpx.DecodingError`` (an unreadable answer,
+    ``upstream_error``) unless ``choices`` is a non-empty list of objects, each with its own
+    integer ``index``, a non-empty list of int32 ``token_ids``, logprobs (when sent) one number
+    per token, a string or null ``finish_reason`` and ``stop_reason`` an integer, string or
+    null: vLLM's ``GenerateTokensChoice``."""
+    choices = generated.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise httpx.DecodingError(f"generate answered no choices list: {choices!r:.80}")
+    sampled: dict[int, _Sampled] = {}
+    for choice in choices:
+        if not isinstance(choice, dict) or type(choice.get("index")) is not int:
+            raise httpx.DecodingError(f"generate answered a choice without index: {choice!r:.80}")
+        ids = _read(token_ids, choice.get("token_ids"), "generate's token_ids")
+        logprobs = _read(_logprobs_of, choice.get("logprobs"), "generate's logprobs")
+        finish, stop = choice.get("finish_reason"), choice.get("stop_reason")
+        if (
+            not ids
+            or choice["index"] in sampled
+            or (logprobs is not None and len(logprobs) != len(ids))
+            or not isinstance(finish, str | None)
+            or not isinstance(stop, int | str | None)
+            or isinstance(stop, bool)
+        ):
+            raise httpx.DecodingError(f"generate answered an unreadable choice: {choice!r:.120}")
+        sampled[choice["index"]] = _Sampled(ids, logprobs, finish, stop)
+    return sampled
+
+
+def _logprobs_of(value: Any) -> list[float] | None:
+    """generate's ``logprobs`` ``{"content": [{"logprob": x, ...}, ...]}`` as ``[T]`` numbers.
+    Raises ``ValueError`` for another shape."""
+    if value is None:
+        return None
+    content = value.get("content") if isinstance(value, dict) else None
+    if not isinstance(content, list) or not all(
+        isinstance(entry, dict) and type(entry.get("logprob")) in (int, float) for entry in content
+    ):
+        raise ValueError(f"expected logprobs content, got {value!r:.80}")
+    return [float(entry["logprob"]) for entry in content]
+
+
+def _read(reader: Any, value: Any, what: str) -> Any:
+    """``reader(value)``, its ``ValueError`` an unreadable answer (``httpx.DecodingError``)."""
+    try:
+        return reader(value)
+    except ValueError as exc:
+        raise httpx.DecodingError(f"vLLM's {what} are unreadable: {exc}") from exc
 
 
 def _answer_of(response: httpx.Response, endpoint: str) -> dict[str, Any]:
@@ -297,8 +358,14 @@ async def _unary(
     body: dict[str, Any],
     prompt: list[int],
     generated: dict[str, Any],
+    sampled: dict[int, _Sampled],
     timeout: httpx.Timeout | None,
 ) -> httpx.Response:
+    """The chat answer: derender's text, tool calls and token strings, with generate's ids,
+    logprobs, finish and stop reasons (derender's own are only a re-telling of them). Raises
+    ``httpx.DecodingError`` when derender answers other choices than generate sampled (their
+    number, an index, or a finish reason differs) or other logprob entries than tokens: text
+    that may not be of these tokens is no answer to record."""
     derender = await client.post(
         replica.endpoint(DERENDER_PATH),
         content=dumps(
@@ -316,24 +383,55 @@ async def _unary(
     if derender.status_code != 200:
         return _error_response(derender, derender.content)
     answer = _answer_of(derender, "derender")
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != len(sampled):
+        raise httpx.DecodingError(
+            f"derender answered {choices!r:.80} for the {len(sampled)} choices generate sampled"
+        )
     # What the chat endpoint adds for ``return_token_ids`` (the gateway always asks): the
     # prompt at the top level, the sampled ids per choice.
     answer["prompt_token_ids"] = prompt
-    sampled = {choice["index"]: choice for choice in generated.get("choices", [])}
     asked_top = bool(body.get("top_logprobs"))
     completion_tokens = 0
-    for choice in answer.get("choices", []):
-        choice["token_ids"] = sampled.get(choice.get("index"), {}).get("token_ids")
-        completion_tokens += len(choice["token_ids"] or ())
-        logprobs = choice.get("logprobs")
-        if not asked_top and logprobs and logprobs.get("content"):
-            for entry in logprobs["content"]:
+    for choice in choices:
+        own = _derendered(choice, sampled)
+        choice["token_ids"] = own.token_ids
+        choice["stop_reason"] = own.stop_reason
+        completion_tokens += len(own.token_ids)
+        if own.logprobs is None:
+            choice["logprobs"] = None  # none sampled: the capture records them as missing
+            continue
+        for entry, logprob in zip(choice["logprobs"]["content"], own.logprobs, strict=True):
+            entry["logprob"] = logprob
+            if not asked_top:
                 entry["top_logprobs"] = []
     usage = answer.get("usage")
     if isinstance(usage, dict):  # every sampled token, the stop token _as_detokenized hid too
         usage["completion_tokens"] = completion_tokens
         usage["total_tokens"] = len(prompt) + completion_tokens
     return httpx.Response(200, content=dumps(answer), headers=JSON_HEADERS)
+
+
+def _derendered(choice: Any, sampled: dict[int, _Sampled]) -> _Sampled:
+    """The generate choice derender's ``choice`` tells. Raises ``httpx.DecodingError`` when it
+    names no sampled choice, another finish reason, or other logprob entries than tokens."""
+    index = choice.get("index") if isinstance(choice, dict) else None
+    own = sampled.get(index) if type(index) is int else None
+    if own is None or choice.get("finish_reason") != own.finish_reason:
+        raise httpx.DecodingError(
+            f"derender answered a choice generate did not sample: {choice!r:.120}"
+        )
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if own.logprobs is not None and not (
+        isinstance(content, list)
+        and len(content) == len(own.logprobs)
+        and all(isinstance(entry, dict) for entry in content)
+    ):
+        raise httpx.DecodingError(
+            f"derender answered {logprobs!r:.80} for the {len(own.logprobs)} tokens sampled"
+        )
+    return own
 
 
 def continues_exactly(replica: Replica, body: dict[str, Any]) -> bool:
