@@ -236,6 +236,17 @@ class GatewaySettings(ConfigFileSettings):
             "every agent."
         ),
     )
+    weight_update_exchange_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "Full-weight update: the overall deadline (seconds) of each pause, prefix cache "
+            "reset, label and resume exchange with a replica, however its bytes trickle in; "
+            "the reload itself gets upstream_total_timeout_s. Past it the replica has failed "
+            "that step (502 weight_update_failed, or a resume retried). Bounds how long calls "
+            "are held by a replica that does not answer its pause."
+        ),
+    )
     weight_update_mode: UpdateMode = Field(
         default="keep",
         description=(

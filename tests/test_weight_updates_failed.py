@@ -62,12 +62,12 @@ def replicas_behind_gateway(
         yield engines, api
 
 
-def _publish(api: httpx.Client, version: int) -> httpx.Response:
+def _publish(api: httpx.Client, version: int, mode: str = "keep") -> httpx.Response:
     body = {
         "version": version,
         "model_name": MODEL,
         "weights_location": f"/ckpt/v{version}",
-        "mode": "keep",
+        "mode": mode,
     }
     return api.post("/admin/weight-updates", json=body)
 
@@ -186,3 +186,21 @@ def test_an_exact_unary_call_in_flight_across_a_failed_kept_update_is_flagged_sp
         assert step.continuation == "exact" and step.outcome == "ok"
         assert step.policy_version == 1
         assert SPLIT_UNKNOWN in step.flags
+
+
+def test_a_drained_update_whose_cache_reset_fails_after_the_reload_refuses_the_replica_too(
+    sqlite_pool: PoolSettings,
+) -> None:
+    with replicas_behind_gateway(sqlite_pool, 1) as ([engine], api):
+        engine.fail(RESET_PATH, 500)
+        failed = _publish(api, 2, "drain")
+        assert failed.status_code == 502, failed.text
+        assert f"accepted the reload: ['{engine.url}']" in failed.json()["error"]["message"]
+        assert engine.book.weights.asked == [RELOAD_PATH, RESET_PATH]
+        refused = _chat(api, "after-drain")
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "replica_weights_unknown"
+        engine.fail(RESET_PATH, None)
+        published = _publish(api, 2, "drain")
+        assert published.status_code == 201, published.text
+        assert _chat(api, "after-drain").headers["x-trajgate-policy-version"] == "2"

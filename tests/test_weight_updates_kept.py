@@ -191,9 +191,14 @@ def test_a_kept_update_aborts_nothing_and_every_token_matches_its_spans_version(
     with (
         base_weights_put_back(vllm, tiny_model_dir),
         # A starved machine can stall vLLM for minutes (seen at load ~37 on 2 cores: a stream
-        # cut at the default 60 s silence); what is tested here is exactness, not that limit.
+        # cut at the default 60 s silence; its pause answers once the step in flight ended):
+        # what is tested here is exactness, not those limits.
         gateway_with(
-            sqlite_pool, free_port(), upstream_url=vllm.url, upstream_between_chunks_timeout_s=600
+            sqlite_pool,
+            free_port(),
+            upstream_url=vllm.url,
+            upstream_between_chunks_timeout_s=600,
+            weight_update_exchange_timeout_s=600,
         ) as gateway,
     ):
         api = httpx.Client(base_url=gateway.url, timeout=600)

@@ -111,6 +111,12 @@ class WeightUpdatePublic(BaseModel):
         "trained on, unless the engine reports the split itself (an exact continuation's "
         "weight_versions)."
     )
+    unresumed_replicas: list[str] = Field(
+        default_factory=list,
+        description="Mode 'keep': replicas whose /resume failed after the version became "
+        "active (tried 3 times): no call is routed to them and /ready counts them unhealthy "
+        "until a /resume, retried at each health check, succeeds.",
+    )
 
 
 class ApiKeyCreate(BaseModel):
@@ -185,7 +191,12 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     would hold only this one; nothing paused); 502 ``weight_update_failed`` when a replica
     failed the update (the version is not registered, the held calls are released; the
     message names the replicas that accepted the reload, which are refused calls until a
-    publish succeeds, ``UpstreamPool.replacing_weights``; publish again)."""
+    publish succeeds, ``UpstreamPool.replacing_weights``; publish again). A replica whose
+    ``/resume`` fails does not fail the publish (the version is active): it is named in
+    ``unresumed_replicas`` and left out of routing until its resume, retried at each health
+    check, succeeds (``UpstreamPool.mark_paused``). Every exchange with a replica has one
+    overall deadline (``weight_update_exchange_timeout_s``; the reload
+    ``upstream_total_timeout_s``), so the pause is bounded."""
     if state.settings.workers > 1:
         raise ConflictError(
             f"full-weight updates need a gateway with one worker process, this one runs "
@@ -202,23 +213,21 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     )
     urls = [replica.url for replica in state.upstreams.replicas]
 
-    timeout_s = state.settings.upstream_total_timeout_s
+    reload_timeout_s = state.settings.upstream_total_timeout_s
+    timeout_s = state.settings.weight_update_exchange_timeout_s
     mode = body.mode or state.settings.weight_update_mode
 
-    registered = False  # the version is active: a failure after it is the resume's alone
-
     async def register() -> None:
-        nonlocal registered
         await run_in_threadpool(
             state.policy.register, body.version, body.model_name, body.weights_location, True
         )
-        registered = True
 
     upstreams = state.upstreams
+    location = body.weights_location
 
     async def reload_and_register() -> None:
         with upstreams.replacing_weights(body.version):
-            await reload_replicas(state.client, urls, body.weights_location, timeout_s)
+            await reload_replicas(state.client, urls, location, timeout_s, reload_timeout_s)
             await register()
 
     label = reload_label(body.version)
@@ -226,11 +235,16 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     async def pause_reload_and_register() -> None:
         await pause_replicas(state.client, urls, timeout_s)
         with upstreams.replacing_weights(body.version):
-            await reload_kept_replicas(state.client, urls, body.weights_location, label, timeout_s)
+            await reload_kept_replicas(
+                state.client, urls, location, label, timeout_s, reload_timeout_s
+            )
             await register()
 
+    unresumed: list[str] = []
+
     async def resume() -> None:
-        await resume_replicas(state.client, urls, timeout_s)
+        unresumed.extend(await resume_replicas(state.client, urls, timeout_s))
+        upstreams.mark_paused(unresumed)
 
     gate = upstreams.gate
     try:
@@ -244,12 +258,6 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
         else:
             raise ValueError(f"weight update mode must be one of {UPDATE_MODES}, got {mode!r}")
     except ReloadError as exc:
-        if registered:
-            raise UpstreamError(
-                f"version {body.version} is registered and active on every replica, but "
-                f"replica {exc.url} did not resume ({exc.detail}): its calls wait until it does",
-                code="weight_update_failed",
-            ) from exc
         if claimed:
             await run_in_threadpool(state.policy.unregister_unused, body.version)
         refused = (
@@ -258,8 +266,14 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
             if exc.weights_unknown
             else ""
         )
+        paused = (
+            f"; replicas not resumed (no call routed to them, /resume retried at each health "
+            f"check): {unresumed}"
+            if unresumed
+            else ""
+        )
         raise UpstreamError(
-            f"{exc}; version {body.version} is not registered{refused}: publish again",
+            f"{exc}; version {body.version} is not registered{refused}{paused}: publish again",
             code="weight_update_failed",
         ) from exc
     state.metrics.record_weight_update(report)
@@ -275,6 +289,7 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
         mode=report.mode,
         kept_calls=report.kept_calls,
         split_unknown_calls=report.split_unknown_calls,
+        unresumed_replicas=unresumed,
     )
 
 

@@ -9,7 +9,14 @@ is the replicas' weight gate: calls wait there while their weights are replaced 
 (``gateway.upstream.weight_update``). A replica that took part in a full-weight update that
 failed (``UpstreamPool.replacing_weights``) may hold weights of no registered version: no call
 is routed to it until a publish succeeds (``weights_unknown_error``, 503), so no step is stamped
-with a version its replica no longer holds.
+with a version its replica no longer holds. A replica whose ``/resume`` after a full-weight
+update failed (``UpstreamPool.mark_paused``) is unhealthy and routed no call until a resume,
+retried at each health check, succeeds.
+
+Every exchange of the health checks has one overall deadline (a replica trickling a byte a
+second cannot stall the round), and the exact-continuation probe runs outside the round, in
+its own task (``UpstreamPool.learn_exact``): a call waits for an unknown probe at most
+``EXACT_PROBE_WAIT_S``, then uses the template.
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -26,9 +33,15 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.errors import ServiceUnavailableError
-from gateway.upstream.weight_update import ReloadError, WeightGate
+from gateway.upstream.weight_update import ReloadError, WeightGate, resume_replicas
 
 log = logging.getLogger("trajgate.upstreams")
+
+# Seconds a call that extends a turn waits for its replica's first exact-continuation probe
+# (``UpstreamPool.learn_exact``) before it is rendered by the template instead.
+EXACT_PROBE_WAIT_S = 5.0
+# A whole probe's deadline, in the health checks' timeouts (it makes up to 6 exchanges).
+EXACT_PROBE_DEADLINE_TIMEOUTS = 3
 
 
 @dataclass
@@ -54,8 +67,11 @@ class Replica:
     # it accepted the reload, or during it: ``UpstreamPool.replacing_weights``); None when it
     # holds the active version's. Never routed to while set.
     weights_unknown: str | None = None
-    # One exact-continuation probe at a time (the health loop's, or a call's that came first).
-    exact_probe: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    # Its /resume after a full-weight update failed: unhealthy and routed no call until a
+    # resume, retried at each health check, succeeds (``UpstreamPool.mark_paused``).
+    paused: bool = False
+    # The exact-continuation probe running now, if any: one at a time (``learn_exact``).
+    exact_probe: asyncio.Task[None] | None = field(default=None, repr=False, compare=False)
     # Parsed once per path: httpx parses a URL string on every request (its host as an IP
     # address included), a measurable share of a call's CPU.
     _endpoints: dict[str, httpx.URL] = field(default_factory=dict, repr=False)
@@ -167,10 +183,16 @@ class UpstreamPool:
                 f"no upstream returns token ids (probed {[r.url for r in self.replicas]}); "
                 "trajgate needs vLLM >= 0.10.2, which honours return_token_ids"
             )
-        known = [r for r in capturing if r.weights_unknown is None]
-        if not known:
-            raise weights_unknown_error(str(capturing[0].weights_unknown))
-        capturing = known
+        serving = [r for r in capturing if r.weights_unknown is None and not r.paused]
+        if not serving:
+            unknown = [r.weights_unknown for r in capturing if r.weights_unknown is not None]
+            if unknown:
+                raise weights_unknown_error(unknown[0])
+            raise NoHealthyUpstreamError(
+                f"every replica is paused ({[r.url for r in capturing]}): its /resume after a "
+                "full-weight update failed; it is retried at each health check"
+            )
+        capturing = serving
         candidates = [r for r in capturing if r.healthy and r.url not in exclude]
         if not candidates:
             # All marked down: try the ones not excluded anyway rather than refusing outright.
@@ -205,6 +227,14 @@ class UpstreamPool:
         for replica in self.replicas:
             replica.weights_unknown = None
 
+    def mark_paused(self, urls: list[str]) -> None:
+        """The replicas at ``urls`` stayed paused after a weight update (their ``/resume``
+        failed): unhealthy and routed no call until ``check_health`` resumes them."""
+        for replica in self.replicas:
+            if replica.url in urls:
+                replica.paused = True
+                replica.healthy = False
+
     def _weights_unknown(self, urls: list[str], why: str) -> None:
         for replica in self.replicas:
             if replica.url in urls:
@@ -221,24 +251,37 @@ class UpstreamPool:
 
     def mark_success(self, replica: Replica) -> None:
         replica.consecutive_failures = 0
-        if not replica.healthy:
+        if not replica.healthy and not replica.paused:
             replica.healthy = True
             log.warning("upstream %s healthy again", replica.url)
 
     async def check_health(self, client: httpx.AsyncClient, timeout_s: float) -> None:
-        """One round of ``GET /health`` on every replica; updates ``healthy``."""
+        """One round of ``GET /health`` on every replica (each exchange within ``timeout_s``
+        in all); updates ``healthy``, resumes a paused replica first (``mark_paused``) and
+        starts the exact-continuation probe of a healthy one that has none yet."""
 
         async def probe(replica: Replica) -> None:
+            if replica.paused:
+                if await resume_replicas(client, [replica.url], timeout_s, tries=1):
+                    return  # still paused: unhealthy, tried again next round
+                replica.paused = False
+                log.warning("upstream %s resumed", replica.url)
             try:
-                response = await client.get(f"{replica.url}/health", timeout=timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    response = await client.get(f"{replica.url}/health", timeout=timeout_s)
                 ok = response.status_code == 200
-            except httpx.HTTPError:
+            except (httpx.HTTPError, TimeoutError):
                 ok = False
             if ok:
                 self.mark_success(replica)
                 if replica.returns_token_ids is None:
-                    replica.returns_token_ids = await probe_token_ids(client, replica, timeout_s)
-                await self.learn_exact(client, replica, timeout_s)
+                    try:
+                        async with asyncio.timeout(2 * timeout_s):  # two exchanges
+                            returns = await probe_token_ids(client, replica, timeout_s)
+                        replica.returns_token_ids = returns
+                    except TimeoutError:
+                        pass  # unknown: asked again next round
+                self.start_exact_probe(client, replica, timeout_s)
             else:
                 replica.consecutive_failures = max(
                     replica.consecutive_failures + 1, self.failures_to_eject
@@ -249,16 +292,44 @@ class UpstreamPool:
 
         await asyncio.gather(*(probe(replica) for replica in self.replicas))
 
+    def start_exact_probe(
+        self, client: httpx.AsyncClient, replica: Replica, timeout_s: float
+    ) -> asyncio.Task[None] | None:
+        """Start ``replica``'s exact-continuation probe (``probe_exact``, within
+        ``EXACT_PROBE_DEADLINE_TIMEOUTS`` x ``timeout_s`` in all; unknown past it, probed again
+        at the next health check) unless one runs or the answer is known; returns the running
+        probe, None when known."""
+        if replica.serves_exact is not None:
+            return None
+        if replica.exact_probe is None or replica.exact_probe.done():
+            replica.exact_probe = asyncio.create_task(self._probe_exact(client, replica, timeout_s))
+        return replica.exact_probe
+
+    async def _probe_exact(
+        self, client: httpx.AsyncClient, replica: Replica, timeout_s: float
+    ) -> None:
+        try:
+            async with asyncio.timeout(EXACT_PROBE_DEADLINE_TIMEOUTS * timeout_s):
+                serves = await probe_exact(client, replica, timeout_s)
+        except TimeoutError:
+            log.warning(
+                "upstream %s: its exact-continuation probe did not end in time", replica.url
+            )
+            serves = None
+        if replica.serves_exact is None:
+            replica.serves_exact = serves
+
     async def learn_exact(
         self, client: httpx.AsyncClient, replica: Replica, timeout_s: float
     ) -> None:
-        """Probe whether ``replica`` serves exact continuation (``probe_exact``) unless that is
-        known. Called by the health checks, and by a call on an exact channel that extends a
-        turn and reached a replica before its first probe: it waits for the probe rather than
-        being rendered by the template for having come first."""
-        async with replica.exact_probe:
-            if replica.serves_exact is None:
-                replica.serves_exact = await probe_exact(client, replica, timeout_s)
+        """Whether ``replica`` serves exact continuation (``probe_exact``), unless known. Called
+        by a call on an exact channel that extends a turn and reached a replica before its
+        first probe ended: it waits for the probe (started if none runs) rather than being
+        rendered by the template for having come first, but at most ``EXACT_PROBE_WAIT_S``
+        (or ``timeout_s`` if shorter); the probe goes on without it."""
+        probe = self.start_exact_probe(client, replica, timeout_s)
+        if probe is not None:
+            await asyncio.wait({probe}, timeout=min(timeout_s, EXACT_PROBE_WAIT_S))
 
     async def health_loop(
         self, client: httpx.AsyncClient, interval_s: float, timeout_s: float

@@ -31,7 +31,13 @@ at a time.
    in flight (its answer comes whole, the split cannot be known), is marked unknown: its step
    is flagged ``policy_version_split_unknown`` and kept out of training (invariant 9), unless
    the engine reports the split itself (below);
-4. ``POST /resume`` on every replica (whatever failed before), then the gate opens.
+4. ``POST /resume`` on every replica (whatever failed before), each tried ``RESUME_TRIES``
+   times; then the gate opens. A replica still paused is marked so (``UpstreamPool.paused``):
+   unhealthy, routed no call, its ``/resume`` retried at each health check until it succeeds.
+
+Every exchange with a replica (pause, reload, reset, label, resume) has one overall deadline,
+not only a per-read timeout, so a replica that trickles a byte a second cannot hold the
+gate closed: the pause is bounded by the sum of those deadlines.
 
 An update that fails part way (a replica refused its pause, reload, cache reset or label, or
 the version could not be registered) marks every call in flight unknown whatever the engine's
@@ -62,6 +68,7 @@ retries an aborted call (tokens were generated under the old policy; the client 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -75,6 +82,7 @@ from gateway.errors import ServiceUnavailableError
 from gateway.settings import UpdateMode
 
 T = TypeVar("T")
+log = logging.getLogger("trajgate.upstreams")
 ABORTED_FOR_WEIGHT_UPDATE = StepOutcome.ABORTED_FOR_WEIGHT_UPDATE
 
 # Seconds the aborted calls get to notice the abort and give their tickets back (they do so
@@ -82,6 +90,10 @@ ABORTED_FOR_WEIGHT_UPDATE = StepOutcome.ABORTED_FOR_WEIGHT_UPDATE
 ABORT_GRACE_S = 10.0
 # Seconds a replica's prefix-cache reset is retried before it is forced (see reload_replicas).
 RESET_RETRY_S = 5.0
+# Tries of a replica's /resume (RESUME_BACKOFF_S apart) before it is left to the health checks,
+# which retry it each round (``UpstreamPool.check_health``): a frozen replica stalls its calls.
+RESUME_TRIES = 3
+RESUME_BACKOFF_S = 0.2
 # ``keep``: a stream's read must have waited this long with nothing arriving to count its
 # tokens, and the split waits at most SETTLE_S in all for the streams to get there.
 QUIET_S = 0.05
@@ -445,7 +457,11 @@ class WeightGate:
 
 
 async def reload_replicas(
-    client: httpx.AsyncClient, urls: list[str], weights_location: str, timeout_s: float
+    client: httpx.AsyncClient,
+    urls: list[str],
+    weights_location: str,
+    timeout_s: float,
+    reload_timeout_s: float,
 ) -> None:
     """Reload full weights from ``weights_location`` (a checkpoint directory every replica can
     read) into each replica in place, then reset its prefix cache (KV cached under the old
@@ -457,6 +473,7 @@ async def reload_replicas(
     answers ``{"success": false}`` while a request still holds KV blocks (an aborted call
     whose disconnect vLLM has not processed yet): retried for ``RESET_RETRY_S``, then forced
     with ``reset_running_requests=true`` (what still runs then is no call of this gateway).
+    Each exchange ends within ``timeout_s``, the reload within ``reload_timeout_s``.
 
     Raises:
         ReloadError: a replica refused or could not be reached, or its prefix cache could not
@@ -465,7 +482,7 @@ async def reload_replicas(
     """
     reloaded: list[str] = []
     for url in urls:
-        await _reload_weights(client, url, weights_location, timeout_s, reloaded)
+        await _reload_weights(client, url, weights_location, reload_timeout_s, reloaded)
         deadline = time.monotonic() + RESET_RETRY_S
         while not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=False):
             if time.monotonic() > deadline:
@@ -482,17 +499,25 @@ async def pause_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: 
         await _post(client, url, "/pause?mode=keep", {}, timeout_s, [])
 
 
-async def resume_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
-    """``POST /resume`` on every replica, each tried even when another failed (a frozen
-    replica stalls every call on it); raises ``ReloadError`` for the first that failed."""
-    failed: ReloadError | None = None
+async def resume_replicas(
+    client: httpx.AsyncClient, urls: list[str], timeout_s: float, tries: int = RESUME_TRIES
+) -> list[str]:
+    """``POST /resume`` on every replica, each tried ``tries`` times (``RESUME_BACKOFF_S``
+    apart) even when another failed (a frozen replica stalls every call on it); returns the
+    replicas still not resumed (logged)."""
+    paused: list[str] = []
     for url in urls:
-        try:
-            await _post(client, url, "/resume", {}, timeout_s, [])
-        except ReloadError as exc:
-            failed = failed or exc
-    if failed is not None:
-        raise failed
+        for attempt in range(tries):
+            try:
+                await _post(client, url, "/resume", {}, timeout_s, [])
+                break
+            except ReloadError as exc:
+                if attempt + 1 == tries:
+                    log.error("upstream %s did not resume after a weight update: %s", url, exc)
+                    paused.append(url)
+                else:
+                    await asyncio.sleep(RESUME_BACKOFF_S)
+    return paused
 
 
 async def reload_kept_replicas(
@@ -501,14 +526,15 @@ async def reload_kept_replicas(
     weights_location: str,
     label: str,
     timeout_s: float,
+    reload_timeout_s: float,
 ) -> None:
-    """The reload of a ``keep`` update on paused replicas: ``reload_weights``, the prefix cache
-    reset with the frozen requests preempted (recomputed under the new weights on resume),
-    then the engine's weight version label set to ``label`` (``reload_label``). Raises
-    ``ReloadError``."""
+    """The reload of a ``keep`` update on paused replicas: ``reload_weights`` (within
+    ``reload_timeout_s``), the prefix cache reset with the frozen requests preempted
+    (recomputed under the new weights on resume), then the engine's weight version label set
+    to ``label`` (``reload_label``; each within ``timeout_s``). Raises ``ReloadError``."""
     reloaded: list[str] = []
     for url in urls:
-        await _reload_weights(client, url, weights_location, timeout_s, reloaded)
+        await _reload_weights(client, url, weights_location, reload_timeout_s, reloaded)
         if not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=True):
             raise ReloadError(url, reloaded, "its prefix cache could not be reset")
         label_body = {"new_version": label}
@@ -557,13 +583,19 @@ async def _post(
     *,
     reloading: bool = False,
 ) -> httpx.Response:
-    """POST ``body`` to the replica; raises ``ReloadError`` naming the replicas that accepted
-    the reload (``reloaded``). ``reloading``: the request is a reload, so a failure once it
-    was sent (an answer of 5xx, a timeout, a cut connection) may have left the replica's
-    weights part loaded (``ReloadError.partial``); one never sent (no connection) or refused
-    as a request (4xx: no such route, a bad body) changed nothing."""
+    """POST ``body`` to the replica and read its whole answer within ``timeout_s`` in all
+    (a per-read timeout alone lets a peer that trickles a byte a second hold it forever);
+    raises ``ReloadError`` naming the replicas that accepted the reload (``reloaded``).
+    ``reloading``: the request is a reload, so a failure once it was sent (an answer of 5xx,
+    a timeout, a cut connection) may have left the replica's weights part loaded
+    (``ReloadError.partial``); one never sent (no connection) or refused as a request (4xx: no
+    such route, a bad body) changed nothing."""
     try:
-        response = await client.post(f"{url}{path}", json=body, timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            response = await client.post(f"{url}{path}", json=body, timeout=timeout_s)
+    except TimeoutError as exc:
+        detail = f"no whole answer to {path} within {timeout_s} s"
+        raise ReloadError(url, reloaded, detail, partial=reloading) from exc
     except httpx.HTTPError as exc:
         unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
         raise ReloadError(url, reloaded, repr(exc), partial=reloading and not unsent) from exc

@@ -24,6 +24,10 @@ from trajgate.bench.weight_endpoints import WeightEndpoints
 from trajgate.config import ConfigFileSettings
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-emulated"
+# How a path told to fail answers (``EmulatorThread.fail``): an HTTP status, "hang" (never a
+# byte) or "trickle" (a 200 head, then one body byte every TRICKLE_S, never the end).
+Fault = int | Literal["hang", "trickle"]
+TRICKLE_S = 0.1
 _ID_MARK = "@@TRAJGATE_ID@@"
 _CREATED_MARK = "@@TRAJGATE_CREATED@@"
 # With prompt_ids="messages" the prompt differs per request: its IDs and counts are marks in the
@@ -118,6 +122,8 @@ class ResponseBook:
         self.answers_flow.set()
         self.held_answers = 0
         self.weights = WeightEndpoints()  # the weight-update endpoints and the engine's label
+        # Path -> how a request to it fails instead (``EmulatorThread.fail``).
+        self.faults: dict[str, Fault] = {}
 
     def prompt_of(self, body: dict[str, Any]) -> list[int]:
         """The prompt's IDs ``[P]`` for a request ``body`` (see ``prompt_ids``); raises

@@ -35,7 +35,9 @@ mid-way knows the stream is still open whatever the machine's load (tests/test_p
 until ``release_answers`` (``held_answers`` says how many wait), so a test knows a call is in
 flight upstream while it does something else (tests/test_weight_updates_failed.py). The
 weight-update endpoints a full-weight update sends (``trajgate.bench.weight_endpoints``) answer
-as vLLM's dev mode does, or fail as told (``EmulatorThread.fail``).
+as vLLM's dev mode does. ``EmulatorThread.fail`` makes any path answer an error status, hang
+(no byte ever) or trickle (a 200 head, then a body byte every 0.1 s that never ends: a peer
+that beats every per-read timeout).
 
 ``ResponseBook.token_times`` keeps, for the latest streamed answers, when each token's chunk was
 written (``time.monotonic()`` seconds, taken just before the write), so a test can compare when
@@ -56,7 +58,9 @@ from trajgate.bench import scale_out, weight_endpoints
 from trajgate.bench.book import (
     _MAX_HEAD_BYTES,
     SYSTEM_FINGERPRINT,
+    TRICKLE_S,
     EmulatorSettings,
+    Fault,
     ResponseBook,
     _dumps,
     _Shape,
@@ -127,8 +131,12 @@ class _Connection(asyncio.Protocol):
             self._next_request()
 
     async def _route(self, method: str, path: str, body: bytes) -> None:
-
-        if path == "/health" and method == "GET":
+        if path in weight_endpoints.PATHS:
+            self.book.weights.asked.append(path)
+        fault = self.book.faults.get(path)
+        if fault is not None:
+            await self._fail(path, fault)
+        elif path == "/health" and method == "GET":
             self._send(200, b"")
         elif path == "/v1/models" and method == "GET":
             entry = {"id": self.book.settings.model, "object": "model", "owned_by": "vllm"}
@@ -198,6 +206,23 @@ class _Connection(asyncio.Protocol):
             self._send(200, parts[0])
             return
         await self._stream(parts, shape, shape.n, first_at, gap_s)
+
+    async def _fail(self, path: str, fault: Fault) -> None:
+        """Answer as ``fault`` says (``EmulatorThread.fail``); a hang or a trickle ends when
+        the client hangs up (``connection_lost`` cancels this task)."""
+        if fault == "hang":
+            await asyncio.Event().wait()
+        elif fault == "trickle":
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            self._write(head + b"content-length: 1048576\r\n\r\n")
+            while True:
+                await asyncio.sleep(TRICKLE_S)
+                self._write(b" ")
+        elif isinstance(fault, int):
+            message = f"{path} failed (the emulator was told to fail it)"
+            self._send(fault, _dumps(weight_endpoints.error_body(fault, message)))
+        else:
+            raise ValueError(f"a fault is an HTTP status, 'hang' or 'trickle', got {fault!r}")
 
     async def _held(self) -> None:
         """Wait while unary answers are held (``EmulatorThread.hold_answers``)."""
@@ -334,18 +359,17 @@ class EmulatorThread:
         """How many unary answers wait now (``hold_answers``)."""
         return self.book.held_answers
 
-    def fail(self, path: str, status: int | None) -> None:
-        """From now on, the weight-update endpoint ``path`` (``weight_endpoints.PATHS``)
-        answers ``status`` and changes nothing; None: it answers as usual again."""
-        if path not in weight_endpoints.PATHS:
-            raise ValueError(f"path must be one of {weight_endpoints.PATHS}, got {path!r}")
-        faults = self.book.weights.faults
+    def fail(self, path: str, fault: Fault | None) -> None:
+        """From now on, requests to ``path`` (without its query) fail as ``fault`` says and
+        change nothing: an HTTP status (vLLM's error envelope), "hang" or "trickle"; None:
+        ``path`` answers as usual again."""
+        faults = self.book.faults
 
         def set_fault() -> None:
-            if status is None:
+            if fault is None:
                 faults.pop(path, None)
             else:
-                faults[path] = status
+                faults[path] = fault
 
         self._in_loop(set_fault)
 
