@@ -76,7 +76,8 @@ def test_horizon_reports_every_tenth_of_sessions_stored_exactly() -> None:
             for figure in ("stored_bytes_per_step", "step_read_bytes", "direct_p50_ms"):
                 assert t[figure] > 0, figure
             assert t["gateway_p50_ms"] > 0 and t["trajectory_view_ms"] > 0
-            assert t["gateway_cpu_ms_per_call"] >= 0  # /proc counts in ticks: a tenth may read 0
+            # /proc counts in 10 ms ticks: a tenth of two calls may read 0
+            assert t["gateway_cpu_ms_per_call"] >= 0 and t["gateway_loop_cpu_ms_per_call"] >= 0
         # the history grows by an answer and a tool result per turn, the view by a step
         for figure in ("request_bytes", "trajectory_view_bytes"):
             values = [t[figure] for t in tenths]

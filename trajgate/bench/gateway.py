@@ -435,12 +435,14 @@ async def drive(
     return sample
 
 
-def process_cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds a process has used so far (Linux ``/proc``); None if unknown."""
+def process_cpu_s(pid: int | None, thread: int | None = None) -> float | None:
+    """User + system CPU seconds a process (or one of its threads: ``thread``, its id) has
+    used so far (Linux ``/proc``); None if unknown."""
     if pid is None:
         return None
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     # Fields 14 and 15 (utime, stime) of proc(5), counted after the ")" that ends field 2.

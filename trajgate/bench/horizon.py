@@ -20,7 +20,9 @@ and wait for each other at the end of every tenth. Per tenth ``k`` (turns ``[k T
   ``gateway_p50_ms``: through the gateway; ``added_p50_ms`` = the difference of the two p50s
   (wall ms from sending the request to the last byte of the answer).
 - ``gateway_cpu_ms_per_call``: the gateway process's user + system CPU (``/proc``) over the
-  tenth's gateway calls ÷ those calls.
+  tenth's gateway calls ÷ those calls; ``gateway_loop_cpu_ms_per_call`` the same of its main
+  thread alone (the event loop: what every call waits on; the rest is the pool's writer and
+  the threads of its lookups).
 - ``request_bytes``: mean size of the client's body (bytes).
 - ``stored_bytes_per_step``: mean over the tenth's steps of what the pool keeps per step: its
   ``steps`` row, every row of any table with a ``step_id`` column naming it
@@ -80,6 +82,7 @@ WARMUP_TURNS = 3
 # Figures whose last tenth ÷ first tenth the report gives.
 RATIO_FIGURES = (
     "gateway_cpu_ms_per_call",
+    "gateway_loop_cpu_ms_per_call",
     "gateway_p50_ms",
     "added_p50_ms",
     "request_bytes",
@@ -258,9 +261,10 @@ async def _sessions(
             direct = [_bodies(settings, "chat", stream, answer, s, span) for s in range(n)]
             sent = [_bodies(settings, dialect, stream, answer, s, span) for s in range(n)]
             direct_ms, direct_errors = await _send_all(direct_callers, direct_paths, direct, stream)
-            cpu_before = process_cpu_s(targets.gateway_pid)
+            pid = targets.gateway_pid
+            cpu_before, loop_before = process_cpu_s(pid), process_cpu_s(pid, pid)
             gateway_ms, gateway_errors = await _send_all(gateway_callers, paths, sent, stream)
-            cpu_after = process_cpu_s(targets.gateway_pid)
+            cpu_after, loop_after = process_cpu_s(pid), process_cpu_s(pid, pid)
             errors += direct_errors + gateway_errors
             view_ms, view_bytes = await _timed_get(
                 view_client, f"/api/inspector/trajectories/{trajectories[0]}"
@@ -273,11 +277,8 @@ async def _sessions(
                     "calls": calls,
                     "errors": len(direct_errors) + len(gateway_errors),
                     "request_bytes": round(statistics.fmean(len(b) for s in sent for b in s)),
-                    "gateway_cpu_ms_per_call": (
-                        None
-                        if cpu_before is None or cpu_after is None
-                        else round((cpu_after - cpu_before) * 1000.0 / calls, 3)
-                    ),
+                    "gateway_cpu_ms_per_call": _per_call_ms(cpu_before, cpu_after, calls),
+                    "gateway_loop_cpu_ms_per_call": _per_call_ms(loop_before, loop_after, calls),
                     **_latencies(direct_ms, gateway_ms),
                     "trajectory_view_ms": view_ms,
                     "trajectory_view_bytes": view_bytes,
@@ -317,6 +318,12 @@ async def _sessions(
         "tenths": tenths,
         "last_over_first": last_over_first(tenths),
     }
+
+
+def _per_call_ms(before_s: float | None, after_s: float | None, calls: int) -> float | None:
+    if before_s is None or after_s is None:
+        return None
+    return round((after_s - before_s) * 1000.0 / calls, 3)
 
 
 def _latencies(direct_ms: list[float], gateway_ms: list[float]) -> dict[str, float | None]:
