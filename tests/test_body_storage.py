@@ -309,11 +309,11 @@ def test_a_fresh_process_continues_the_body_deltas_and_reads_them_back(
 
 
 def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_whole(
-    tmp_path: Path,
+    empty_database_url: str, tmp_path: Path
 ) -> None:
     """Steps of all four dialects as 0014 stored them (every body whole but the history
     lists) shrink on upgrade and read back the same; downgrade gives the 0014 form back."""
-    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    url = empty_database_url
     db.upgrade(url)
     settings = PoolSettings(data_dir=tmp_path / "d", database_url=url)
     store = PoolStore(make_engine(url), settings)
@@ -328,8 +328,8 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
     with engine.connect() as connection:
         rows = connection.execute(
             text(
-                "SELECT trajectory_id, request, upstream_request, canonical FROM steps "
-                "ORDER BY step_index"
+                "SELECT trajectory_id, step_index, history_field, request, upstream_request, "
+                "canonical FROM steps"
             )
         ).all()
         whole = sum(
@@ -337,16 +337,20 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
             for t in ("trajectories", "steps", "step_payloads")
         )
     engine.dispose()
-    for trajectory_id, request, upstream, canonical in rows:
-        call = sent[trajectory_id][0]
-        # 0014's form: the tool list inline in every body, not a reference.
-        assert json.loads(request).get("tools") == call.request.get("tools")
+    assert len(rows) == 4 * 6
+    for trajectory_id, step_index, field, request, upstream, canonical in rows:
+        call = sent[trajectory_id][step_index]
+        assert call.canonical is not None
+        # 0014's form: every field whole (the tool list inline in each body) but the history
+        # lists, which 0007 and 0013 store as deltas; a translated upstream body whole.
+        stored, record = _json(request), _json(canonical)
+        assert list(stored) == list(call.request)
+        for name, value in call.request.items():
+            assert name == field or same_json(stored[name], value), name
+        for name, value in call.canonical.to_json().items():
+            assert name == "messages" or same_json(record[name], value), name
         if upstream is not None:
-            assert (
-                json.loads(upstream)["tools" if trajectory_id != "completions" else "prompt"]
-                is not None
-            )
-        assert json.loads(canonical)["tools"] == call.canonical.to_json()["tools"]  # type: ignore[union-attr]
+            assert same_json(_json(upstream), call.upstream_request)
     assert whole > 2 * compact
     db.upgrade(url)
     store = PoolStore(make_engine(url), settings)
@@ -354,6 +358,11 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
     for trajectory_id, calls in sent.items():
         assert_read_back_as_sent(store, trajectory_id, calls)
     store.engine.dispose()
+
+
+def _json(value: Any) -> Any:
+    """A JSON column as read by raw SQL: text on SQLite, decoded by psycopg on PostgreSQL."""
+    return json.loads(value) if isinstance(value, str) else value
 
 
 @pytest.mark.parametrize(("dialect", "body"), SESSIONS[:3], ids=lambda d: getattr(d, "name", ""))
