@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import Connection, text
 
 from datapool import db
@@ -21,11 +22,13 @@ from datapool.settings import PoolSettings
 from datapool.steps.bodies import BLOB_MIN_BYTES
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
+from gateway.app import create_app
 from gateway.dialects import Dialect
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.dialects.completions.serving import Completions
 from gateway.dialects.messages import Messages
 from gateway.dialects.responses import Responses
+from gateway.settings import GatewaySettings
 
 SYSTEM = "You are a coding agent. Work in the repository, run the tests, keep changes small. " * 8
 TASK = "Fix the failing test in tests/test_parser.py."
@@ -408,3 +411,15 @@ def test_a_rewritten_message_stores_the_upstream_messages_from_it_on_and_reads_b
     assert upstream[9]["content"] == "(cut)"
     assert json.loads(deltas)["upstream"]["messages"] == 9
     assert_read_back_as_sent(store, "t", calls)
+
+
+def test_the_step_api_answers_the_request_as_sent(sqlite_pool: PoolSettings) -> None:
+    """``GET /api/steps/{id}`` of a late Messages step: its system prompt and tool list (blobs)
+    and its history (deltas) come back as the client sent them, key order included."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls = run_session(store, Messages(), messages_body, 12, "t")
+    last = store.steps_of("t")[-1].id
+    with TestClient(create_app(GatewaySettings(), sqlite_pool), base_url="http://127.0.0.1") as api:
+        answer = api.get(f"/api/steps/{last}")
+    assert answer.status_code == 200
+    assert json.dumps(answer.json()["request"]) == json.dumps(calls[-1].request)
