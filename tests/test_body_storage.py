@@ -423,3 +423,31 @@ def test_the_step_api_answers_the_request_as_sent(sqlite_pool: PoolSettings) -> 
         answer = api.get(f"/api/steps/{last}")
     assert answer.status_code == 200
     assert json.dumps(answer.json()["request"]) == json.dumps(calls[-1].request)
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
+    sqlite_pool: PoolSettings,
+    dialect: Dialect,
+    body: Callable[[int], dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding what a call shares with its parent takes one ``json.dumps`` per list (of the
+    parent's length), then one per new item: the count does not grow with the history (it
+    was one per message of every list, 1,244 at turn 200 of a Messages session)."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    counts: list[int] = []
+    real_dumps = json.dumps
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        counts[-1] += 1
+        return real_dumps(*args, **kwargs)
+
+    for turn in range(61):
+        call = turn_call(dialect, body(turn), turn)
+        counts.append(0)
+        monkeypatch.setattr(json, "dumps", counting)
+        store.record_call("t", call)
+        monkeypatch.setattr(json, "dumps", real_dumps)
+    assert counts[60] == counts[20], (counts[20], counts[60])
+    store.engine.dispose()
