@@ -19,7 +19,7 @@ from datapool.queries.export import export_trajectories
 from datapool.rewards.functions import tool_call_format
 from datapool.rewards.values import RewardContext
 from datapool.settings import PoolSettings
-from datapool.steps.bodies import BLOB_MIN_BYTES
+from datapool.steps.bodies import BLOB_MIN_BYTES, RequestMissingError
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
 from gateway.app import create_app
@@ -451,3 +451,16 @@ def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
         monkeypatch.setattr(json, "dumps", real_dumps)
     assert counts[60] == counts[20], (counts[20], counts[60])
     store.engine.dispose()
+
+
+def test_a_missing_blob_is_an_error_not_a_null_tool_list(sqlite_pool: PoolSettings) -> None:
+    """A body whose blob row is gone reads as an error naming the step and the blob, never as
+    the null placeholder its stored row holds."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    run_session(store, ChatCompletions(), chat_body, 2, "t")
+    with store.engine.begin() as connection:
+        connection.execute(text("DELETE FROM json_blobs"))
+    with store.engine.connect() as connection:
+        step_id = connection.execute(text("SELECT id FROM steps WHERE step_index = 1")).scalar_one()
+    with pytest.raises(RequestMissingError, match=f"step {step_id} stores its 'tools' as blob"):
+        store.get_step(step_id)
