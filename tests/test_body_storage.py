@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import Connection, text
 
 from datapool import db
@@ -18,14 +19,16 @@ from datapool.queries.export import export_trajectories
 from datapool.rewards.functions import tool_call_format
 from datapool.rewards.values import RewardContext
 from datapool.settings import PoolSettings
-from datapool.steps.bodies import BLOB_MIN_BYTES
+from datapool.steps.bodies import BLOB_MIN_BYTES, RequestMissingError
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
+from gateway.app import create_app
 from gateway.dialects import Dialect
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.dialects.completions.serving import Completions
 from gateway.dialects.messages import Messages
 from gateway.dialects.responses import Responses
+from gateway.settings import GatewaySettings
 
 SYSTEM = "You are a coding agent. Work in the repository, run the tests, keep changes small. " * 8
 TASK = "Fix the failing test in tests/test_parser.py."
@@ -309,11 +312,11 @@ def test_a_fresh_process_continues_the_body_deltas_and_reads_them_back(
 
 
 def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_whole(
-    tmp_path: Path,
+    empty_database_url: str, tmp_path: Path
 ) -> None:
     """Steps of all four dialects as 0014 stored them (every body whole but the history
     lists) shrink on upgrade and read back the same; downgrade gives the 0014 form back."""
-    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    url = empty_database_url
     db.upgrade(url)
     settings = PoolSettings(data_dir=tmp_path / "d", database_url=url)
     store = PoolStore(make_engine(url), settings)
@@ -328,8 +331,8 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
     with engine.connect() as connection:
         rows = connection.execute(
             text(
-                "SELECT trajectory_id, request, upstream_request, canonical FROM steps "
-                "ORDER BY step_index"
+                "SELECT trajectory_id, step_index, history_field, request, upstream_request, "
+                "canonical FROM steps"
             )
         ).all()
         whole = sum(
@@ -337,16 +340,20 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
             for t in ("trajectories", "steps", "step_payloads")
         )
     engine.dispose()
-    for trajectory_id, request, upstream, canonical in rows:
-        call = sent[trajectory_id][0]
-        # 0014's form: the tool list inline in every body, not a reference.
-        assert json.loads(request).get("tools") == call.request.get("tools")
+    assert len(rows) == 4 * 6
+    for trajectory_id, step_index, field, request, upstream, canonical in rows:
+        call = sent[trajectory_id][step_index]
+        assert call.canonical is not None
+        # 0014's form: every field whole (the tool list inline in each body) but the history
+        # lists, which 0007 and 0013 store as deltas; a translated upstream body whole.
+        stored, record = _json(request), _json(canonical)
+        assert list(stored) == list(call.request)
+        for name, value in call.request.items():
+            assert name == field or same_json(stored[name], value), name
+        for name, value in call.canonical.to_json().items():
+            assert name == "messages" or same_json(record[name], value), name
         if upstream is not None:
-            assert (
-                json.loads(upstream)["tools" if trajectory_id != "completions" else "prompt"]
-                is not None
-            )
-        assert json.loads(canonical)["tools"] == call.canonical.to_json()["tools"]  # type: ignore[union-attr]
+            assert same_json(_json(upstream), call.upstream_request)
     assert whole > 2 * compact
     db.upgrade(url)
     store = PoolStore(make_engine(url), settings)
@@ -354,6 +361,11 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
     for trajectory_id, calls in sent.items():
         assert_read_back_as_sent(store, trajectory_id, calls)
     store.engine.dispose()
+
+
+def _json(value: Any) -> Any:
+    """A JSON column as read by raw SQL: text on SQLite, decoded by psycopg on PostgreSQL."""
+    return json.loads(value) if isinstance(value, str) else value
 
 
 @pytest.mark.parametrize(("dialect", "body"), SESSIONS[:3], ids=lambda d: getattr(d, "name", ""))
@@ -399,3 +411,56 @@ def test_a_rewritten_message_stores_the_upstream_messages_from_it_on_and_reads_b
     assert upstream[9]["content"] == "(cut)"
     assert json.loads(deltas)["upstream"]["messages"] == 9
     assert_read_back_as_sent(store, "t", calls)
+
+
+def test_the_step_api_answers_the_request_as_sent(sqlite_pool: PoolSettings) -> None:
+    """``GET /api/steps/{id}`` of a late Messages step: its system prompt and tool list (blobs)
+    and its history (deltas) come back as the client sent them, key order included."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls = run_session(store, Messages(), messages_body, 12, "t")
+    last = store.steps_of("t")[-1].id
+    with TestClient(create_app(GatewaySettings(), sqlite_pool), base_url="http://127.0.0.1") as api:
+        answer = api.get(f"/api/steps/{last}")
+    assert answer.status_code == 200
+    assert json.dumps(answer.json()["request"]) == json.dumps(calls[-1].request)
+
+
+@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
+    sqlite_pool: PoolSettings,
+    dialect: Dialect,
+    body: Callable[[int], dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finding what a call shares with its parent takes one ``json.dumps`` per list (of the
+    parent's length), then one per new item: the count does not grow with the history (it
+    was one per message of every list, 1,244 at turn 200 of a Messages session)."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    counts: list[int] = []
+    real_dumps = json.dumps
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        counts[-1] += 1
+        return real_dumps(*args, **kwargs)
+
+    for turn in range(61):
+        call = turn_call(dialect, body(turn), turn)
+        counts.append(0)
+        monkeypatch.setattr(json, "dumps", counting)
+        store.record_call("t", call)
+        monkeypatch.setattr(json, "dumps", real_dumps)
+    assert counts[60] == counts[20], (counts[20], counts[60])
+    store.engine.dispose()
+
+
+def test_a_missing_blob_is_an_error_not_a_null_tool_list(sqlite_pool: PoolSettings) -> None:
+    """A body whose blob row is gone reads as an error naming the step and the blob, never as
+    the null placeholder its stored row holds."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    run_session(store, ChatCompletions(), chat_body, 2, "t")
+    with store.engine.begin() as connection:
+        connection.execute(text("DELETE FROM json_blobs"))
+    with store.engine.connect() as connection:
+        step_id = connection.execute(text("SELECT id FROM steps WHERE step_index = 1")).scalar_one()
+    with pytest.raises(RequestMissingError, match=f"step {step_id} stores its 'tools' as blob"):
+        store.get_step(step_id)

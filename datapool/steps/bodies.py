@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -177,11 +177,18 @@ def encode_body(
     return EncodedBody(stored, spec, BodyKeys(lists, strings, blobs), new_blobs)
 
 
-def body_keys(body: Mapping[str, Any], spec: Mapping[str, FieldSpec] | None) -> BodyKeys:
+def body_keys(
+    body: Mapping[str, Any],
+    spec: Mapping[str, FieldSpec] | None,
+    key: Callable[[Any], str] = message_key,
+) -> BodyKeys:
     """The memory ``encode_body`` would keep of ``body`` (a full body, read back), given the
-    ``spec`` it was stored with: for a writer that rebuilds its memory from the pool."""
+    ``spec`` it was stored with: for a writer that rebuilds its memory from the pool. ``key``
+    is ``message_key``, or one that returns the same string for an item shared with the
+    parent's body (a read-back body shares its parent's item objects), so a trajectory's
+    memory holds each item's text once, not once per step."""
     lists = {
-        name: [message_key(item) for item in value]
+        name: [key(item) for item in value]
         for name, value in body.items()
         if isinstance(value, list)
     }

@@ -383,14 +383,14 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
             deltas = row.body_deltas or {}
             bodies: dict[Doc, BodyKeys] = {
                 "request": body_keys(
-                    _without(row.request, row.history_field), deltas.get("request")
+                    _without(row.request, row.history_field), deltas.get("request"), key
                 )
             }
             if row.upstream_request_patch is None and row.upstream_request is not None:
-                bodies["upstream"] = body_keys(row.upstream_request, deltas.get("upstream"))
+                bodies["upstream"] = body_keys(row.upstream_request, deltas.get("upstream"), key)
             if row.canonical is not None:
                 bodies["canonical"] = body_keys(
-                    _without(row.canonical, "messages"), deltas.get("canonical")
+                    _without(row.canonical, "messages"), deltas.get("canonical"), key
                 )
             tokens.add(
                 row.id,

@@ -10,8 +10,8 @@ The write path reads top-down: ``record_calls`` opens the transaction; ``_record
 batch's trajectories and brings the lineage memory up to date; ``_steps_of_call`` then takes
 each call through one module per concept, in order: its parent and any prefix break
 (``lineage``, ``prefix``), its token payload as a prompt delta (``payloads``), its requests as a
-message delta and a merge patch (``messages``), and its SQL rows (``rows``). None of them calls
-back into this module.
+message delta and a merge patch, every other field as a delta or a shared blob (``messages``,
+``bodies``), and its SQL rows (``transaction``). None of them calls back into this module.
 """
 
 from __future__ import annotations

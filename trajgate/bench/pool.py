@@ -25,7 +25,8 @@ final sequence ``P_T + R_T``), ``amplification_before_compaction`` (the SQL blob
 ``bytes_per_token`` (stored bytes ÷ those final-sequence tokens, the distinct tokens),
 ``sql_bytes`` (the database's size once every step is committed, before compaction: SQLite's
 pages after a WAL checkpoint, PostgreSQL's ``pg_database_size``), ``request_bytes`` (the JSON
-text of the steps' stored requests, upstream requests and patches, part of ``sql_bytes``),
+text of the steps' stored requests, upstream requests, patches and body deltas, and of the
+``json_blobs`` they share, part of ``sql_bytes``),
 ``read_tokens_per_s`` (prompt tokens reconstructed per second reading every step back) and
 ``exact`` (every prompt, response, logprob and request equal to what was written).
 
@@ -56,7 +57,7 @@ from sqlalchemy.engine import make_url
 
 from datapool import db
 from datapool.db import make_engine
-from datapool.models import PayloadFile, Step, StepPayload
+from datapool.models import JsonBlob, PayloadFile, Step, StepPayload
 from datapool.settings import PoolSettings
 from datapool.steps.records import AttemptRecord, CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
@@ -285,8 +286,13 @@ def bench_pool(
                     func.coalesce(func.length(cast(Step.request, Text)), 0)
                     + func.coalesce(func.length(cast(Step.upstream_request, Text)), 0)
                     + func.coalesce(func.length(cast(Step.upstream_request_patch, Text)), 0)
+                    + func.coalesce(func.length(cast(Step.body_deltas, Text)), 0)
                 )
             )
+        )
+        # Values the steps share (tool lists, system prompts) are stored once, there.
+        request_bytes = (request_bytes or 0) + (
+            session.scalar(select(func.sum(func.length(JsonBlob.body)))) or 0
         )
     while store.payloads.compact(settings.compaction_max_steps) is not None:
         pass
