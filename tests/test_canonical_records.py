@@ -239,6 +239,7 @@ def test_migration_0013_gives_steps_stored_before_it_their_canonical_record(
         store.record_call(f"old-{position}", call)
     expected = {f"old-{i}": call.canonical for i, call in enumerate(calls)}
     # What the pool held before 0013: neither column; then the migration runs.
+    db.downgrade(url, "0014")  # the bodies whole, as 0013 left them
     with store.engine.begin() as connection:
         connection.execute(update(Step).values(canonical=None, history_field=None))
     db.downgrade(url, "0012")
@@ -285,6 +286,7 @@ def test_migration_0013_gives_delta_stored_turns_the_records_and_bases_the_pool_
         ).all()
     assert [base for _, _, base in written].count(None) == 0
     assert any(base for _, _, base in written)  # the second turns are deltas
+    db.downgrade(url, "0014")  # the bodies whole, as 0013 left them
     with store.engine.begin() as connection:
         connection.execute(update(Step).values(canonical=None, history_field=None))
     db.downgrade(url, "0012")
@@ -293,7 +295,10 @@ def test_migration_0013_gives_delta_stored_turns_the_records_and_bases_the_pool_
         migrated = connection.execute(
             select(Step.id, Step.canonical, Step.canonical_base).order_by(Step.id)
         ).all()
-    assert migrated == written
+    # The bases as the pool wrote them; the records themselves are compared as read back below
+    # (the stored columns may differ in form: the writer keeps a list that extends the parent's
+    # as a delta, migration 0015 only where the upstream body does).
+    assert [(i, base) for i, _, base in migrated] == [(i, base) for i, _, base in written]
     store = PoolStore(make_engine(url), store.settings)
     for dialect, _ in DIALECTS:
         first, second = expected[f"chain-{dialect.name}"]
