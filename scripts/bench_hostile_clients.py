@@ -108,61 +108,6 @@ def slow(port: int, pid: int, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
-    content = "x" * int(args.body_mib * 1024 * 1024)
-    body = {"model": "emulated", "messages": [{"role": "user", "content": content}]}
-    payload = json.dumps(body).encode()
-    before = rss_mb(pid)
-    peak = [before]
-    health_ms: list[float] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_mb(pid))
-            time.sleep(0.02)
-
-    def poll_health() -> None:
-        with httpx.Client(timeout=60) as client:
-            while not done.is_set():
-                started = time.perf_counter()
-                client.get(f"{url}/health")
-                health_ms.append((time.perf_counter() - started) * 1000)
-                time.sleep(0.05)
-
-    def call(index: int) -> int:
-        with httpx.Client(timeout=300) as client:
-            answer = client.post(
-                f"{url}/t/big-{index}/v1/chat/completions",
-                content=payload,
-                headers={"content-type": "application/json"},
-            )
-            return answer.status_code
-
-    watchers = [threading.Thread(target=sample), threading.Thread(target=poll_health)]
-    for watcher in watchers:
-        watcher.start()
-    time.sleep(0.5)
-    started = time.monotonic()
-    with ThreadPoolExecutor(args.connections) as pool:
-        statuses = list(pool.map(call, range(args.connections)))
-    elapsed = time.monotonic() - started
-    done.set()
-    for watcher in watchers:
-        watcher.join()
-    return {
-        "mode": "bodies",
-        "connections": args.connections,
-        "body_mib": args.body_mib,
-        "statuses": sorted(set(statuses)),
-        "seconds": round(elapsed, 2),
-        "rss_mb_before": round(before, 1),
-        "rss_mb_peak": round(peak[0], 1),
-        "health_ms_median": round(statistics.median(health_ms), 1),
-        "health_ms_max": round(max(health_ms), 1),
-    }
-
-
 # Bytes of one emulated answer per token with its logprob (measured: 20,000 tokens, 1.78 MB).
 ANSWER_BYTES_PER_TOKEN = 89
 
@@ -187,6 +132,59 @@ def peak_rss(pid: int, work: Callable[[], list[int]]) -> tuple[float, float, lis
         done.set()
         sampler.join()
     return before, peak[0], result
+
+
+def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
+    content = "x" * int(args.body_mib * 1024 * 1024)
+    body = {"model": "emulated", "messages": [{"role": "user", "content": content}]}
+    payload = json.dumps(body).encode()
+    health_ms: list[float] = []
+    polled = threading.Event()
+    elapsed = [0.0]
+
+    def poll_health() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not polled.is_set():
+                started = time.perf_counter()
+                client.get(f"{url}/health")
+                health_ms.append((time.perf_counter() - started) * 1000)
+                time.sleep(0.05)
+
+    def call(index: int) -> int:
+        with httpx.Client(timeout=300) as client:
+            answer = client.post(
+                f"{url}/t/big-{index}/v1/chat/completions",
+                content=payload,
+                headers={"content-type": "application/json"},
+            )
+            return answer.status_code
+
+    def work() -> list[int]:
+        poller = threading.Thread(target=poll_health)
+        poller.start()
+        try:
+            time.sleep(0.5)
+            started = time.monotonic()
+            with ThreadPoolExecutor(args.connections) as pool:
+                statuses = list(pool.map(call, range(args.connections)))
+            elapsed[0] = time.monotonic() - started
+            return statuses
+        finally:
+            polled.set()
+            poller.join()
+
+    before, peak, statuses = peak_rss(pid, work)
+    return {
+        "mode": "bodies",
+        "connections": args.connections,
+        "body_mib": args.body_mib,
+        "statuses": sorted(set(statuses)),
+        "seconds": round(elapsed[0], 2),
+        "rss_mb_before": round(before, 1),
+        "rss_mb_peak": round(peak, 1),
+        "health_ms_median": round(statistics.median(health_ms), 1),
+        "health_ms_max": round(max(health_ms), 1),
+    }
 
 
 def answers(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
