@@ -35,6 +35,7 @@ from gateway.api import admin
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
+from gateway.body_budget import BodyBudget
 from gateway.dialects import DIALECTS, Dialect
 from gateway.errors import install_error_handlers
 from gateway.guard import EdgeGuard
@@ -92,7 +93,11 @@ def create_app(
     install_error_handlers(app)
     # Host names, cross-site writes, content types, the admin token and the body limit, before
     # any route reads a body (gateway.guard).
-    app.add_middleware(EdgeGuard, settings=settings, dialects=dialects)
+    # The budget of body bytes in flight (gateway.body_budget), on app.state for its counters.
+    app.state.body_budget = BodyBudget(settings.max_body_bytes_in_flight)
+    app.add_middleware(
+        EdgeGuard, settings=settings, dialects=dialects, body_budget=app.state.body_budget
+    )
     app.include_router(proxy.dialect_router(dialects))
     app.include_router(proxy.router)
     app.include_router(admin.router)

@@ -21,8 +21,9 @@ objects on the path of an accepted call), which refuses, in this order:
 
 A request with a body that passes holds, until its answer is complete, the bytes of it its
 route has read out of the process's budget of body bytes (``gateway.body_budget``,
-``max_body_bytes_in_flight``): each piece waits there for room before the route gets it. A
-route checks the API key before reading the body, so a refused key holds nothing.
+``max_body_bytes_in_flight``): each piece waits there for room before the route gets it. The
+upstream answer a call reads whole grows the same holding (``gateway.body_budget``). A route
+checks the API key before reading the body, so a refused key holds nothing.
 
 A request whose client leaves before its route has read the body (a disconnect, or the 408 of
 the body deadline) ends with one INFO line, not a traceback.
@@ -87,11 +88,16 @@ class EdgeGuard:
     """The checks of the module docstring, configured once from ``settings``."""
 
     def __init__(
-        self, app: ASGIApp, settings: GatewaySettings, dialects: Sequence[Dialect] = DIALECTS
+        self,
+        app: ASGIApp,
+        settings: GatewaySettings,
+        dialects: Sequence[Dialect] = DIALECTS,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self.app = app
         self.max_body_bytes = settings.max_body_bytes
-        self.body_budget = BodyBudget(settings.max_body_bytes_in_flight)
+        # The app's budget (``create_app`` keeps it on ``app.state``: its counters), else our own.
+        self.body_budget = body_budget or BodyBudget(settings.max_body_bytes_in_flight)
         self.admin_token = settings.admin_token
         self.host_names = allowed_host_names(settings)  # None: any host name
         # Longest first, so "/v1/messages/count_tokens" finds the Messages dialect.

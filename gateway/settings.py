@@ -279,14 +279,16 @@ class GatewaySettings(ConfigFileSettings):
         default=64 * 1024 * 1024,
         gt=0,
         description=(
-            "Bytes of request bodies one gateway process works on at once, counted as the "
-            "routes read them (after the API key check; never the declared length), each held "
-            "until its answer is complete. A piece that does not fit waits, unread, oldest "
-            "request first; requests without a body never wait. Half-read bodies that fill it "
-            "let the oldest past it, so at most this plus max_body_bytes is held. A call holds "
-            "its body several times over while it is processed (docs/gateway.md, 'Large "
-            "bodies'), so this bounds that memory; at least max_body_bytes (one largest body "
-            "must fit)."
+            "Bytes of request bodies and of the upstream answers read whole (unary calls, "
+            "error bodies; not streams) one gateway process works on at once, counted as they "
+            "are read (a body after the API key check; never the declared length), each held "
+            "until its call's answer is complete. A piece that does not fit waits, unread, "
+            "oldest request first; requests without a body never wait. Calls that fill it "
+            "while each waits for room let the oldest past it, so at most this plus "
+            "max_body_bytes plus upstream_max_answer_bytes is held. A call holds its body "
+            "about 12 times over while it is processed, an answer about 7 (docs/gateway.md, "
+            "'Large bodies'), so this bounds that memory; at least max_body_bytes (one "
+            "largest body must fit)."
         ),
     )
     request_head_timeout_s: float = Field(

@@ -15,6 +15,9 @@ the RSS read from ``/proc/<pid>/status`` is the gateway's alone. Prints one JSON
   the body deadline (30 s); one second later an ordinary chat call is sent: reports how long
   it took (s). The body limit is the default 16 MiB here, so the default four connections
   declare the whole default budget (64 MiB; issue 29's review).
+- ``answers``: ``--connections`` concurrent unary chat calls whose answers are ``--answer-mib``
+  MiB each (the emulator's tokens with their logprobs); reports the answer's bytes, the
+  gateway's RSS before and at its peak (sampled every 20 ms) and the calls' statuses.
 
 Run it from two trees in turns to compare them (the machine's load changes the figures):
 
@@ -22,6 +25,8 @@ Run it from two trees in turns to compare them (the machine's load changes the f
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py bodies
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py stall --connections 4 \
         --body-mib 16
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_hostile_clients.py answers --connections 4 \
+        --answer-mib 20
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -102,13 +108,15 @@ def slow(port: int, pid: int, args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
-    content = "x" * int(args.body_mib * 1024 * 1024)
-    body = {"model": "emulated", "messages": [{"role": "user", "content": content}]}
-    payload = json.dumps(body).encode()
+# Bytes of one emulated answer per token with its logprob (measured: 20,000 tokens, 1.78 MB).
+ANSWER_BYTES_PER_TOKEN = 89
+
+
+def peak_rss(pid: int, work: Callable[[], list[int]]) -> tuple[float, float, list[int]]:
+    """The RSS of ``pid`` before ``work`` and its peak while ``work`` runs (MB, sampled every
+    20 ms), and what ``work`` returned."""
     before = rss_mb(pid)
     peak = [before]
-    health_ms: list[float] = []
     done = threading.Event()
 
     def sample() -> None:
@@ -116,9 +124,27 @@ def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
             peak[0] = max(peak[0], rss_mb(pid))
             time.sleep(0.02)
 
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = work()
+    finally:
+        done.set()
+        sampler.join()
+    return before, peak[0], result
+
+
+def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
+    content = "x" * int(args.body_mib * 1024 * 1024)
+    body = {"model": "emulated", "messages": [{"role": "user", "content": content}]}
+    payload = json.dumps(body).encode()
+    health_ms: list[float] = []
+    polled = threading.Event()
+    elapsed = [0.0]
+
     def poll_health() -> None:
         with httpx.Client(timeout=60) as client:
-            while not done.is_set():
+            while not polled.is_set():
                 started = time.perf_counter()
                 client.get(f"{url}/health")
                 health_ms.append((time.perf_counter() - started) * 1000)
@@ -133,27 +159,62 @@ def bodies(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
             )
             return answer.status_code
 
-    watchers = [threading.Thread(target=sample), threading.Thread(target=poll_health)]
-    for watcher in watchers:
-        watcher.start()
-    time.sleep(0.5)
-    started = time.monotonic()
-    with ThreadPoolExecutor(args.connections) as pool:
-        statuses = list(pool.map(call, range(args.connections)))
-    elapsed = time.monotonic() - started
-    done.set()
-    for watcher in watchers:
-        watcher.join()
+    def work() -> list[int]:
+        poller = threading.Thread(target=poll_health)
+        poller.start()
+        try:
+            time.sleep(0.5)
+            started = time.monotonic()
+            with ThreadPoolExecutor(args.connections) as pool:
+                statuses = list(pool.map(call, range(args.connections)))
+            elapsed[0] = time.monotonic() - started
+            return statuses
+        finally:
+            polled.set()
+            poller.join()
+
+    before, peak, statuses = peak_rss(pid, work)
     return {
         "mode": "bodies",
         "connections": args.connections,
         "body_mib": args.body_mib,
         "statuses": sorted(set(statuses)),
-        "seconds": round(elapsed, 2),
+        "seconds": round(elapsed[0], 2),
         "rss_mb_before": round(before, 1),
-        "rss_mb_peak": round(peak[0], 1),
+        "rss_mb_peak": round(peak, 1),
         "health_ms_median": round(statistics.median(health_ms), 1),
         "health_ms_max": round(max(health_ms), 1),
+    }
+
+
+def answers(url: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
+    body = {
+        "model": "emulated",
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+    }
+    sizes: list[int] = []
+
+    def call(index: int) -> int:
+        with httpx.Client(timeout=600) as client:
+            answer = client.post(f"{url}/t/answer-{index}/v1/chat/completions", json=body)
+            sizes.append(len(answer.content))
+            return answer.status_code
+
+    def work() -> list[int]:
+        with ThreadPoolExecutor(args.connections) as pool:
+            return list(pool.map(call, range(args.connections)))
+
+    started = time.monotonic()
+    before, peak, statuses = peak_rss(pid, work)
+    return {
+        "mode": "answers",
+        "connections": args.connections,
+        "answer_mb": round(max(sizes) / 1e6, 1),
+        "statuses": sorted(set(statuses)),
+        "seconds": round(time.monotonic() - started, 2),
+        "rss_mb_before": round(before, 1),
+        "rss_mb_peak": round(peak, 1),
     }
 
 
@@ -190,12 +251,18 @@ def stall(url: str, port: int, args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("slow", "bodies", "stall"))
+    parser.add_argument("mode", choices=("slow", "bodies", "stall", "answers"))
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--cap-s", type=float, default=40.0)
     parser.add_argument("--body-mib", type=float, default=10.7)
+    parser.add_argument("--answer-mib", type=float, default=20.0)
     args = parser.parse_args()
-    upstream = EmulatorThread(EmulatorSettings(port=free_port(), response_tokens=4)).start()
+    tokens = 4
+    if args.mode == "answers":
+        tokens = int(args.answer_mib * 1024 * 1024 / ANSWER_BYTES_PER_TOKEN)
+    upstream = EmulatorThread(
+        EmulatorSettings(port=free_port(), response_tokens=tokens, inter_token_ms=0)
+    ).start()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         env = {
@@ -229,6 +296,8 @@ def main() -> None:
                 result = slow(port, gateway.pid, args)
             elif args.mode == "stall":
                 result = stall(url, port, args)
+            elif args.mode == "answers":
+                result = answers(url, gateway.pid, args)
             else:
                 result = bodies(url, gateway.pid, args)
         finally:

@@ -1,7 +1,9 @@
-"""The budget of request-body bytes a gateway process works on at once (issue 29 item 6;
-``gateway.body_budget``): eight concurrent 10.7 MiB bodies took main from 397 to 984 MB, with
-no bound. Unit tests of the byte semaphore, then the real gateway holding a second body unread
-until the first one's answer is complete, while a request without a body passes at once."""
+"""The budget of body bytes a gateway process works on at once (``gateway.body_budget``):
+eight concurrent 10.7 MiB bodies took main from 397 to 984 MB, with no bound, and four
+concurrent 200 MB unary answers took it from 166 to 2,490 MB (answers were not counted). Unit
+tests of the byte semaphore and of the answers a call reads whole, then the real gateway
+holding a second body unread until the first one's answer is complete, while a request without
+a body passes at once, and reading concurrent large answers one after another."""
 
 from __future__ import annotations
 
@@ -10,14 +12,15 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from gateway_helpers import gateway_with
+from gateway_helpers import emulated_gateway, gateway_with
 from tests_support import free_port
 
 from datapool.settings import PoolSettings
-from gateway.body_budget import BodyBudget, Holding
+from gateway.body_budget import BodyBudget, Holding, answer_read, hold_answers
 from gateway.settings import GatewaySettings
 
 
@@ -134,6 +137,113 @@ def test_a_cancelled_waiter_holds_nothing_and_lets_the_next_one_in() -> None:
     assert asyncio.run(scenario()) == 0
 
 
+def test_an_answer_read_whole_is_held_with_its_body_until_the_request_ends() -> None:
+    """A request that reads 10 body bytes, then 30 bytes of an answer it reads whole, holds 40
+    (main held 10: the answer was not counted); all 40 are given back at its end."""
+
+    async def scenario() -> tuple[int, int, int]:
+        budget = BodyBudget(100)
+        async with budget.hold() as holding:
+            await holding.grow(10)
+            hold_answers()
+            await answer_read(30)
+            held = (holding.held_bytes, budget.in_use_bytes)
+        return (*held, budget.in_use_bytes)
+
+    assert asyncio.run(scenario()) == (40, 40, 0)
+
+
+def test_a_streamed_answer_is_not_held() -> None:
+    """Pieces of an answer passed on as they come (a stream: no ``hold_answers``), and answers
+    read outside any request's holding, hold nothing."""
+
+    async def scenario() -> tuple[int, int]:
+        budget = BodyBudget(100)
+        await answer_read(30)  # no request's holding: nothing to charge
+        async with budget.hold() as holding:
+            await holding.grow(10)
+            await answer_read(30)
+            return holding.held_bytes, budget.in_use_bytes
+
+    assert asyncio.run(scenario()) == (10, 10)
+
+
+def test_an_answer_read_by_a_task_after_its_request_ended_holds_nothing() -> None:
+    """A task a request started (it inherits the request's holding) that reads an answer after
+    the request ended charges nothing: the request's share was given back, and bytes added to
+    it then would be held for ever."""
+
+    async def scenario() -> int:
+        budget = BodyBudget(100)
+        request_ended = asyncio.Event()
+
+        async def late_reader() -> None:
+            await request_ended.wait()
+            await answer_read(30)
+
+        async with budget.hold() as holding:
+            await holding.grow(10)
+            hold_answers()
+            task = asyncio.create_task(late_reader())
+        request_ended.set()
+        await task
+        return budget.in_use_bytes
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_an_answer_piece_waits_for_room_while_another_request_holds_the_budget() -> None:
+    """Budget 100: A holds an 80-byte body while its upstream works (not waiting on the
+    budget); B holds 10 and reads a 30-byte piece of its answer: it waits, unread, until A's
+    answer is complete, then gets it (main let it through at once, uncounted)."""
+
+    async def scenario() -> list[tuple[str, int, int]]:
+        budget = BodyBudget(100)
+        seen: list[tuple[str, int, int]] = []
+        a_done = asyncio.Event()
+        a = asyncio.create_task(hold_while(budget, [80], a_done))
+        await asyncio.sleep(0)
+
+        async def b() -> None:
+            async with budget.hold() as holding:
+                await holding.grow(10)
+                hold_answers()
+                await answer_read(30)
+                seen.append(("b read", budget.in_use_bytes, budget.waits))
+
+        reader = asyncio.create_task(b())
+        await asyncio.sleep(0.01)
+        seen.append(("b waiting", budget.in_use_bytes, budget.waiting))
+        a_done.set()
+        await asyncio.wait_for(asyncio.gather(a, reader), timeout=5)
+        return seen
+
+    assert asyncio.run(scenario()) == [("b waiting", 90, 1), ("b read", 40, 1)]
+
+
+def test_answers_that_fill_the_budget_do_not_deadlock() -> None:
+    """Budget 100: A and B hold 40-byte bodies and each reads a 50-byte answer piece. Neither
+    fits beside the other's body and every byte in use is held by a waiter: A (the older) is
+    let past the capacity (130), B reads once A is done. The deadlock-freedom of bodies holds
+    for answers."""
+
+    async def scenario() -> tuple[int, int]:
+        budget = BodyBudget(100)
+
+        async def request() -> None:
+            async with budget.hold() as holding:
+                await holding.grow(40)
+                await asyncio.sleep(0)  # both hold their body before either reads its answer
+                hold_answers()
+                await answer_read(50)
+                await answer_read(10)
+
+        await asyncio.wait_for(asyncio.gather(request(), request()), timeout=5)
+        return budget.peak_in_use_bytes, budget.in_use_bytes
+
+    assert asyncio.run(scenario()) == (140, 0)  # 40 + 40 + 50 + 10: one past the capacity
+
+
 def test_a_budget_smaller_than_the_largest_body_is_refused_at_start_up() -> None:
     with pytest.raises(ValueError, match="must be at least max_body_bytes"):
         GatewaySettings(max_body_bytes=2000, max_body_bytes_in_flight=1000)
@@ -245,3 +355,47 @@ def test_a_request_without_a_key_is_refused_before_it_waits_for_budget(
             )
     assert answer.status_code == 401, answer.text
     assert answer.json()["error"]["code"] == "missing_api_key"
+
+
+def test_concurrent_large_unary_answers_are_read_one_after_another(
+    pool_settings: PoolSettings,
+) -> None:
+    """Budget 4 KiB, answers of about 27 KB (300 tokens with logprobs). A stream holds only its
+    body (its pieces pass on as they come). A lone unary call holds its body and its whole
+    answer (main held only the body: its answer was not counted). Then three calls whose
+    answers come together after 1 s: each answer waits for room, so they are held one after
+    another, never all three at once (the budget's peak stays under two calls' worth), and
+    every call is answered."""
+    body = {
+        "model": "emulated",
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+    }
+    limits = {"max_body_bytes": 4096, "max_body_bytes_in_flight": 4096}
+    with emulated_gateway(
+        pool_settings, gateway=limits, response_tokens=300, ttft_ms=1000
+    ) as server:
+        budget: BodyBudget = server.app.state.body_budget
+        streamed = httpx.post(
+            f"{server.url}/t/streamed/v1/chat/completions",
+            json={**body, "stream": True},
+            timeout=60,
+        )
+        after_stream = budget.peak_in_use_bytes
+        lone = httpx.post(f"{server.url}/t/lone/v1/chat/completions", json=body, timeout=60)
+        alone = budget.peak_in_use_bytes
+
+        def call(index: int) -> int:
+            url = f"{server.url}/t/together-{index}/v1/chat/completions"
+            return httpx.post(url, json=body, timeout=60).status_code
+
+        with ThreadPoolExecutor(3) as pool:
+            statuses = list(pool.map(call, range(3)))
+    assert streamed.status_code == 200 and len(streamed.content) > 20_000
+    assert after_stream < 1000  # a stream's pieces pass on: only its body is held
+    assert lone.status_code == 200, lone.text
+    assert alone > len(lone.content) > 20_000  # the answer is held, not only the body
+    assert statuses == [200, 200, 200]
+    assert budget.waits >= 1
+    assert budget.peak_in_use_bytes < 2 * alone
+    assert budget.in_use_bytes == 0

@@ -27,6 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
+from gateway.body_budget import hold_answers
 from gateway.capture import UNREADABLE, dumps, loads_object, request_hash
 from gateway.dialects import (
     Dialect,
@@ -241,6 +242,8 @@ async def proxy_call(
     prepared = dialect.prepare(body)  # the call's one translation: a bad body is a 400 now
     check_model(body)
     check_engine_fields(body, state.settings.allow_client_kv_transfer_params)
+    if not prepared.stream:
+        hold_answers()  # read whole, its answer's bytes count in the body budget as they come
     attribution = await settle_channel(state, attribution)
     writer = state.writer
     assert writer is not None, "the lifespan starts the pool writer"
@@ -513,6 +516,7 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
     """A non-200 answer the attempt loop did not retry: recorded as one failed step, passed to
     the client with its status (its body as the dialect shows upstream errors)."""
     replica, response = upstream.replica, upstream.response
+    hold_answers()  # a stream's error body is read whole too (the stream has not begun)
     try:
         content = await response.aread()
     except httpx.HTTPError as exc:  # a stream's error body broken or past the answer limit

@@ -8,7 +8,9 @@ chunked body ends at the limit, not at the total time limit. The bytes counted a
 body's, before httpx would decode a ``content-encoding``: so an answer with any encoding but
 ``identity`` is refused (``EncodedAnswerError``): the gateway asks for ``identity``
 (``gateway.app``), vLLM never compresses, and a gzip body of a few KiB could decode to far
-past the limit. Never: buffers (a piece passes through as it came), or decides what the failure
+past the limit. Each piece, before it is handed on, is charged to the call's share of the body
+budget when the call reads its answer whole (``gateway.body_budget.answer_read``): it may wait
+there for room. Never: buffers (a piece passes through as it came), or decides what the failure
 is recorded as (``gateway.proxy.routes`` does: ``upstream_error``).
 """
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import httpx
+
+from gateway.body_budget import answer_read
 
 
 class AnswerTooLargeError(httpx.TransportError):
@@ -79,6 +83,7 @@ class _Counted(httpx.AsyncByteStream):
                     f"the upstream answer passed the {self._most} bytes of "
                     "upstream_max_answer_bytes"
                 )
+            await answer_read(len(piece))
             yield piece
 
     async def aclose(self) -> None:
