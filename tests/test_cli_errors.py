@@ -18,8 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from gateway_helpers import gateway_with
 from tests_support import free_port
 
+from datapool.settings import PoolSettings
 from trajgate import vllm_server
 from trajgate.vllm_server import VLLMServer
 
@@ -207,3 +209,45 @@ def test_train_says_in_one_line_that_the_gateway_does_not_answer(
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: http://127.0.0.1:{port} did not answer (ConnectError"), line
+
+
+def test_train_says_in_one_line_that_the_pool_refused_its_batch_spec(
+    tiny_model_dir: Path, tmp_path: Path, sqlite_pool: PoolSettings
+) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"name": "x", "algorithm": "nope"}')
+    with gateway_with(sqlite_pool, free_port()) as gateway:
+        result = _cli(
+            "train",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--gateway-url",
+            gateway.url,
+            "--device",
+            "cpu",
+            "--spec",
+            str(spec),
+            "--idle-exit-s",
+            "1",
+            cwd=tmp_path,
+        )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: POST {gateway.url}/api/batches answered 400: "), line
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--device", "tpu", "setting 'device'"),
+        ("--spec", "/nonexistent/spec.json", "cannot read /nonexistent/spec.json as JSON"),
+    ],
+)
+def test_train_refuses_a_bad_flag_in_one_line_before_loading_anything(
+    tmp_path: Path, flag: str, value: str, says: str
+) -> None:
+    result = _cli(
+        "train", "--model-dir", str(tmp_path), flag, value, "--check-config", cwd=tmp_path
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert says in " ".join(result.stderr.split()), result.stderr

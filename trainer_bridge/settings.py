@@ -79,7 +79,11 @@ class TrainerSettings(ConfigFileSettings):
         "fine-tuning: a frozen copy of the weights (4 bytes more per parameter).",
     )
     seed: int = Field(default=0, description="Seed of LoRA initialisation.")
-    device: str = Field(default="auto", description="'auto' (CUDA if present), 'cpu' or 'cuda'.")
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="'auto' (CUDA if present), 'cpu', 'cuda' or 'cuda:<index>'.",
+    )
 
 
 class DistributedSettings(ConfigFileSettings):

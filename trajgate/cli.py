@@ -22,6 +22,8 @@ from trajgate import tinymodel, vllm_server
 from trajgate.config import ConfigFileError, describe, hide_url_password, load_config_file
 
 if TYPE_CHECKING:
+    import httpx
+
     from gateway.settings import GatewaySettings
 
 KEEP_ALIVE_S = 75
@@ -450,7 +452,9 @@ def train(
     learning_rate: Annotated[
         float | None, typer.Option(help="AdamW learning rate. Default 1e-4.")
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda. Default auto.")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="auto, cpu, cuda or cuda:<index>. Default auto.")
+    ] = None,
     admin_token: Annotated[
         str | None, typer.Option(help="Gateway admin token.", envvar="TRAJGATE_ADMIN_TOKEN")
     ] = None,
@@ -488,6 +492,7 @@ def train(
         idle_exit_s = where.idle_exit_s
     if admin_token is None:
         admin_token = where.admin_token
+    batch_spec = _read_spec(spec) if spec else None
     if check_config:
         report = describe(settings, where)
         report["services"] = {  # what this command will use, after flags and defaults
@@ -509,7 +514,7 @@ def train(
         gateway_url=gateway_url.rstrip("/"),
         vllm_urls=vllm_url,
         consumer=consumer,
-        spec=json.loads(spec.read_text()) if spec else None,
+        spec=batch_spec,
         max_updates=max_updates,
         idle_exit_s=idle_exit_s,
         admin_token=admin_token,
@@ -521,6 +526,31 @@ def train(
     except httpx.TransportError as exc:
         typer.echo(f"error: {_unanswered(exc)}", err=True)
         raise typer.Exit(1) from exc
+    except httpx.HTTPStatusError as exc:  # the pool refused what the loop asked (a bad spec)
+        typer.echo(f"error: {_refused(exc)}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    """The batch spec in ``path`` (a JSON object), or exit 2 with one line."""
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot read {path} as JSON: {exc}", param_hint="--spec") from exc
+    if not isinstance(spec, dict):
+        raise typer.BadParameter(f"{path} holds no JSON object", param_hint="--spec")
+    return spec
+
+
+def _refused(exc: httpx.HTTPStatusError) -> str:
+    """One line for an answer of 4xx or 5xx: who refused what, with the envelope's message."""
+    response = exc.response
+    try:
+        message = str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    request = response.request
+    return f"{request.method} {request.url} answered {response.status_code}: {message}"
 
 
 def _unanswered(exc: Any) -> str:
