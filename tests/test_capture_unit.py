@@ -17,6 +17,7 @@ from gateway.capture import (
     IDS_INCOMPLETE,
     IDS_MISSING,
     PROMPT_IDS_MISSING,
+    TOOL_CALL_TRUNCATED,
     TRUNCATED,
     integrity_flags,
 )
@@ -206,6 +207,48 @@ def test_a_completions_stream_reads_prompt_ids_per_choice_and_joins_the_text() -
     assert captured.choices[0].response_message == {"text": "ab"}
     assert captured.choices[0].response_token_ids == [5, 6]
     assert captured.choices[0].flags == [TRUNCATED]
+
+
+# The chunks vLLM's hermes parser streams when the tiny model, held to a "<tool_call>\n{...}"
+# regex with a tool offered, is cut at max_tokens (token ids as the real server sent them).
+_ROLE = {"role": "assistant", "content": ""}
+_NAME = {"tool_calls": [{"id": "t", "type": "function", "index": 0, "function": {"name": "f"}}]}
+
+
+def _args(text: str) -> dict[str, Any]:
+    return {"content": None, "tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+
+_CUT_IN_THE_TAG = [(_ROLE, []), ({}, [27]), ({}, [83, 426]), ({}, [75]), ({}, [62])]
+_CUT_IN_THE_ARGUMENTS = [(_ROLE, []), ({}, [27, 83, 426, 75]), (_NAME, [1]), (_args('{"c'), [9])]
+
+
+def _streamed_flags(
+    body: dict[str, Any], chunks: list[tuple[dict[str, Any], list[int]]]
+) -> list[str]:
+    """The flags of a chat stream's one choice; the last chunk finishes it with ``length``."""
+    stream = CHAT.open_stream(CHAT.prepare({"messages": [{}], "stream": True, **body}), None)
+    for position, (delta, ids) in enumerate(chunks):
+        stream.feed(_chunk(delta, ids, "length" if position == len(chunks) - 1 else None))
+    return stream.captured(None).choices[0].flags
+
+
+@pytest.mark.parametrize("chunks", [_CUT_IN_THE_TAG, _CUT_IN_THE_ARGUMENTS], ids=["tag", "args"])
+def test_a_streamed_tool_call_cut_at_max_tokens_is_flagged_tool_call_truncated(
+    chunks: list[tuple[dict[str, Any], list[int]]],
+) -> None:
+    # The parser held back "<tool_call>" (no text reached the message), or streamed the name
+    # and part of the arguments: either way the call was cut, as the unary text would say.
+    flags = _streamed_flags({"tools": [{"type": "function"}]}, chunks)
+    assert flags == [PROMPT_IDS_MISSING, TRUNCATED, TOOL_CALL_TRUNCATED]
+
+
+def test_a_streamed_text_cut_at_max_tokens_is_not_a_truncated_tool_call() -> None:
+    tools = {"tools": [{"type": "function"}]}
+    text = [(_ROLE, []), ({"content": "a"}, [7]), ({"content": "b"}, [8])]
+    assert _streamed_flags(tools, text) == [PROMPT_IDS_MISSING, TRUNCATED]
+    # Held-back ids with no tool offered: a reasoning parser's, not a tool call.
+    assert _streamed_flags({}, _CUT_IN_THE_TAG) == [PROMPT_IDS_MISSING, TRUNCATED]
 
 
 def test_a_stream_cut_short_is_flagged_aborted_with_the_reason_as_finish() -> None:

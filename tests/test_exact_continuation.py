@@ -988,3 +988,31 @@ def test_a_compaction_keeping_the_task_is_a_recorded_break_rendered_by_the_templ
     last = steps_of(pool_settings, "compacted-task")[-1]
     assert (last.continuation, last.suffix_tokens) == ("template", None)
     assert "prefix_break" in last.flags and last.divergence_kind == "history_rewritten"
+
+
+def test_suffix_tokens_count_from_the_recorded_parent_not_an_older_extended_turn(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # Turn Y sets a field that changes its turn key but not its rendering
+    # (``add_special_tokens: false`` is vLLM's chat default), so the next call, which leaves it
+    # out, finds no turn for Y's answer and extends the older turn X. Y's answer re-renders to
+    # the ids Y sampled, so Y's P + R starts that call's prompt and Y is its recorded parent:
+    # the tokens the step adds to its parent are those after Y's P + R, not after X's.
+    letters = {"structured_outputs": {"regex": "[a-z]{2,6}"}, "max_tokens": 8}
+    body: dict[str, Any] = {"model": MODEL, "temperature": 0, **letters}
+    messages: list[Any] = [{"role": "user", "content": "Name a city."}]
+    answer_x = chat(exact_gateway, "suffix", {**body, "messages": messages})
+    messages = [*messages, answer_x, {"role": "user", "content": "Go on."}]
+    answer_y = chat(
+        exact_gateway, "suffix", {**body, "messages": messages, "add_special_tokens": False}
+    )
+    messages = [*messages, answer_y, {"role": "user", "content": "And a third?"}]
+    chat(exact_gateway, "suffix", {**body, "messages": messages})
+    x, y, z = steps_of(pool_settings, "suffix")
+    s_x = [*x.prompt_token_ids, *x.response_token_ids]
+    s_y = [*y.prompt_token_ids, *y.response_token_ids]
+    assert z.continuation == "exact" and z.prompt_token_ids[: len(s_x)] == s_x  # extended X
+    assert z.parent_step_id == y.id and z.extends_parent is True
+    assert z.prompt_token_ids[: len(s_y)] == s_y
+    # Counted from Y: len(P_z) - len(S_y), fewer than from X by len(S_y) - len(S_x).
+    assert z.suffix_tokens == len(z.prompt_token_ids) - len(s_y)

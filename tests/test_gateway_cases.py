@@ -732,6 +732,69 @@ def test_c18_a_streamed_tool_call_cut_at_max_tokens_keeps_its_ids_and_is_flagged
     assert "truncated" in step.flags
 
 
+# A hermes tool call the tiny model is held to by vLLM's structured outputs (tools offered,
+# tool_choice auto, so the hermes parser reads it): 12 tokens end inside '{"name"', 30 after
+# the name, 45 in the arguments; 100 tokens finish the call. Not WEATHER_TOOL: a strict tool
+# gets vLLM's own grammar instead of the regex.
+_LOOSE_WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+_HERMES_CALL = (
+    '<tool_call>\\n\\{"name": "get_weather", '
+    '"arguments": \\{"city": "[a-z]{40}"\\}\\}\\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("max_tokens", [12, 30, 45])
+def test_c18_a_tool_call_cut_at_max_tokens_is_flagged_alike_streamed_and_unary(
+    gateway: BackgroundServer, pool_settings: PoolSettings, max_tokens: int
+) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [_LOOSE_WEATHER_TOOL],
+        "structured_outputs": {"regex": _HERMES_CALL},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    for stream in (False, True):
+        response = _post(f"{gateway.url}/t/c18h/v1/chat/completions", {**body, "stream": stream})
+        assert response.status_code == 200, response.text
+    unary, streamed = steps_of(pool_settings, "c18h")
+    # The unary text holds the unclosed "<tool_call>"; the stream's message never does (the
+    # parser held it back), yet both were cut in the call and both say so.
+    assert "<tool_call>" in unary.response_message["content"]
+    assert "<tool_call>" not in (streamed.response_message.get("content") or "")
+    assert unary.response_token_ids == streamed.response_token_ids  # greedy, same tokens
+    for step in (unary, streamed):
+        assert step.finish_reason == "length"
+        assert "truncated" in step.flags and "tool_call_truncated" in step.flags
+
+
+def test_c18_a_finished_tool_call_is_not_flagged_truncated_streamed_or_unary(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [_LOOSE_WEATHER_TOOL],
+        "structured_outputs": {"regex": _HERMES_CALL},
+        "max_tokens": 100,
+        "temperature": 0,
+    }
+    for stream in (False, True):
+        response = _post(f"{gateway.url}/t/c18f/v1/chat/completions", {**body, "stream": stream})
+        assert response.status_code == 200, response.text
+    for step in steps_of(pool_settings, "c18f"):
+        assert step.finish_reason == "tool_calls"
+        assert step.response_message["tool_calls"]
+        assert "tool_call_truncated" not in step.flags
+
+
 def test_concurrent_calls_of_one_trajectory_get_distinct_step_indices(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:

@@ -61,6 +61,22 @@ class Placement:
     # candidate, else None.
     parent_keys: ParentKeys
 
+    def suffix_tokens(self, call: CallRecord) -> int | None:
+        """``call.suffix_tokens`` counted from the recorded parent: ``len(P) - len(S_parent)``
+        when the prompt extends it, else as the gateway counted it (None: not an exact prompt).
+
+        The gateway counts from the turn it continued, which can be older than the parent the
+        token lineage picks: a later step whose ``P + R`` the template's rendering reproduced
+        but whose turn was not found (its echo or rendering fields changed, the pool read
+        failed) also starts the prompt, and the longest such step is the parent. Counted from
+        it, the count is the step's delta against its parent.
+        """
+        if call.suffix_tokens is None or call.prompt_token_ids is None:
+            return call.suffix_tokens
+        if not self.lineage.extends_parent or self.lineage.parent_step_id is None:
+            return call.suffix_tokens
+        return len(call.prompt_token_ids) - self.parent_tokens
+
 
 @dataclass
 class _Candidate:

@@ -94,6 +94,8 @@ class CallRecord:
     # new messages only: ``suffix_tokens`` of them) or ``template`` (the whole conversation
     # rendered); None when the gateway did not say (a completions prompt, older records).
     continuation: str | None = None
+    # Counted by the gateway from the turn it continued; the writer stores it counted from the
+    # recorded parent (``lineage.Placement.suffix_tokens``).
     suffix_tokens: int | None = None
     # What the engine was asked, in the one form every reader of the pool uses (written by the
     # call's dialect); None only for a call recorded without one.

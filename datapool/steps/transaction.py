@@ -192,7 +192,7 @@ class WriteBatch:
                     "ttft_ms": call.ttft_ms,
                     "held_ms": call.held_ms,
                     "continuation": call.continuation,
-                    "suffix_tokens": call.suffix_tokens,
+                    "suffix_tokens": placement.suffix_tokens(call),
                     "turn_key": choice.turn_key,
                     "sampling": call.sampling,
                     "policy_version_spans": choice.policy_version_spans,

@@ -130,7 +130,9 @@ class StepPublic(StepSummary):
         ),
     )
     suffix_tokens: int | None = Field(
-        default=None, description="In exact mode: tokens the template rendered for this call."
+        default=None,
+        description="In exact mode: tokens the template rendered for this call after the "
+        "parent step's prompt and response (len(P) - len(S_parent)).",
     )
     sampling: dict[str, Any] | None = Field(
         default=None,

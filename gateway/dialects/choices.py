@@ -45,6 +45,7 @@ from datapool.models import StepOutcome
 from datapool.steps.records import ChoiceRecord
 from gateway.capture import (
     ABORTED,
+    TOOL_CALL_TRUNCATED,
     UNFINISHED,
     Shape,
     check_against_usage,
@@ -87,6 +88,9 @@ class ChoiceState:
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: str | None = None
+    # The last chunk that carried token ids showed the client nothing (``delta: {}``): a tool
+    # or reasoning parser was holding its text back (C05) when the stream ended.
+    held_back: bool = False
 
 
 class ChoicesDialect(Dialect):
@@ -371,6 +375,8 @@ class ChoicesCapture:
                 flags.append(ABORTED)
             flags += unfinished_flags(finish_reason)
             flags += quality_flags(self.body, finish_reason, message)
+            if TOOL_CALL_TRUNCATED not in flags and tool_call_cut(self.body, finish_reason, state):
+                flags.append(TOOL_CALL_TRUNCATED)
             records.append(
                 ChoiceRecord(
                     choice_index=index,
@@ -385,6 +391,26 @@ class ChoicesCapture:
         if abort_reason is None:
             check_against_usage(records, (self.usage or {}).get("completion_tokens"))
         return records
+
+
+def tool_call_cut(body: dict[str, Any], finish_reason: str | None, state: ChoiceState) -> bool:
+    """Whether a streamed choice cut at ``max_tokens`` was cut inside a tool call (C18).
+
+    ``quality_flags`` reads an unclosed ``<tool_call>`` from the message text, which a stream's
+    message never has: vLLM's streaming tool parser holds back the tag and every text after it,
+    streaming only the call's name and arguments. So, with tools offered and ``finish_reason``
+    ``length``, a stream was cut in a call when it had started one (its arguments may be whole
+    JSON with the closing tag not yet sampled) or when its last token-bearing chunks showed
+    nothing (the parser held back a ``<tool_call>`` tag, a name not yet complete, or the tag's
+    end). Read once per choice at the end: the per-chunk cost is one assignment.
+
+    Flagged too, where the unary text says otherwise: a complete call followed by more sampled
+    text (held back after a call, never sent), and text ending in a prefix of ``<tool_call>``
+    (``<``, ``<tool``), which the parser holds back in case a call starts.
+    """
+    if finish_reason != "length" or not body.get("tools"):
+        return False
+    return state.held_back or bool(state.tool_calls)
 
 
 def unfinished_flags(finish_reason: Any) -> list[str]:

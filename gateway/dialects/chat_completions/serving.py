@@ -109,7 +109,13 @@ class ChatCompletions(ChoicesDialect):
         return str((choice.get("delta") or {}).get("content") or "")
 
     def add_delta(self, state: ChoiceState, choice: dict[str, Any]) -> None:
-        delta = choice.get("delta") or {}
+        delta = choice.get("delta")
+        if not delta:
+            # Sampled tokens the client was not shown: a parser is holding their text back.
+            if choice.get("token_ids"):
+                state.held_back = True
+            return
+        state.held_back = False
         state.role = delta.get("role", state.role)
         if delta.get("content"):
             state.text_parts.append(delta["content"])
