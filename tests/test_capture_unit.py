@@ -7,6 +7,7 @@ tests in test_capture_real_vllm.py check the same path end to end.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from gateway.capture import (
     TOOL_CALL_TRUNCATED,
     TRUNCATED,
     integrity_flags,
+    token_ids,
 )
 from gateway.dialects import DIALECTS, ClientAsked
 from gateway.dialects.chat_completions.serving import ChatCompletions
@@ -315,3 +317,32 @@ def test_an_empty_prompt_is_flagged_as_missing_prompt_ids() -> None:
     assert integrity_flags([5], [-0.1], []) == [PROMPT_IDS_MISSING]
     assert integrity_flags([5], [-0.1], None) == [PROMPT_IDS_MISSING]
     assert integrity_flags([5], [-0.1], [1, 2]) == []
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[5, True], [5, 1.0], [5, -1], [5, 2**31], [5, "6"], [5, None], (5, 6), [5, [6]]],
+)
+def test_token_ids_refuses_anything_but_a_list_of_int32_ids(ids: Any) -> None:
+    with pytest.raises(ValueError, match="int32 token ids"):
+        token_ids(ids)
+
+
+def test_token_ids_checks_a_long_prompt_without_a_python_step_per_id() -> None:
+    # The prompt of turn 200 of a coding-agent session has ~20k ids, checked on the event loop
+    # per call. Python-level calls (a generator resuming counts one) while checking 20,000 ids:
+    # before, the generator over the ids resumed once per id (20,001 calls); now none.
+    ids = [0, 2**31 - 1, *range(19_998)]
+    calls = 0
+
+    def profiler(_frame: Any, event: str, _arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profiler)
+    try:
+        checked = token_ids(ids)
+    finally:
+        sys.setprofile(None)
+    assert checked is ids and token_ids([]) == [] and token_ids(None) is None
+    assert calls <= 1  # token_ids itself

@@ -27,7 +27,7 @@ import contextlib
 import struct
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,14 +185,21 @@ class PayloadMissingError(PoolError, LookupError):
     """A step's payload, or the parent payload its prompt delta needs, is not stored."""
 
 
-def reconstruct(stored: Mapping[str, StoredPayload]) -> dict[str, TokenPayload]:
-    """Exact payloads of every step in ``stored`` (which must hold each step's base chain).
+def reconstruct(
+    stored: Mapping[str, StoredPayload], step_ids: Sequence[str] | None = None
+) -> dict[str, TokenPayload]:
+    """Exact payloads of ``step_ids`` (default: every step in ``stored``, which must hold each
+    one's base chain), by step id.
 
+    Only the steps asked for become Python lists: reading one late step of a long session
+    builds its ancestors' prompts as arrays on the way, never as ``[P]`` lists each.
     Raises ``PayloadMissingError`` when a delta's parent is absent or shorter than its base.
     """
-    prompts = prompts_of(stored)
+    wanted = list(stored) if step_ids is None else list(step_ids)
+    prompts = prompts_of(stored, wanted)
     result: dict[str, TokenPayload] = {}
-    for step_id, entry in stored.items():
+    for step_id in wanted:
+        entry = stored[step_id]
         prompt = prompts[step_id]
         result[step_id] = TokenPayload(
             None if prompt is None else prompt.tolist(),
@@ -202,10 +209,12 @@ def reconstruct(stored: Mapping[str, StoredPayload]) -> dict[str, TokenPayload]:
     return result
 
 
-def prompts_of(stored: Mapping[str, StoredPayload]) -> dict[str, IntArray | None]:
-    """Exact prompts ``[P]`` of every step in ``stored`` (which must hold each step's base
-    chain), by step id, through the one delta-chain walk (``datapool.steps.chain``); None for a
-    step without prompt IDs.
+def prompts_of(
+    stored: Mapping[str, StoredPayload], step_ids: Iterable[str] | None = None
+) -> dict[str, IntArray | None]:
+    """Exact prompts ``[P]`` of ``step_ids`` (default: every step in ``stored``, which must
+    hold each one's base chain) and of the ancestors they needed, by step id, through the one
+    delta-chain walk (``datapool.steps.chain``); None for a step without prompt IDs.
 
     Raises ``PayloadMissingError`` when a delta's parent is absent or shorter than its base.
     """
@@ -213,7 +222,8 @@ def prompts_of(stored: Mapping[str, StoredPayload]) -> dict[str, IntArray | None
     def apply(entry: StoredPayload, prompts: Mapping[str, IntArray | None]) -> IntArray | None:
         return _prompt(entry, prompts, stored)
 
-    return chain.resolve(stored, stored, _based_on, apply, _payload_missing)
+    wanted = stored if step_ids is None else step_ids
+    return chain.resolve(wanted, stored, _based_on, apply, _payload_missing)
 
 
 def _based_on(entry: StoredPayload) -> str | None:

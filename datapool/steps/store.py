@@ -241,13 +241,7 @@ class PoolStore:
         )
 
     def _payloads_of(self, session: Session, rows: Sequence[Step]) -> dict[str, TokenPayload]:
-        refs = [
-            StepRef(
-                r.id, r.trajectory_id, r.parent_step_id, r.prompt_base_tokens, r.payload_file_id
-            )
-            for r in rows
-        ]
-        return reconstruct(self.payloads.load(session, refs))
+        return reconstruct(self.payloads.load(session, [_ref(r) for r in rows]))
 
     def steps_of(self, trajectory_id: str) -> list[StoredStep]:
         """Steps of a trajectory in call order, then choice order, with exact payloads."""
@@ -258,19 +252,36 @@ class PoolStore:
         return [_stored(row, payloads[row.id]) for row in rows]
 
     def get_step(self, step_id: str) -> StoredStep | None:
-        """One step with its exact payload (reads its trajectory's delta chain), or None."""
+        """One step with its exact payload and its bodies read back whole, or None.
+
+        Loads the step's own row; of its ancestors only what their deltas need: the five
+        columns that chain its prompt (``_chain_refs``), their token payloads, and their
+        stored request deltas (``expand_requests``). Only this step's ids become lists.
+        """
+        return self._step(step_id, bodies=True)
+
+    def _step(self, step_id: str, *, bodies: bool) -> StoredStep | None:
+        """``get_step``; with ``bodies`` False the row's request, upstream request and
+        canonical record stay as stored (deltas on the parent), which ``find_turn`` never
+        reads."""
         with self.sessions() as session:
             row = session.get(Step, step_id)
             if row is None:
                 return None
-            payloads = self._payloads_of(session, self._chain_rows(session, row))
-            expand_requests(session, [row])
+            payloads = reconstruct(
+                self.payloads.load(session, self._chain_refs(session, row)), [row.id]
+            )
+            if bodies:
+                expand_requests(session, [row])
         return _stored(row, payloads[row.id])
 
     def find_turn(self, trajectory_id: str, keys: Sequence[str]) -> StoredStep | None:
         """The trajectory's ok step whose ``turn_key`` is the first of ``keys`` that any step
         has (the latest step of those with it), with its exact payload; None when none has
-        one. One indexed read, then the step's delta chain (``get_step``)."""
+        one. One indexed read, then the step's token delta chain (``get_step`` without its
+        bodies: the returned row's request, upstream request and canonical record are as
+        stored, deltas on its parent; its ``turn_key``, ``response_message`` and ids are
+        whole)."""
         if not keys:
             return None
         with self.sessions() as session:
@@ -289,13 +300,25 @@ class PoolStore:
         for key, step_id in found:
             first.setdefault(key, step_id)
         step_id = next(first[key] for key in keys if key in first)
-        return self.get_step(step_id)
+        return self._step(step_id, bodies=False)
 
     @staticmethod
-    def _chain_rows(session: Session, row: Step) -> list[Step]:
-        """``row`` and the ancestors its prompt delta is built on (``datapool.steps.chain``)."""
-        by_id = {r.id: r for r in PoolStore._step_rows(session, row.trajectory_id)}
-        by_id[row.id] = row
+    def _chain_refs(session: Session, row: Step) -> list[StepRef]:
+        """``row`` and the ancestors its prompt delta is built on (``datapool.steps.chain``),
+        as the payload columns of each: no ancestor's JSON is read or parsed."""
+        by_id = {
+            values[0]: StepRef(*values)
+            for values in session.execute(
+                select(
+                    Step.id,
+                    Step.trajectory_id,
+                    Step.parent_step_id,
+                    Step.prompt_base_tokens,
+                    Step.payload_file_id,
+                ).where(Step.trajectory_id == row.trajectory_id)
+            )
+        }
+        by_id[row.id] = _ref(row)
         links, _absent = chain.walk(row.id, by_id, _prompt_based_on)
         # An absent ancestor is left for ``reconstruct`` to report (``PayloadMissingError``).
         return [link for _, link in links]
@@ -311,6 +334,12 @@ def _stored(row: Step, payload: TokenPayload) -> StoredStep:
     )
 
 
-def _prompt_based_on(row: Step) -> str | None:
-    """The step whose sequence ``row``'s prompt is a delta on; None when stored whole."""
-    return row.parent_step_id if row.prompt_base_tokens else None
+def _ref(row: Step) -> StepRef:
+    return StepRef(
+        row.id, row.trajectory_id, row.parent_step_id, row.prompt_base_tokens, row.payload_file_id
+    )
+
+
+def _prompt_based_on(ref: StepRef) -> str | None:
+    """The step whose sequence ``ref``'s prompt is a delta on; None when stored whole."""
+    return ref.parent_step_id if ref.prompt_base_tokens else None
