@@ -2,8 +2,9 @@
 
 Owns: the calls of one session of ``T`` turns, shaped like a coding agent's (Claude Code, Codex
 CLI): a system prompt, a task, an 11-tool list of about 28 KB sent on every call, and per turn
-the whole history again plus the model's tool call and a ~450-character tool result; in chat
-completions or, like Claude Code, the Anthropic Messages API. Each call goes through its
+the whole history again plus the model's tool call and a ~450-character tool result (the tool
+list and system prompt are those ``bench horizon`` sends, ``trajgate.bench.agent_session``'s);
+in chat completions or, like Claude Code, the Anthropic Messages API. Each call goes through its
 dialect's ``prepare`` (the upstream body) and ``canonical``, then ``PoolStore.record_call`` (the
 pool's own write path), so the rows are what the gateway would store. Never:
 times anything or asserts goals (the callers do: tests/test_inspector_horizon.py,
@@ -25,51 +26,11 @@ from datapool.steps.store import PoolStore
 from gateway.dialects.base import Dialect
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.dialects.messages import Messages
+from trajgate.bench.agent_session import SYSTEM_PROMPT, tools
 
 FIRST_PROMPT_TOKENS = 600
 ENV_TOKENS = 60
 RESPONSE_TOKENS = 40
-TOOL_NAMES = (
-    "bash",
-    "read_file",
-    "write_file",
-    "edit_file",
-    "glob",
-    "grep",
-    "list_dir",
-    "web_fetch",
-    "todo_write",
-    "task",
-    "notebook_edit",
-)
-
-
-def tool_list() -> list[dict[str, Any]]:
-    """11 function tools, about 28 KB of JSON (a coding agent's list; Claude Code's is 32 KB)."""
-    tools = []
-    for n, name in enumerate(TOOL_NAMES):
-        description = f"{name}: " + " ".join(
-            f"Rule {k} of tool {n}: say exactly what you change and why." for k in range(40)
-        )
-        parameters = {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string", "description": f"The file or directory {name} uses."},
-                "content": {"type": "string", "description": "Text to write, or a pattern."},
-                "limit": {"type": "integer", "description": "At most this many lines."},
-            },
-            "required": ["path"],
-        }
-        tools.append(
-            {
-                "type": "function",
-                "function": {"name": name, "description": description, "parameters": parameters},
-            }
-        )
-    return tools
-
-
-SYSTEM_PROMPT = "You are a coding agent working in a repository. " * 40
 
 
 def tool_result(turn: int) -> str:
@@ -81,12 +42,12 @@ def tool_result(turn: int) -> str:
 
 def response_of(turn: int) -> dict[str, Any]:
     """The model's answer at ``turn``: one tool call, as the gateway stores it."""
-    arguments = json.dumps({"path": f"src/file_{turn}.py", "limit": 40})
+    arguments = json.dumps({"file_path": f"/repo/src/file_{turn}.py", "limit": 40})
     call = {"id": f"call_{turn}", "type": "function"}
     return {
         "role": "assistant",
         "content": None,
-        "tool_calls": [{**call, "function": {"name": "read_file", "arguments": arguments}}],
+        "tool_calls": [{**call, "function": {"name": "Read", "arguments": arguments}}],
     }
 
 
@@ -115,20 +76,12 @@ def messages_body_at(turn: int) -> dict[str, Any]:
         use["input"] = json.loads(call["function"]["arguments"])
         result = {"type": "tool_result", "tool_use_id": call["id"], "content": tool_result(k)}
         messages += [{"role": "assistant", "content": [use]}, {"role": "user", "content": [result]}]
-    tools = [
-        {
-            "name": t["function"]["name"],
-            "description": t["function"]["description"],
-            "input_schema": t["function"]["parameters"],
-        }
-        for t in tool_list()
-    ]
     return {
         "model": "tiny",
         "max_tokens": 1024,
         "system": SYSTEM_PROMPT,
         "messages": messages,
-        "tools": tools,
+        "tools": tools("messages"),
     }
 
 
@@ -149,7 +102,6 @@ def record_session(
     """Record ``turns`` calls of one session into ``store`` (module docstring) in
     ``dialect_name`` (``chat`` or ``messages``) and return them. Raises ``ValueError`` for
     another dialect name."""
-    tools = tool_list()
     dialect: Dialect
     if dialect_name == "chat":
         dialect = ChatCompletions()
@@ -163,7 +115,7 @@ def record_session(
     for turn in range(turns):
         response = [5000 + (turn * RESPONSE_TOKENS + i) % 3000 for i in range(RESPONSE_TOKENS)]
         if dialect_name == "chat":
-            request = {"model": "tiny", "messages": messages_at(turn), "tools": tools}
+            request = {"model": "tiny", "messages": messages_at(turn), "tools": tools("chat")}
         else:
             request = messages_body_at(turn)
         upstream = dialect.prepare(request).upstream_body
