@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from gateway_helpers import steps_of
+from tests_support import free_port
 
 from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
@@ -370,3 +371,58 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     after = api.post("/t/loop-after/v1/chat/completions", json=body)
     assert after.headers["x-trajgate-policy-version"] == "1"
     WeightSync([vllm.url], gateway.url).unload(f"loop-{tmp_path.name}-v1")
+
+
+def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
+    vllm: VLLMServer,
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """Publish before ack: with vLLM unreachable, the update is tried ``publish_attempts``
+    times, the batch goes back to the pool unconsumed and no version is registered (acking
+    first consumed the batch while its update died with the process)."""
+    from trainer_bridge.loop import LoopSettings, PublishFailedError, run_loop
+
+    api = httpx.Client(base_url=gateway.url, timeout=120)
+    WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
+    for member, reward in enumerate([1.0, 0.0]):
+        trajectory = f"unpublished-{member}"
+        api.post("/api/trajectories", json={"id": trajectory, "group_id": "unpublished-g"})
+        body = {
+            "model": "policy",
+            "messages": [{"role": "user", "content": "Temperature?"}],
+            "max_tokens": 4,
+            "temperature": 1.0,
+        }
+        assert api.post(f"/t/{trajectory}/v1/chat/completions", json=body).is_success
+        api.post(
+            f"/api/trajectories/{trajectory}/complete", json={"reward": reward}
+        ).raise_for_status()
+    said: list[str] = []
+    loop = LoopSettings(
+        gateway_url=gateway.url,
+        vllm_urls=[f"http://127.0.0.1:{free_port()}"],  # nothing listens there
+        consumer="unpublished",
+        spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
+        max_updates=1,
+        adapter_dir=tmp_path,
+        adapter_prefix="unpublished",
+        publish_attempts=2,
+        publish_retry_s=0.05,
+    )
+    settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2)
+    with pytest.raises(PublishFailedError, match="failed 2 times"):
+        run_loop(loop, settings, say=said.append)
+    assert len(said) == 1 and "try 2 of 2" in said[0]
+    [batch] = api.get("/api/batches").json()
+    assert batch["status"] == "ready", batch
+    # Still leasable by the next trainer; and no version 1 was registered.
+    assert api.post(
+        "/api/batches/lease", json={"consumer": "next", "batch_id": batch["id"]}
+    ).is_success
+    versions = api.get("/admin/policy-versions").json()
+    assert [v["version"] for v in versions] == [0]
+    assert not api.get("/api/training-metrics", params={"run": "unpublished"}).json()
+    api.close()

@@ -460,8 +460,9 @@ def train(
     ] = None,
     check_config: CheckConfigOpt = False,
 ) -> None:
-    """Lease batches from the pool, train (LoRA or full), ack, and publish each update to vLLM
-    and the gateway as the next policy version. The same command on a CPU or a GPU host.
+    """Lease batches from the pool, train (LoRA or full), publish each update to vLLM and the
+    gateway as the next policy version, then ack (a publish that keeps failing gives the batch
+    back). The same command on a CPU or a GPU host.
     Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's \\[trainer] table."""
     from trainer_bridge.settings import DistributedSettings, TrainerSettings
 
@@ -508,7 +509,7 @@ def train(
     import httpx
 
     from trainer_bridge.client import PoolClientError
-    from trainer_bridge.loop import LoopSettings, run_loop
+    from trainer_bridge.loop import LoopSettings, PublishFailedError, run_loop
 
     loop = LoopSettings(
         gateway_url=gateway_url.rstrip("/"),
@@ -522,7 +523,9 @@ def train(
     # A lost lease is said by the loop itself and training goes on; what ends it is a service
     # that refuses (the pool's envelope) or does not answer: one line each, no traceback.
     try:
-        _run_user_facing(lambda: run_loop(loop, settings, say=typer.echo), PoolClientError)
+        _run_user_facing(
+            lambda: run_loop(loop, settings, say=typer.echo), PoolClientError, PublishFailedError
+        )
     except httpx.TransportError as exc:
         typer.echo(f"error: {_unanswered(exc)}", err=True)
         raise typer.Exit(1) from exc
