@@ -44,6 +44,7 @@ from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import routes as proxy
 from gateway.proxy.continuation.history import TurnMemory
+from gateway.proxy.sampling import check_defaults_against_policy
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState, StateDep
 from gateway.tokenizer_dirs import TokenizerDirs
@@ -66,7 +67,8 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``).
 
-    Raises ``InvalidPoolRequestError`` when a configured reward function cannot be resolved.
+    Raises ``InvalidPoolRequestError`` when a configured reward function cannot be resolved,
+    ``SamplingSettingsError`` when a channel's sampling policy refuses its own defaults.
 
     ``upstream_transport`` replaces the network for upstream calls (tests that need an upstream
     shape the real vLLM cannot produce pass an ``httpx.MockTransport``). ``worker_dir``: this app
@@ -81,6 +83,7 @@ def create_app(
     for name in pool.reward_functions:
         # A typo here would otherwise surface only as a failed reward on every trajectory.
         resolve_reward_function(name)
+    check_defaults_against_policy(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

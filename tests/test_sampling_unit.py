@@ -4,6 +4,7 @@ test_sampling_logprobs.py."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -12,7 +13,9 @@ from gateway.dialects import DIALECTS, Prepared
 from gateway.dialects.base import ClientAsked
 from gateway.errors import InvalidRequestError
 from gateway.proxy.sampling import (
+    SamplingSettingsError,
     apply_policy,
+    check_defaults_against_policy,
     constrained_by,
     narrowing,
     sampling_flags,
@@ -104,6 +107,33 @@ def test_a_channel_policy_falls_back_to_the_star_entry_then_flag() -> None:
     assert GatewaySettings().sampling_policy_for("train") == "flag"
     with pytest.raises(ValueError, match="sampling_policy"):
         GatewaySettings(sampling_policy={"train": "ignore"})
+
+
+@pytest.mark.parametrize(
+    ("policy", "defaults", "refused"),
+    [
+        # Greedy defaults on a refusing channel: every call leaving temperature out refused.
+        ({"eval": "refuse"}, {"eval": {"temperature": 0}}, "'eval'"),
+        # Through the '*' entries: the default channel 'train' inherits both.
+        ({"*": "refuse"}, {"*": {"top_p": 0.9}}, "'*'"),
+        ({"*": "refuse"}, {"train": {"top_k": 20}}, "'train'"),
+        # Neutral or temperature-only defaults, or another channel's: accepted.
+        ({"eval": "refuse"}, {"eval": {"temperature": 0.7, "top_p": 1.0}}, None),
+        ({"eval": "refuse"}, {"train": {"temperature": 0}}, None),
+        ({"eval": "enforce"}, {"eval": {"temperature": 0}}, None),
+    ],
+)
+def test_a_refusing_channel_whose_own_defaults_narrow_is_refused_at_start(
+    policy: dict[str, Any], defaults: dict[str, Any], refused: str | None
+) -> None:
+    settings = GatewaySettings(sampling_policy=policy, sampling_defaults=defaults)
+    if refused is None:
+        check_defaults_against_policy(settings)
+        return
+    with pytest.raises(
+        SamplingSettingsError, match=re.escape(f"channel {refused}: its sampling policy")
+    ):
+        check_defaults_against_policy(settings)
 
 
 @pytest.mark.parametrize(

@@ -232,11 +232,14 @@ def serve(
     from datapool.errors import PoolError
     from gateway.app import create_app
     from gateway.http_protocol import protocol_factory
+    from gateway.proxy.sampling import SamplingSettingsError
 
     try:
         application = create_app(settings, pool)
     except PoolError as exc:
         raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
+    except SamplingSettingsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="TRAJGATE_SAMPLING_POLICY") from exc
     db.upgrade(pool.resolved_database_url())
     options: dict[str, Any] = {
         "host": settings.host,

@@ -49,7 +49,12 @@ from typing import Any
 
 from gateway.dialects import Dialect, Prepared
 from gateway.errors import InvalidRequestError
-from gateway.settings import LOGPROBS_MODES, SAMPLING_POLICIES, TOOL_STRICT_LEVELS
+from gateway.settings import (
+    LOGPROBS_MODES,
+    SAMPLING_POLICIES,
+    TOOL_STRICT_LEVELS,
+    GatewaySettings,
+)
 
 NARROWED = "narrowed"  # quality flag: the distribution was narrowed beyond its temperature
 RAW_LOGPROBS = "raw_logprobs"  # integrity flag: logprobs at temperature 1, sampled at another
@@ -112,6 +117,33 @@ def narrowing(upstream_body: dict[str, Any]) -> list[str]:
     if fields["temperature"] < GREEDY_BELOW:
         narrowed.insert(0, "temperature")
     return narrowed + [name for name in _MASKS if upstream_body.get(name)]
+
+
+class SamplingSettingsError(ValueError):
+    """A channel's sampling policy refuses what its own sampling defaults would ask for."""
+
+
+def check_defaults_against_policy(settings: GatewaySettings) -> None:
+    """Refuse at start a channel whose policy is ``refuse`` and whose ``sampling_defaults``
+    narrow the distribution: the defaults fill the fields a call leaves out, so every call
+    that left them out would be refused with a message blaming the client.
+
+    Raises:
+        SamplingSettingsError: naming the channel and the narrowing default fields.
+    """
+    channels = {"train", *settings.sampling_policy, *settings.sampling_defaults}
+    for channel in sorted(channels):
+        if settings.sampling_policy_for(channel) != "refuse":
+            continue
+        narrowed = narrowing(dict(settings.sampling_defaults_for(channel)))
+        if narrowed:
+            raise SamplingSettingsError(
+                f"channel {channel!r}: its sampling policy is 'refuse' but its sampling "
+                f"defaults narrow the distribution ({', '.join(narrowed)}), so every call "
+                "leaving them out would be refused: drop those defaults "
+                "(TRAJGATE_SAMPLING_DEFAULTS) or give the channel another policy "
+                "(TRAJGATE_SAMPLING_POLICY)"
+            )
 
 
 def _top_k_off(name: str, fields: dict[str, Any]) -> bool:
