@@ -7,7 +7,9 @@ is recorded."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -105,3 +107,34 @@ def test_a_header_naming_another_channel_for_an_existing_trajectory_is_refused(
     assert "'train'" in error["message"] and "is in channel 'eval'" in error["message"]
     assert steps_of(sqlite_pool, "evr-2") == []
     assert _call(server, "evr-2", "eval").status_code == 200  # its own channel named: served
+
+
+def test_concurrent_first_calls_of_a_new_trajectory_settle_on_one_channel(
+    server: BackgroundServer, sqlite_pool: PoolSettings
+) -> None:
+    """Eight first calls at once, half naming channel greedy and half none (train): the
+    trajectory is created by the first to reach the pool, every call served gets that channel's
+    settings, and a call naming the other channel is refused 403 (each used to be served under
+    the channel it named, both kinds recorded in one trajectory)."""
+    start = threading.Barrier(8)
+
+    def first_call(i: int) -> httpx.Response:
+        start.wait()
+        return _call(server, "race", "greedy" if i % 2 else None)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(first_call, range(8)))
+    channel = httpx.get(f"{server.url}/api/trajectories/race", timeout=30).json()["channel"]
+    assert channel in ("greedy", "train")
+    for i, answer in enumerate(answers):
+        named = "greedy" if i % 2 else None
+        if named is not None and named != channel:
+            assert answer.status_code == 403, answer.text
+            assert answer.json()["error"]["code"] == "channel_mismatch"
+        else:
+            assert answer.status_code == 200, answer.text
+    steps = steps_of(sqlite_pool, "race")
+    assert len(steps) == sum(a.status_code == 200 for a in answers) >= 4
+    # every recorded call got the stored channel's defaults: greedy's temperature 0, else none
+    expected = 0 if channel == "greedy" else None
+    assert [s.upstream_request.get("temperature") for s in steps] == [expected] * len(steps)

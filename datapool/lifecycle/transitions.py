@@ -87,6 +87,49 @@ def create_trajectory(
     return trajectory
 
 
+def ensure_trajectory(
+    sessions: sessionmaker[Session],
+    trajectory_id: str,
+    group_id: str | None = None,
+    channel: str = "train",
+) -> Trajectory:
+    """The trajectory ``trajectory_id``, created open in ``channel`` (and ``group_id``) when it
+    does not exist yet, as the pool writer creates it for a first call (insert-or-ignore).
+
+    Concurrent first calls of a new trajectory settle its channel through this before any of
+    them goes upstream: the first insert wins and every call reads the one stored channel,
+    whose settings it then gets (each calling ``get`` first would let each record under the
+    channel it named). Idempotent: an existing trajectory is returned unchanged, whatever its
+    status.
+    """
+    with sessions.begin() as session:
+        if group_id is not None:
+            _ensure_group(session, group_id)
+        inserted = insert_ignore(
+            session,
+            Trajectory,
+            [
+                {
+                    "id": trajectory_id,
+                    "group_id": group_id,
+                    "channel": channel,
+                    "status": TrajectoryStatus.OPEN.value,
+                    "metadata_json": {},
+                    "tags": [],
+                    "flags": [],
+                    "call_count": 0,
+                    "rejected_calls": 0,
+                    "created_at": utc_now(),
+                }
+            ],
+        )
+        trajectory = session.get(Trajectory, trajectory_id)
+        assert trajectory is not None
+        if inserted and group_id is not None:
+            update_group(session, group_id)  # a new open member reopens a complete group
+    return trajectory
+
+
 def _ensure_group(session: Session, group_id: str) -> None:
     insert_ignore(
         session,

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import SQLAlchemyError
 
+from datapool.lifecycle.transitions import ensure_trajectory
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_exchange, find_replay, find_resend
 from datapool.steps.faults import is_storage_fault
@@ -553,10 +554,11 @@ async def settle_channel(state: GatewayState, attribution: Attribution) -> Attri
     A channel named by ``X-Trajgate-Channel`` or a channel-bound key that is not an existing
     trajectory's own raises ``PermissionDeniedError`` (403) before anything goes upstream: a
     trajectory's channel is set when it is created, and a key bound to a channel writes only
-    into that channel's trajectories. A new trajectory keeps the named channel (it is created
-    in it). The pool is read only when the channel can matter: a channel named by the call, or
-    settings per channel; a read for a channel-bound key is ``needed`` (refused when the pool
-    cannot answer), any other goes on as for a new trajectory in 'serve' mode.
+    into that channel's trajectories. A new trajectory is created here in the named channel
+    (else 'train'), before anything goes upstream, so that concurrent first calls settle on
+    one channel. The pool is read only when the channel can matter: a channel named by the
+    call, or settings per channel; a read for a channel-bound key is ``needed`` (refused when
+    the pool cannot answer), any other goes on as for a new trajectory in 'serve' mode.
     """
     settings = state.settings
     per_channel = (
@@ -572,6 +574,19 @@ async def settle_channel(state: GatewayState, attribution: Attribution) -> Attri
         attribution.trajectory_id,
         needed=attribution.key_channel is not None,
     )
+    if trajectory is None:
+        # A new trajectory is created now in the channel this call names (insert-or-ignore):
+        # concurrent first calls then all read one stored channel and get its settings, where
+        # each used to record under the channel it named, a mismatched one accepted too.
+        trajectory = await pool_lookup(
+            state,
+            ensure_trajectory,
+            state.store.sessions,
+            attribution.trajectory_id,
+            attribution.group_id,
+            attribution.channel or "train",
+            needed=attribution.key_channel is not None,
+        )
     if trajectory is None:
         return attribution
     named, own = attribution.channel, trajectory.channel
