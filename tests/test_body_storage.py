@@ -423,6 +423,8 @@ def test_the_step_api_answers_the_request_as_sent(sqlite_pool: PoolSettings) -> 
         answer = api.get(f"/api/steps/{last}")
     assert answer.status_code == 200
     assert json.dumps(answer.json()["request"]) == json.dumps(calls[-1].request)
+    # The body vLLM got (a delta on the parent's, its tool list a blob) comes back whole too.
+    assert json.dumps(answer.json()["upstream_request"]) == json.dumps(calls[-1].upstream_request)
 
 
 @pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))

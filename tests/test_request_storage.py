@@ -385,6 +385,7 @@ def test_every_request_of_a_real_agent_reads_back_as_the_client_sent_it(
     assert rows[1]["messages_base"] >= 2  # the second call stored only what was new
     response = httpx.get(f"{gateway.url}/api/steps/{steps[-1].id}", timeout=30)
     assert response.json()["request"] == sent[-1]
+    assert response.json()["upstream_request"] == steps[-1].upstream_request
     detail = httpx.get(f"{gateway.url}/api/inspector/trajectories/real-agent", timeout=30)
     assert detail.status_code == 200, detail.text
     # The inspector ships what each step added; along the parent chain it is the full

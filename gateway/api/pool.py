@@ -115,6 +115,11 @@ class StepPublic(StepSummary):
     divergence_kind: str | None
     model: str | None
     request: dict[str, Any]
+    upstream_request: dict[str, Any] | None = Field(
+        default=None,
+        description="The body sent to vLLM (after translation, sampling defaults and "
+        "policy), whole; null for a call that never went upstream.",
+    )
     response_message: dict[str, Any] | None
     latency_ms: float
     ttft_ms: float | None
