@@ -172,3 +172,31 @@ def test_nack_of_a_lost_lease_is_quiet_because_the_batch_is_back_already(
     _wait_past(lease, 0.2)
     keeper.nack(lease, reason="update failed")  # no LeaseLostError
     assert isinstance(pool.lease("other-trainer", batch_id=lease.batch_id), LeasedBatch)
+
+
+def test_lease_bodies_are_read_strictly_and_a_retried_ack_is_answered_as_done(
+    pool: PoolClient, api: httpx.Client
+) -> None:
+    """``lease_s: true`` is not one second, a field we do not know is not ignored, an empty
+    consumer is a 400 (not a 409 about a lease), and an ack retried after its answer was lost
+    is 204 again (it was 409 lease_lost, which told the trainer its update was not counted)."""
+    for bad in ({"lease_s": True}, {"lease_s": "30"}, {"lease_s": 30, "lease_ms": 5}):
+        refused = api.post("/api/batches/lease", json={"consumer": "strict", **bad})
+        assert refused.status_code == 400, (bad, refused.text)
+    assert api.post("/api/batches/lease", json={"consumer": ""}).status_code == 400
+    lease = pool.lease("strict", lease_s=60)
+    assert lease is not None
+    body = {"consumer": "strict", "lease_id": lease.lease_id}
+    for path, extra in (("renew", {"lease_s": True}), ("renew", {"until": 1}), ("ack", {"x": 1})):
+        refused = api.post(f"/api/batches/{lease.batch_id}/{path}", json={**body, **extra})
+        assert refused.status_code == 400, (path, extra, refused.text)
+    for path in ("renew", "ack", "nack"):
+        empty = api.post(f"/api/batches/{lease.batch_id}/{path}", json={**body, "consumer": ""})
+        assert empty.status_code == 400, (path, empty.text)
+    ack = {**body, "policy_version_trained": 3}
+    assert api.post(f"/api/batches/{lease.batch_id}/ack", json=ack).status_code == 204
+    assert api.post(f"/api/batches/{lease.batch_id}/ack", json=ack).status_code == 204
+    assert _consumers(api, lease.batch_id) == [("strict", 3)]  # recorded once
+    # Another consumer's ack of that lease is still refused.
+    other = api.post(f"/api/batches/{lease.batch_id}/ack", json={**ack, "consumer": "other"})
+    assert other.status_code == 409 and other.json()["error"]["code"] == "lease_lost"

@@ -179,8 +179,25 @@ def ack(
     lease_id: str,
     policy_version_trained: int | None,
 ) -> None:
-    """Record that ``consumer`` trained on the batch (once); the lease ends."""
+    """Record that ``consumer`` trained on the batch (once); the lease ends.
+
+    Idempotent for a retry of the same ack (same consumer and lease id already recorded): a
+    consumer whose ack reached the pool but whose answer was lost retries and is told it is
+    done, not that its lease was lost.
+
+    Raises:
+        LeaseNotCurrentError: the lease is not current and this ack was not recorded before.
+    """
     with sessions.begin() as session:
+        recorded = session.execute(
+            select(BatchConsumption.batch_id).where(
+                BatchConsumption.batch_id == batch_id,
+                BatchConsumption.consumer == consumer,
+                BatchConsumption.lease_id == lease_id,
+            )
+        ).first()
+        if recorded is not None:
+            return
         _release(session, batch_id, consumer, lease_id, "consumed")
         session.add(
             BatchConsumption(

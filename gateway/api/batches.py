@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
@@ -388,9 +388,20 @@ class BatchDetail(BatchPublic):
     consumed_by: list[Consumption]
 
 
+# Seconds, strictly a number: pydantic's lax mode read ``true`` as 1 s and ``"30"`` as 30.
+LeaseSeconds = Annotated[float, Strict()]
+# Who holds a lease: the same bounds wherever a consumer is named (an empty one used to reach
+# the lease check and answer 409 lease_lost instead of 400).
+Consumer = Annotated[str, Field(min_length=1, max_length=200)]
+# A lease request with a field we do not know is refused (400), not half-read.
+STRICT_BODY = ConfigDict(extra="forbid")
+
+
 class LeaseRequest(BaseModel):
-    consumer: str = Field(min_length=1, max_length=200)
-    lease_s: float | None = Field(
+    model_config = STRICT_BODY
+
+    consumer: Consumer
+    lease_s: LeaseSeconds | None = Field(
         default=None, gt=0, description="Default TRAJGATE_LEASE_DEFAULT_S."
     )
     batch_id: str | None = Field(
@@ -409,9 +420,11 @@ class LeasePublic(BaseModel):
 
 
 class RenewRequest(BaseModel):
-    consumer: str
+    model_config = STRICT_BODY
+
+    consumer: Consumer
     lease_id: str
-    lease_s: float | None = Field(
+    lease_s: LeaseSeconds | None = Field(
         default=None,
         gt=0,
         description="The lease ends this long from now; default TRAJGATE_LEASE_DEFAULT_S, at "
@@ -420,13 +433,17 @@ class RenewRequest(BaseModel):
 
 
 class AckRequest(BaseModel):
-    consumer: str
+    model_config = STRICT_BODY
+
+    consumer: Consumer
     lease_id: str
     policy_version_trained: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
 
 
 class NackRequest(BaseModel):
-    consumer: str
+    model_config = STRICT_BODY
+
+    consumer: Consumer
     lease_id: str
     reason: str | None = None
 
@@ -574,7 +591,8 @@ async def batch_rows(
 
 @router.post("/batches/{batch_id}/ack", status_code=204)
 async def ack_batch(batch_id: str, body: AckRequest, sessions: SessionsDep) -> Response:
-    """The consumer trained on the batch: recorded once, with the policy version trained."""
+    """The consumer trained on the batch: recorded once, with the policy version trained (a
+    retry of an ack already recorded answers 204 again)."""
     await _held(
         leases.ack, sessions, batch_id, body.consumer, body.lease_id, body.policy_version_trained
     )
