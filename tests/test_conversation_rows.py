@@ -177,3 +177,20 @@ def test_a_side_call_between_main_turns_leaves_the_main_chain_one_row(
     assert side.divergence_kind == "side_call"
     rows = merged_rows(pool_settings, "side-row")
     assert_one_row_per_conversation(rows, [[main_0, main_1, main_2], [side]])
+
+
+def test_continuing_the_first_answer_after_a_resend_is_exact_like_a_choice_of_n(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # The same request twice (a retry), then the agent goes on from the FIRST answer: before
+    # issue 38 that step was flagged ``history_rewritten`` (it leaves the re-send's answer);
+    # going on from choice 0 of one n=2 call was not. Both are a sibling's exact continuation.
+    first = chat(gateway, "resend", MAIN[:2], 0)
+    chat(gateway, "resend", MAIN[:2], 1)
+    chat(gateway, "resend", first, 2)
+    answered, again, going_on = steps_of(pool_settings, "resend")
+    assert (again.parent_step_id, again.prompt_token_ids) == (None, answered.prompt_token_ids)
+    assert again.response_token_ids != answered.response_token_ids  # two different answers
+    assert (going_on.parent_step_id, going_on.extends_parent) == (answered.id, True)
+    assert (going_on.continuation, going_on.divergence_kind) == ("exact", None)
+    assert [s for s in (answered, again, going_on) if "prefix_break" in s.flags] == []

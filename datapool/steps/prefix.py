@@ -88,7 +88,8 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
     none extends (a side call's steps never make a break of the main chain), in order:
 
     1. the longest extending candidate, when the prompt extends one of the latest call's
-       candidates (the usual next turn) → ``Lineage(k, True, None)``;
+       candidates or of the candidates with the latest's very prompt (the usual next turn, or
+       the next turn after a choice of ``n`` or after a re-send) → ``Lineage(k, True, None)``;
     2. the latest candidate whose prompt is exactly ``prompt`` → its lineage, ``fork_of`` it;
     3. the longest extending candidate, diverging from the latest candidate → a hidden break
        ``Lineage(k, True, offset, diverges_from=latest)``;
@@ -103,7 +104,7 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
         ):
             best = candidate
     latest = latest_of_tree(candidates, None if best is None else best.tree)
-    latest_call = [c for c in candidates if _same_call(c, latest)]
+    latest_call = [c for c in candidates if _same_call(c, latest) or _same_prompt(c, latest)]
     if best is not None and any(first_divergence(c.sequence, prompt) is None for c in latest_call):
         return Lineage(best.step_id, True, None)
     for candidate in reversed(candidates):
@@ -137,6 +138,17 @@ def _same_call(candidate: Candidate, latest: Candidate) -> bool:
     if latest.call is None:
         return candidate is latest
     return candidate.call == latest.call
+
+
+def _same_prompt(candidate: Candidate, latest: Candidate) -> bool:
+    """Whether ``candidate`` answered ``latest``'s very prompt (a re-send's twin): continuing
+    either is the same case as continuing one choice of ``n``, never a break."""
+    n = latest.prompt_length
+    return (
+        n is not None
+        and candidate.prompt_length == n
+        and list(candidate.sequence[:n]) == list(latest.sequence[:n])
+    )
 
 
 # Kinds of prefix break, from the most to the least specific explanation.
