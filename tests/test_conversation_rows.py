@@ -194,3 +194,17 @@ def test_continuing_the_first_answer_after_a_resend_is_exact_like_a_choice_of_n(
     assert (going_on.parent_step_id, going_on.extends_parent) == (answered.id, True)
     assert (going_on.continuation, going_on.divergence_kind) == ("exact", None)
     assert [s for s in (answered, again, going_on) if "prefix_break" in s.flags] == []
+
+
+def test_a_dropped_middle_turn_is_a_history_truncated_break(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # [system, task, a0, go on 0] → a1; then the agent drops its first exchange (task, a0) and
+    # sends [system, go on 0, a1, go on 1]: the parent's messages with whole turns removed.
+    # Before issue 38 this break was labelled ``history_rewritten``.
+    history = chat(gateway, "dropped", MAIN[:2], 0)
+    history = chat(gateway, "dropped", history, 1)
+    chat(gateway, "dropped", [history[0], *history[3:]], 2)
+    _, second, dropped = steps_of(pool_settings, "dropped")
+    assert (dropped.parent_step_id, dropped.extends_parent) == (second.id, False)
+    assert "prefix_break" in dropped.flags and dropped.divergence_kind == "history_truncated"

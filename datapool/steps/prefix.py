@@ -182,7 +182,10 @@ def classify_divergence(
       first user message, and is itself only a conversation's start (system messages and one
       user message: a title or summary call, a sub-agent's first call): a new root of the
       trajectory's tree, not a break of its chain;
-    - ``history_truncated``: the new messages are a prefix of the parent's (fewer turns);
+    - ``history_truncated``: the new messages are the parent's with whole turns removed: a
+      prefix of them (fewer turns), or from the first difference on more of the parent's
+      messages in their order, whole ones dropped in between (a dropped middle turn), maybe
+      followed by new turns; a message that is edited rather than dropped is not;
     - in an earlier turn: ``system_changed`` (a system message), ``thinking_stripped`` (its
       reasoning dropped or changed), ``tool_arguments_changed`` (a tool call's argument string
       differs, same call ids and names: case C04), else ``history_rewritten``;
@@ -209,7 +212,7 @@ def classify_divergence(
     if shared == len(new_messages) and len(new_messages) <= len(parent_messages):
         return HISTORY_TRUNCATED
     if shared < len(parent_messages):
-        if shared >= len(new_messages):
+        if shared >= len(new_messages) or _kept_after_a_gap(history, new_messages, shared):
             return HISTORY_TRUNCATED
         return _turn_changed(parent_messages[shared], new_messages[shared], generated=False)
     if parent_response is None or shared >= len(new_messages):
@@ -222,6 +225,20 @@ def classify_divergence(
             return TOOL_CALL_RERENDERED
         return RETOKENISED
     return _turn_changed(parent_response, echoed, generated=True)
+
+
+def _kept_after_a_gap(history: Sequence[Message], new: Sequence[Message], shared: int) -> bool:
+    """Whether ``new`` goes on, after its first ``shared`` messages (``history``'s), with more
+    of ``history``'s messages in order, some whole ones dropped in between: its kept messages
+    are a subsequence of ``history`` (messages after them are new turns)."""
+    at = shared
+    kept = shared
+    for message in new[shared:]:
+        found = next((i for i in range(at, len(history)) if history[i] == message), None)
+        if found is None:
+            break
+        at, kept = found + 1, kept + 1
+    return kept > shared
 
 
 def _turn_changed(old: Message, new: Message, *, generated: bool) -> str:
