@@ -322,3 +322,23 @@ def test_a_message_resent_as_its_string_is_no_change_of_the_history() -> None:
     assert classify_divergence([system, user, as_block], call, resent) == "tool_call_rerendered"
     edited = [system, user, Message("system", environment + "!"), call, result]
     assert classify_divergence([system, user, as_block], call, edited) == "system_changed"
+
+
+def test_a_dropped_middle_turn_is_history_truncated_and_an_edited_one_is_rewritten() -> None:
+    """History H = [system, u0, a0, u1, a1] then the answer a2. Dropping the whole turn (u0,
+    a0) and going on keeps H's messages in order (a subsequence): truncated. Editing u0 instead
+    keeps nothing after the difference: rewritten. A conversation's start ending in a system
+    block (Claude Code's) is a side call whether the block sits first or last."""
+    system, environment = Message("system", "Agent."), Message("system", "# Environment")
+    u0, a0 = Message("user", "q0"), Message("assistant", "r0")
+    u1, a1 = Message("user", "q1"), Message("assistant", "r1")
+    answer, u2 = Message("assistant", "r2"), Message("user", "q2")
+    parent = [system, u0, a0, u1, a1]
+    assert classify_divergence(parent, answer, [system, u1, a1, answer, u2]) == "history_truncated"
+    assert classify_divergence(parent, answer, [system, u1, a1, u2]) == "history_truncated"
+    assert classify_divergence(parent, answer, [system, u0, u2]) == "history_rewritten"
+    edited = [system, Message("user", "q0!"), a0, u1, a1, answer, u2]
+    assert classify_divergence(parent, answer, edited) == "history_rewritten"
+    start = [system, u0, environment]
+    for other in ([Message("system", "Sub-agent."), u1, environment], [system, u1]):
+        assert classify_divergence(start, a0, other) == "side_call"

@@ -41,15 +41,18 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_helpers import steps_of
+from gateway_helpers import gateway_with, steps_of
 from sqlalchemy import func, select
 from tests_support import free_port
 
 from datapool import db
+from datapool.batches.build import build_rows
+from datapool.batches.spec import BatchSpec
 from datapool.curation.rules import INTEGRITY_FLAGS
-from datapool.models import Step
+from datapool.lifecycle.transitions import close_trajectory
+from datapool.models import Step, TrajectoryStatus
 from datapool.settings import PoolSettings
-from datapool.steps.store import StoredStep
+from datapool.steps.store import PoolStore, StoredStep
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
@@ -71,9 +74,12 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
     or lists of strings. Everything else, and every answer, passes unchanged; the gateway
     records the body it sent (without the regex), and the prompt is the same."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: dict[str, dict[str, str]] | None = None) -> None:
         self.network = httpx.AsyncHTTPTransport()
         self.steered: list[str] = []  # the tool named in each steered call
+        # Tools to steer one call to before ``SAFE_TOOLS``, with their arguments (a sub-agent's
+        # spawn).
+        self.first = first or {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.method == "POST" and request.url.path == "/v1/chat/completions":
@@ -95,8 +101,11 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
         if not body.get("tools") or any(m.get("role") == "tool" for m in messages):
             return None
         offered = {t["function"]["name"]: t["function"] for t in body["tools"]}
-        for name in SAFE_TOOLS:
-            arguments = _literal_arguments(offered.get(name))
+        for name in (*self.first, *SAFE_TOOLS):
+            arguments = self.first.get(name) if name in offered else None
+            if arguments is not None:
+                self.first = {}  # once: the sub-agent it spawns is steered to a safe tool
+            arguments = arguments or _literal_arguments(offered.get(name))
             if arguments is not None:
                 self.steered.append(name)
                 # Compact, unlike the template's rendering of the same call.
@@ -375,3 +384,48 @@ def test_claude_code_print_mode_lands_as_one_complete_trajectory(
     assert {step.endpoint for step in steps} == {"messages"}
     _assert_tool_calls_rewarded(gateway, steering, "claude-code-1")
     _assert_the_tool_turn_continues_exactly(vllm, steps)
+
+
+# Claude Code's sub-agent tool (``Agent``; ``Task`` in older releases) and a sub-agent that exists
+# in every installation.
+SPAWN = {
+    "description": "Find hello.py",
+    "prompt": "Find hello.py.",
+    "subagent_type": "general-purpose",
+}
+SPAWN_TOOLS = ("Agent", "Task")
+
+
+def test_claude_code_with_a_sub_agent_is_exact_unbroken_and_one_row_per_conversation(
+    vllm: VLLMServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Claude Code's first call is steered to its Agent tool: it spawns a sub-agent (its own
+    conversation, first call ``[system, user, system]``) whose first call is steered to a safe
+    tool; both go on. Before issue 38: every step after the sub-agent's first call was flagged
+    ``system_changed`` and the merged export gave one row per step."""
+    steering = ToolCallSteering(dict.fromkeys(SPAWN_TOOLS, SPAWN))
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url, transport=steering) as gw:
+        env, work = _home(tmp_path)
+        env.update(
+            ANTHROPIC_BASE_URL=f"{gw.url}/t/claude-sub",
+            ANTHROPIC_API_KEY="unused",
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+            DISABLE_AUTOUPDATER="1",
+        )
+        argv = [_agent_command("claude-code"), "-p", "Write hello.py."]
+        _run_agent([*argv, "--model", vllm.served_model_name], env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "claude-sub")
+    roots = [s for s in steps if s.parent_step_id is None]
+    flagged = [(s.step_index, s.divergence_kind) for s in steps if "prefix_break" in s.flags]
+    store = PoolStore(db.make_engine(pool_settings.resolved_database_url()), pool_settings)
+    close_trajectory(store.sessions, "claude-sub", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    rows = build_rows(store, BatchSpec(algorithm="sft", layout="merged"))[0].to_pylist()
+    print(
+        f"claude-sub: steered {steering.steered}, roots {len(roots)}, prefix_break {flagged}, "
+        f"continuation {[s.continuation for s in steps]}, "
+        f"merged rows (steps each) {[len(r['step_ids']) for r in rows]}"
+    )
+    assert steering.steered[:2] in (["Agent", "Read"], ["Task", "Read"]), steering.steered
+    assert len(roots) == 2 and flagged == []  # the main agent's conversation and its sub-agent's
+    assert all(s.continuation == "exact" for s in steps if s.parent_step_id is not None)
+    assert [r["step_ids"][0] for r in rows] == [s.id for s in roots]

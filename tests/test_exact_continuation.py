@@ -96,6 +96,11 @@ def test_probe_finds_the_chat_endpoint_samples_from_forwarded_prompt_ids(probed:
     assert probed.forwards_prompt_ids is True
 
 
+def test_probe_finds_that_vllm_renders_the_tools_under_tool_choice_none(probed: Replica) -> None:
+    # ``trajgate vllm start`` runs vLLM without --exclude-tools-when-tool-choice-none.
+    assert probed.excludes_tools_for_none is False
+
+
 def test_probe_finds_the_templates_end_of_turn_token(end_token: int, tiny_model_dir: Path) -> None:
     # The tiny model's template closes each turn with <|im_end|>, its eos (generation_config).
     config = json.loads((tiny_model_dir / "generation_config.json").read_text())
@@ -954,6 +959,24 @@ def test_two_gateways_taking_turns_keep_one_token_sequence(
     for parent, step in itertools.pairwise(steps):
         assert step.parent_step_id == parent.id and step.extends_parent
         assert "prefix_break" not in step.flags
+
+
+def test_an_answer_under_tool_choice_none_continues_exactly_where_vllm_renders_the_tools(
+    exact_gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # A tool turn, then the answer with tools offered but ``tool_choice: "none"``: vLLM as
+    # ``trajgate vllm start`` runs it renders the tools anyway, so the prompt is the same one
+    # the template would build and the answer continues the tool turn (it was the template).
+    messages = forced_turn(exact_gateway, "none-choice", [SYSTEM, USER])
+    chat(exact_gateway, "none-choice", {**ANSWER, "messages": messages, "tool_choice": "none"})
+    turn, answer = steps_of(pool_settings, "none-choice")
+    assert [turn.continuation, answer.continuation] == ["template", "exact"]
+    assert (answer.parent_step_id, answer.extends_parent) == (turn.id, True)
+    assert "prefix_break" not in answer.flags
+    # The keys: "none" renders as the other choices, unless a replica leaves the tools out.
+    auto = render_key(ANSWER)
+    none = {**ANSWER, "tool_choice": "none"}
+    assert render_key(none, tool_choice_none_renders=False) == auto != render_key(none)
 
 
 def test_a_side_call_is_a_new_root_and_the_main_chain_stays_exact(

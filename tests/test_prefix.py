@@ -42,6 +42,16 @@ def test_prompt_extending_another_choice_of_the_latest_call_is_no_break() -> Non
     assert lineage == Lineage("c0", True, None) and not lineage.is_break
 
 
+def test_prompt_extending_the_first_answer_after_a_resend_is_no_break_like_a_choice_of_n() -> None:
+    # Call 0 answered [1,2] with 5; an identical re-send (call 1) with 6. The agent goes on from
+    # the first answer ([1,2,5]): the same case as going on from choice 0 of n=2 above.
+    first = Candidate("f", [1, 2, 5], prompt_length=2, call=0, lineage=Lineage(None, None, None))
+    resend = choose_parent([first], [1, 2])
+    again = Candidate("a", [1, 2, 6], prompt_length=2, call=1, lineage=resend)
+    lineage = choose_parent([first, again], [1, 2, 5, 3])
+    assert lineage == Lineage("f", True, None) and not lineage.is_break
+
+
 def test_the_same_prompt_again_is_a_fork_with_its_twins_lineage_not_a_break() -> None:
     root = Candidate("r", [1, 2, 3], prompt_length=2, lineage=Lineage(None, None, None))
     turn1 = Candidate("t1", [1, 2, 3, 4, 5], prompt_length=4, lineage=Lineage("r", True, None))

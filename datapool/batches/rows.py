@@ -4,7 +4,9 @@ Owns: reading the exact token payloads of many steps as arrays (no Python lists)
 trajectory's trainable steps into *segments*, and assembling segments into the token columns of
 a batch. Never: tokenizes, or crosses a prefix break: a segment only grows by a step whose
 parent is the segment's last step and whose prompt starts with that step's prompt + response
-(checked token by token, not only by the stored ``extends_parent``).
+(checked token by token, not only by the stored ``extends_parent``). Conversations that
+interleave in one trajectory (a main agent and its sub-agents, side calls, two chats taking
+turns) each grow their own segment: one row per conversation, rows ordered by first step.
 
 Shape legend: ``P`` prompt tokens, ``R`` response tokens, ``T`` tokens of a row, ``N`` tokens of
 all rows. A segment of steps ``s_1..s_m`` becomes one row:
@@ -118,27 +120,35 @@ def _extends(tail: StepTokens, step: StepTokens) -> bool:
 def segments(
     steps: Sequence[StepTokens], layout: str, max_tokens_per_row: int | None
 ) -> tuple[list[list[StepTokens]], int]:
-    """Cut a trajectory's trainable ``steps`` (in order) into rows; returns ``(segments,
-    steps dropped because a single step exceeds max_tokens_per_row)``.
+    """Cut a trajectory's trainable ``steps`` (in order) into rows, ordered by their first step;
+    returns ``(segments, steps dropped because a single step exceeds max_tokens_per_row)``.
 
-    ``merged`` grows a segment only across token-exact extensions (a prefix break, a fork, a
-    dropped step in between, another temperature or the row cap start a new one); ``per_step``
-    is one step each.
+    ``merged`` grows, for each step, the open segment whose last step is the step's parent when
+    the step extends it token-exactly, whatever steps of other conversations came in between
+    (a sub-agent's, a side call's, another conversation's): one row per conversation. A
+    prefix break, a second child of the same step (a fork: the first child took the segment),
+    a dropped parent, another temperature or the row cap start a new segment. ``per_step`` is
+    one step each.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     result: list[list[StepTokens]] = []
+    open_by_tail: dict[str, list[StepTokens]] = {}  # a segment by its last step's id
     dropped = 0
     for step in steps:
         if max_tokens_per_row is not None and step.tokens > max_tokens_per_row:
             dropped += 1
             continue
-        tail = result[-1][-1] if result else None
+        parent = step.row.parent_step_id
+        segment = open_by_tail.get(parent) if layout == "merged" and parent else None
         # A merged row is its last step's P + R, so the cap checked above holds for it too.
-        if layout == "merged" and tail is not None and _extends(tail, step):
-            result[-1].append(step)
-            continue
-        result.append([step])
+        if segment is not None and _extends(segment[-1], step):
+            del open_by_tail[segment[-1].row.id]
+            segment.append(step)
+        else:
+            segment = [step]
+            result.append(segment)
+        open_by_tail[step.row.id] = segment
     return result, dropped
 
 

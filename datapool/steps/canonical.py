@@ -264,13 +264,22 @@ def _without_billing_header(content: str | list[Any]) -> str | list[Any]:
 
 
 def first_turns(messages: Sequence[Message]) -> tuple[Message, ...]:
-    """The leading ``system``/``developer`` messages and the first ``user`` message after them:
-    what a side call (a title or summary call, a sub-agent) shares with the main chain at most."""
+    """A conversation's start: its ``system``/``developer`` messages and its first message of
+    another role (the first ``user`` message), wherever the system messages sit among those:
+    what a side call (a title or summary call, a sub-agent) shares with the main chain at most.
+
+    ``[system, user]`` and Claude Code's first call ``[system, user, system]`` (an environment
+    block or a reminder after the task) are both whole starts; the start ends before the second
+    message that is not a system message.
+    """
     head: list[Message] = []
+    seen_other = False
     for message in messages:
-        head.append(message)
         if message.role not in ("system", "developer"):
-            break
+            if seen_other:
+                break
+            seen_other = True
+        head.append(message)
     return tuple(head)
 
 

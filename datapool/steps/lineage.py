@@ -141,11 +141,18 @@ class TrajectoryTokens:
         return Lineage(latest.step_id, False, offset)
 
     def _extends_call(self, prompt: bytes, latest: _Candidate) -> bool:
-        """Whether ``prompt`` extends any candidate of ``latest``'s call (its choices)."""
+        """Whether ``prompt`` extends any candidate of ``latest``'s call (its choices) or with
+        ``latest``'s very prompt (a re-send's twins: ``prefix._same_prompt``)."""
+        n = latest.prompt_length_bytes
         return any(
             self._extends(prompt, i)
             for i in range(len(self.candidates) - 1, -1, -1)
             if self.candidates[i].call == latest.call
+            or (
+                n >= 0
+                and self.candidates[i].prompt_length_bytes == n
+                and self.candidates[i].buffer[:n] == latest.buffer[:n]
+            )
         )
 
     def _extends(self, prompt: bytes, i: int) -> bool:

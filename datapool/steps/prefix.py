@@ -88,7 +88,8 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
     none extends (a side call's steps never make a break of the main chain), in order:
 
     1. the longest extending candidate, when the prompt extends one of the latest call's
-       candidates (the usual next turn) → ``Lineage(k, True, None)``;
+       candidates or of the candidates with the latest's very prompt (the usual next turn, or
+       the next turn after a choice of ``n`` or after a re-send) → ``Lineage(k, True, None)``;
     2. the latest candidate whose prompt is exactly ``prompt`` → its lineage, ``fork_of`` it;
     3. the longest extending candidate, diverging from the latest candidate → a hidden break
        ``Lineage(k, True, offset, diverges_from=latest)``;
@@ -103,7 +104,7 @@ def choose_parent(candidates: Sequence[Candidate], prompt: Sequence[int]) -> Lin
         ):
             best = candidate
     latest = latest_of_tree(candidates, None if best is None else best.tree)
-    latest_call = [c for c in candidates if _same_call(c, latest)]
+    latest_call = [c for c in candidates if _same_call(c, latest) or _same_prompt(c, latest)]
     if best is not None and any(first_divergence(c.sequence, prompt) is None for c in latest_call):
         return Lineage(best.step_id, True, None)
     for candidate in reversed(candidates):
@@ -139,6 +140,17 @@ def _same_call(candidate: Candidate, latest: Candidate) -> bool:
     return candidate.call == latest.call
 
 
+def _same_prompt(candidate: Candidate, latest: Candidate) -> bool:
+    """Whether ``candidate`` answered ``latest``'s very prompt (a re-send's twin): continuing
+    either is the same case as continuing one choice of ``n``, never a break."""
+    n = latest.prompt_length
+    return (
+        n is not None
+        and candidate.prompt_length == n
+        and list(candidate.sequence[:n]) == list(latest.sequence[:n])
+    )
+
+
 # Kinds of prefix break, from the most to the least specific explanation.
 THINKING_STRIPPED = "thinking_stripped"
 TOOL_ARGUMENTS_CHANGED = "tool_arguments_changed"
@@ -170,7 +182,10 @@ def classify_divergence(
       first user message, and is itself only a conversation's start (system messages and one
       user message: a title or summary call, a sub-agent's first call): a new root of the
       trajectory's tree, not a break of its chain;
-    - ``history_truncated``: the new messages are a prefix of the parent's (fewer turns);
+    - ``history_truncated``: the new messages are the parent's with whole turns removed: a
+      prefix of them (fewer turns), or from the first difference on more of the parent's
+      messages in their order, whole ones dropped in between (a dropped middle turn), maybe
+      followed by new turns; a message that is edited rather than dropped is not;
     - in an earlier turn: ``system_changed`` (a system message), ``thinking_stripped`` (its
       reasoning dropped or changed), ``tool_arguments_changed`` (a tool call's argument string
       differs, same call ids and names: case C04), else ``history_rewritten``;
@@ -197,7 +212,7 @@ def classify_divergence(
     if shared == len(new_messages) and len(new_messages) <= len(parent_messages):
         return HISTORY_TRUNCATED
     if shared < len(parent_messages):
-        if shared >= len(new_messages):
+        if shared >= len(new_messages) or _kept_after_a_gap(history, new_messages, shared):
             return HISTORY_TRUNCATED
         return _turn_changed(parent_messages[shared], new_messages[shared], generated=False)
     if parent_response is None or shared >= len(new_messages):
@@ -210,6 +225,20 @@ def classify_divergence(
             return TOOL_CALL_RERENDERED
         return RETOKENISED
     return _turn_changed(parent_response, echoed, generated=True)
+
+
+def _kept_after_a_gap(history: Sequence[Message], new: Sequence[Message], shared: int) -> bool:
+    """Whether ``new`` goes on, after its first ``shared`` messages (``history``'s), with more
+    of ``history``'s messages in order, some whole ones dropped in between: its kept messages
+    are a subsequence of ``history`` (messages after them are new turns)."""
+    at = shared
+    kept = shared
+    for message in new[shared:]:
+        found = next((i for i in range(at, len(history)) if history[i] == message), None)
+        if found is None:
+            break
+        at, kept = found + 1, kept + 1
+    return kept > shared
 
 
 def _turn_changed(old: Message, new: Message, *, generated: bool) -> str:

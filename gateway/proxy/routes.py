@@ -457,7 +457,9 @@ async def plan_continuation(
     if mode != "exact":
         raise ValueError(f"continuation {mode!r}; valid: {', '.join(CONTINUATION_MODES)}")
     canonical = dialect.canonical(upstream_body)
-    body_key = render_key(upstream_body)
+    body_key = render_key(
+        upstream_body, tool_choice_none_renders=state.upstreams.tool_choice_none_renders()
+    )
     continuation = Continuation(mode, render_key=body_key, canonical=canonical)
     if canonical.messages is None:  # no conversation: nothing to extend, no turn to key
         return continuation, None

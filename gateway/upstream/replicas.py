@@ -63,6 +63,9 @@ class Replica:
     # Whether its chat endpoint samples from forwarded prompt ids (``probe_exact``): exact
     # streams need it; without it they use the template.
     forwards_prompt_ids: bool = False
+    # Whether its template leaves the tools out under ``tool_choice: "none"`` (vLLM's
+    # --exclude-tools-when-tool-choice-none; ``probe_exact``): None until known.
+    excludes_tools_for_none: bool | None = None
     # Why its weights may be no registered version's (a full-weight update that failed after
     # it accepted the reload, or during it: ``UpstreamPool.replacing_weights``); None when it
     # holds the active version's. Never routed to while set.
@@ -168,6 +171,12 @@ class UpstreamPool:
         self.sticky_slack = sticky_slack
         self.failures_to_eject = failures_to_eject
         self.gate = WeightGate()
+
+    def tool_choice_none_renders(self) -> bool:
+        """Whether ``tool_choice: "none"`` may change a call's rendering: unless every replica
+        was probed rendering the tools under it (as ``trajgate vllm start`` runs vLLM), a call
+        may reach one that leaves them out (``Replica.excludes_tools_for_none``)."""
+        return any(r.excludes_tools_for_none is not False for r in self.replicas)
 
     def pick(self, trajectory_id: str, exclude: frozenset[str] = frozenset()) -> Replica:
         """The replica for this call, never one whose weights are unknown.
@@ -344,6 +353,11 @@ def _rendezvous(key: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
 
 
+# A tool offered to the template by the probe: is it rendered under ``tool_choice: "none"``?
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}},
+}
 # The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.proxy.continuation).
 CHAT_PATH = "/v1/chat/completions"
 RENDER_PATH = "/v1/chat/completions/render"
@@ -356,8 +370,10 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
     is refused as invalid, 400/422, where a route exists; 404 where none does), and its
     template's end-of-turn token (``replica.end_token``, ``end_of_turn``). Also whether its chat
     endpoint samples from forwarded prompt ids (``replica.forwards_prompt_ids``: one token
-    sampled from ids the messages sent would not render, and reported as the prompt). None
-    when the probe could not run (unknown: tried again at the next health check)."""
+    sampled from ids the messages sent would not render, and reported as the prompt), and
+    whether its template leaves the tools out under ``tool_choice: "none"``
+    (``replica.excludes_tools_for_none``). None when the probe could not run (unknown: tried
+    again at the next health check)."""
     try:
         for path in (RENDER_PATH, GENERATE_PATH, DERENDER_PATH):
             answer = await client.post(f"{replica.url}{path}", json={}, timeout=timeout_s)
@@ -384,6 +400,16 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
             answer = await client.post(f"{replica.url}{RENDER_PATH}", json=body, timeout=timeout_s)
             rendered.append(answer.json()["token_ids"])
         forwarded = rendered[0]  # x, then the assistant's y: not what [x] renders
+        with_tools = []
+        for choice in ({}, {"tool_choice": "none"}):
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [_PROBE_TOOL],
+                **choice,
+            }
+            answer = await client.post(f"{replica.url}{RENDER_PATH}", json=body, timeout=timeout_s)
+            with_tools.append(answer.json()["token_ids"])
         body = {
             "model": model,
             "messages": [{"role": "user", "content": "x"}],
@@ -396,6 +422,7 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
     replica.forwards_prompt_ids = sampled_from == forwarded
+    replica.excludes_tools_for_none = with_tools[0] != with_tools[1]
     if not replica.forwards_prompt_ids:
         log.warning(
             "upstream %s: its chat endpoint does not sample from forwarded prompt ids "

@@ -86,12 +86,14 @@ class Extension:
     new_from: int
 
 
-def render_key(body: Mapping[str, Any]) -> str:
+def render_key(body: Mapping[str, Any], *, tool_choice_none_renders: bool = True) -> str:
     """The ``RENDER_FIELDS`` of an upstream chat body as JSON text (absent fields omitted),
-    and whether ``tool_choice`` is "none" (vLLM can leave the tools out of the rendering
-    then); another tool choice (a forced call, then an answer) renders the same."""
+    and, when ``tool_choice_none_renders`` (a replica may run vLLM with
+    --exclude-tools-when-tool-choice-none: ``UpstreamPool.tool_choice_none_renders``), whether
+    ``tool_choice`` is "none"; another tool choice (a forced call, then an answer) renders the
+    same, and so does "none" where every replica renders the tools anyway."""
     fields = {name: body[name] for name in RENDER_FIELDS if name in body}
-    fields["tool_choice_none"] = body.get("tool_choice") == "none"
+    fields["tool_choice_none"] = tool_choice_none_renders and body.get("tool_choice") == "none"
     return json.dumps(fields)
 
 
