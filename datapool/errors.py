@@ -45,6 +45,10 @@ class InvalidPoolRequestError(PoolError):
     """A request the pool understood but cannot accept."""
 
 
+class TrajectoryExistsError(PoolError):
+    """A trajectory registered again under an id the pool already holds."""
+
+
 class VersionConflictError(PoolError):
     """A policy version registered again with another model name or weights location."""
 

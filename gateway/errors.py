@@ -41,7 +41,7 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``
 (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
-``policy_version_conflict`` (409); ``payload_missing``
+``policy_version_conflict``, ``trajectory_exists`` (409); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
 ``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still
 sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);
@@ -51,8 +51,9 @@ failed a step of a full-weight update, ``gateway.api.admin``);
 ``upstream_unreachable`` (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:
-TrajectoryClosedError → 409, VersionConflictError → 409, UnknownTargetError → 404,
-InvalidPoolRequestError → 400, PoolUnavailableError → 503, PayloadMissingError → 500.
+TrajectoryClosedError → 409, VersionConflictError → 409, TrajectoryExistsError → 409,
+UnknownTargetError → 404, InvalidPoolRequestError → 400, PoolUnavailableError → 503,
+PayloadMissingError → 500.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from datapool.errors import (
     PoolError,
     PoolUnavailableError,
     TrajectoryClosedError,
+    TrajectoryExistsError,
     UnknownTargetError,
     VersionConflictError,
 )
@@ -200,6 +202,8 @@ def from_pool_error(exc: PoolError) -> TrajgateError:
         return ConflictError(exc.message, param=exc.param, code="trajectory_closed")
     if isinstance(exc, VersionConflictError):
         return ConflictError(exc.message, param=exc.param, code="policy_version_conflict")
+    if isinstance(exc, TrajectoryExistsError):
+        return ConflictError(exc.message, param=exc.param, code="trajectory_exists")
     if isinstance(exc, UnknownTargetError):
         return NotFoundError(exc.message, param=exc.param, code="unknown_target")
     if isinstance(exc, InvalidPoolRequestError):

@@ -487,10 +487,10 @@ USER_Q = {"role": "user", "content": "q"}
         ),
         # Top-level bounds (gateway.dialects.messages.protocol; issue 29 item 10).
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": 5}, "metadata"),
-        ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"user_id": 5}}, "metadata"),
+        ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"user_id": 5}}, "metadata.user_id"),
         ({"messages": [USER_Q], "max_tokens": 8, "top_k": -5}, "top_k"),
         # main sent both upstream: metadata allows user_id only, top_k must fit vLLM's int32
-        ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"other": "x"}}, "metadata"),
+        ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"other": "x"}}, "metadata.other"),
         ({"messages": [USER_Q], "max_tokens": 8, "top_k": 2**31}, "top_k"),
         ({"messages": [USER_Q], "max_tokens": 8, "temperature": 1.01}, "temperature"),
         ({"messages": [USER_Q], "max_tokens": 8, "top_p": 2}, "top_p"),

@@ -408,3 +408,15 @@ def test_stale_steps_are_those_more_than_k_versions_old_in_keyset_pages(
     assert [(r["policy_version"], r["step_id"]) for p in pages for r in p] == expected
     half = api.get("/api/steps/stale", params={"current_version": 3, "after_version": 0})
     assert assert_envelope(half, 400)["param"] == "after_step_id"
+
+
+def test_registering_an_existing_trajectory_is_409_and_a_nan_reward_bound_is_400(
+    api: httpx.Client,
+) -> None:
+    assert api.post("/api/trajectories", json={"id": "twice"}).status_code == 201
+    error = assert_envelope(api.post("/api/trajectories", json={"id": "twice"}), 409)
+    assert error["code"] == "trajectory_exists" and "'twice' exists already" in error["message"]
+    for bound in ("nan", "inf", "-inf"):
+        refused = api.get("/api/trajectories", params={"reward_min": bound})
+        assert refused.status_code == 400, (bound, refused.text)
+    assert api.get("/api/trajectories", params={"reward_max": "0.5"}).status_code == 200

@@ -21,7 +21,12 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import insert_ignore
-from datapool.errors import InvalidPoolRequestError, TrajectoryClosedError, UnknownTargetError
+from datapool.errors import (
+    InvalidPoolRequestError,
+    TrajectoryClosedError,
+    TrajectoryExistsError,
+    UnknownTargetError,
+)
 from datapool.models import (
     EMPTY,
     Reward,
@@ -52,7 +57,8 @@ def create_trajectory(
 ) -> Trajectory:
     """Register a trajectory before its first call (or one whose calls bypass capture).
 
-    Raises ``InvalidPoolRequestError`` when the id exists already.
+    Raises ``TrajectoryExistsError`` when the id exists already (its first call, or an earlier
+    registration, created it).
     """
     with sessions.begin() as session:
         # Insert-or-ignore: concurrent creations of a group's members race on the group row.
@@ -77,9 +83,7 @@ def create_trajectory(
             ],
         )
         if not inserted:
-            raise InvalidPoolRequestError(
-                f"trajectory {trajectory_id!r} exists already", param="id"
-            )
+            raise TrajectoryExistsError(f"trajectory {trajectory_id!r} exists already", param="id")
         trajectory = session.get(Trajectory, trajectory_id)
         assert trajectory is not None
         if group_id is not None:

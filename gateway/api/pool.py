@@ -267,6 +267,11 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 # ---- trajectories --------------------------------------------------------------------------
 
 
+# A reward bound is a finite number: ``nan`` compared false with every reward and answered an
+# empty page as if nothing matched.
+FiniteBound = Annotated[float, Query(allow_inf_nan=False)]
+
+
 @router.get("/trajectories", response_model=TrajectoryPage)
 async def list_trajectories(
     sessions: SessionsDep,
@@ -276,8 +281,8 @@ async def list_trajectories(
     tag: Annotated[list[str] | None, Query(description="Every tag must be present.")] = None,
     flag: Annotated[list[str] | None, Query(description="Every flag must be present.")] = None,
     reward_name: str = "final",
-    reward_min: float | None = None,
-    reward_max: float | None = None,
+    reward_min: FiniteBound | None = None,
+    reward_max: FiniteBound | None = None,
     rewarded: Annotated[bool | None, Query(description="Has reward_name (true) or not.")] = None,
     policy_version: Annotated[
         int | None, Query(ge=0, le=INTEGER_MAX, description="Has a step of this version.")

@@ -85,10 +85,20 @@ def check_top_level(protocol: type[BaseModel], body: dict[str, Any], errors: Fie
         problems = exc.errors(include_url=False)
         field_name = str(problems[0]["loc"][0])
         reasons = [p["msg"] for p in problems if p["loc"] and p["loc"][0] == field_name]
-        got = json.dumps(body.get(field_name))
+        # Named down to the nested field that failed (``metadata.user_id``) as far as the
+        # location walks the body; a union member's name in it stops the walk.
+        path, value = [field_name], body.get(field_name)
+        for part in problems[0]["loc"][1:] if len(reasons) == 1 else ():
+            in_object = isinstance(value, dict) and isinstance(part, str) and part in value
+            in_list = isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+            if not (in_object or in_list):
+                break
+            value = value[part]  # type: ignore[index]
+            path.append(str(part))
+        got = json.dumps(value)
         got = got if len(got) <= 80 else got[:77] + "..."
         raise errors.fail(
-            field_name, f"is invalid: {' or '.join(dict.fromkeys(reasons))}; got {got}"
+            ".".join(path), f"is invalid: {' or '.join(dict.fromkeys(reasons))}; got {got}"
         ) from None
 
 
