@@ -342,3 +342,18 @@ def test_a_dropped_middle_turn_is_history_truncated_and_an_edited_one_is_rewritt
     start = [system, u0, environment]
     for other in ([Message("system", "Sub-agent."), u1, environment], [system, u1]):
         assert classify_divergence(start, a0, other) == "side_call"
+
+
+def test_a_conversation_start_is_a_side_call_however_short_the_parents_history() -> None:
+    """A title call ``[system, user]`` after a first turn ``[user] → answer`` (as long as that
+    history), and a sub-agent's ``[system B, user, system]`` after ``[system A, user] → answer``
+    (as long too), are new roots: both were breaks (``history_rewritten``, ``system_changed``)
+    that the main chain's next exact turn was flagged after as well."""
+    task, answer = Message("user", "Task one."), Message("assistant", "Done.")
+    assert classify_divergence([task], answer, [Message("system", "Title."), task]) == "side_call"
+    main = [Message("system", "Main agent."), task]
+    sub = [Message("system", "Sub-agent."), Message("user", "Find it."), Message("system", "Env")]
+    assert classify_divergence(main, answer, sub) == "side_call"
+    # Not a start (it has the answer and goes on): still explained as a change of the chain.
+    went_on = [Message("system", "Other."), task, answer, Message("user", "next")]
+    assert classify_divergence(main, answer, went_on) == "system_changed"

@@ -179,6 +179,30 @@ def test_a_side_call_between_main_turns_leaves_the_main_chain_one_row(
     assert_one_row_per_conversation(rows, [[main_0, main_1, main_2], [side]])
 
 
+@pytest.mark.parametrize("shape", ["title_after_a_bare_task", "sub_agent_after_a_first_turn"])
+def test_a_conversation_start_as_long_as_the_main_history_is_a_side_call(
+    gateway: BackgroundServer, pool_settings: PoolSettings, shape: str
+) -> None:
+    # Found by a new user: a start with as many messages as the main's first prompt + answer
+    # was a break (history_rewritten / system_changed), and the main chain's next exact turn
+    # was flagged after it; a prefix_break curation rule then dropped the whole trajectory.
+    trajectory = f"short-{shape}"
+    if shape == "title_after_a_bare_task":
+        first, start = [MAIN[1]], [{"role": "system", "content": "Write a title."}, MAIN[1]]
+    else:
+        first, start = MAIN[:2], SUB
+    main = chat(gateway, trajectory, first, 0)
+    side = chat(gateway, trajectory, start, 1)
+    main = chat(gateway, trajectory, main, 2)
+    chat(gateway, trajectory, side, 3)
+    main_0, side_0, main_1, side_1 = steps_of(pool_settings, trajectory)
+    assert (side_0.parent_step_id, side_0.divergence_kind) == (None, "side_call")
+    assert [s for s in (main_0, side_0, main_1, side_1) if "prefix_break" in s.flags] == []
+    assert (main_1.parent_step_id, side_1.parent_step_id) == (main_0.id, side_0.id)
+    rows = merged_rows(pool_settings, trajectory)
+    assert_one_row_per_conversation(rows, [[main_0, main_1], [side_0, side_1]])
+
+
 def test_continuing_the_first_answer_after_a_resend_is_exact_like_a_choice_of_n(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:

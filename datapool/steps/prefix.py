@@ -206,7 +206,10 @@ def classify_divergence(
         if old != new:
             break
         shared += 1
-    starts_over = len(first_turns(new_messages)) == len(new_messages) < len(history)
+    # Only a conversation's start, however long the parent's history is: a title call
+    # ``[system, user]`` after a first turn ``[user] → answer`` is as long as that history, and
+    # a sub-agent's ``[system, user, system]`` as long as ``[system, user] → answer``.
+    starts_over = len(first_turns(new_messages)) == len(new_messages)
     if shared <= len(first_turns(parent_messages)) and starts_over:
         return SIDE_CALL
     if shared == len(new_messages) and len(new_messages) <= len(parent_messages):
