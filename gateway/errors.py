@@ -39,8 +39,8 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``previous_response_not_found`` (400, the translating dialects); ``host_not_allowed`` (400,
 ``gateway.guard``); ``invalid_api_key``,
-``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``
-(404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
+``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
+``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
 ``policy_version_conflict``, ``trajectory_exists`` (409); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
 ``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still

@@ -200,3 +200,52 @@ def test_lease_bodies_are_read_strictly_and_a_retried_ack_is_answered_as_done(
     # Another consumer's ack of that lease is still refused.
     other = api.post(f"/api/batches/{lease.batch_id}/ack", json={**ack, "consumer": "other"})
     assert other.status_code == 409 and other.json()["error"]["code"] == "lease_lost"
+
+
+def test_lease_bodies_refuse_a_version_that_is_not_an_integer_a_blank_consumer_and_a_key_twice(
+    pool: PoolClient, api: httpx.Client
+) -> None:
+    """``"1"`` and ``true`` are not policy version 1 (lax mode read both as 1), ``" "`` names
+    no consumer, and a body naming ``consumer`` twice is refused rather than read last-wins."""
+    assert api.post("/api/batches/lease", json={"consumer": " "}).status_code == 400
+    twice = b'{"consumer": "strict", "consumer": "other", "lease_s": 60}'
+    refused = api.post(
+        "/api/batches/lease", content=twice, headers={"content-type": "application/json"}
+    )
+    assert refused.status_code == 400, refused.text
+    assert "'consumer' twice" in refused.json()["error"]["message"]
+    lease = pool.lease("strict", lease_s=60)
+    assert lease is not None
+    body = {"consumer": "strict", "lease_id": lease.lease_id}
+    for version in ("1", True, 1.0):
+        ack = {**body, "policy_version_trained": version}
+        refused = api.post(f"/api/batches/{lease.batch_id}/ack", json=ack)
+        assert refused.status_code == 400, (version, refused.text)
+        assert refused.json()["error"]["param"] == "policy_version_trained"
+    for path in ("renew", "ack", "nack"):
+        blank = api.post(f"/api/batches/{lease.batch_id}/{path}", json={**body, "consumer": "\t "})
+        assert blank.status_code == 400, (path, blank.text)
+    ack = {**body, "policy_version_trained": 1}
+    assert api.post(f"/api/batches/{lease.batch_id}/ack", json=ack).status_code == 204
+    assert _consumers(api, lease.batch_id) == [("strict", 1)]
+
+
+def test_an_unknown_batch_is_404_batch_not_found_on_lease_renew_ack_nack_and_reads(
+    pool: PoolClient, api: httpx.Client
+) -> None:
+    """Leasing a batch id the pool does not hold answered 204 (as if it were only taken) while
+    its ack answered 404 unknown_target: each answers 404 ``batch_not_found`` now."""
+    lease = api.post("/api/batches/lease", json={"consumer": "c", "batch_id": "no-such-batch"})
+    answers = [lease]
+    body = {"consumer": "c", "lease_id": "l"}
+    for path in ("renew", "ack", "nack"):
+        answers.append(api.post(f"/api/batches/no-such-batch/{path}", json=body))
+    answers += [api.get("/api/batches/no-such-batch"), api.get("/api/batches/no-such-batch/rows")]
+    for answer in answers:
+        assert answer.status_code == 404, (answer.request.url, answer.text)
+        assert answer.json()["error"]["code"] == "batch_not_found", answer.text
+    # A batch that exists but is held by someone else is still 204 for a lease by id.
+    held = pool.lease("holder", lease_s=60)
+    assert held is not None
+    taken = api.post("/api/batches/lease", json={"consumer": "c", "batch_id": held.batch_id})
+    assert taken.status_code == 204

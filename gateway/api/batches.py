@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
@@ -28,12 +28,14 @@ from datapool.curation import bulk_labels, labels, readiness
 from datapool.curation import rules as curation
 from datapool.curation.selection import TrajectoryFilter
 from datapool.db import Sessions
+from datapool.errors import UnknownTargetError
 from datapool.models import INTEGER_MAX, Batch, CurationRule, Label
 from datapool.queries.labels import current_label as current_label_of
 from datapool.queries.labels import label_history
+from datapool.steps.store import PoolStore
 from gateway.api.bodies import PoolRoute
 from gateway.api.dependencies import BatchSettingsDep, SessionsDep, StoreDep
-from gateway.errors import ConflictError, InvalidRequestError
+from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
 
 router = APIRouter(tags=["curation and batches"], route_class=PoolRoute)
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
@@ -390,9 +392,19 @@ class BatchDetail(BatchPublic):
 
 # Seconds, strictly a number: pydantic's lax mode read ``true`` as 1 s and ``"30"`` as 30.
 LeaseSeconds = Annotated[float, Strict()]
+
+
+def _names_someone(consumer: str) -> str:
+    if not consumer.strip():
+        raise ValueError(f"consumer must name someone, got only whitespace ({consumer!r})")
+    return consumer
+
+
 # Who holds a lease: the same bounds wherever a consumer is named (an empty one used to reach
-# the lease check and answer 409 lease_lost instead of 400).
-Consumer = Annotated[str, Field(min_length=1, max_length=200)]
+# the lease check and answer 409 lease_lost instead of 400; a blank one was a consumer).
+Consumer = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_names_someone)]
+# A policy version is an integer: lax mode read ``"1"`` as 1 and ``true`` as 1.
+PolicyVersion = Annotated[int, Strict(), Field(ge=0, le=INTEGER_MAX)]
 # A lease request with a field we do not know is refused (400), not half-read.
 STRICT_BODY = ConfigDict(extra="forbid")
 
@@ -437,7 +449,7 @@ class AckRequest(BaseModel):
 
     consumer: Consumer
     lease_id: str
-    policy_version_trained: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
+    policy_version_trained: PolicyVersion | None = None
 
 
 class NackRequest(BaseModel):
@@ -507,11 +519,25 @@ def _lease_public(lease: leases.Lease) -> LeasePublic:
     )
 
 
+def _batch_not_found(exc: UnknownTargetError) -> NotFoundError:
+    """The one answer for a batch id the pool does not hold, whatever the route: 404
+    ``batch_not_found`` (a lease of one answered 204 as if it were merely taken)."""
+    return NotFoundError(exc.message, param=exc.param, code="batch_not_found")
+
+
+async def _existing_batch(store: PoolStore, batch_id: str) -> Batch:
+    try:
+        return await run_in_threadpool(batches.get_batch, store, batch_id)
+    except UnknownTargetError as exc:
+        raise _batch_not_found(exc) from exc
+
+
 @router.post("/batches/lease", response_model=LeasePublic | None)
 async def lease_batch(
-    body: LeaseRequest, sessions: SessionsDep, settings: BatchSettingsDep
+    body: LeaseRequest, sessions: SessionsDep, store: StoreDep, settings: BatchSettingsDep
 ) -> LeasePublic | Response:
-    """Lease the oldest ready batch this consumer has not consumed; 204 when there is none."""
+    """Lease the oldest ready batch this consumer has not consumed; 204 when there is none
+    (with ``batch_id``: when that batch is held or consumed; 404 when there is no such batch)."""
     lease = await run_in_threadpool(
         leases.lease_next,
         sessions,
@@ -520,6 +546,8 @@ async def lease_batch(
         body.batch_id,
     )
     if lease is None:
+        if body.batch_id is not None:
+            await _existing_batch(store, body.batch_id)
         return Response(status_code=204)
     return _lease_public(lease)
 
@@ -540,7 +568,7 @@ async def renew_lease(
 @router.get("/batches/{batch_id}", response_model=BatchDetail)
 async def get_batch(batch_id: str, store: StoreDep) -> BatchDetail:
     """A batch with its spec, manifest (counts, groups, lineage) and who consumed it."""
-    batch = await run_in_threadpool(batches.get_batch, store, batch_id)
+    batch = await _existing_batch(store, batch_id)
     acks = await run_in_threadpool(batches.consumptions, store, batch_id)
     return BatchDetail(
         **_batch_public(batch),
@@ -564,7 +592,7 @@ async def batch_rows(
     format: Literal["arrow", "parquet"] = "arrow",
 ) -> Response:
     """The batch's rows as an Arrow IPC stream (default) or its Parquet file."""
-    batch = await run_in_threadpool(batches.get_batch, store, batch_id)
+    batch = await _existing_batch(store, batch_id)
     table = await run_in_threadpool(batches.read_rows, batch)
     if format == "parquet":
         import pyarrow.parquet as pq
@@ -607,11 +635,14 @@ async def nack_batch(batch_id: str, body: NackRequest, sessions: SessionsDep) ->
 
 
 async def _held(fn: Any, sessions: Sessions, *args: Any) -> Any:
-    """``fn(sessions, *args)`` on a held lease: one that is no longer held answers 409."""
+    """``fn(sessions, *args)`` on a held lease: one that is no longer held answers 409, one on
+    a batch the pool does not hold 404 ``batch_not_found``."""
     try:
         return await run_in_threadpool(fn, sessions, *args)
     except leases.LeaseNotCurrentError as exc:
         raise ConflictError(exc.message, param=exc.param, code="lease_lost") from exc
+    except UnknownTargetError as exc:
+        raise _batch_not_found(exc) from exc
 
 
 @router.get("/steps/{step_id}/batches", response_model=list[StepBatch])

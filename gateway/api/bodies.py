@@ -1,8 +1,10 @@
 """What the ``/api`` and ``/admin`` routes accept: the bounds every value must keep to be stored.
 
 Owns: ``PoolRoute``, the route class of those routers, which reads a JSON body with the
-gateway's strict parser (``gateway.proxy.attribution.parse_json``, NUL refused) and refuses a NUL
-character in a query or path parameter. Every integer field and parameter there is bounded by
+gateway's strict parser (``gateway.proxy.attribution.parse_json``, NUL refused), refuses an
+object that names a key twice (JSON parsers keep the last one silently, so ``{"consumer": "a",
+"consumer": "b"}`` would act for ``b`` whatever the sender meant) and refuses a NUL character
+in a query or path parameter. Every integer field and parameter there is bounded by
 ``datapool.models.INTEGER_MAX`` in its route's schema. Never: checks a field's meaning (the
 route's schema does).
 
@@ -14,6 +16,7 @@ naming the field and the bound, identically on both backends.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -24,11 +27,33 @@ from gateway.errors import InvalidRequestError
 from gateway.proxy.attribution import parse_json
 
 
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object's members as a dict; raises ``InvalidRequestError`` on a key named twice."""
+    members: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in members:
+            raise InvalidRequestError(
+                f"request body names {key!r} twice in one object; expected each key once",
+                param=key,
+            )
+        members[key] = value
+    return members
+
+
+def _parse_body(data: bytes) -> Any:
+    """``data`` parsed as ``parse_json`` does (NUL refused), then read again for keys named twice
+    (``parse_json``'s fast parser keeps the last one without saying so)."""
+    value = parse_json(data, refuse_nul=True)
+    if isinstance(value, (dict, list)):
+        json.loads(data, object_pairs_hook=_once_each)
+    return value
+
+
 class _StrictJSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:
-                self._json = parse_json(await self.body(), refuse_nul=True)
+                self._json = _parse_body(await self.body())
             except InvalidRequestError as exc:
                 # FastAPI turns any other exception raised while it reads a body into a bare
                 # "There was an error parsing the body"; an HTTPException keeps the message.
