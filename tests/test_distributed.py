@@ -315,3 +315,53 @@ def test_fsdp2_full_weights_resume_after_crashes_and_train_every_batch_once(
     assert moved > 5e-4  # the update did something worth comparing (lr 1e-3)
     for key, value in got.items():
         torch.testing.assert_close(value, expected[key], atol=WEIGHT_TOLERANCE / 10, rtol=0)
+
+
+def test_torchrun_gives_the_batch_back_when_its_update_cannot_be_published(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Publish before ack, as ``trajgate train`` does: with vLLM unreachable and no checkpoints,
+    rank 0 tries the publish ``publish_attempts`` (2) times, gives the batch back (nack) and
+    both ranks stop with ``PublishFailedError``; the batch is ready again, unconsumed, and no
+    version or metrics were registered (rank 0 acked first: the batch was consumed while its
+    update died with the process)."""
+    url = f"sqlite:///{tmp_path / 'pool.sqlite3'}"
+    upgrade(url)
+    pool = PoolSettings(data_dir=tmp_path / "data", database_url=url)
+    store = make_store(pool)
+    for member in range(2):
+        write_trajectory(
+            store, f"t{member}", agent_turns(member + 1, 2), group_id="g", reward=member
+        )
+    batch_settings = BatchSettings(batch_uri=str(tmp_path / "batches"))
+    batch = materialise(store, BatchSpec(algorithm="grpo", group_size=2), batch_settings)
+    gateway = BackgroundServer(
+        create_app(GatewaySettings(upstream_url="http://127.0.0.1:9", port=free_port()), pool),
+        port=free_port(),
+    ).start()
+    try:
+        done, reports = _torchrun(
+            {
+                "TRAJGATE_TRAINER_MODEL_DIR": str(tiny_model_dir),
+                "TRAJGATE_TRAINER_DEVICE": "cpu",
+                "TRAJGATE_TRAINER_LORA_RANK": "4",
+                "TRAJGATE_TRAINER_POOL_URL": gateway.url,
+                "TRAJGATE_TRAINER_VLLM_URLS": f"http://127.0.0.1:{free_port()}",  # nobody there
+                "TRAJGATE_TRAINER_WEIGHTS_DIR": str(tmp_path / "weights"),
+                "TRAJGATE_TRAINER_PUBLISH_ATTEMPTS": "2",
+                "TRAJGATE_TRAINER_PUBLISH_RETRY_S": "0.05",
+                "TRAJGATE_TRAINER_MAX_UPDATES": "1",
+                "TRAJGATE_TRAINER_IDLE_WAIT_S": "0.2",
+            }
+        )
+        detail = httpx.get(f"{gateway.url}/api/batches/{batch.id}", timeout=30).json()
+        versions = httpx.get(f"{gateway.url}/admin/policy-versions", timeout=30).json()
+        posted = httpx.get(f"{gateway.url}/api/training-metrics", timeout=30).json()
+    finally:
+        gateway.stop()
+    assert done.returncode != 0
+    assert reports == {}  # neither rank finished
+    assert "PublishFailedError" in done.stderr and "failed 2 times" in done.stderr
+    assert "try 2 of 2" in done.stderr  # rank 0 said the retry
+    assert (detail["status"], detail["consumed_by"], detail["leases"]) == ("ready", [], 1)
+    assert versions == [] and posted == []

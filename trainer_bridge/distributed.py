@@ -15,15 +15,19 @@ first and keeps rows ``rank, rank + W, ...`` (so the ranks' token counts differ 
 row); ``PolicyTrainer.update(shard, world)`` weighs each micro-batch by its share of the *whole*
 batch and sums gradients over the ranks before clipping, so every rank applies exactly the
 update one process would apply to the whole batch (tests/test_distributed.py checks it within
-float tolerance). After the update rank 0 acks, every rank joins in saving the weights (a
-sharded model's are gathered), rank 0 publishes them (vLLM, then the gateway's policy registry)
-and posts the update's metrics to the pool's training metrics (run = the consumer id); a failed
-update on rank 0 nacks, and a crashed rank lets the lease expire, so the batch comes back either
-way. Rank 0's ``trainer_bridge.leases.LeaseKeeper`` renews every lease it holds (every
-``lease_s / 3``) until it is acked, checkpoints included, so ``lease_s`` bounds how long a
-crashed trainer keeps its batches, not how long N updates take; a lease lost anyway is said in
-one line and counted once (that module's rule; a skipped batch that comes back is acked without
-training because the lineage holds it).
+float tolerance). After the update every rank joins in saving the weights (a sharded model's
+are gathered), rank 0 publishes them (vLLM, then the gateway's policy registry; up to
+``publish_attempts`` tries, ``trainer_bridge.loop.publish_with_retries``), then acks and posts
+the update's metrics to the pool's training metrics (run = the consumer id), as ``trajgate
+train`` does: a batch is never consumed by an update that no policy version holds (acking first
+lost the update when vLLM or the gateway was unreachable). A failed update or a publish that
+failed every try on rank 0 nacks, and every rank raises (``PublishFailedError`` for the
+publish); a crashed rank lets the lease expire, so the batch comes back either way. Rank 0's
+``trainer_bridge.leases.LeaseKeeper`` renews every lease it holds (every ``lease_s / 3``) until
+it is acked, checkpoints included, so ``lease_s`` bounds how long a crashed trainer keeps its
+batches, not how long N updates take; a lease lost anyway is said in one line and counted once
+(that module's rule; a skipped batch that comes back is acked without training because the
+lineage holds it).
 
 Two ways to hold the model (``TRAJGATE_TRAINER_SHARDING``): ``replicated``, every rank the whole
 model, gradients all-reduced once per update after accumulation (what DDP does with ``no_sync``
@@ -34,15 +38,15 @@ command runs either, on CPU (gloo) or GPUs (NCCL).
 
 Resuming (``checkpoint_dir``, ``trainer_bridge.checkpoint``): every ``checkpoint_every_updates``
 updates the ranks save model and optimizer state with the lineage (policy version, the batches
-trained), and only then does rank 0 ack those updates' leases, so an acked batch is always in a
-checkpoint. A restarted trainer loads the newest checkpoint and continues at the version after
-it. The leases it held are in ``<checkpoint_dir>/leases.json``: it acks those the checkpoint
-holds (crash between checkpoint and ack) and nacks the rest (crash before the checkpoint: the
-batch is trained again, from the checkpointed weights, so no batch is trained twice into one
-lineage); a leased batch the lineage already holds is acked without training. With N > 1 a crash
-loses up to N updates, and the versions published since the checkpoint were served from weights
-that are gone: their numbers are published again, from the retrained weights (the gateway keeps
-the first registration's row; vLLM's adapter or weights are replaced in place).
+trained), after the update is published, and only then does rank 0 ack those updates' leases, so an
+acked batch is always in a checkpoint and published. A restarted trainer loads the newest checkpoint
+and continues at the version after it. The leases it held are in ``<checkpoint_dir>/leases.json``:
+it acks those the checkpoint holds (crash between checkpoint and ack) and nacks the rest (crash
+before the checkpoint: the batch is trained again, from the checkpointed weights, so no batch is
+trained twice into one lineage); a leased batch the lineage already holds is acked without training.
+With N > 1 a crash loses up to N updates, and the versions published since the checkpoint were
+served from weights that are gone: their numbers are published again, from the retrained weights
+(the gateway keeps the first registration's row; vLLM's adapter or weights are replaced in place).
 
 Shape legend: ``B`` rows of the whole batch, ``B_r`` rows of rank r's share, ``T`` tokens.
 """
@@ -65,9 +69,10 @@ from trainer_bridge.checkpoint import Lineage, latest, load, save
 from trainer_bridge.client import LeasedBatch, PoolClient, rows_from_table
 from trainer_bridge.collate import Row, collate
 from trainer_bridge.leases import LeaseKeeper
+from trainer_bridge.loop import PublishFailedError, publish_with_retries
 from trainer_bridge.settings import DistributedSettings, TrainerSettings
 from trainer_bridge.sharding import local_numel
-from trainer_bridge.sync import WeightSync
+from trainer_bridge.sync import PublishedPolicy, WeightFormat, WeightSync
 from trainer_bridge.trainer import PolicyTrainer, UpdateMetrics
 
 
@@ -266,13 +271,18 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
             if world.rank == 0:
                 leases.trained(lease, version)
             _crash_point("trained", len(report.updates))
+            published = _publish(trainer, world, settings, sync, version, lease, leases)
             since = len(lineage.batches) % settings.checkpoint_every_updates
             if checkpoint_dir is not None and since == 0:
                 save(checkpoint_dir, trainer.model, trainer.optimizer, lineage)
             _crash_point("checkpointed", len(report.updates))
-            if world.rank == 0 and (checkpoint_dir is None or since == 0):
-                leases.ack_trained()
-            _publish(trainer, world, pool, settings, sync, version, metrics)
+            if world.rank == 0:
+                if checkpoint_dir is None or since == 0:
+                    leases.ack_trained()
+                pause = None if published is None else published.pause_ms
+                extra = None if pause is None else {"weight_update_pause_ms": pause}
+                pool.post_training_metrics(settings.consumer, version, metrics, extra)
+            dist.barrier()  # no rank leases the next batch before rank 0 has published and acked
         unsaved = world.rank == 0 and any(v is not None for _, v in leases.held)
         if checkpoint_dir is not None and _broadcast(unsaved):  # stopping between checkpoints
             save(checkpoint_dir, trainer.model, trainer.optimizer, lineage)
@@ -311,20 +321,45 @@ def _update_on_share(
 def _publish(
     trainer: PolicyTrainer,
     world: GlooWorld,
-    pool: PoolClient,
     settings: DistributedSettings,
     sync: WeightSync | None,
     version: int,
-    metrics: UpdateMetrics,
-) -> None:
-    """Save ``version``'s weights (every rank joins a sharded model's gathers; rank 0 writes),
-    load them into vLLM and the gateway, and post the update's metrics."""
+    lease: LeasedBatch,
+    leases: _Leases,
+) -> PublishedPolicy | None:
+    """Save ``version``'s weights (every rank joins a sharded model's gathers; rank 0 writes) and
+    load them into vLLM and the gateway (rank 0, ``settings.publish_attempts`` tries); returns
+    what rank 0 published (None on the other ranks, or without ``vllm_urls``).
+
+    Raises:
+        PublishFailedError: on every rank when rank 0 could not publish; rank 0 gave ``lease``
+            back first (nack), so the batch is trained again rather than consumed unpublished.
+    """
     weights = trainer.save_for_vllm(settings.weights_dir / f"policy-v{version}")
-    if world.rank == 0:
-        if sync is not None:
-            sync.publish(version, weights, "lora" if trainer.settings.lora_rank else "full")
-        pool.post_training_metrics(settings.consumer, version, metrics)
-    dist.barrier()  # no rank leases the next batch before rank 0 has acked and published
+    published: PublishedPolicy | None = None
+    failure: BaseException | None = None
+    if world.rank == 0 and sync is not None:
+        fmt: WeightFormat = "lora" if trainer.settings.lora_rank else "full"
+        try:
+            published = publish_with_retries(
+                sync,
+                version,
+                weights,
+                fmt,
+                settings.publish_attempts,
+                settings.publish_retry_s,
+                _say,
+            )
+        except BaseException as exc:  # every rank must hear of it, or they wait forever
+            leases.keeper.nack(lease, reason="publish failed")
+            leases.drop(lease)
+            failure = exc
+    failed = _broadcast(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if failed is not None:
+        raise PublishFailedError(f"rank 0: {failed}")
+    return published
 
 
 def join_ranks(trainer_settings: TrainerSettings) -> TrainerSettings:

@@ -139,6 +139,17 @@ class DistributedSettings(ConfigFileSettings):
     first_version: int = Field(
         default=1, ge=1, description="Policy version of the first published update."
     )
+    publish_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Tries of one publish (vLLM, then the gateway) before its batch is given "
+        "back (nack) and the trainer stops; a batch is acked only once its update is published.",
+    )
+    publish_retry_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds before the second publish try, doubled before each later one.",
+    )
     checkpoint_dir: Path | None = Field(
         default=None,
         description="Where the ranks save model and optimizer state (sharded, "
