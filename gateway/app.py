@@ -57,6 +57,22 @@ from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 log = logging.getLogger("trajgate.gateway")
 
 
+def check_settings(settings: GatewaySettings, pool: PoolSettings) -> None:
+    """Every check of the settings that needs more than their own validation, run before the
+    gateway starts: by ``create_app`` and by ``trajgate serve --check-config``, so a
+    configuration the check accepts is one that starts (``--check-config`` skipped the sampling
+    check and passed a configuration ``serve`` then refused).
+
+    Raises:
+        InvalidPoolRequestError: a configured reward function cannot be resolved (a typo would
+            otherwise surface only as a failed reward on every trajectory).
+        SamplingSettingsError: a channel's sampling policy refuses its own defaults.
+    """
+    for name in pool.reward_functions:
+        resolve_reward_function(name)
+    check_defaults_against_policy(settings)
+
+
 def create_app(
     gateway_settings: GatewaySettings | None = None,
     pool_settings: PoolSettings | None = None,
@@ -80,10 +96,7 @@ def create_app(
     """
     settings = gateway_settings or GatewaySettings()
     pool = pool_settings or PoolSettings()
-    for name in pool.reward_functions:
-        # A typo here would otherwise surface only as a failed reward on every trajectory.
-        resolve_reward_function(name)
-    check_defaults_against_policy(settings)
+    check_settings(settings, pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -240,6 +240,39 @@ def test_a_bad_setting_value_is_a_short_error_naming_the_field_not_a_traceback(
     assert line.startswith(f"error: setting '{field}") and "TRAJGATE_CONFIG" in line
 
 
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        # A refusing channel whose own defaults narrow: every call leaving temperature out
+        # would be refused (c33e4f1 refused it at start, but --check-config passed it).
+        (
+            {
+                "TRAJGATE_SAMPLING_POLICY": '{"eval": "refuse"}',
+                "TRAJGATE_SAMPLING_DEFAULTS": '{"eval": {"temperature": 0}}',
+            },
+            "channel 'eval'",
+        ),
+        ({"TRAJGATE_REWARD_FUNCTIONS": '["no_such_reward_fn"]'}, "no_such_reward_fn"),
+    ],
+)
+def test_serve_check_config_refuses_what_serve_refuses_at_start(
+    env: dict[str, str], named: str
+) -> None:
+    from tests_support import TRAJGATE
+
+    done = subprocess.run(
+        [TRAJGATE, "serve", "--check-config"],
+        env={**os.environ, **env, "COLUMNS": "200"},  # the usage box on one line
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout
+    assert "Traceback" not in done.stderr
+    assert named in done.stderr
+    assert done.stdout == ""  # no settings printed as if they were fine
+
+
 def test_a_refused_admin_token_is_never_echoed() -> None:
     """A weak token beyond loopback is refused in one line that does not print the token."""
     from tests_support import TRAJGATE

@@ -223,23 +223,17 @@ def serve(
             overrides[key] = value
     settings = _settings(GatewaySettings, **overrides)
     pool = _pool_settings(database_url, data_dir)
+    _check_start(settings, pool)
     if check_config:
         typer.echo(json.dumps(describe(settings, pool, BatchSettings()), indent=2))
         return
     import uvicorn
 
     from datapool import db
-    from datapool.errors import PoolError
     from gateway.app import create_app
     from gateway.http_protocol import protocol_factory
-    from gateway.proxy.sampling import SamplingSettingsError
 
-    try:
-        application = create_app(settings, pool)
-    except PoolError as exc:
-        raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
-    except SamplingSettingsError as exc:
-        raise typer.BadParameter(str(exc), param_hint="TRAJGATE_SAMPLING_POLICY") from exc
+    application = create_app(settings, pool)
     db.upgrade(pool.resolved_database_url())
     options: dict[str, Any] = {
         "host": settings.host,
@@ -260,6 +254,21 @@ def serve(
         uvicorn.run(application, **options)
     else:
         _serve_workers(settings, pool, options)
+
+
+def _check_start(settings: GatewaySettings, pool: PoolSettings) -> None:
+    """``gateway.app.check_settings`` (every start check), its refusal a usage error naming the
+    setting at fault: run by ``serve`` and ``serve --check-config`` alike."""
+    from datapool.errors import PoolError
+    from gateway.app import check_settings
+    from gateway.proxy.sampling import SamplingSettingsError
+
+    try:
+        check_settings(settings, pool)
+    except PoolError as exc:
+        raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
+    except SamplingSettingsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="TRAJGATE_SAMPLING_POLICY") from exc
 
 
 def _log_config() -> dict[str, Any]:
