@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from datapool.tokenizer_copies import TokenizerCopies
+from gateway.upstream.replicas import MODELS_PATH
 
 log = logging.getLogger("trajgate.tokenizer_dirs")
 
@@ -64,7 +65,7 @@ class TokenizerDirs:
                 return
             for url in urls:
                 try:
-                    response = await client.get(f"{url}/v1/models", timeout=timeout_s)
+                    response = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
                     listed = response.json()["data"]
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                     log.info("no model list from %s for the token view: %s", url, exc)

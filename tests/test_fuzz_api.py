@@ -41,11 +41,13 @@ SEED = 17
 
 
 def _upstream(request: httpx.Request) -> httpx.Response:
-    """A healthy vLLM that refuses every call as vLLM does (its envelope, its numeric code),
-    and reloads weights when asked (``POST /admin/weight-updates``): a replica refusing a
-    reload is rightly a 502, not what the fuzz looks for."""
-    if request.url.path in ("/health", "/v1/models"):
-        return httpx.Response(200, json={"object": "list", "data": []})
+    """A healthy vLLM serving ``tiny`` that refuses every call as vLLM does (its envelope, its
+    numeric code), and reloads weights when asked (``POST /admin/weight-updates``): a replica
+    refusing a reload is rightly a 502, not what the fuzz looks for."""
+    if request.url.path == "/health":
+        return httpx.Response(200, json={})
+    if request.url.path == "/v1/models":
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
     # a full-weight update's calls: reload and cache reset, and in mode 'keep' (the default)
     # the pause, the version and the resume around them
     reload_paths = ("/collective_rpc", "/reset_prefix_cache", "/pause", "/resume")

@@ -271,6 +271,33 @@ def test_policy_alias_follows_the_active_version_and_steps_carry_it(
     assert [(v["version"], v["active"]) for v in versions] == [(3, False), (4, True)]
 
 
+def test_registering_a_version_of_a_model_vllm_does_not_serve_is_400_naming_the_served_ones(
+    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    """A version whose model_name no replica lists was registered, and every call for the
+    alias then failed in vLLM; it is refused up front, naming what vLLM serves. A gateway
+    whose replicas do not answer cannot tell, and registers (a trainer may register before
+    the gateway's replica is up)."""
+    refused = _post(
+        f"{gateway.url}/admin/policy-versions", {"version": 5, "model_name": "not-served"}
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "model_name",
+        "model_not_served",
+    )
+    assert "'not-served' is not served" in error["message"]
+    assert repr(vllm.served_model_name) in error["message"]  # e.g. "the replicas serve ['tiny']"
+    assert httpx.get(f"{gateway.url}/admin/policy-versions").json() == []
+    with gateway_with(
+        pool_settings, free_port(), upstream_url=f"http://127.0.0.1:{free_port()}"
+    ) as gw:
+        unknown = _post(f"{gw.url}/admin/policy-versions", {"version": 5, "model_name": "any"})
+        assert unknown.status_code == 201, unknown.text
+
+
 def test_a_call_in_flight_finishes_on_the_version_it_started_with(
     pool_settings: PoolSettings,
 ) -> None:
@@ -278,6 +305,7 @@ def test_a_call_in_flight_finishes_on_the_version_it_started_with(
         EmulatorSettings(
             port=free_port(),
             model="policy-a",
+            also_serves=["policy-b"],
             prompt_tokens=4,
             response_tokens=10,
             inter_token_ms=100,

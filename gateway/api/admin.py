@@ -17,10 +17,11 @@ from starlette.concurrency import run_in_threadpool
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute
 from gateway.auth import check_admin_token
-from gateway.errors import ConflictError, UpstreamError
+from gateway.errors import ConflictError, InvalidRequestError, UpstreamError
 from gateway.proxy.attribution import CHANNEL_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.settings import UPDATE_MODES, UpdateMode
 from gateway.state import GatewayState
+from gateway.upstream.replicas import served_models
 from gateway.upstream.weight_update import (
     ReloadError,
     pause_replicas,
@@ -163,7 +164,22 @@ async def register_policy_version(
 ) -> PolicyVersionPublic:
     """Register a version (and by default switch agents asking for the alias to it). An
     identical re-send answers the stored row; 409 ``policy_version_conflict`` when the version
-    is registered with another model name or weights location (nothing changes)."""
+    is registered with another model name or weights location (nothing changes); 400
+    ``model_not_served`` naming the served models when no replica lists ``model_name`` (load
+    the adapter or weights into vLLM first; not checked when no replica answers its list)."""
+    served = await served_models(
+        state.client,
+        [replica.url for replica in state.upstreams.replicas],
+        state.settings.upstream_connect_timeout_s,
+    )
+    if served is not None and body.model_name not in served:
+        # Registered anyway, every call for the alias would reach vLLM and fail as a 404.
+        raise InvalidRequestError(
+            f"model_name {body.model_name!r} is not served by vLLM; the replicas serve "
+            f"{sorted(served)} (load the adapter or weights into vLLM, then register it)",
+            param="model_name",
+            code="model_not_served",
+        )
     row, _ = await run_in_threadpool(
         state.policy.register, body.version, body.model_name, body.weights_location, body.activate
     )

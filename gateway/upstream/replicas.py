@@ -358,6 +358,8 @@ _PROBE_TOOL = {
     "type": "function",
     "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}},
 }
+# vLLM's list of the models it serves now (a LoRA adapter appears once loaded).
+MODELS_PATH = "/v1/models"
 # The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.proxy.continuation).
 CHAT_PATH = "/v1/chat/completions"
 RENDER_PATH = "/v1/chat/completions/render"
@@ -385,7 +387,7 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
                     path,
                 )
                 return False
-        models = (await client.get(f"{replica.url}/v1/models", timeout=timeout_s)).json()
+        models = (await client.get(f"{replica.url}{MODELS_PATH}", timeout=timeout_s)).json()
         model = models["data"][0]["id"]
         rendered = []
         for text in ("y", "z"):
@@ -441,6 +443,29 @@ async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: fl
     return True
 
 
+async def served_models(
+    client: httpx.AsyncClient, urls: list[str], timeout_s: float
+) -> set[str] | None:
+    """The model names the replicas at ``urls`` serve now: the union of their ``MODELS_PATH``
+    lists (an adapter loaded into one replica is served by that one), each asked within
+    ``timeout_s``. None when no replica answered a list: unknown, so nothing may be refused on
+    it."""
+
+    async def listed(url: str) -> list[str] | None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
+            entries = answer.json()["data"]
+        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
+            return None
+        if answer.status_code != 200 or not isinstance(entries, list):
+            return None
+        return [e["id"] for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
+
+    answers = [names for names in await asyncio.gather(*map(listed, urls)) if names is not None]
+    return {name for names in answers for name in names} if answers else None
+
+
 def end_of_turn(with_y: list[int], with_z: list[int]) -> int | None:
     """The token the template closes an assistant turn with, from its renderings of the same
     conversation ending in an assistant message "y" and "z": after the content they differ in,
@@ -462,7 +487,7 @@ async def probe_token_ids(
     the probe itself could not run (no model listed, an error): unknown, so not refused.
     """
     try:
-        models = (await client.get(f"{replica.url}/v1/models", timeout=timeout_s)).json()
+        models = (await client.get(f"{replica.url}{MODELS_PATH}", timeout=timeout_s)).json()
         model = models["data"][0]["id"]
         answer = await client.post(
             f"{replica.url}/v1/completions",

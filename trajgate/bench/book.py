@@ -48,6 +48,12 @@ class EmulatorSettings(ConfigFileSettings):
     host: str = Field(default="127.0.0.1", description="Address the emulator binds to.")
     port: int = Field(default=8200, ge=0, le=65535, description="Port; 0 picks a free one.")
     model: str = Field(default="emulated", description="Model name reported in responses.")
+    also_serves: list[str] = Field(
+        default_factory=list,
+        description="More model names GET /v1/models lists after model (as vLLM lists the LoRA "
+        "adapters it loaded), so a gateway registers policy versions of them; a call may name "
+        "any model either way.",
+    )
     prompt_tokens: int = Field(
         default=1000,
         ge=1,

@@ -139,8 +139,9 @@ class _Connection(asyncio.Protocol):
         elif path == "/health" and method == "GET":
             self._send(200, b"")
         elif path == "/v1/models" and method == "GET":
-            entry = {"id": self.book.settings.model, "object": "model", "owned_by": "vllm"}
-            self._send(200, _dumps({"object": "list", "data": [entry]}))
+            names = [self.book.settings.model, *self.book.settings.also_serves]
+            entries = [{"id": name, "object": "model", "owned_by": "vllm"} for name in names]
+            self._send(200, _dumps({"object": "list", "data": entries}))
         elif path == "/v1/chat/completions" and method == "POST":
             await self._chat(body)
         elif path in scale_out.PATHS and self.book.settings.prompt_ids == "messages":
