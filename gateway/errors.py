@@ -5,11 +5,14 @@ FastAPI's own (unknown route, wrong method, failed validation) onto them, and th
 error as a response body or a stream event. Never: decides *whether* a request is an error (the
 routes and ``gateway.proxy.attribution`` do).
 
-An upstream's own error answer (vLLM's 4xx/5xx body) is read with ``read_upstream_error`` into
-an ``UpstreamErrorBody``: vLLM's ``message``, ``type`` and ``param`` kept as it wrote them, the
-``code`` a string from our table (``invalid_request`` for a 4xx, ``upstream_error`` for a 5xx;
-vLLM's own ``code`` is the HTTP status as a number). Each dialect renders it in its envelope
-(``upstream_envelope`` is OpenAI's); the step stores vLLM's body as sent.
+An upstream's own error answer (vLLM's 4xx/5xx body, or the error event ending its stream) is
+read with ``read_upstream_error`` into an ``UpstreamErrorBody``: vLLM's ``message`` and
+``param`` kept as it wrote them, the ``type`` and ``code`` ours, from the table below by status
+(a 4xx: ``invalid_request_error`` / ``invalid_request``, the engine refused the request as
+sent; a 5xx: ``upstream_error`` / ``upstream_error``), so a client branches on the same values
+whatever vLLM version answers (vLLM's own ``type`` is its exception class, ``BadRequestError``,
+``NotFoundError``, ..., and its ``code`` the HTTP status as a number). Each dialect renders it
+in its envelope (``upstream_envelope`` is OpenAI's); the step stores vLLM's body as sent.
 
 An error is five things: ``status_code`` (HTTP), ``error_type`` (the class's kind), ``code`` (a
 string a client can branch on: the class default unless the raiser names a finer one),
@@ -301,23 +304,30 @@ def sse_error_event(error: TrajgateError, render: ErrorRenderer = openai_envelop
 class UpstreamErrorBody:
     """A non-200 upstream answer as read from its body.
 
-    ``message``, ``error_type`` and ``param`` are vLLM's (``error.message``, ``error.type``,
-    ``error.param``; a body that is not vLLM's envelope gives its ``message`` or its text, and
-    the type for the status from our table); ``is_json`` is False when the body was not a JSON
-    object (then it is best passed on as it came, with its own content type).
+    ``message`` and ``param`` are vLLM's (``error.message``, ``error.param``; a body that is not
+    vLLM's envelope gives its ``message`` or its text); ``error_type`` and ``code`` are ours
+    for the status; ``is_json`` is False when the body was not a JSON object (then it is best
+    passed on as it came, with its own content type).
     """
 
     status_code: int
     message: str
-    error_type: str
     param: str | None
     is_json: bool
+
+    @property
+    def error_type(self) -> str:
+        """Our type: ``invalid_request_error`` for a 4xx, ``upstream_error`` for anything else
+        (vLLM's is its exception's class name, which changes with its version)."""
+        refused = self.status_code < 500
+        return (InvalidRequestError if refused else UpstreamError).error_type
 
     @property
     def code(self) -> str:
         """Our string code: ``invalid_request`` for a 4xx (the engine refused the request as
         sent), ``upstream_error`` for anything else."""
-        return "invalid_request" if self.status_code < 500 else "upstream_error"
+        refused = self.status_code < 500
+        return (InvalidRequestError if refused else UpstreamError).default_code
 
 
 def read_upstream_error(status_code: int, content: bytes) -> UpstreamErrorBody:
@@ -331,23 +341,29 @@ def read_upstream_error(status_code: int, content: bytes) -> UpstreamErrorBody:
     inner = outer.get("error")
     fields = inner if isinstance(inner, dict) else outer
     message = fields.get("message") or outer.get("message")
-    kind = fields.get("type")
     param = fields.get("param")
-    default_type = "invalid_request_error" if status_code < 500 else "upstream_error"
     return UpstreamErrorBody(
         status_code=status_code,
         message=str(message)
         if message
         else content.decode("utf-8", "replace") or f"upstream status {status_code}",
-        error_type=kind if isinstance(kind, str) and kind else default_type,
         param=param if isinstance(param, str) else None,
         is_json=isinstance(parsed, dict),
     )
 
 
+def stream_error_status(error: dict[str, Any]) -> int:
+    """The HTTP status an error event inside vLLM's stream stands for: its numeric ``code``
+    (vLLM writes the status there), else 500 (the stream broke on the engine's side)."""
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    return 500
+
+
 def upstream_envelope(error: UpstreamErrorBody, param: str | None) -> dict[str, Any]:
-    """OpenAI's envelope for an upstream error: vLLM's message and type, ``param`` as the
-    dialect names it (vLLM's own for a dialect that passes the body through), our ``code``."""
+    """OpenAI's envelope for an upstream error: vLLM's message, ``param`` as the dialect names
+    it (vLLM's own for a dialect that passes the body through), our ``type`` and ``code``."""
     return {
         "error": {
             "message": error.message,

@@ -732,28 +732,42 @@ _ENGINE_DIED = {"message": "engine died", "type": "InternalServerError", "param"
 @pytest.mark.parametrize(
     ("path", "body", "status", "vllm_error", "expected"),
     [
-        # Chat and completions: vLLM's message, type and param as it wrote them; the code is
-        # ours (a 4xx from the engine: invalid_request; a 5xx: upstream_error).
+        # Chat and completions: vLLM's message and param as it wrote them; the type and code
+        # are ours (a 4xx from the engine: invalid_request_error / invalid_request; a 5xx:
+        # upstream_error / upstream_error), never vLLM's class name (BadRequestError).
         (
             "/v1/chat/completions",
             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999},
             400,
             _TOO_MANY_TOKENS,
-            {**_TOO_MANY_TOKENS, "code": "invalid_request"},
+            {**_TOO_MANY_TOKENS, "type": "invalid_request_error", "code": "invalid_request"},
         ),
         (
             "/v1/completions",
             {"model": "tiny", "prompt": "hi", "max_tokens": 99999},
             400,
             _TOO_MANY_TOKENS,
-            {**_TOO_MANY_TOKENS, "code": "invalid_request"},
+            {**_TOO_MANY_TOKENS, "type": "invalid_request_error", "code": "invalid_request"},
         ),
         (
             "/v1/chat/completions",
             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
             500,
             _ENGINE_DIED,
-            {**_ENGINE_DIED, "code": "upstream_error"},
+            {**_ENGINE_DIED, "type": "upstream_error", "code": "upstream_error"},
+        ),
+        # An unknown model: vLLM's 404 NotFoundError is a refused request like any 4xx.
+        (
+            "/v1/chat/completions",
+            {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            {"message": "The model `nope` does not exist.", "type": "NotFoundError", "code": 404},
+            {
+                "message": "The model `nope` does not exist.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_request",
+            },
         ),
         # Responses: the chat field max_tokens came from the client's max_output_tokens.
         (
@@ -761,7 +775,12 @@ _ENGINE_DIED = {"message": "engine died", "type": "InternalServerError", "param"
             {"model": "tiny", "input": "hi", "max_output_tokens": 99999},
             400,
             _TOO_MANY_TOKENS,
-            {**_TOO_MANY_TOKENS, "param": "max_output_tokens", "code": "invalid_request"},
+            {
+                **_TOO_MANY_TOKENS,
+                "type": "invalid_request_error",
+                "param": "max_output_tokens",
+                "code": "invalid_request",
+            },
         ),
         # ... and a chat field no Responses field became (the capture's own) is no param.
         (
@@ -769,11 +788,16 @@ _ENGINE_DIED = {"message": "engine died", "type": "InternalServerError", "param"
             {"model": "tiny", "input": "hi"},
             400,
             {**_TOO_MANY_TOKENS, "param": "body.return_token_ids"},
-            {**_TOO_MANY_TOKENS, "param": None, "code": "invalid_request"},
+            {
+                **_TOO_MANY_TOKENS,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_request",
+            },
         ),
     ],
 )
-def test_an_upstream_error_keeps_vllms_message_type_and_param_with_our_string_code(
+def test_an_upstream_error_keeps_vllms_message_and_param_with_our_type_and_code(
     tmp_path: Path,
     path: str,
     body: dict[str, Any],

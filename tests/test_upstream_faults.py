@@ -496,7 +496,13 @@ def test_a_vllm_error_event_mid_stream_is_upstream_error_and_the_last_event(
     name, data = events[-1]
     assert all(data != "[DONE]" for _, data in events)
     if dialect == "chat":
-        assert json.loads(data)["error"]["message"] == "engine failed"  # vLLM's, as it sent it
+        # vLLM's message as it sent it; our type and code, not its InternalServerError and 500
+        assert json.loads(data)["error"] == {
+            "message": "engine failed",
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_error",
+        }
     else:
         assert name == ("error" if dialect == "messages" else "response.failed")
         assert "engine failed" in data

@@ -37,8 +37,8 @@ client answer          ``client_answer``: returns the upstream answer object its
                        client sees it unchanged (then vLLM's own bytes are sent), else the
                        client's JSON (fields removed, or the answer rendered in the dialect)
 upstream errors        ``upstream_error_body``: a non-200 upstream body as the client sees it
-                       (``gateway.errors.read_upstream_error``: vLLM's message, type and param
-                       in the dialect's envelope, with our string ``code``)
+                       (``gateway.errors.read_upstream_error``: vLLM's message and param in
+                       the dialect's envelope, with our type and string ``code``)
 streams                ``open_stream`` gives a ``DialectStream``: it consumes each upstream SSE
                        ``data`` payload, accumulates the capture and returns the framed bytes
                        to send now (zero, one or several events), plus opening and closing

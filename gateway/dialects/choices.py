@@ -70,6 +70,7 @@ from gateway.errors import (
     TrajgateError,
     read_upstream_error,
     sse_error_event,
+    stream_error_status,
     upstream_envelope,
 )
 
@@ -231,8 +232,9 @@ class ChoicesDialect(Dialect):
         return strip_for_client(answer, prepared.asked)
 
     def upstream_error_body(self, status_code: int, content: bytes) -> bytes:
-        """vLLM's error body with its message, type and param as sent and our string ``code``
-        (vLLM's is the HTTP status as a number); a body that is no JSON object as it came."""
+        """vLLM's error body with its message and param as sent, our ``type`` and string
+        ``code`` (``gateway.errors.UpstreamErrorBody``); a body that is no JSON object as it
+        came."""
         error = read_upstream_error(status_code, content)
         if not error.is_json:
             return content
@@ -438,7 +440,9 @@ class ChoicesStream(DialectStream):
         chunk = loads_object(data)  # raises UNREADABLE: the proxy ends the stream in error
         if "error" in chunk and "choices" not in chunk:
             self.error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk}
-            return [*self._release(), sse_event(data)]
+            # vLLM's message and param, our type and code (as for its unstreamed errors)
+            error = read_upstream_error(stream_error_status(self.error), data)
+            return [*self._release(), sse_event(dumps(upstream_envelope(error, error.param)))]
         capture = self.capture
         capture.add(chunk)
         self.first_token_seen = capture.first_token_seen

@@ -50,7 +50,7 @@ from gateway.dialects.translation import (
     client_asked,
     with_capture_fields,
 )
-from gateway.errors import TrajgateError, UpstreamError
+from gateway.errors import TrajgateError, UpstreamError, stream_error_status
 
 
 async def count_tokens(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
@@ -143,8 +143,7 @@ class MessagesStream(TranslatedStream):
     def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
         # An error inside vLLM's stream ends the message here (an ``error`` event); vLLM's
         # ``code`` is the HTTP status.
-        code = error.get("code")
-        status = code if isinstance(code, int) else UpstreamError.status_code
+        status = stream_error_status(error)
         return self.events.error(error_type(status), str(error.get("message") or error))
 
     def error_event(self, error: TrajgateError) -> bytes:
