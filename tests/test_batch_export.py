@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pyarrow.parquet as pq
 from batch_helpers import agent_turns, make_store, write_trajectory
 from typer.testing import CliRunner
 
 from datapool.settings import PoolSettings
+from gateway.server import BackgroundServer
 from trajgate.cli import app
+from trajgate.vllm_server import VLLMServer
 
 
 def test_cli_creates_lists_and_exports_a_batch_as_parquet_and_messages(
@@ -54,3 +57,47 @@ def test_cli_creates_lists_and_exports_a_batch_as_parquet_and_messages(
     assert record["reward"] == 1.0 and record["step_ids"] == [s.id for s in steps]
     nothing = runner.invoke(app, ["batches", "create", *db])  # everything is batched already
     assert nothing.exit_code == 1
+
+
+def test_messages_export_writes_a_real_vllm_reply_with_only_the_fields_it_has(
+    vllm: VLLMServer, gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """vLLM's reply message carries ``refusal``, ``annotations``, ``audio``, ``function_call``
+    ... as null: the step stores it as sent, and the JSONL's last message is the canonical one,
+    as every history message is (those null fields were exported, for an SFT chat template to
+    read as present)."""
+    body = {
+        "model": vllm.served_model_name,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    with httpx.Client(base_url=gateway.url, timeout=120) as api:
+        answered = api.post("/t/nulls/v1/chat/completions", json=body)
+        assert answered.is_success, answered.text
+        api.post("/api/trajectories/nulls/complete", json={"reward": 1.0}).raise_for_status()
+    reply = answered.json()["choices"][0]["message"]
+    store = make_store(pool_settings)
+    [step] = store.steps_of("nulls")
+    stored = step.response_message
+    assert stored is not None
+    nulls = sorted(k for k, v in stored.items() if v is None or v == [])
+    assert {"annotations", "refusal"} <= set(nulls), stored  # vLLM's, as sent
+    store.engine.dispose()
+    db = ["--database-url", pool_settings.resolved_database_url(), "--data-dir", str(tmp_path)]
+    runner = CliRunner()
+    spec = tmp_path / "spec.json"  # one ungrouped trajectory: a baseline without groups
+    spec.write_text(json.dumps({"algorithm": "reinforce_pp", "reward_names": ["final"]}))
+    created = runner.invoke(app, ["batches", "create", "--spec", str(spec), *db])
+    assert created.exit_code == 0, created.output
+    batch_id = json.loads(created.output)["id"]
+    jsonl = tmp_path / "sft.jsonl"
+    exported = runner.invoke(
+        app, ["batches", "export", batch_id, "--out", str(jsonl), "--format", "messages", *db]
+    )
+    assert exported.exit_code == 0, exported.output
+    [record] = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert record["messages"] == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": reply["content"]},
+    ]

@@ -3,7 +3,9 @@
 Owns: ``parquet`` (the batch's rows plus the prompt/response split columns that verl, OpenRLHF
 and TRL users load; mapping in docs/batches.md) and ``messages`` (JSONL chat messages of each
 row's last step, for SFT trainers such as TRL's ``SFTTrainer``). Never: re-tokenizes; the split
-columns are slices of the stored IDs, and ``messages`` are the requests and replies as captured.
+columns are slices of the stored IDs, and ``messages`` are the requests and replies as captured,
+in the canonical record's form (``datapool.steps.canonical``: the reply without the null fields
+vLLM sends, ``refusal``, ``annotations``, ``audio``, ...).
 
 Split columns (per row, ``p`` = ``prompt_tokens``, the tokens before the first sampled token):
 ``prompt_ids = input_ids[:p]``, ``response_ids = input_ids[p:]``, ``response_mask =
@@ -27,6 +29,7 @@ from sqlalchemy import select
 
 from datapool.db import chunks
 from datapool.models import Batch, Step
+from datapool.steps.canonical import response_of
 from datapool.steps.messages import engine_chat, expand_requests
 from datapool.steps.store import PoolStore
 
@@ -107,7 +110,9 @@ def export_batch(
                 history, tools = engine_chat(step)
                 messages = history or []
                 if step.response_message is not None:
-                    messages.append(step.response_message)
+                    # canonical, as the history is: vLLM's null fields (refusal, audio, ...)
+                    # are no part of the message
+                    messages.append(response_of(step.response_message).to_json())
                 record = {
                     "messages": messages,
                     "tools": tools,
