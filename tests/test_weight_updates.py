@@ -32,12 +32,18 @@ from gateway.server import BackgroundServer
 from trainer_bridge.collate import collate, row_from_step
 from trainer_bridge.logprobs import token_logprobs
 from trainer_bridge.sync import WeightSync
-from trajgate.vllm_server import VLLMServer
+from trajgate.vllm_server import MAX_MODEL_LEN, VLLMServer
 
 # Mean |trainer - vLLM| logprob of sampled tokens, as in test_trainer_bridge (measured 1.5e-7).
 GAP_TOLERANCE = 1e-5
 ABORTED = "aborted_for_weight_update"
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The stream the 1 s drain limit must cut: the whole context but room for the prompt (a few
+# dozen tokens). It was 2000 tokens, which the tiny model samples in 4.7 s on 2 busy cores
+# (425 tokens/s) but in under 1 s on a fast free host, where the stream then ended before the
+# limit and nothing was aborted (flaky). 130,048 tokens end within 1 s only above 130,000
+# tokens/s, 300x that rate. The stream is cut at the limit either way: no slower test.
+LONG_STREAM_TOKENS = MAX_MODEL_LEN - 1024
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +101,8 @@ class Agent(threading.Thread):
 
 
 def _long_stream(gateway_url: str, started: threading.Event, outcome: dict[str, Any]) -> None:
-    """One short call, then a stream that cannot end before any drain limit (2000 tokens)."""
+    """One short call, then a stream that cannot end before any drain limit
+    (``LONG_STREAM_TOKENS``)."""
     client = openai.OpenAI(
         base_url=f"{gateway_url}/t/long/v1",
         api_key="unused",
@@ -107,7 +114,7 @@ def _long_stream(gateway_url: str, started: threading.Event, outcome: dict[str, 
     client.chat.completions.create(**body, max_tokens=3)
     try:
         for _ in client.chat.completions.create(
-            **body, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+            **body, max_tokens=LONG_STREAM_TOKENS, stream=True, extra_body={"ignore_eos": True}
         ):
             started.set()
         outcome["finished"] = True
