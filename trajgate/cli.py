@@ -231,7 +231,7 @@ def serve(
     from datapool import db
     from datapool.errors import PoolError
     from gateway.app import create_app
-    from gateway.http_protocol import protocol_factory
+    from gateway.http_protocol import server_protocol
     from gateway.proxy.sampling import SamplingSettingsError
 
     try:
@@ -250,8 +250,9 @@ def serve(
         # uvloop and httptools (uvicorn[standard]): the event loop and HTTP parsing in C, several
         # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
         "loop": "uvloop",
-        # httptools with deadlines on each request's head and body (gateway.http_protocol).
-        "http": protocol_factory(settings.request_head_timeout_s, settings.request_body_timeout_s),
+        # httptools with deadlines on each request's head and body, or uvicorn's own protocol
+        # (the http_protocol setting, gateway.http_protocol).
+        "http": server_protocol(settings),
         # Longer than clients' idle keep-alive (httpx: 5 s), so the server never closes a
         # connection a client is about to reuse (that race surfaced as "connection reset").
         "timeout_keep_alive": KEEP_ALIVE_S,
