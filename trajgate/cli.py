@@ -828,6 +828,18 @@ def bench_gateway(
             "one (2+ cores, --gateway-mode process): no engine work preempts the gateway."
         ),
     ] = False,
+    layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers",
+            help="Also run a second gateway on the libraries the speed layers replace (httpx's "
+            "transport, uvicorn's own protocol) and measure both in alternating rounds "
+            "(--mode-rounds): each one's CPU per call side by side.",
+        ),
+    ] = False,
+    library_protocol: Annotated[
+        str, typer.Option(help="With --layers: the library gateway's protocol, httptools or h11.")
+    ] = "httptools",
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
@@ -864,6 +876,8 @@ def bench_gateway(
         steps_per_trajectory=steps_per_trajectory,
         mode_rounds=mode_rounds,
         pin_cores=pin_cores,
+        layers=layers,
+        library_protocol=library_protocol,
     )
     if as_json:
         typer.echo(json.dumps(run_benchmark(settings), indent=2))
