@@ -409,7 +409,7 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
-# ---- curation and batches (issue 5; see datapool.curation.labels, datapool.curation.rules,
+# ---- curation and batches (see datapool.curation.labels, datapool.curation.rules,
 # datapool.batches.build) ----
 
 
@@ -523,7 +523,7 @@ class BatchRow(Base):
     trajectory_id: Mapped[str] = mapped_column(String(200), index=True)
 
 
-# ---- training metrics and inspector indexes (issue 7; migration 0005) ----
+# ---- training metrics and inspector indexes (migration 0005) ----
 
 
 class TrainingMetric(Base):

@@ -45,7 +45,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import routes as proxy
 from gateway.proxy.continuation.history import TurnMemory
 from gateway.proxy.sampling import check_defaults_against_policy
-from gateway.settings import GatewaySettings
+from gateway.settings import UPSTREAM_TRANSPORTS, GatewaySettings
 from gateway.state import GatewayState, StateDep
 from gateway.tokenizer_dirs import TokenizerDirs
 from gateway.upstream.answer_limit import AnswerLimit
@@ -227,13 +227,23 @@ def _upstream_client(
             headers=IDENTITY,
         )
     # Plain-HTTP replicas through our own transport (gateway.upstream.transport: the capture
-    # hot path); https:// ones through httpx's default transport. Every answer is limited in
-    # bytes (gateway.upstream.answer_limit).
+    # hot path) unless the settings fall back to httpx's; https:// ones always through httpx's.
+    # Every answer is limited in bytes (gateway.upstream.answer_limit), whichever carries it.
+    plain: httpx.AsyncBaseTransport
+    match settings.upstream_transport:
+        case "own":
+            plain = UpstreamTransport()
+        case "httpx":
+            plain = httpx.AsyncHTTPTransport(limits=limits)
+        case other:
+            raise ValueError(
+                f"upstream_transport must be one of {', '.join(UPSTREAM_TRANSPORTS)}, got {other!r}"
+            )
     return httpx.AsyncClient(
         timeout=timeout,
         headers=IDENTITY,
         mounts={
-            "http://": AnswerLimit(UpstreamTransport(), most_bytes),
+            "http://": AnswerLimit(plain, most_bytes),
             "https://": AnswerLimit(httpx.AsyncHTTPTransport(limits=limits), most_bytes),
         },
     )

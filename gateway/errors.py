@@ -29,6 +29,7 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
      ├── InvalidRequestError            400     invalid_request_error  invalid_request
      │    ├── PayloadTooLargeError      413     invalid_request_error  payload_too_large
      │    ├── UnsupportedMediaTypeError 415     invalid_request_error  unsupported_media_type
+     │    ├── RequestTimeoutError       408     invalid_request_error  request_timeout
      │    └── MethodNotAllowedError     405     invalid_request_error  method_not_allowed
      ├── AuthenticationError            401     authentication_error   unauthenticated
      ├── PermissionDeniedError          403     permission_error       permission_denied
@@ -128,6 +129,14 @@ class UnsupportedMediaTypeError(InvalidRequestError):
 
     status_code = 415
     default_code = "unsupported_media_type"
+
+
+class RequestTimeoutError(InvalidRequestError):
+    """A request's body did not arrive within ``request_body_timeout_s`` (``gateway.guard``,
+    under uvicorn's own protocols; ``gateway.http_protocol`` answers it itself otherwise)."""
+
+    status_code = 408
+    default_code = "request_timeout"
 
 
 class MethodNotAllowedError(InvalidRequestError):
@@ -231,6 +240,7 @@ _HTTP_ERRORS: dict[int, type[TrajgateError]] = {
     403: PermissionDeniedError,
     404: NotFoundError,
     405: MethodNotAllowedError,
+    408: RequestTimeoutError,
     409: ConflictError,
     413: PayloadTooLargeError,
     415: UnsupportedMediaTypeError,

@@ -28,6 +28,14 @@ checks the API key before reading the body, so a refused key holds nothing.
 A request whose client leaves before its route has read the body (a disconnect, or the 408 of
 the body deadline) ends with one INFO line, not a traceback.
 
+Under uvicorn's own HTTP protocols (``http_protocol`` ``httptools`` or ``h11``, which know no
+body deadline) the guard keeps ``request_body_timeout_s`` itself: the time the route waits in
+``receive`` for pieces of the body is summed (time the route spends elsewhere, as waiting for
+body budget, is the gateway's, not the client's); past the limit the route's read raises a 408
+``request_timeout`` answered with ``Connection: close``, so uvicorn closes the connection after
+it and nothing is recorded. Under the gateway's own protocol it does nothing of the kind
+(``gateway.http_protocol`` keeps both deadlines).
+
 Errors are rendered in the envelope of the dialect whose path was asked (Anthropic's for
 ``/v1/messages``), OpenAI's everywhere else. Never: reads or buffers a body; decides what a
 route does with one (a route still checks its own body, and its own token, behind this).
@@ -39,7 +47,9 @@ check compares ``Origin`` with ``Host``, so a reverse proxy in front must pass `
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
@@ -61,7 +71,7 @@ from gateway.errors import (
     error_response,
     openai_envelope,
 )
-from gateway.settings import GatewaySettings, allowed_host_names
+from gateway.settings import HTTP_PROTOCOLS, GatewaySettings, allowed_host_names
 
 log = logging.getLogger("trajgate.guard")
 
@@ -76,6 +86,20 @@ class _BodyTooLarge(HTTPException):
 
     def __init__(self, max_body_bytes: int) -> None:
         super().__init__(413, f"request body exceeds the limit of {max_body_bytes} bytes")
+
+
+class _BodyDeadline(HTTPException):
+    """Raised from ``receive`` when the body took longer than ``request_body_timeout_s`` (only
+    under uvicorn's own protocols): an ``HTTPException`` for the reason ``_BodyTooLarge`` is one,
+    rendered as 408 ``request_timeout``; ``Connection: close`` ends the connection after it."""
+
+    def __init__(self, body_timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"the request's body did not arrive within {body_timeout_s:g} s "
+            "(TRAJGATE_REQUEST_BODY_TIMEOUT_S)",
+            headers={"connection": "close"},
+        )
 
 
 def declared_length(content_length: bytes | None) -> int:
@@ -100,6 +124,17 @@ class EdgeGuard:
         self.body_budget = body_budget or BodyBudget(settings.max_body_bytes_in_flight)
         self.admin_token = settings.admin_token
         self.host_names = allowed_host_names(settings)  # None: any host name
+        # The body deadline, where the HTTP protocol does not keep it (module docstring).
+        self.body_timeout_s: float | None
+        match settings.http_protocol:
+            case "own":
+                self.body_timeout_s = None
+            case "httptools" | "h11":
+                self.body_timeout_s = settings.request_body_timeout_s
+            case other:
+                raise ValueError(
+                    f"http_protocol must be one of {', '.join(HTTP_PROTOCOLS)}, got {other!r}"
+                )
         # Longest first, so "/v1/messages/count_tokens" finds the Messages dialect.
         self.renderers: list[tuple[str, ErrorRenderer]] = sorted(
             (
@@ -198,12 +233,26 @@ class EdgeGuard:
     def _budgeted(self, receive: Receive, holding: Holding, counted: bool) -> Receive:
         """``receive`` that grows ``holding`` by each piece of the body before handing it on
         (``gateway.body_budget``) and, for a body sent without a length (``counted``), raises
-        ``_BodyTooLarge`` once it passes the limit."""
+        ``_BodyTooLarge`` once it passes the limit; raises ``_BodyDeadline`` once the waits for
+        the body's pieces sum past ``body_timeout_s`` (when set)."""
         received = 0
+        body_timeout_s = self.body_timeout_s
+        left_s = body_timeout_s  # None: no deadline kept here, or the body has ended
 
         async def budgeted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, left_s
+            if left_s is None or body_timeout_s is None:
+                message = await receive()
+            else:
+                started_s = time.monotonic()
+                try:
+                    async with asyncio.timeout(max(left_s, 0.0)):
+                        message = await receive()
+                except TimeoutError:
+                    raise _BodyDeadline(body_timeout_s) from None
+                left_s -= time.monotonic() - started_s
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    left_s = None  # later waits are for a disconnect, not for the body
             if message["type"] == "http.request":
                 size = len(message.get("body", b""))
                 received += size

@@ -19,6 +19,13 @@ checked. Here:
 
 Never: bounds the time the app takes to answer (the upstream limits do), or a response's
 delivery (a slow reader is a separate concern).
+
+``server_protocol`` picks it, or uvicorn's own ``httptools`` or ``h11`` protocol unchanged
+(``http_protocol`` setting: a fallback that rules this subclass out when something breaks).
+With uvicorn's own, the body deadline is kept one layer up (``gateway.guard``: the time the
+app waits in ``receive`` for the body is counted, then 408 ``request_timeout`` with
+``Connection: close``), but the head deadline is not: the app never sees a head that has not
+ended, and uvicorn bounds only the idle time between two requests of a connection.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import json
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.settings import HTTP_PROTOCOLS, GatewaySettings
 
 _TIMEOUT_BODY = json.dumps(
     {
@@ -122,3 +131,18 @@ def protocol_factory(head_timeout_s: float, body_timeout_s: float) -> Any:
     return functools.partial(
         ReadDeadlineProtocol, head_timeout_s=head_timeout_s, body_timeout_s=body_timeout_s
     )
+
+
+def server_protocol(settings: GatewaySettings) -> Any:
+    """What ``uvicorn.Config(http=...)`` takes for ``settings.http_protocol``: ours with its
+    deadlines, or the name of uvicorn's own protocol."""
+    match settings.http_protocol:
+        case "own":
+            head_s, body_s = settings.request_head_timeout_s, settings.request_body_timeout_s
+            return protocol_factory(head_s, body_s)
+        case "httptools" | "h11":
+            return settings.http_protocol
+        case other:
+            raise ValueError(
+                f"http_protocol must be one of {', '.join(HTTP_PROTOCOLS)}, got {other!r}"
+            )

@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from gateway.http_protocol import protocol_factory
+from gateway.http_protocol import server_protocol
 
 
 class BackgroundServer:
@@ -26,13 +26,10 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
         # Keep-alive longer than clients' idle timeout (httpx: 5 s): the server must not close a
         # connection a client is about to reuse (under load that race reset connections).
-        # The gateway's read deadlines on a request's head and body; an app without the gateway's
-        # settings (a helper server of a test or bench) gets uvicorn's own protocol.
+        # The gateway's protocol as its settings pick it (gateway.http_protocol); an app without
+        # the gateway's settings (a helper server of a test or bench) gets uvicorn's own.
         settings = getattr(app.state, "settings", None)
-        http: Any = "httptools"
-        if settings is not None:
-            head_s, body_s = settings.request_head_timeout_s, settings.request_body_timeout_s
-            http = protocol_factory(head_s, body_s)
+        http: Any = "httptools" if settings is None else server_protocol(settings)
         config = uvicorn.Config(
             app,
             host=host,

@@ -400,3 +400,37 @@ def test_bench_compares_exact_and_template_continuation_side_by_side() -> None:
         assert ("added_first_byte_ms" in compared) == run["stream"]
     assert report["goals_met"]["every_step_persisted"] is True
     assert "exact_cpu_ratio" in report["goals_met"]
+
+
+def test_bench_layers_measures_own_and_library_gateways_side_by_side() -> None:
+    """--layers: a second gateway on httpx's transport and uvicorn's h11, the two sent their
+    calls in alternating rounds; 6 measured calls each, every one answered and persisted in
+    its own gateway's pool, and each gateway's CPU per call reported."""
+    settings = BenchSettings(
+        requests=6,
+        warmup_requests=1,
+        concurrencies=(2,),
+        streams=(False, True),
+        prompt_tokens=20,
+        response_tokens=5,
+        ttft_ms=0.0,
+        inter_token_ms=0.0,
+        layers=True,
+        library_protocol="h11",
+    )
+    report = run_benchmark(settings)
+    for run in report["runs"]:
+        library = run["layers"]["library"]
+        assert (library["upstream_transport"], library["http_protocol"]) == ("httpx", "h11")
+        assert run["errors"] == library["errors"] == 0, library.get("error")
+        assert run["steps_persisted"] == run["steps_expected"] == 6
+        assert library["steps_persisted"] == library["steps_expected"] == 6
+        assert run["layers"]["own_gateway_cpu_ms_per_call"] > 0
+        assert run["layers"]["library_gateway_cpu_ms_per_call"] > 0
+
+
+def test_bench_layers_needs_a_gateway_process_and_single_turn_calls() -> None:
+    with pytest.raises(ValueError, match="layers needs gateway_mode 'process'"):
+        BenchSettings(layers=True, gateway_mode="thread")
+    with pytest.raises(ValueError, match="drop continuations or layers"):
+        BenchSettings(layers=True, continuations=("exact",))

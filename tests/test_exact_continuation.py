@@ -823,11 +823,11 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
 ) -> None:
     # The render is the one exchange exact mode adds before sampling: it leaves while the
     # gateway asks the pool about re-sends (every call does), and the call uses it.
-    from gateway.proxy import routes
+    from gateway.proxy import preparation
     from gateway.proxy.continuation import engine
 
     events: list[str] = []
-    render, find_resend = engine._render, routes.find_resend
+    render, find_resend = engine._render, preparation.find_resend
 
     async def recorded_render(*args: Any) -> httpx.Response:
         events.append("render")
@@ -838,7 +838,7 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
         return find_resend(*args)
 
     monkeypatch.setattr(engine, "_render", recorded_render)
-    monkeypatch.setattr(routes, "find_resend", recorded_find_resend)
+    monkeypatch.setattr(preparation, "find_resend", recorded_find_resend)
     trajectory = f"ahead-{stream}"
     messages = forced_turn(exact_gateway, trajectory, [SYSTEM, USER], stream=stream)
     assert events == ["lookup"]  # a first call extends nothing: no render at all

@@ -231,7 +231,7 @@ def serve(
 
     from datapool import db
     from gateway.app import create_app
-    from gateway.http_protocol import protocol_factory
+    from gateway.http_protocol import server_protocol
 
     application = create_app(settings, pool)
     db.upgrade(pool.resolved_database_url())
@@ -244,8 +244,9 @@ def serve(
         # uvloop and httptools (uvicorn[standard]): the event loop and HTTP parsing in C, several
         # times cheaper per call and per streamed chunk than asyncio's default loop and h11.
         "loop": "uvloop",
-        # httptools with deadlines on each request's head and body (gateway.http_protocol).
-        "http": protocol_factory(settings.request_head_timeout_s, settings.request_body_timeout_s),
+        # httptools with deadlines on each request's head and body, or uvicorn's own protocol
+        # (the http_protocol setting, gateway.http_protocol).
+        "http": server_protocol(settings),
         # Longer than clients' idle keep-alive (httpx: 5 s), so the server never closes a
         # connection a client is about to reuse (that race surfaced as "connection reset").
         "timeout_keep_alive": KEEP_ALIVE_S,
@@ -836,6 +837,18 @@ def bench_gateway(
             "one (2+ cores, --gateway-mode process): no engine work preempts the gateway."
         ),
     ] = False,
+    layers: Annotated[
+        bool,
+        typer.Option(
+            "--layers",
+            help="Also run a second gateway on the libraries the speed layers replace (httpx's "
+            "transport, uvicorn's own protocol) and measure both in alternating rounds "
+            "(--mode-rounds): each one's CPU per call side by side.",
+        ),
+    ] = False,
+    library_protocol: Annotated[
+        str, typer.Option(help="With --layers: the library gateway's protocol, httptools or h11.")
+    ] = "httptools",
 ) -> None:
     """Measure the latency the gateway adds and the throughput it keeps, against an emulated
     vLLM, directly and through the gateway (and any --proxy-url)."""
@@ -872,6 +885,8 @@ def bench_gateway(
         steps_per_trajectory=steps_per_trajectory,
         mode_rounds=mode_rounds,
         pin_cores=pin_cores,
+        layers=layers,
+        library_protocol=library_protocol,
     )
     if as_json:
         typer.echo(json.dumps(run_benchmark(settings), indent=2))

@@ -730,7 +730,8 @@ class LearningGoal:
     wall_s: float
 
 
-# tiny: issue 19's goal; smollm2: issue 30's (a correctness reward, 20 minutes a run).
+# What "it learns" means per model (docs/demo.md): tiny, the toy task's margin over the
+# shuffled-reward control; smollm2, a correctness reward on a pretrained model, 20 minutes a run.
 GOALS: dict[str, LearningGoal] = {
     "tiny": LearningGoal(gain=0.25, control_gain=0.15, wall_s=600.0),
     "smollm2": LearningGoal(gain=0.20, control_gain=0.07, wall_s=1200.0),

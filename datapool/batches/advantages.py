@@ -26,7 +26,8 @@ Adding an algorithm: write its function here, add its name to ``Algorithm`` and 
 
 Not offered: PPO. It needs a critic (a value head trained with the policy) and GAE over each
 row's tokens, which the trainer does not have; a spec naming ``ppo`` is refused (400, listing the
-valid values) rather than accepted and then refused by the trainer (issue 19).
+valid values) rather than accepted and then refused by the trainer, so a run fails at its spec,
+not hours in (``tests/test_trainer_math.py``).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """

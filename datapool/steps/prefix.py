@@ -8,7 +8,8 @@ step k *extends* into the new one when ``P[:len(S_k)] == S_k``. The parent is th
 with the longest such ``S_k`` (so retries and forks form a tree); when none extends, the parent is
 the latest step and the first offset where ``P`` and its ``S`` differ is the divergence offset.
 
-Two refinements keep a break from hiding or being invented (issue 17):
+Two refinements keep a break from hiding or being invented (``tests/test_prefix.py``,
+``tests/test_lineage_breaks.py``):
 
 - A *hidden break*: ``P`` extends an earlier step but none of the latest call's steps (turn 1's
   reasoning, stripped from history by the template, leaves turn 2 extending turn 0). The parent

@@ -1,4 +1,4 @@
-"""The API dialects the gateway serves: one module each, behind ``gateway.dialects.base``.
+"""The API dialects the gateway serves: one folder each, behind ``gateway.dialects.base``.
 
 A dialect is one folder: a ``Dialect`` subclass (its routes, its one translation, its canonical
 record, its answers and streams, its side routes such as the Messages API's token count). An

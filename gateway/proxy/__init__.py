@@ -3,8 +3,15 @@
 Modules:
 
 - ``routes``: the model-serving routes of the dialects an app serves (``dialect_router``, with
-  each dialect's side routes), forwarding a call upstream with retries (``forward_call``), and
-  ``/v1/models``; it names no dialect.
+  each dialect's side routes) and ``/v1/models``, and one call's walk through the modules below
+  (``proxy_call``, ``forward_call``); it names no dialect.
+- ``preparation``: what a call is before it goes upstream (``new_call``): its channel, policy
+  version, sampling, re-send, the earlier call it continues, its exact-continuation plan, and
+  the pool reads for them (``pool_lookup``).
+- ``attempts``: the upstream attempt loop (``open_upstream``): a replica, the time limits,
+  retries only before any byte reached the client, what a failed attempt is recorded as.
+- ``answer``: the client's answer (``answer_call``): a replayed one, an upstream refusal, a
+  stream handed to ``streaming``, or a unary answer committed before it is sent.
 - ``lifetime``: the one owner of what a call holds (``CallLifetime``: its trajectory's in-flight
   count and journal entry, its weight-gate ticket, its open upstream response), ended once
   however the call ends, by its streamed answer (``CallStream``) when it outlives the route.

@@ -253,7 +253,8 @@ async def read_json_object(request: Request, max_body_bytes: int) -> dict[str, A
             code="payload_too_large",
         )
     # One buffer the chunks are appended to: a list joined at the end held the body twice
-    # at once (issue 29 item 6: a call's body is held several times while it is processed).
+    # at once, and a call's body is already held several times over while it is processed
+    # (docs/gateway.md, "Large bodies").
     data = bytearray()
     async for chunk in request.stream():
         if len(data) + len(chunk) > max_body_bytes:

@@ -302,7 +302,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             body = await _body_of(request)
             head = _request_head(request, body)
             # One write (one syscall) for the usual small body; a large one apart, not copied
-            # once more into a joined buffer (issue 29 item 6).
+            # once more into a joined buffer (a call's body is already held several times over:
+            # docs/gateway.md, "Large bodies").
             if len(body) <= JOIN_BODY_BYTES:
                 connection.transport.write(head + body)  # type: ignore[union-attr]
             else:

@@ -585,7 +585,7 @@ def bench_gateways(
             )
             for run in runs
         },
-        # the goal: at most 1.2 (issue 16): more processes must not cost more CPU per step
+        # the goal: at most 1.2: more processes must not cost more CPU per step
         "cpu_per_step_ratio": {
             f"{run['gateways']}g{run['workers']}w": round(
                 run["gateway_cpu_ms_per_step"] / max(base["gateway_cpu_ms_per_step"], 1e-9), 2

@@ -75,6 +75,9 @@ Loadgen = Literal["raw", "httpx"]
 LOADGENS: tuple[Loadgen, ...] = get_args(Loadgen)
 BenchDialect = Literal["chat", "responses", "messages"]
 BENCH_DIALECTS: tuple[BenchDialect, ...] = get_args(BenchDialect)
+# uvicorn's own protocols, what a --layers run's library gateway may serve with.
+LibraryProtocol = Literal["httptools", "h11"]
+LIBRARY_PROTOCOLS: tuple[LibraryProtocol, ...] = get_args(LibraryProtocol)
 
 # Per dialect: the client's path under /v1, and how the last event of a whole stream begins.
 DIALECT_PATHS: dict[BenchDialect, str] = {
@@ -89,7 +92,8 @@ STREAM_ENDS: dict[BenchDialect, bytes] = {
 }
 SYSTEM_PROMPT = "You are a benchmark."
 
-# Goals of issue 3 on the 2-core reference machine.
+# The gateway's goals on the 2-core reference machine (docs/benchmarks.md): at concurrency 1 it
+# adds at most 1 ms at the median and 5 ms at p99; at 64 it keeps 70 % of the direct throughput.
 GOAL_ADDED_P50_MS = 1.0
 GOAL_ADDED_P99_MS = 5.0
 GOAL_THROUGHPUT_RATIO = 0.7
@@ -157,6 +161,28 @@ class BenchSettings(BaseModel):
         "commits, health checks) and the machine's drift fall on every mode alike; 1 measures "
         "each mode in one window.",
     )
+
+    layers: bool = Field(
+        default=False,
+        description="Measure the gateway's speed layers against the libraries they replace, "
+        "side by side in one run: a second gateway process with TRAJGATE_UPSTREAM_TRANSPORT="
+        "httpx and TRAJGATE_HTTP_PROTOCOL=library_protocol (its own pool), the two sent their "
+        "calls in alternating rounds (mode_rounds) like continuation modes (process mode, "
+        "single-turn calls only).",
+    )
+    library_protocol: LibraryProtocol = Field(
+        default="httptools",
+        description="With layers: uvicorn's protocol the library gateway serves with, "
+        "'httptools' or 'h11'.",
+    )
+
+    @model_validator(mode="after")
+    def _layers_can_run(self) -> BenchSettings:
+        if self.layers and self.gateway_mode != "process":
+            raise ValueError("layers needs gateway_mode 'process' (CPU is read per process)")
+        if self.layers and self.continuations:
+            raise ValueError("layers measures single-turn calls: drop continuations or layers")
+        return self
 
     @model_validator(mode="after")
     def _pinning_can_run(self) -> BenchSettings:
@@ -479,6 +505,10 @@ class Targets:
     gateway_url: str
     gateway_pid: int | None
     database_url: str
+    # With ``layers``: the gateway on the libraries' transport and protocol, and its own pool.
+    library_gateway_url: str | None = None
+    library_gateway_pid: int | None = None
+    library_database_url: str | None = None
 
 
 @contextmanager
@@ -524,25 +554,36 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
         children.append(emulator)
         wait_healthy(f"{emulator_url}/health", emulator, 30.0)
         gateway_pid: int | None = None
+        library: tuple[str, int, str] | None = None
         if settings.gateway_mode == "process":
-            command = [sys.executable, "-m", "trajgate.cli", "serve", "--upstream", emulator_url]
-            command += ["--port", str(gateway_port), "--database-url", database_url]
-            with open(log_dir / "gateway.log", "wb") as log:
-                gateway = subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=log,
-                    env=gateway_env,
-                    # set in the child before it starts, so every thread it makes inherits it
-                    preexec_fn=(
-                        None
-                        if gateway_cores is None
-                        else partial(os.sched_setaffinity, 0, gateway_cores)
-                    ),
-                )
+            own_env = gateway_env
+            if settings.layers:  # whatever this environment sets: the lanes' names hold
+                own_env = {
+                    **gateway_env,
+                    "TRAJGATE_UPSTREAM_TRANSPORT": "own",
+                    "TRAJGATE_HTTP_PROTOCOL": "own",
+                }
+            gateway = _gateway_process(
+                emulator_url,
+                gateway_port,
+                database_url,
+                own_env,
+                log_dir / "gateway.log",
+                gateway_cores,
+            )
             children.append(gateway)
             gateway_pid = gateway.pid
             wait_healthy(f"{gateway_url}/health", gateway, 180.0)  # loaded machines start slowly
+            if settings.layers:
+                library = _library_gateway(
+                    settings,
+                    emulator_url,
+                    data_dir,
+                    gateway_env,
+                    log_dir,
+                    gateway_cores,
+                    children,
+                )
         elif settings.gateway_mode == "thread":
             from datapool.settings import PoolSettings
             from gateway.app import create_app
@@ -562,7 +603,11 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
             raise ValueError(
                 f"gateway_mode must be one of {GATEWAY_MODES}, got {settings.gateway_mode!r}"
             )
-        yield Targets(emulator_url, emulator.pid, gateway_url, gateway_pid, database_url)
+        targets = Targets(emulator_url, emulator.pid, gateway_url, gateway_pid, database_url)
+        if library is not None:
+            targets.library_gateway_url, targets.library_gateway_pid = library[0], library[1]
+            targets.library_database_url = library[2]
+        yield targets
     finally:
         if before is not None:
             os.sched_setaffinity(0, before)
@@ -574,6 +619,58 @@ def running_targets(settings: BenchSettings, log_dir: Path) -> Iterator[Targets]
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def _library_gateway(
+    settings: BenchSettings,
+    emulator_url: str,
+    data_dir: Path,
+    env: dict[str, str],
+    log_dir: Path,
+    cores: set[int] | None,
+    children: list[subprocess.Popen[bytes]],
+) -> tuple[str, int, str]:
+    """The ``layers`` run's second gateway, on httpx's transport and uvicorn's own protocol,
+    with a pool of its own (two writers of one SQLite file would wait on each other), added to
+    ``children`` once started; its URL, process id and database URL once healthy."""
+    port = free_port()
+    database_url = f"sqlite:///{(data_dir / 'library.sqlite3').resolve()}"
+    db.upgrade(database_url)
+    env = {
+        **env,
+        "TRAJGATE_UPSTREAM_TRANSPORT": "httpx",
+        "TRAJGATE_HTTP_PROTOCOL": settings.library_protocol,
+    }
+    process = _gateway_process(
+        emulator_url, port, database_url, env, log_dir / "library-gateway.log", cores
+    )
+    children.append(process)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(f"{url}/health", process, 180.0)
+    return url, process.pid, database_url
+
+
+def _gateway_process(
+    emulator_url: str,
+    port: int,
+    database_url: str,
+    env: dict[str, str],
+    log_path: Path,
+    cores: set[int] | None,
+) -> subprocess.Popen[bytes]:
+    """``trajgate serve`` in front of the emulator on ``port``, logging to ``log_path``, on
+    ``cores`` when given; not yet healthy."""
+    command = [sys.executable, "-m", "trajgate.cli", "serve", "--upstream", emulator_url]
+    command += ["--port", str(port), "--database-url", database_url]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=log,
+            env=env,
+            # set in the child before it starts, so every thread it makes inherits it
+            preexec_fn=None if cores is None else partial(os.sched_setaffinity, 0, cores),
+        )
 
 
 def pinned_cores() -> tuple[set[int], set[int]]:
@@ -658,67 +755,81 @@ async def _warm_up(
         )
 
 
-async def _measure_modes(
+@dataclass(frozen=True)
+class Lane:
+    """One of the ways a run measures side by side (continuation modes, or own layers against
+    the libraries'): where its calls go, with which headers, and whose CPU they cost."""
+
+    base_url: str
+    path_of: Callable[[int, int], str]
+    gateway_pid: int | None
+    headers: dict[str, str] | None = None
+
+
+async def _measure_lanes(
     targets: Targets,
-    base_url: str,
-    paths: dict[str, Callable[[int, int], str]],
+    lanes: dict[str, Lane],
     bodies: list[bytes],
     stream: bool,
     concurrency: int,
     settings: BenchSettings,
     stream_end: bytes,
 ) -> dict[str, tuple[Sample, dict[str, float | None]]]:
-    """``_measure`` of each continuation mode in ``paths`` (mode -> path), interleaved: after
-    every mode's warm-up, ``settings.mode_rounds`` rounds, each sending every mode its share of
-    the measured calls, in alternating order (``ABBA``); samples and each process's CPU are
-    summed per mode over the rounds. Each mode keeps its own connections, and each worker's
-    conversations continue from round to round."""
-    pids = {"emulator": targets.emulator_pid, "gateway": targets.gateway_pid}
-    modes = list(paths)
+    """``_measure`` of each lane, interleaved: after every lane's warm-up,
+    ``settings.mode_rounds`` rounds, each sending every lane its share of the measured calls,
+    in alternating order (``ABBA``); samples and each process's CPU are summed per lane over the
+    rounds. Each lane keeps its own connections, and each worker's conversations continue from
+    round to round."""
+    names = list(lanes)
     rounds = settings.mode_rounds
     shares = [settings.requests // rounds + (r < settings.requests % rounds) for r in range(rounds)]
-    samples = {mode: Sample() for mode in modes}
-    cpu_s: dict[str, dict[str, float | None]] = {m: dict.fromkeys(pids, 0.0) for m in modes}
-    made = {mode: [0] * concurrency for mode in modes}
+    samples = {name: Sample() for name in names}
+    pids = {
+        name: {"emulator": targets.emulator_pid, "gateway": lane.gateway_pid}
+        for name, lane in lanes.items()
+    }
+    cpu_s: dict[str, dict[str, float | None]] = {n: dict.fromkeys(pids[n], 0.0) for n in names}
+    made = {name: [0] * concurrency for name in names}
     async with AsyncExitStack() as stack:
         workers = {
-            mode: await stack.enter_async_context(
-                callers(base_url, settings.loadgen, concurrency, stream_end)
+            name: await stack.enter_async_context(
+                callers(lane.base_url, settings.loadgen, concurrency, stream_end)
             )
-            for mode in modes
+            for name, lane in lanes.items()
         }
-        for mode in modes:
-            await _warm_up(workers[mode], paths[mode], bodies, stream, settings, mode_headers(mode))
+        for name, lane in lanes.items():
+            await _warm_up(workers[name], lane.path_of, bodies, stream, settings, lane.headers)
         for index, share in enumerate(shares):
-            for mode in modes if index % 2 == 0 else modes[::-1]:
-                before = {name: process_cpu_s(pid) for name, pid in pids.items()}
+            for name in names if index % 2 == 0 else names[::-1]:
+                lane = lanes[name]
+                before = {process: process_cpu_s(pid) for process, pid in pids[name].items()}
                 part = await drive(
-                    workers[mode],
-                    paths[mode],
+                    workers[name],
+                    lane.path_of,
                     bodies,
                     stream=stream,
                     requests=share,
-                    headers=mode_headers(mode),
-                    calls_made=made[mode],
+                    headers=lane.headers,
+                    calls_made=made[name],
                 )
-                for name, pid in pids.items():
-                    after, spent = process_cpu_s(pid), cpu_s[mode][name]
-                    start = before[name]
-                    cpu_s[mode][name] = (
+                for process, pid in pids[name].items():
+                    after, spent = process_cpu_s(pid), cpu_s[name][process]
+                    start = before[process]
+                    cpu_s[name][process] = (
                         None
                         if after is None or start is None or spent is None
                         else spent + after - start
                     )
-                _add(samples[mode], part)
+                _add(samples[name], part)
     result = {}
-    for mode, sample in samples.items():
+    for name, sample in samples.items():
         calls = sample.ok + sample.errors
         cpu = {
-            f"{name}_cpu_ms_per_call": _cpu_ms_per_call(0.0, spent, calls)
-            for name, spent in cpu_s[mode].items()
+            f"{process}_cpu_ms_per_call": _cpu_ms_per_call(0.0, spent, calls)
+            for process, spent in cpu_s[name].items()
         }
         cpu["loadgen_cpu_ms_per_call"] = _cpu_ms_per_call(0.0, sample.loadgen_cpu_s, calls)
-        result[mode] = (sample, cpu)
+        result[name] = (sample, cpu)
     return result
 
 
@@ -875,11 +986,16 @@ def _run_one(
         def mode_path(mode: str) -> Callable[[int, int], str]:
             return lambda w, k: gateway_path(w, k).replace(f"{run_id}-", f"{run_id}-{mode}-", 1)
 
+        lanes: dict[str, Lane] = {
+            mode: Lane(
+                targets.gateway_url, mode_path(mode), targets.gateway_pid, mode_headers(mode)
+            )
+            for mode in settings.continuations
+        }
         measured = asyncio.run(
-            _measure_modes(
+            _measure_lanes(
                 targets,
-                targets.gateway_url,
-                {mode: mode_path(mode) for mode in settings.continuations},
+                lanes,
                 bodies,
                 stream,
                 concurrency,
@@ -912,7 +1028,42 @@ def _run_one(
             "continuation": modes,
             **compare_modes(modes, stream, settings.response_tokens),
         }
-    via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, dialect, True)
+    layers: dict[str, Any] = {}
+    if targets.library_gateway_url is not None and targets.library_database_url is not None:
+        # Own layers and the libraries' in alternating rounds: the CPU of each per call.
+        library_url, library_db = targets.library_gateway_url, targets.library_database_url
+        measured = asyncio.run(
+            _measure_lanes(
+                targets,
+                {
+                    "own": Lane(targets.gateway_url, gateway_path, targets.gateway_pid),
+                    "library": Lane(library_url, gateway_path, targets.library_gateway_pid),
+                },
+                bodies,
+                stream,
+                concurrency,
+                settings,
+                STREAM_ENDS[dialect],
+            )
+        )
+        (via_gateway, gateway_cpu), (via_library, library_cpu) = (
+            measured["own"],
+            measured["library"],
+        )
+        layers = {
+            "library": {
+                "upstream_transport": "httpx",
+                "http_protocol": settings.library_protocol,
+                **_compare(direct, via_library, "gateway"),
+                "steps_persisted": count_steps(library_db, f"{run_id}-m"),
+                "steps_expected": via_library.ok,
+                "cpu_ms_per_call": library_cpu,
+            },
+            "own_gateway_cpu_ms_per_call": gateway_cpu["gateway_cpu_ms_per_call"],
+            "library_gateway_cpu_ms_per_call": library_cpu["gateway_cpu_ms_per_call"],
+        }
+    else:
+        via_gateway, gateway_cpu = measure(targets.gateway_url, gateway_path, dialect, True)
     run: dict[str, Any] = {
         "dialect": dialect,
         "direct_dialect": "chat",  # the emulator speaks chat only: what the gateway sends it
@@ -926,6 +1077,8 @@ def _run_one(
         "steps_expected": via_gateway.ok,
         "cpu_ms_per_call": {"direct": direct_cpu, "gateway": gateway_cpu},
     }
+    if layers:
+        run["layers"] = layers
     if direct.first_error is not None:
         run["direct_error"] = direct.first_error
     proxies = []
@@ -945,7 +1098,7 @@ def _fixed_path(prefix: str, dialect: BenchDialect) -> Callable[[int, int], str]
 
 
 def goals_met(runs: list[dict[str, Any]]) -> dict[str, bool | None]:
-    """Whether each goal of issue 3 holds in ``runs``; None when no run measured it."""
+    """Whether each goal (``GOAL_*``) holds in ``runs``; None when no run measured it."""
 
     def all_of(values: list[bool]) -> bool | None:
         return all(values) if values else None
