@@ -547,6 +547,32 @@ def test_a_session_whose_first_system_line_changes_every_call_stores_what_change
     store.engine.dispose()
 
 
+def test_a_replaced_system_message_reads_back_with_its_own_key_order_and_number_types(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """The replaced message is stored as a delta on the parent's, key by key: its keys come
+    back in its own order, and a part that is equal to the parent's as a Python value but not
+    as JSON (``1`` against ``1.0``) is its own, not the parent's."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+
+    def body(turn: int) -> dict[str, Any]:
+        sent = chat_cch_body(turn)
+        system = sent["messages"][0]
+        system["content"][1]["cache"] = 1.0 if turn % 3 else 1  # == 1.0, not the same JSON
+        if turn % 2:
+            sent["messages"][0] = {"content": system["content"], "role": "system"}
+        return sent
+
+    calls = run_session(store, ChatCompletions(), body, 8, "t")
+    assert_read_back_as_sent(store, "t", calls)
+    fresh = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls.append(turn_call(ChatCompletions(), body(8), 8))
+    fresh.record_call("t", calls[-1])  # a writer whose memory was rebuilt from the pool
+    assert_read_back_as_sent(fresh, "t", calls)
+    store.engine.dispose()
+    fresh.engine.dispose()
+
+
 def test_the_trajectory_view_of_a_changing_cch_session_ships_what_each_step_added(
     sqlite_pool: PoolSettings,
 ) -> None:
