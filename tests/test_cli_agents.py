@@ -74,9 +74,14 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
     or lists of strings. Everything else, and every answer, passes unchanged; the gateway
     records the body it sent (without the regex), and the prompt is the same."""
 
-    def __init__(self, first: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(
+        self, first: dict[str, dict[str, str]] | None = None, max_steered: int | None = None
+    ) -> None:
         self.network = httpx.AsyncHTTPTransport()
         self.steered: list[str] = []  # the tool named in each steered call
+        # At most this many calls are steered (None: every first turn of a conversation; a
+        # compacted history has no tool result either, and steering it again never ends).
+        self.max_steered = max_steered
         # Tools to steer one call to before ``SAFE_TOOLS``, with their arguments (a sub-agent's
         # spawn).
         self.first = first or {}
@@ -99,6 +104,8 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
     def tool_call_regex(self, body: dict[str, Any]) -> str | None:
         messages = body.get("messages") or []
         if not body.get("tools") or any(m.get("role") == "tool" for m in messages):
+            return None
+        if self.max_steered is not None and len(self.steered) >= self.max_steered:
             return None
         offered = {t["function"]["name"]: t["function"] for t in body["tools"]}
         for name in (*self.first, *SAFE_TOOLS):
@@ -429,3 +436,67 @@ def test_claude_code_with_a_sub_agent_is_exact_unbroken_and_one_row_per_conversa
     assert len(roots) == 2 and flagged == []  # the main agent's conversation and its sub-agent's
     assert all(s.continuation == "exact" for s in steps if s.parent_step_id is not None)
     assert [r["step_ids"][0] for r in rows] == [s.id for s in roots]
+
+
+# Codex compacts its history mid-turn when a call that asks for a follow-up (a tool call) ends
+# with the conversation past this many tokens. Its first call is ~10.4k prompt tokens with the
+# tiny model's tokenizer and is steered to a tool call, so it compacts right after it.
+COMPACT_TOKEN_LIMIT = 10_000
+
+
+def test_codex_compacting_mid_session_completes_with_the_compaction_call_recorded(
+    vllm: VLLMServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Codex with ``model_auto_compact_token_limit`` low enough to compact mid-session: its
+    compaction request (a Responses body with ``tools: []`` and ``tool_choice: "auto"``,
+    which vLLM refuses with a tool_choice and no tools) goes through the gateway, reaches vLLM
+    and is a recorded step, and the session goes on after it. Before issue 38 the gateway
+    passed the tool_choice on, vLLM answered 400 and Codex exited 1. One call is steered: the
+    compacted history holds no tool result, and steering it again would compact forever."""
+    steering = ToolCallSteering(max_steered=1)
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url, transport=steering) as gw:
+        env, work = _home(tmp_path)
+        codex_home = tmp_path / "codex-home"
+        codex_home.mkdir()
+        (codex_home / "config.toml").write_text(
+            f'model = "{vllm.served_model_name}"\n'
+            'model_provider = "trajgate"\n'
+            f"model_auto_compact_token_limit = {COMPACT_TOKEN_LIMIT}\n"
+            "[model_providers.trajgate]\n"
+            'name = "trajgate"\n'
+            f'base_url = "{gw.url}/t/codex-compact/v1"\n'
+            'wire_api = "responses"\n'
+            'env_key = "TRAJGATE_API_KEY"\n'
+        )
+        env.update(CODEX_HOME=str(codex_home), TRAJGATE_API_KEY="unused")
+        argv = [_agent_command("codex"), "exec", "--skip-git-repo-check", "Write hello.py."]
+        _run_agent(argv, env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "codex-compact")
+    compactions = [s for s in steps if s.request is not None and s.request.get("tools") == []]
+    print(
+        f"codex-compact: steered {steering.steered}, compaction steps "
+        f"{[s.step_index for s in compactions]}, continuation {[s.continuation for s in steps]}, "
+        f"kinds {[s.divergence_kind for s in steps]}, flags {[s.flags for s in steps]}"
+    )
+    # One compaction, right after the steered call (the only call that asked for a follow-up
+    # past the limit), then the follow-up call on the compacted history.
+    assert [s.step_index for s in compactions] == [1] and len(steps) >= 3
+    steered, compaction, after = steps[0], steps[1], steps[2]
+    assert compaction.request is not None and compaction.request["tool_choice"] == "auto"
+    assert compaction.upstream_request is not None
+    assert "tool_choice" not in compaction.upstream_request  # dropped, as OpenAI does
+    # What it compacted: the history with the steered call and its result, then Codex's
+    # compaction prompt (a user message).
+    call_id = steered.response.tool_calls[0].id
+    items = compaction.request["input"]
+    kinds = [(item.get("type"), item.get("call_id")) for item in items]
+    assert ("function_call", call_id) in kinds and ("function_call_output", call_id) in kinds
+    assert items[-1]["role"] == "user"
+    # The answer vLLM gave it is the summary the next call starts from, in place of the tool
+    # turn (Codex's compacted history holds the user messages and the summary).
+    summary = (compaction.response_message or {}).get("content")
+    assert isinstance(summary, str) and summary.strip()
+    assert after.request is not None
+    rest = after.request["input"]
+    assert all(item.get("type") == "message" for item in rest)
+    assert summary.strip() in rest[-1]["content"][0]["text"]
