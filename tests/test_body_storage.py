@@ -159,6 +159,53 @@ PROMPT_TOKENS_PER_TURN = 120  # a tool call echoed and its result (60 tokens per
 RESPONSE_TOKENS = 40
 
 
+# Claude Code's attribution line when it believes it talks to Anthropic: first line of its system
+# block 0, a ``cch`` that changes on every request (vLLM strips the line before rendering).
+BILLING = "x-anthropic-billing-header: cc_version=2.0.76.4f2; cc_entrypoint=sdk-cli; cch={:05x};"
+CLAUDE = "You are Claude Code, Anthropic's official CLI for Claude."
+
+
+def billing(turn: int) -> str:
+    return BILLING.format((turn * 40503 + 7) % 0xFFFFF)  # a new value on every turn
+
+
+def messages_cch_body(turn: int) -> dict[str, Any]:
+    """Claude Code's Messages body: system ``[billing line, identity, prompt]``."""
+    body = messages_body(turn)
+    body["system"] = [
+        {"type": "text", "text": billing(turn)},
+        {"type": "text", "text": CLAUDE},
+        {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
+    ]
+    return body
+
+
+def chat_cch_body(turn: int) -> dict[str, Any]:
+    """The same system parts as chat's message 0: the history's first message changes."""
+    body = chat_body(turn)
+    parts = [billing(turn), CLAUDE, SYSTEM]
+    content = [{"type": "text", "text": text} for text in parts]
+    body["messages"][0] = {"role": "system", "content": content}
+    return body
+
+
+def responses_cch_body(turn: int) -> dict[str, Any]:
+    """The same as the Responses ``input``'s first item (no ``instructions``)."""
+    body = responses_body(turn)
+    del body["instructions"]
+    parts = [billing(turn), CLAUDE, SYSTEM]
+    system = {"role": "system", "content": [{"type": "input_text", "text": t} for t in parts]}
+    body["input"].insert(0, system)
+    return body
+
+
+CCH_SESSIONS: list[tuple[Dialect, Callable[[int], dict[str, Any]]]] = [
+    (ChatCompletions(), chat_cch_body),
+    (Responses(), responses_cch_body),
+    (Messages(), messages_cch_body),
+]
+
+
 def turn_call(dialect: Dialect, body: dict[str, Any], turn: int) -> CallRecord:
     """Call ``turn`` as the gateway records it: the dialect's one translation and its record;
     its prompt extends the previous call's prompt and response (token lineage: the parent)."""
@@ -428,7 +475,11 @@ def test_the_step_api_answers_the_request_as_sent(sqlite_pool: PoolSettings) -> 
     assert json.dumps(answer.json()["upstream_request"]) == json.dumps(calls[-1].upstream_request)
 
 
-@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+@pytest.mark.parametrize(
+    ("dialect", "body"),
+    [*SESSIONS, *CCH_SESSIONS],
+    ids=[*(d.name for d, _ in SESSIONS), *(f"{d.name}-cch" for d, _ in CCH_SESSIONS)],
+)
 def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
     sqlite_pool: PoolSettings,
     dialect: Dialect,
@@ -437,7 +488,9 @@ def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
 ) -> None:
     """Finding what a call shares with its parent takes one ``json.dumps`` per list (of the
     parent's length), then one per new item: the count does not grow with the history (it
-    was one per message of every list, 1,244 at turn 200 of a Messages session)."""
+    was one per message of every list, 1,244 at turn 200 of a Messages session). A session
+    whose first system line changes every call (``*-cch``) too: the run after the replaced
+    message is found once and its keys shared with the parent's."""
     store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
     counts: list[int] = []
     real_dumps = json.dumps
@@ -454,53 +507,6 @@ def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
         monkeypatch.setattr(json, "dumps", real_dumps)
     assert counts[60] == counts[20], (counts[20], counts[60])
     store.engine.dispose()
-
-
-# Claude Code's attribution line when it believes it talks to Anthropic: first line of its system
-# block 0, a ``cch`` that changes on every request (vLLM strips the line before rendering).
-BILLING = "x-anthropic-billing-header: cc_version=2.0.76.4f2; cc_entrypoint=sdk-cli; cch={:05x};"
-CLAUDE = "You are Claude Code, Anthropic's official CLI for Claude."
-
-
-def billing(turn: int) -> str:
-    return BILLING.format((turn * 40503 + 7) % 0xFFFFF)  # a new value on every turn
-
-
-def messages_cch_body(turn: int) -> dict[str, Any]:
-    """Claude Code's Messages body: system ``[billing line, identity, prompt]``."""
-    body = messages_body(turn)
-    body["system"] = [
-        {"type": "text", "text": billing(turn)},
-        {"type": "text", "text": CLAUDE},
-        {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
-    ]
-    return body
-
-
-def chat_cch_body(turn: int) -> dict[str, Any]:
-    """The same system parts as chat's message 0: the history's first message changes."""
-    body = chat_body(turn)
-    parts = [billing(turn), CLAUDE, SYSTEM]
-    content = [{"type": "text", "text": text} for text in parts]
-    body["messages"][0] = {"role": "system", "content": content}
-    return body
-
-
-def responses_cch_body(turn: int) -> dict[str, Any]:
-    """The same as the Responses ``input``'s first item (no ``instructions``)."""
-    body = responses_body(turn)
-    del body["instructions"]
-    parts = [billing(turn), CLAUDE, SYSTEM]
-    system = {"role": "system", "content": [{"type": "input_text", "text": t} for t in parts]}
-    body["input"].insert(0, system)
-    return body
-
-
-CCH_SESSIONS: list[tuple[Dialect, Callable[[int], dict[str, Any]]]] = [
-    (ChatCompletions(), chat_cch_body),
-    (Responses(), responses_cch_body),
-    (Messages(), messages_cch_body),
-]
 
 
 def bytes_per_step(

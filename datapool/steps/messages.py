@@ -106,11 +106,18 @@ def history_keys(
     parent_keys: Sequence[str] | None, messages: Any, base: int, response_message: Any
 ) -> list[str] | None:
     """The keys of ``M + [R]`` for a new step (``H`` of the module docstring), sharing the
-    parent's strings for the first ``base`` messages; None when ``messages`` is not a list."""
+    parent's strings for the first ``base`` messages, or, when none is shared but the first
+    messages were replaced (``bodies.head_replaced``: a system message with a line that
+    changes on every call), for the run after them: what a call dumps and the writer keeps
+    does not grow with the history. None when ``messages`` is not a list."""
     if not isinstance(messages, list):
         return None
-    keys = list(parent_keys[:base]) if parent_keys is not None and base else []
-    keys += [message_key(m) for m in messages[base:]]
+    k, m = 0, base
+    if not base and parent_keys:
+        k, m = head_replaced(messages, parent_keys) or (0, 0)
+    keys = [message_key(message) for message in messages[:k]]
+    keys += parent_keys[k:m] if parent_keys is not None and m else []
+    keys += [message_key(message) for message in messages[m:]]
     if response_message is not None:
         keys.append(message_key(response_message))
     return keys
