@@ -20,6 +20,7 @@ from datapool.rewards.functions import tool_call_format
 from datapool.rewards.values import RewardContext
 from datapool.settings import PoolSettings
 from datapool.steps.bodies import BLOB_MIN_BYTES, RequestMissingError
+from datapool.steps.canonical import response_of
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
 from gateway.app import create_app
@@ -156,6 +157,53 @@ SESSIONS: list[tuple[Dialect, Callable[[int], dict[str, Any]]]] = [
 ]
 PROMPT_TOKENS_PER_TURN = 120  # a tool call echoed and its result (60 tokens per message)
 RESPONSE_TOKENS = 40
+
+
+# Claude Code's attribution line when it believes it talks to Anthropic: first line of its system
+# block 0, a ``cch`` that changes on every request (vLLM strips the line before rendering).
+BILLING = "x-anthropic-billing-header: cc_version=2.0.76.4f2; cc_entrypoint=sdk-cli; cch={:05x};"
+CLAUDE = "You are Claude Code, Anthropic's official CLI for Claude."
+
+
+def billing(turn: int) -> str:
+    return BILLING.format((turn * 40503 + 7) % 0xFFFFF)  # a new value on every turn
+
+
+def messages_cch_body(turn: int) -> dict[str, Any]:
+    """Claude Code's Messages body: system ``[billing line, identity, prompt]``."""
+    body = messages_body(turn)
+    body["system"] = [
+        {"type": "text", "text": billing(turn)},
+        {"type": "text", "text": CLAUDE},
+        {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
+    ]
+    return body
+
+
+def chat_cch_body(turn: int) -> dict[str, Any]:
+    """The same system parts as chat's message 0: the history's first message changes."""
+    body = chat_body(turn)
+    parts = [billing(turn), CLAUDE, SYSTEM]
+    content = [{"type": "text", "text": text} for text in parts]
+    body["messages"][0] = {"role": "system", "content": content}
+    return body
+
+
+def responses_cch_body(turn: int) -> dict[str, Any]:
+    """The same as the Responses ``input``'s first item (no ``instructions``)."""
+    body = responses_body(turn)
+    del body["instructions"]
+    parts = [billing(turn), CLAUDE, SYSTEM]
+    system = {"role": "system", "content": [{"type": "input_text", "text": t} for t in parts]}
+    body["input"].insert(0, system)
+    return body
+
+
+CCH_SESSIONS: list[tuple[Dialect, Callable[[int], dict[str, Any]]]] = [
+    (ChatCompletions(), chat_cch_body),
+    (Responses(), responses_cch_body),
+    (Messages(), messages_cch_body),
+]
 
 
 def turn_call(dialect: Dialect, body: dict[str, Any], turn: int) -> CallRecord:
@@ -427,7 +475,11 @@ def test_the_step_api_answers_the_request_as_sent(sqlite_pool: PoolSettings) -> 
     assert json.dumps(answer.json()["upstream_request"]) == json.dumps(calls[-1].upstream_request)
 
 
-@pytest.mark.parametrize(("dialect", "body"), SESSIONS, ids=lambda d: getattr(d, "name", ""))
+@pytest.mark.parametrize(
+    ("dialect", "body"),
+    [*SESSIONS, *CCH_SESSIONS],
+    ids=[*(d.name for d, _ in SESSIONS), *(f"{d.name}-cch" for d, _ in CCH_SESSIONS)],
+)
 def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
     sqlite_pool: PoolSettings,
     dialect: Dialect,
@@ -436,7 +488,9 @@ def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
 ) -> None:
     """Finding what a call shares with its parent takes one ``json.dumps`` per list (of the
     parent's length), then one per new item: the count does not grow with the history (it
-    was one per message of every list, 1,244 at turn 200 of a Messages session)."""
+    was one per message of every list, 1,244 at turn 200 of a Messages session). A session
+    whose first system line changes every call (``*-cch``) too: the run after the replaced
+    message is found once and its keys shared with the parent's."""
     store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
     counts: list[int] = []
     real_dumps = json.dumps
@@ -452,6 +506,116 @@ def test_the_writer_dumps_as_many_json_values_at_turn_60_as_at_turn_20(
         store.record_call("t", call)
         monkeypatch.setattr(json, "dumps", real_dumps)
     assert counts[60] == counts[20], (counts[20], counts[60])
+    store.engine.dispose()
+
+
+def bytes_per_step(
+    store: PoolStore, dialect: Dialect, body: Callable[[int], dict[str, Any]], turns: int, t: str
+) -> tuple[list[int], list[CallRecord]]:
+    """Record ``turns`` calls; per call what the whole pool grew by (its step and payload rows
+    and the ``json_blobs`` rows it added)."""
+    grown: list[int] = []
+    calls: list[CallRecord] = []
+    before = pool_bytes(store)
+    for turn in range(turns):
+        calls.append(turn_call(dialect, body(turn), turn))
+        store.record_call(t, calls[-1])
+        after = pool_bytes(store)
+        grown.append(after - before)
+        before = after
+    return grown, calls
+
+
+@pytest.mark.parametrize(("dialect", "body"), CCH_SESSIONS, ids=lambda d: getattr(d, "name", ""))
+def test_a_session_whose_first_system_line_changes_every_call_stores_what_changed(
+    pool_settings: PoolSettings, dialect: Dialect, body: Callable[[int], dict[str, Any]]
+) -> None:
+    """A new ``cch`` in the system prompt's first part on every call: the system message is
+    stored as that part plus the parent's other parts, the history as the parent's plus what
+    was appended, so a step at turn 32 stores what one at turn 4 does, and about what a step
+    of the same session with a fixed ``cch`` stores. Before, no body shared a prefix with its
+    parent's (message 0 differs), so every step stored its whole history again (measured on
+    SQLite, turn 4 against turn 32: chat 7.7 KB -> 45.6 KB, Responses 11.0 -> 66.4 KB, Messages
+    9.8 -> 47.6 KB; now 3.1, 4.2 and 4.4 KB at both)."""
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    grown, calls = bytes_per_step(store, dialect, body, 32, "cch")
+
+    def fixed_cch(turn: int) -> dict[str, Any]:
+        return json.loads(json.dumps(body(turn)).replace(billing(turn), billing(0)))
+
+    fixed, _ = bytes_per_step(store, dialect, fixed_cch, 32, "fixed")
+    assert grown[31] / grown[3] <= 1.1, grown
+    # What changed is one ~95-character text part, in the client's body, the upstream one and
+    # the canonical record (each its JSON and its place in a spec, ~200 bytes): measured 0.4
+    # to 0.6 KB over the fixed-cch step, against ~20 KB of history stored again before.
+    assert grown[31] - fixed[31] <= 1000, (grown[31], fixed[31])
+    assert_read_back_as_sent(store, "cch", calls)
+    store.engine.dispose()
+
+
+def test_a_replaced_system_message_reads_back_with_its_own_key_order_and_number_types(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """The replaced message is stored as a delta on the parent's, key by key: its keys come
+    back in its own order, and a part that is equal to the parent's as a Python value but not
+    as JSON (``1`` against ``1.0``) is its own, not the parent's."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+
+    def body(turn: int) -> dict[str, Any]:
+        sent = chat_cch_body(turn)
+        system = sent["messages"][0]
+        system["content"][1]["cache"] = 1.0 if turn % 3 else 1  # == 1.0, not the same JSON
+        if turn % 2:
+            sent["messages"][0] = {"content": system["content"], "role": "system"}
+        return sent
+
+    calls = run_session(store, ChatCompletions(), body, 8, "t")
+    assert_read_back_as_sent(store, "t", calls)
+    fresh = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls.append(turn_call(ChatCompletions(), body(8), 8))
+    fresh.record_call("t", calls[-1])  # a writer whose memory was rebuilt from the pool
+    assert_read_back_as_sent(fresh, "t", calls)
+    store.engine.dispose()
+    fresh.engine.dispose()
+
+
+def test_the_trajectory_view_of_a_changing_cch_session_ships_what_each_step_added(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """The inspector's trajectory view of a Messages session with a new ``cch`` on every call:
+    no message is a common prefix of a step and its parent (the system message differs), so
+    the view names the replaced system message (``messages_replaced``) and ships it with what
+    the step appended, not the whole history; bytes per step stay flat and the history
+    rebuilds exactly. Before, every step shipped its whole history (``messages_base`` 0)."""
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    calls = run_session(store, Messages(), messages_cch_body, 32, "long")
+    run_session(store, Messages(), messages_cch_body, 8, "short")
+    with TestClient(create_app(GatewaySettings(), sqlite_pool), base_url="http://127.0.0.1") as api:
+        long, short = (api.get(f"/api/inspector/trajectories/{t}") for t in ("long", "short"))
+    assert long.status_code == short.status_code == 200
+    assert len(long.content) / 32 <= 1.1 * len(short.content) / 8, (
+        len(long.content),
+        len(short.content),
+    )
+    steps = long.json()["steps"]
+    full: dict[str, list[Any]] = {}
+    for k, (step, call) in enumerate(zip(steps, calls, strict=True)):
+        parent = next((p for p in steps if p["id"] == step["parent_step_id"]), None)
+        head = []
+        if parent is not None:
+            head = [*full[parent["id"]], response_of(parent["response_message"]).to_json()]
+        replaced, base, added = (
+            step[key] for key in ("messages_replaced", "messages_base", "messages_added")
+        )
+        full[step["id"]] = [*added[:replaced], *head[replaced:base], *added[replaced:]]
+        assert call.canonical is not None
+        assert same_json(full[step["id"]], call.canonical.to_json()["messages"]), f"turn {k}"
+        if k:
+            # Turn k sends [system, task, (assistant, result) x k]: 2 + 2k messages. Its parent's
+            # history and answer are 2 + 2(k - 1) + 1; the answer (tool call ``c{k-1}``) is not
+            # the echo the client sends (``toolu_{k-1}``), so the step covers the parent's first
+            # 2k, replaces its system message, and adds the echo and the result: 3 messages.
+            assert (replaced, base, len(added)) == (1, 2 * k, 3), f"turn {k}"
     store.engine.dispose()
 
 

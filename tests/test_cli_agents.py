@@ -43,6 +43,7 @@ import httpx
 import pytest
 from gateway_helpers import gateway_with, steps_of
 from sqlalchemy import func, select
+from test_body_storage import step_bytes
 from tests_support import free_port
 
 from datapool import db
@@ -50,8 +51,9 @@ from datapool.batches.build import build_rows
 from datapool.batches.spec import BatchSpec
 from datapool.curation.rules import INTEGRITY_FLAGS
 from datapool.lifecycle.transitions import close_trajectory
-from datapool.models import Step, TrajectoryStatus
+from datapool.models import JsonBlob, Step, TrajectoryStatus
 from datapool.settings import PoolSettings
+from datapool.steps.bodies import blob_shas
 from datapool.steps.store import PoolStore, StoredStep
 from gateway.app import create_app
 from gateway.server import BackgroundServer
@@ -74,9 +76,19 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
     or lists of strings. Everything else, and every answer, passes unchanged; the gateway
     records the body it sent (without the regex), and the prompt is the same."""
 
-    def __init__(self, first: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        first: dict[str, dict[str, str]] | None = None,
+        max_steered: int | None = None,
+        follow_ups: bool = False,
+    ) -> None:
         self.network = httpx.AsyncHTTPTransport()
         self.steered: list[str] = []  # the tool named in each steered call
+        # At most this many calls are steered (None: every first turn of a conversation; a
+        # compacted history has no tool result either, and steering it again never ends).
+        self.max_steered = max_steered
+        # Steer calls that carry a tool result too (up to ``max_steered``): more tool turns.
+        self.follow_ups = follow_ups
         # Tools to steer one call to before ``SAFE_TOOLS``, with their arguments (a sub-agent's
         # spawn).
         self.first = first or {}
@@ -98,7 +110,10 @@ class ToolCallSteering(httpx.AsyncBaseTransport):
 
     def tool_call_regex(self, body: dict[str, Any]) -> str | None:
         messages = body.get("messages") or []
-        if not body.get("tools") or any(m.get("role") == "tool" for m in messages):
+        answered = any(m.get("role") == "tool" for m in messages)
+        if not body.get("tools") or (answered and not self.follow_ups):
+            return None
+        if self.max_steered is not None and len(self.steered) >= self.max_steered:
             return None
         offered = {t["function"]["name"]: t["function"] for t in body["tools"]}
         for name in (*self.first, *SAFE_TOOLS):
@@ -429,3 +444,173 @@ def test_claude_code_with_a_sub_agent_is_exact_unbroken_and_one_row_per_conversa
     assert len(roots) == 2 and flagged == []  # the main agent's conversation and its sub-agent's
     assert all(s.continuation == "exact" for s in steps if s.parent_step_id is not None)
     assert [r["step_ids"][0] for r in rows] == [s.id for s in roots]
+
+
+# Codex compacts its history mid-turn when a call that asks for a follow-up (a tool call) ends
+# with the conversation past this many tokens. Its first call is ~10.4k prompt tokens with the
+# tiny model's tokenizer and is steered to a tool call, so it compacts right after it.
+COMPACT_TOKEN_LIMIT = 10_000
+
+
+def test_codex_compacting_mid_session_completes_with_the_compaction_call_recorded(
+    vllm: VLLMServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Codex with ``model_auto_compact_token_limit`` low enough to compact mid-session: its
+    compaction request (a Responses body with ``tools: []`` and ``tool_choice: "auto"``,
+    which vLLM refuses with a tool_choice and no tools) goes through the gateway, reaches vLLM
+    and is a recorded step, and the session goes on after it. Before issue 38 the gateway
+    passed the tool_choice on, vLLM answered 400 and Codex exited 1. One call is steered: the
+    compacted history holds no tool result, and steering it again would compact forever."""
+    steering = ToolCallSteering(max_steered=1)
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url, transport=steering) as gw:
+        env, work = _home(tmp_path)
+        codex_home = tmp_path / "codex-home"
+        codex_home.mkdir()
+        (codex_home / "config.toml").write_text(
+            f'model = "{vllm.served_model_name}"\n'
+            'model_provider = "trajgate"\n'
+            f"model_auto_compact_token_limit = {COMPACT_TOKEN_LIMIT}\n"
+            "[model_providers.trajgate]\n"
+            'name = "trajgate"\n'
+            f'base_url = "{gw.url}/t/codex-compact/v1"\n'
+            'wire_api = "responses"\n'
+            'env_key = "TRAJGATE_API_KEY"\n'
+        )
+        env.update(CODEX_HOME=str(codex_home), TRAJGATE_API_KEY="unused")
+        argv = [_agent_command("codex"), "exec", "--skip-git-repo-check", "Write hello.py."]
+        _run_agent(argv, env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "codex-compact")
+    compactions = [s for s in steps if s.request is not None and s.request.get("tools") == []]
+    print(
+        f"codex-compact: steered {steering.steered}, compaction steps "
+        f"{[s.step_index for s in compactions]}, continuation {[s.continuation for s in steps]}, "
+        f"kinds {[s.divergence_kind for s in steps]}, flags {[s.flags for s in steps]}"
+    )
+    # One compaction, right after the steered call (the only call that asked for a follow-up
+    # past the limit), then the follow-up call on the compacted history.
+    assert [s.step_index for s in compactions] == [1] and len(steps) >= 3
+    steered, compaction, after = steps[0], steps[1], steps[2]
+    assert compaction.request is not None and compaction.request["tool_choice"] == "auto"
+    assert compaction.upstream_request is not None
+    assert "tool_choice" not in compaction.upstream_request  # dropped, as OpenAI does
+    # What it compacted: the history with the steered call and its result, then Codex's
+    # compaction prompt (a user message).
+    call_id = steered.response.tool_calls[0].id
+    items = compaction.request["input"]
+    kinds = [(item.get("type"), item.get("call_id")) for item in items]
+    assert ("function_call", call_id) in kinds and ("function_call_output", call_id) in kinds
+    assert items[-1]["role"] == "user"
+    # The answer vLLM gave it is the summary the next call starts from, in place of the tool
+    # turn (Codex's compacted history holds the user messages and the summary).
+    summary = (compaction.response_message or {}).get("content")
+    assert isinstance(summary, str) and summary.strip()
+    assert after.request is not None
+    rest = after.request["input"]
+    assert all(item.get("type") == "message" for item in rest)
+    assert summary.strip() in rest[-1]["content"][0]["text"]
+
+
+def test_claude_code_with_its_billing_line_continues_exactly_and_stores_what_changed(
+    vllm: VLLMServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """Claude Code believing it talks to Anthropic (``_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL``)
+    puts ``x-anthropic-billing-header: ...; cch=<hex>;`` in system block 0, a new ``cch`` on
+    every request; vLLM strips that line before rendering. Four calls steered to a tool (three
+    tool turns): every continuation is exact (issue 38: 0 of 2 before, ``system_changed``
+    breaks), and no continuation stores the system prompt or its history again (issue 37:
+    each stored a new system blob, its upstream messages as a new blob and its canonical
+    messages whole, tens of KB growing with the turns)."""
+    steering = ToolCallSteering(max_steered=STEERED_TURNS, follow_ups=True)
+    with gateway_with(pool_settings, free_port(), upstream_url=vllm.url, transport=steering) as gw:
+        env, work = _home(tmp_path)
+        env.update(
+            ANTHROPIC_BASE_URL=f"{gw.url}/t/claude-cch",
+            ANTHROPIC_API_KEY="unused",
+            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+            DISABLE_AUTOUPDATER="1",
+            _CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL="1",
+        )
+        argv = [_agent_command("claude-code"), "-p", "Write hello.py."]
+        _run_agent([*argv, "--model", vllm.served_model_name], env, work)
+    steps = _assert_one_complete_trajectory(vllm, pool_settings, "claude-cch")
+    stored = _stored_bytes(pool_settings, "claude-cch")
+    print(
+        f"claude-cch: steered {steering.steered}, continuation "
+        f"{[s.continuation for s in steps]}, flags {[s.flags for s in steps]}, stored bytes "
+        f"per step {[b for b, _ in stored]}, new blobs {[n for _, n in stored]}"
+    )
+    assert len(steering.steered) == STEERED_TURNS
+    cch = [_billing_cch(step.request) for step in steps]
+    assert None not in cch and len(set(cch)) == len(cch), cch  # a new cch on every call
+    continuations = [s for s in steps if s.parent_step_id is not None]
+    assert len(continuations) >= STEERED_TURNS
+    for step in continuations:
+        where = step.step_index
+        assert (step.continuation, step.extends_parent, step.flags) == ("exact", True, []), where
+    # The system prompt (its blocks after the billing line) and the tool list are stored by the
+    # first call only: a continuation adds no blob, and its row holds no copy of the prompt.
+    request = steps[0].request or {}
+    prompt = json.dumps(request["system"][-1]["text"])[1:201]  # as a JSON string holds it
+    for step, (_, new_blobs) in zip(steps, stored, strict=True):
+        if step.parent_step_id is not None:
+            assert new_blobs == 0, step.step_index
+            assert prompt not in _row_text(pool_settings, step.id), step.step_index
+    # Steps 2 and 3 each add a steered tool turn of the same shape: the same bytes, give or take
+    # ids (before, the later one stored one tool turn more of history again).
+    assert stored[3][0] <= 1.1 * stored[2][0], stored
+
+
+# Calls steered to a tool in the billing-line test: the first, then three that carry a result.
+STEERED_TURNS = 4
+CCH = re.compile(r"^x-anthropic-billing-header:.*\bcch=([0-9a-f]+);")
+
+
+def _billing_cch(request: dict[str, Any] | None) -> str | None:
+    """The ``cch`` of a Messages request's system block 0, None without a billing line."""
+    system = (request or {}).get("system")
+    if not isinstance(system, list) or not system:
+        return None
+    found = CCH.match(system[0].get("text", ""))
+    return found.group(1) if found else None
+
+
+def _row_text(pool_settings: PoolSettings, step_id: str) -> str:
+    """A step row's stored bodies as the database holds them (JSON text)."""
+    engine = db.make_engine(pool_settings.resolved_database_url())
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                select(Step.request, Step.upstream_request, Step.canonical).where(
+                    Step.id == step_id
+                )
+            ).one()
+    finally:
+        engine.dispose()
+    return json.dumps(list(row))
+
+
+def _stored_bytes(pool_settings: PoolSettings, trajectory_id: str) -> list[tuple[int, int]]:
+    """Per step (step order): the bytes its ``steps`` and ``step_payloads`` rows and the
+    ``json_blobs`` rows it refers to first hold (as ``tests/test_body_storage.py`` counts
+    them), and how many such blobs."""
+    engine = db.make_engine(pool_settings.resolved_database_url())
+    try:
+        with engine.connect() as conn:
+            blobs = dict(conn.execute(select(JsonBlob.sha256, func.length(JsonBlob.body))).all())
+            deltas = conn.execute(
+                select(Step.body_deltas)
+                .where(Step.trajectory_id == trajectory_id)
+                .order_by(Step.step_index)
+            ).scalars()
+            seen: set[str] = set()
+            firsts: list[tuple[int, int]] = []
+            for spec in deltas:
+                new = blob_shas(spec) - seen
+                seen |= new
+                firsts.append((sum(blobs[sha] for sha in new), len(new)))
+    finally:
+        engine.dispose()
+    store = PoolStore(db.make_engine(pool_settings.resolved_database_url()), pool_settings)
+    rows = step_bytes(store, trajectory_id)
+    store.engine.dispose()
+    return [(row + blob, count) for row, (blob, count) in zip(rows, firsts, strict=True)]

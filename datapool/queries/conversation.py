@@ -15,6 +15,12 @@ response (``R_p`` left out when the parent has none; ``H_p`` empty without a par
   agent rewrote (edited, truncated, thinking dropped) only stops the prefix earlier;
 - ``messages_added`` = ``C[b:]`` (None, like ``messages_base``, for a call without messages:
   a completions ``prompt``, or a step recorded without a canonical record);
+- ``messages_replaced`` = k, 0 but for a conversation whose first messages changed while the
+  rest repeats the parent's (Claude Code's system message carries a billing line with a ``cch``
+  that changes on every call): no message is then a common prefix, and rather than ship the
+  whole history, b counts the messages of ``H_p`` the step covers and the first k of
+  ``messages_added`` replace ``H_p``'s first k: ``C == messages_added[:k] + H_p[k:b] +
+  messages_added[k:]`` (k at most ``datapool.steps.bodies.HEAD_ITEMS``);
 - ``tools_key``: the tool list offered, as a key of the view's ``tools`` table, where each
   distinct list appears once (``t0``, ``t1``, ... in order of first use); None when no tool
   was offered. Lists are told apart with Python's ``==`` (a C-speed deep comparison; the JSON
@@ -38,6 +44,7 @@ from sqlalchemy.orm import Session
 
 from datapool.db import Sessions
 from datapool.models import Step
+from datapool.steps.bodies import HEAD_ITEMS
 from datapool.steps.messages import canonical_response_key, expand_requests, message_key
 
 
@@ -55,7 +62,8 @@ def common_prefix(messages: Sequence[Any], head: Sequence[Any]) -> int:
 def conversation_deltas(
     rows: Sequence[Step],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]]]:
-    """``(per step id: {messages_base, messages_added, tools_key, sampling, prompt}, tools)``
+    """``(per step id: {messages_base, messages_added, messages_replaced, tools_key, sampling,
+    prompt}, tools)``
     for expanded ``rows`` (``expand_requests``) of one trajectory, parents before children
     (call order). ``tools`` maps each ``tools_key`` to its list (module docstring)."""
     by_id = {row.id: row for row in rows}
@@ -65,11 +73,14 @@ def conversation_deltas(
     for row in rows:
         record = row.canonical or {}
         messages = record.get("messages")
-        base, added = None, None
+        base, added, replaced = None, None, 0
         if isinstance(messages, list):
             head = _head(by_id.get(row.parent_step_id or ""), heads)
             base = common_prefix(messages, head)
             added = messages[base:]
+            if base == 0 and head:
+                replaced, base = _head_replaced(messages, head)
+                added = [*messages[:replaced], *messages[base:]]
         key = None
         offered = record.get("tools")
         if offered:
@@ -81,11 +92,22 @@ def conversation_deltas(
         deltas[row.id] = {
             "messages_base": base,
             "messages_added": added,
+            "messages_replaced": replaced,
             "tools_key": key,
             "sampling": record.get("sampling"),
             "prompt": record.get("prompt"),
         }
     return deltas, tools
+
+
+def _head_replaced(messages: Sequence[Any], head: Sequence[Any]) -> tuple[int, int]:
+    """``(k, b)``: ``messages[k:b]`` are ``head[k:b]`` for the first k (1 to ``HEAD_ITEMS``)
+    that starts such a run; ``(0, 0)`` when none does."""
+    for k in range(1, min(HEAD_ITEMS, len(messages) - 1, len(head) - 1) + 1):
+        run = common_prefix(messages[k:], head[k:])
+        if run:
+            return k, k + run
+    return 0, 0
 
 
 def _head(parent: Step | None, heads: dict[str, list[Any]]) -> list[Any]:

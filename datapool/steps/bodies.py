@@ -21,12 +21,27 @@ same order, and ``steps.body_deltas[doc][f]`` (``doc`` one of ``DOCS``) says how
   kept); ``stored[f]`` is null, the key kept for its place. A value of ``BLOB_MIN_BYTES`` or more
   that is not such a delta (a tool list, a system prompt, the first call's messages) is stored
   once for every step, trajectory and group that sends it.
+- a list ``[k, m, items]``: ``B[f] = heads + P[f][k:m] + stored[f][k:]``, for a list whose first
+  k items were replaced and whose next ones are the parent's (Claude Code's system block 0, its
+  billing line with a ``cch`` that changes on every request, and the system message that
+  carries it upstream and in the canonical record: without this form the whole history would
+  be stored again on every call). ``heads`` are ``stored[f][:k]`` each read back by its entry of
+  ``items`` against the parent's item at the same place (``P[f][i]``): null, the item as
+  stored; else an *item spec*: an int ``n`` (a list or string: the parent's first n then the
+  stored rest), a list ``[k, m, items]`` (the same form, one level down), or an object that
+  maps some of a dict item's keys to their item specs (the other keys as stored). So a system
+  message whose first text part changed stores that part, not the message. Item specs never
+  name a blob.
 - absent: ``stored[f]`` is ``B[f]``.
 
 An item counts as shared when its JSON text is the parent's (``message_key``: ``1`` is not
 ``1.0`` and key order counts), so a body reads back as the same JSON, not merely an equal value.
 A field shared with the parent as a blob stays that blob (no hashing again); a list extended is
-a delta, never a new blob, so a history is never stored twice.
+a delta, never a new blob, so a history is never stored twice. The replaced head is looked for
+only when no leading item is shared and among the first ``HEAD_ITEMS`` items: an agent that
+rewrites its history elsewhere is stored from the first item that differs, as before. The same
+list form (``list_delta``, ``decode_list``) stores a history list, which
+``datapool.steps.messages`` cuts, when its first message changed.
 """
 
 from __future__ import annotations
@@ -46,8 +61,13 @@ BLOB_MIN_BYTES = 512
 # A string field is stored as a delta on the parent's only past this many characters shared.
 STRING_DELTA_MIN_CHARS = 256
 
-# A field's spec in ``steps.body_deltas``: a prefix length, or a blob's sha256 hex.
-FieldSpec = int | str
+# A list's items that may be replaced at its head while the rest is shared with the parent's.
+HEAD_ITEMS = 4
+
+# A field's spec in ``steps.body_deltas``: a prefix length, a blob's sha256 hex, or a list
+# ``[k, m, items]`` whose ``items`` are item specs (the module docstring).
+FieldSpec = int | str | list[Any]
+ItemSpec = int | list[Any] | dict[str, Any] | None
 
 
 class RequestMissingError(LookupError):
@@ -80,6 +100,9 @@ class BodyKeys:
     lists: Mapping[str, Sequence[str]] = field(default_factory=dict)
     strings: Mapping[str, tuple[int, bytes]] = field(default_factory=dict)
     blobs: Mapping[str, str] = field(default_factory=dict)  # field -> sha256 hex
+    # Per list field its first ``HEAD_ITEMS`` items (the values: a replaced head item is
+    # stored as a delta on the parent's).
+    heads: Mapping[str, Sequence[Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,38 +143,106 @@ def shared_prefix(values: Sequence[Any], theirs: Sequence[str]) -> int:
     return n
 
 
+def head_replaced(values: Sequence[Any], theirs: Sequence[str]) -> tuple[int, int] | None:
+    """``(k, m)`` for ``values`` whose first item is not the parent's (``theirs``: the
+    ``message_key`` of each of its items): the first k items differ (``k <= HEAD_ITEMS``) and
+    ``values[k:m]`` are ``theirs[k:m]`` (``m > k``); None when no item among the first
+    ``HEAD_ITEMS`` + 1 starts such a run. One item is dumped per place tried, then one
+    ``shared_prefix`` from the first that matches."""
+    for k in range(1, min(HEAD_ITEMS, len(values) - 1, len(theirs) - 1) + 1):
+        if message_key(values[k]) == theirs[k]:
+            return k, k + shared_prefix(values[k:], theirs[k:])
+    return None
+
+
+def list_delta(
+    values: Sequence[Any], heads: Sequence[Any], k: int, m: int
+) -> tuple[list[Any], list[Any]]:
+    """``(stored, [k, m, items])`` of ``values`` whose ``[k:m]`` are the parent's (see
+    ``head_replaced``): each of the first k items stored as a delta on the parent's item at the
+    same place (``heads``, the parent's first items; one not at hand is stored as it is), then
+    ``values[m:]``."""
+    stored: list[Any] = []
+    items: list[ItemSpec] = []
+    for i in range(k):
+        item, how = _encode_item(values[i], heads[i]) if i < len(heads) else (values[i], None)
+        stored.append(item)
+        items.append(how)
+    return [*stored, *values[m:]], [k, m, items]
+
+
+def _encode_item(value: Any, parent: Any) -> tuple[Any, ItemSpec]:
+    """A replaced head item as stored and its item spec (module docstring) against the
+    parent's item ``parent``: a dict key by key, a list as its parent's head or prefix plus the
+    rest; anything else (or nothing shared) as it is, spec None."""
+    if isinstance(value, dict) and isinstance(parent, dict):
+        stored: dict[str, Any] = {}
+        spec: dict[str, Any] = {}
+        for name, item in value.items():
+            stored[name], how = _encode_item(item, parent[name]) if name in parent else (item, None)
+            if how is not None:
+                spec[name] = how
+        return (stored, spec) if spec else (value, None)
+    if isinstance(value, list) and isinstance(parent, list) and parent:
+        theirs = [message_key(item) for item in parent]
+        n = shared_prefix(value, theirs)
+        if n:
+            return value[n:], n
+        found = head_replaced(value, theirs)
+        if found is not None:
+            return list_delta(value, parent, *found)
+    return value, None
+
+
 def encode_body(
-    body: dict[str, Any], parent: BodyKeys | None, skip: str | None = None
+    body: dict[str, Any],
+    parent: BodyKeys | None,
+    skip: str | None = None,
+    skip_heads: Sequence[Any] = (),
 ) -> EncodedBody:
     """``body`` stored against its parent step's same body, whose memory is ``parent`` (None:
     no parent, or one whose body is not remembered: no field is then a delta); ``skip`` names
-    a field stored as it is (the history list another delta already cut). See the module
-    docstring for the rules."""
+    a field stored as it is (the history list another delta already cut), whose full list
+    begins with ``skip_heads`` (kept for the children). See the module docstring for the
+    rules."""
     stored: dict[str, Any] = {}
     spec: dict[str, FieldSpec] = {}
     lists: dict[str, Sequence[str]] = {}
     strings: dict[str, tuple[int, bytes]] = {}
     blobs: dict[str, str] = {}
+    heads: dict[str, Sequence[Any]] = {}
     new_blobs: dict[str, str] = {}
     for name, value in body.items():
         if name == skip:
             stored[name] = value
+            heads[name] = skip_heads[:HEAD_ITEMS]
             continue
         text: str | None = None
         if isinstance(value, list):
+            heads[name] = value[:HEAD_ITEMS]
             theirs = parent.lists.get(name) if parent is not None else None
             n = 0 if theirs is None else shared_prefix(value, theirs)
+            found = None if n or not theirs else head_replaced(value, theirs)
             # One string per shared item, not one per step; only the new items are dumped.
-            keys = [*(theirs or ())[:n], *(message_key(item) for item in value[n:])]
+            k, m = found or (0, n)
+            keys = [
+                *(message_key(item) for item in value[:k]),
+                *(theirs or ())[k:m],
+                *(message_key(item) for item in value[m:]),
+            ]
             lists[name] = keys
             if theirs is not None:
+                assert parent is not None
                 identical = n == len(keys) == len(theirs)
-                sha = parent.blobs.get(name) if parent is not None else None
+                sha = parent.blobs.get(name)
                 if identical and sha is not None:
                     stored[name], spec[name], blobs[name] = None, sha, sha
                     continue
                 if n:
                     stored[name], spec[name] = value[n:], n
+                    continue
+                if found is not None:
+                    stored[name], spec[name] = list_delta(value, parent.heads.get(name, ()), k, m)
                     continue
             text = "[" + ", ".join(keys) + "]"  # json.dumps of the list, from its items' keys
         elif isinstance(value, str) and len(value) >= STRING_DELTA_MIN_CHARS:
@@ -174,7 +265,7 @@ def encode_body(
         stored[name], spec[name], blobs[name] = None, sha, sha
         if parent is None or sha not in parent.blobs.values():
             new_blobs[sha] = text
-    return EncodedBody(stored, spec, BodyKeys(lists, strings, blobs), new_blobs)
+    return EncodedBody(stored, spec, BodyKeys(lists, strings, blobs, heads), new_blobs)
 
 
 def body_keys(
@@ -198,7 +289,8 @@ def body_keys(
         if isinstance(value, str) and len(value) >= STRING_DELTA_MIN_CHARS
     }
     blobs = {name: s for name, s in (spec or {}).items() if isinstance(s, str)}
-    return BodyKeys(lists, strings, blobs)
+    heads = {name: value[:HEAD_ITEMS] for name, value in body.items() if isinstance(value, list)}
+    return BodyKeys(lists, strings, blobs, heads)
 
 
 def decode_body(
@@ -228,17 +320,61 @@ def decode_body(
                 )
             body[name] = blobs[how]
         else:
-            head = None if parent is None else parent.get(name)
-            if isinstance(head, list) and isinstance(value, list) and len(head) >= how:
-                body[name] = [*head[:how], *value]
-            elif isinstance(head, str) and isinstance(value, str) and len(head) >= how:
-                body[name] = head[:how] + value
-            else:
-                raise RequestMissingError(
-                    f"step {step_id} stores {name!r} as {how} of its parent's then a "
-                    f"{type(value).__name__}; the parent's is {_described(head)}"
-                )
+            body[name] = _decode_item(step_id, name, value, how, _field(parent, name))
     return body
+
+
+def decode_list(step_id: str, name: str, stored: Any, spec: list[Any], parent: Any) -> list[Any]:
+    """A list stored as ``[k, m, items]`` (module docstring) back whole, given the parent's
+    full list ``parent``. Raises ``RequestMissingError`` when the parent's list is missing or
+    shorter than m, or the stored one shorter than k."""
+    k, m, items = spec
+    if not (isinstance(parent, list) and isinstance(stored, list)) or len(parent) < m:
+        raise RequestMissingError(
+            f"step {step_id} stores {name!r} as {k} new items, then items {k}..{m} of its "
+            f"parent's; the parent's is {_described(parent)}"
+        )
+    if len(stored) < k or len(items) != k:
+        raise RequestMissingError(
+            f"step {step_id} stores {name!r} with {k} new items but holds {len(stored)}"
+        )
+    heads = [_decode_item(step_id, name, stored[i], items[i], parent[i]) for i in range(k)]
+    return [*heads, *parent[k:m], *stored[k:]]
+
+
+def _decode_item(step_id: str, name: str, stored: Any, how: Any, parent: Any) -> Any:
+    """``stored`` read back by its item spec ``how`` against the parent's ``parent``."""
+    if how is None:
+        return stored
+    if isinstance(how, list):
+        return decode_list(step_id, name, stored, how, parent)
+    if isinstance(how, dict):
+        if not (isinstance(stored, dict) and isinstance(parent, dict)):
+            raise RequestMissingError(
+                f"step {step_id} stores {name!r} as a delta on its parent's object; the "
+                f"parent's is {_described(parent)}"
+            )
+        return {
+            key: _decode_item(step_id, f"{name}.{key}", value, how.get(key), parent.get(key))
+            for key, value in stored.items()
+        }
+    if isinstance(how, int) and not isinstance(how, bool):
+        if isinstance(parent, list) and isinstance(stored, list) and len(parent) >= how:
+            return [*parent[:how], *stored]
+        if isinstance(parent, str) and isinstance(stored, str) and len(parent) >= how:
+            return parent[:how] + stored
+        raise RequestMissingError(
+            f"step {step_id} stores {name!r} as {how} of its parent's then a "
+            f"{type(stored).__name__}; the parent's is {_described(parent)}"
+        )
+    raise RequestMissingError(
+        f"step {step_id} stores {name!r} with a delta of unknown form {how!r}: expected an int, "
+        "a list [k, m, items], an object or null"
+    )
+
+
+def _field(parent: Mapping[str, Any] | None, name: str) -> Any:
+    return None if parent is None else parent.get(name)
 
 
 def _described(value: Any) -> str:
@@ -250,7 +386,7 @@ def _described(value: Any) -> str:
 def based_on_parent(spec: Mapping[str, Mapping[str, FieldSpec]] | None) -> bool:
     """Whether a step's ``body_deltas`` has a field stored as a delta on its parent's."""
     return bool(spec) and any(
-        isinstance(how, int) for fields in (spec or {}).values() for how in fields.values()
+        isinstance(how, int | list) for fields in (spec or {}).values() for how in fields.values()
     )
 
 

@@ -16,7 +16,11 @@ full history list, ``R_p`` its response message):
   parent has none). b is the length of the longest common prefix of ``M`` and ``H_p``, compared
   message by message as JSON text (``message_key``), so a history the client rewrote (an edited
   message, dropped thinking, truncation) only stops the prefix earlier. b = 0: the request holds
-  every message; b NULL: a row written before migration 0007, or a request without a
+  every message, or, when ``steps.body_deltas`` gives the history field a list spec
+  ``[k, m, items]`` (``datapool.steps.bodies``), its first k messages replaced (as deltas on
+  ``H_p``'s) then ``H_p[k:m]`` then ``M[m:]``: a history whose first message changes on every
+  call (Claude Code's billing line with its ``cch``, in the system message) is stored by what
+  changed, not whole. b NULL: a row written before migration 0007, or a request without a
   history list; ``request`` is then the whole request.
 - The history list is the request's field named by the call's dialect
   (``CallRecord.history_field``, stored as ``steps.history_field``: e.g. chat's ``messages``,
@@ -67,7 +71,10 @@ from datapool.steps.bodies import (
     based_on_parent,
     blob_shas,
     decode_body,
+    decode_list,
     encode_body,
+    head_replaced,
+    list_delta,
     load_blob,
     message_key,
     shared_prefix,
@@ -99,11 +106,18 @@ def history_keys(
     parent_keys: Sequence[str] | None, messages: Any, base: int, response_message: Any
 ) -> list[str] | None:
     """The keys of ``M + [R]`` for a new step (``H`` of the module docstring), sharing the
-    parent's strings for the first ``base`` messages; None when ``messages`` is not a list."""
+    parent's strings for the first ``base`` messages, or, when none is shared but the first
+    messages were replaced (``bodies.head_replaced``: a system message with a line that
+    changes on every call), for the run after them: what a call dumps and the writer keeps
+    does not grow with the history. None when ``messages`` is not a list."""
     if not isinstance(messages, list):
         return None
-    keys = list(parent_keys[:base]) if parent_keys is not None and base else []
-    keys += [message_key(m) for m in messages[base:]]
+    k, m = 0, base
+    if not base and parent_keys:
+        k, m = head_replaced(messages, parent_keys) or (0, 0)
+    keys = [message_key(message) for message in messages[:k]]
+    keys += parent_keys[k:m] if parent_keys is not None and m else []
+    keys += [message_key(message) for message in messages[m:]]
     if response_message is not None:
         keys.append(message_key(response_message))
     return keys
@@ -171,13 +185,20 @@ def request_delta(
     without an array, and every other field through ``datapool.steps.bodies``."""
     history = history_of(request, history_field)
     base = messages_base(parent.request, history)
+    stored, history_spec = _cut(
+        request, history_field, history, base, parent.request, parent.bodies.get("request")
+    )
     encoded: dict[Doc, EncodedBody] = {
         "request": encode_body(
-            stored_request(request, history_field, base),
+            stored,
             parent.bodies.get("request"),
             history_field if history is not None else None,
+            history or (),
         )
     }
+    if history_spec is not None:
+        assert history_field is not None
+        encoded["request"].spec[history_field] = history_spec
     patch = merge_patch(request, upstream_request)
     if patch is not None and any(isinstance(value, list) for value in patch.values()):
         patch = None
@@ -185,16 +206,21 @@ def request_delta(
         encoded["upstream"] = encode_body(upstream_request, parent.bodies.get("upstream"))
     stored_canonical, canonical_base, messages = None, None, None
     if canonical is not None:
-        stored_canonical = canonical.to_json()
-        messages = stored_canonical["messages"]
+        record = canonical.to_json()
+        messages = record["messages"]
         canonical_base = messages_base(parent.canonical, messages)
-        if canonical_base:
-            stored_canonical["messages"] = messages[canonical_base:]
+        parent_body = parent.bodies.get("canonical")
+        stored_canonical, messages_spec = _cut(
+            record, "messages", messages, canonical_base, parent.canonical, parent_body
+        )
         encoded["canonical"] = encode_body(
             stored_canonical,
-            parent.bodies.get("canonical"),
+            parent_body,
             "messages" if messages is not None else None,
+            messages or (),
         )
+        if messages_spec is not None:
+            encoded["canonical"].spec["messages"] = messages_spec
     deltas: dict[str, dict[str, FieldSpec]] = {
         doc: body.spec for doc, body in encoded.items() if body.spec
     }
@@ -214,6 +240,29 @@ def request_delta(
         new_blobs,
         {doc: body.keys for doc, body in encoded.items()},
     )
+
+
+def _cut(
+    body: dict[str, Any],
+    field_name: str | None,
+    history: list[Any] | None,
+    base: int | None,
+    parent_keys: Sequence[str] | None,
+    parent_body: BodyKeys | None,
+) -> tuple[dict[str, Any], list[Any] | None]:
+    """``body`` with its history list as stored and that list's ``steps.body_deltas`` spec: cut
+    to ``M[b:]`` (spec None) when it shares a prefix with ``H_p``; when it shares none, its
+    first messages replaced and the next ones ``H_p``'s (a system prompt with a line that
+    changes on every call), the list form of ``datapool.steps.bodies`` (``[k, m, items]``
+    against ``H_p``, the first messages as deltas on the parent's); else whole."""
+    if base or not history or not parent_keys or field_name is None:
+        return stored_request(body, field_name, base), None
+    found = head_replaced(history, parent_keys)
+    if found is None:
+        return body, None
+    heads = parent_body.heads.get(field_name, ()) if parent_body is not None else ()
+    tail, spec = list_delta(history, heads, *found)
+    return {**body, field_name: tail}, spec
 
 
 # ---- JSON Merge Patch (RFC 7396 §2) ---------------------------------------------------------
@@ -312,6 +361,17 @@ class _History:
         return self.entry.canonical_base if self.canonical else self.entry.messages_base
 
     @property
+    def spec(self) -> list[Any] | None:
+        """The list's ``[k, m, items]`` spec (first messages replaced), None when cut by
+        ``base`` or stored whole."""
+        entry = self.entry
+        if self.canonical:
+            how = ((entry.body_deltas or {}).get("canonical") or {}).get("messages")
+        else:
+            how = ((entry.body_deltas or {}).get("request") or {}).get(entry.history_field or "")
+        return how if isinstance(how, list) else None
+
+    @property
     def tail(self) -> list[Any] | None:
         entry = self.entry
         if self.canonical:
@@ -351,7 +411,7 @@ def reconstruct_messages(
 
 def _based_on(history: _History) -> str | None:
     """The step whose list ``history``'s is a delta on; None when stored whole."""
-    return history.entry.parent_step_id if history.base else None
+    return history.entry.parent_step_id if history.base or history.spec else None
 
 
 def _request_missing(step_id: str) -> RequestMissingError:
@@ -363,8 +423,11 @@ def _messages(
     full: Mapping[str, list[Any] | None],
     histories: Mapping[str, _History],
 ) -> list[Any] | None:
-    """``H_p[:b] + M[b:]`` (module docstring); the parent's full list is in ``full``."""
-    entry, base, messages = history.entry, history.base, history.tail
+    """``H_p[:b] + M[b:]`` (module docstring), or ``M`` stored with its first messages
+    replaced (``_cut``); the parent's full list is in ``full``."""
+    entry, messages, spec = history.entry, history.tail, history.spec
+    # The parent's messages the list needs: H_p[:b], or H_p[:m] of a list spec.
+    base = history.base or (0 if spec is None else int(spec[1]))
     if not base:
         return messages
     parent_id = entry.parent_step_id
@@ -383,6 +446,8 @@ def _messages(
             f"step {entry.step_id} needs {base} messages of its parent's history, which has "
             f"{len(head)}"
         )
+    if spec is not None:
+        return decode_list(entry.step_id, "messages", messages, spec, head[:base])
     return [*head[:base], *messages]
 
 
@@ -408,7 +473,11 @@ def full_request(
     if entry.messages_base is not None and messages is not None and name is not None:
         request = {**request, name: messages}
     request = decode_body(
-        step_id, request, deltas.get("request"), None if parent is None else parent.request, blobs
+        step_id,
+        request,
+        _without(deltas.get("request"), name),
+        None if parent is None else parent.request,
+        blobs,
     )
     if entry.upstream_request_patch is not None:
         upstream = apply_merge_patch(request, entry.upstream_request_patch)
@@ -423,17 +492,26 @@ def full_request(
     else:
         raise RequestMissingError(f"step {step_id} has neither upstream request nor patch")
     record = entry.canonical
-    if record is not None and entry.canonical_base:
+    if record is not None and entry.canonical_base is not None and canonical is not None:
         record = {**record, "messages": canonical}
     if record is not None:
         record = decode_body(
             step_id,
             record,
-            deltas.get("canonical"),
+            _without(deltas.get("canonical"), "messages"),
             None if parent is None else parent.canonical,
             blobs,
         )
     return FullRequest(request, upstream, record)
+
+
+def _without(
+    spec: Mapping[str, FieldSpec] | None, name: str | None
+) -> Mapping[str, FieldSpec] | None:
+    """A body's spec less its history list's, which ``reconstruct_messages`` has applied."""
+    if not spec or name not in spec:
+        return spec
+    return {key: how for key, how in spec.items() if key != name}
 
 
 _STORED_COLUMNS = (

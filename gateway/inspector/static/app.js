@@ -427,12 +427,16 @@ document.addEventListener("alpine:init", () => {
     stepTools(s) {
       return (s.tools_key && this.traj && this.traj.tools[s.tools_key]) || [];
     },
-    // "repeats 12 messages of step 5's conversation": what the added messages follow.
+    // "repeats 12 messages of step 5's conversation": what the added messages follow. With
+    // messages_replaced k, the first k added messages take the place of the parent's first k.
     repeatsText(s) {
       if (!s.messages_base) return "";
       const parent = this.traj.steps.find((p) => p.id === s.parent_step_id);
       const where = parent ? `step ${parent.step_index}` : "the parent step";
-      return `${s.messages_base} earlier message${s.messages_base === 1 ? "" : "s"} repeat ${where}'s conversation; below, what this step added`;
+      const k = s.messages_replaced || 0;
+      const repeated = s.messages_base - k;
+      const replaced = k ? ` after its first ${k === 1 ? "message" : k + " messages"}, replaced by the first below` : "";
+      return `${repeated} earlier message${repeated === 1 ? "" : "s"} repeat ${where}'s conversation${replaced}; below, what this step added`;
     },
     async toggleHistory(s) {
       if (this.histories[s.id]) {
