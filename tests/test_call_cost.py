@@ -4,6 +4,7 @@ gateway against the emulator with the exact-continuation endpoints."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import httpx
@@ -140,3 +141,52 @@ def test_a_wide_body_with_a_nul_is_refused_and_a_wide_shallow_one_is_taken() -> 
     with pytest.raises(InvalidRequestError) as refused:
         parse_json(wide[:-1] + b', "\\u0000"]', refuse_nul=True)
     assert "NUL character" in refused.value.message
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages"])
+def test_every_turn_of_a_scripted_session_extends_the_turn_just_before_it_from_memory(
+    sqlite_pool: PoolSettings, monkeypatch: pytest.MonkeyPatch, dialect: Any
+) -> None:
+    # The bench's session echoes the emulator's answer (emulator_answer): turn t (t >= 1)
+    # sends 2 + 2t canonical messages, the last one the new tool result, so it extends the turn
+    # of the call before it from message 1 + 2t on, found in the gateway's memory: no pool
+    # lookup. Before, the emulator's exact answers were a token shorter than its chat answer,
+    # so no echo matched the latest turn: every call extended turn 0 (new messages from 3 on)
+    # and asked the pool for the t - 1 later keys (find_turn once per call).
+    from datapool.steps.store import PoolStore
+    from gateway.proxy import routes
+
+    extended: list[tuple[int, int | None]] = []
+    find_extension = routes.find_extension
+
+    def recorded(candidates: Any, messages: Any, lookup: Any) -> Any:
+        found = find_extension(candidates, messages, lookup)
+        extended.append((len(messages), None if found is None else found.new_from))
+        return found
+
+    lookups: list[int] = []
+    find_turn = PoolStore.find_turn
+
+    def counted(self: PoolStore, trajectory_id: str, keys: Any) -> Any:
+        lookups.append(len(keys))
+        return find_turn(self, trajectory_id, keys)
+
+    monkeypatch.setattr(routes, "find_extension", recorded)
+    monkeypatch.setattr(PoolStore, "find_turn", counted)
+    answer = emulator_answer(4)
+    emulator = {"prompt_tokens": 3, "response_tokens": 4, "prompt_ids": "messages"}
+    trajectory = f"previous-turn-{dialect}"
+    with emulated_gateway(sqlite_pool, **emulator) as server:
+        url = f"{server.url}/t/{trajectory}/v1{PATHS[dialect]}"
+        for turn in range(5):
+            body = agent_session.body(
+                dialect, 0, turn, answer, stream=False, response_tokens=4, tool_result_chars=40
+            )
+            reply = httpx.post(url, json=body, timeout=30)
+            assert reply.status_code == 200, reply.text
+    # turn 0 has no assistant message: no candidate, find_extension is not asked
+    assert extended == [(2 + 2 * t, 1 + 2 * t) for t in range(1, 5)]  # (4, 3), (6, 5), ...
+    assert lookups == []
+    steps = steps_of(sqlite_pool, trajectory)
+    assert [s.continuation for s in steps] == ["template"] + ["exact"] * 4
+    assert all(s.parent_step_id == p.id for p, s in itertools.pairwise(steps))
