@@ -57,6 +57,7 @@ from gateway.proxy.attribution import (
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
 from gateway.proxy.continuation.engine import (
     CONTINUATION_MODES,
+    PARSED_ANSWER,
     Continuation,
     RenderAhead,
     continues_exactly,
@@ -802,8 +803,9 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
         content = upstream.response.content
     finally:
         await upstream.aclose()
+    parsed = upstream.response.extensions.get(PARSED_ANSWER)  # an exact answer's own object
     try:
-        answer = loads_object(content)
+        answer = parsed if isinstance(parsed, dict) else loads_object(content)
         captured = dialect.read_answer(call.prepared, answer)
         client_answer = dialect.client_answer(call.prepared, answer)
     except UNREADABLE as exc:
