@@ -326,3 +326,71 @@ def test_request_hash_of_a_long_turn_takes_orjsons_path(monkeypatch: pytest.Monk
     monkeypatch.setattr(capture.json, "dumps", counted)
     assert capture.request_hash("chat.completions", body) == expected
     assert written == []
+
+
+def test_an_exact_unary_call_checks_its_prompt_ids_once(
+    sqlite_pool: PoolSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # token_ids reads a list of ids in three passes in C (types, min, max). An exact unary
+    # call's prompt is the render's ids (read once) or spliced from them and a captured turn's,
+    # so reading the answer does not read them again: at turn t (t >= 1) one pass of min over
+    # the whole prompt (before: two, the second when the derendered answer's prompt was read).
+    # Turn 0 is the template's: the chat endpoint's answer carries the prompt, read once.
+    from gateway import capture
+
+    passes: list[int] = []
+
+    def counted_min(values: Any) -> Any:
+        if isinstance(values, list) and len(values) >= 8:  # a prompt: 8 ids at turn 0
+            passes.append(len(values))
+        return min(values)
+
+    monkeypatch.setattr(capture, "min", counted_min, raising=False)
+    answer = emulator_answer(2)
+    emulator = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
+    counts = []
+    with emulated_gateway(sqlite_pool, **emulator) as server:
+        url = f"{server.url}/t/checked-once/v1/chat/completions"
+        for turn in range(4):
+            passes.clear()
+            reply = httpx.post(url, json=session_body("chat", turn, answer), timeout=30)
+            assert reply.status_code == 200, reply.text
+            counts.append(len(passes))
+    assert counts == [1, 1, 1, 1]
+    steps = steps_of(sqlite_pool, "checked-once")
+    assert [s.continuation for s in steps] == ["template", "exact", "exact", "exact"]
+
+
+def test_the_writer_finds_an_echo_in_another_form_with_one_dump_of_the_history(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The parent's history keys H_p = M_p + [R_p]; an agent sends M_p, then its echo of R_p in
+    # its own form, then a new message. The shared prefix is M_p (3 items), found from one
+    # json.dumps of the first 4 values (before: one dump of 4 and another of 3).
+    import json
+
+    from datapool.steps import bodies
+
+    parent = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    parent.append({"role": "assistant", "content": "a", "tool_calls": []})
+    response = {"role": "assistant", "content": "b", "refusal": None}
+    theirs = [json.dumps(m) for m in [*parent, response]]
+    echo = {"role": "assistant", "content": "b"}
+    dumps: list[Any] = []
+    original = bodies.json.dumps
+
+    def counted(value: Any, **kwargs: Any) -> str:
+        dumps.append(value)
+        return original(value, **kwargs)
+
+    monkeypatch.setattr(bodies.json, "dumps", counted)
+    assert bodies.shared_prefix([*parent, echo, {"role": "user", "content": "n"}], theirs) == 3
+    assert len(dumps) == 1
+    # the echo as the parent's response: all 4; a history cut to the parent's M_p: 3
+    assert bodies.shared_prefix([*parent, response], theirs) == 4
+    assert bodies.shared_prefix(parent, theirs) == 3
+    # a rewritten message 1: compared item by item, the prefix stops before it (1)
+    rewritten = [parent[0], {"role": "user", "content": "v"}, parent[2], echo]
+    assert bodies.shared_prefix(rewritten, theirs) == 1
+    # an item whose text only starts like the parent's ("1" against "12") is no match
+    assert bodies.shared_prefix([12, 5], ["1", "5", "7"]) == 0
