@@ -44,6 +44,7 @@ from gateway.liveness import Heartbeat, LivenessServer
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import routes as proxy
 from gateway.proxy.continuation.history import TurnMemory
+from gateway.proxy.continuation.walk import WalkMemory
 from gateway.proxy.sampling import check_defaults_against_policy
 from gateway.settings import UPSTREAM_TRANSPORTS, GatewaySettings
 from gateway.state import GatewayState, StateDep
@@ -166,6 +167,7 @@ async def _running_state(
         state.writer = writer
         state.hooks = hooks
         state.turns = TurnMemory(settings.continuation_memory_trajectories, TURNS_PER_TRAJECTORY)
+        state.walks = WalkMemory(settings.continuation_history_memory_mb * 2**20)
         state.worker_dir = worker_dir
         copies = TokenizerCopies(pool.data_dir.resolve() / "tokenizers")
         state.tokenizer_dirs = TokenizerDirs(copies=copies)

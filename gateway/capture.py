@@ -135,9 +135,37 @@ def dumps(value: dict[str, Any] | list[Any]) -> bytes:
 
 def request_hash(dialect: str, body: dict[str, Any]) -> str:
     """SHA-256 of the dialect's name and the client's body as canonical JSON (sorted keys):
-    re-send detection."""
-    canonical = json.dumps([dialect, body], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    re-send detection.
+
+    The text hashed is ``json.dumps([dialect, body], sort_keys=True, separators=(",", ":"))``
+    (stored hashes must not change). orjson writes it in a tenth of the time where its text
+    is byte for byte that one (``_as_json_writes``), the stdlib otherwise."""
+    try:
+        text: bytes | None = orjson.dumps([dialect, body], option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # an integer past 64 bits, a lone surrogate
+        text = None
+    if text is None or not _as_json_writes(text):
+        text = json.dumps([dialect, body], sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(text).hexdigest()
+
+
+def _as_json_writes(text: bytes) -> bool:
+    """Whether orjson's ``text`` (compact, keys sorted) is what ``json.dumps`` with
+    ``ensure_ascii`` writes for the same value. Both sort keys by code point, write integers,
+    ``true``, ``false``, ``null`` and the escapes of ``"``, ``\\`` and controls alike, and
+    floats alike except below 1e-4 in magnitude, where orjson writes ``0.0000...`` or a
+    negative exponent without its leading zero (``1e-6``; json ``1e-06``; checked on 150,000
+    doubles by the test). So: only printable ASCII (json escapes the rest, DEL included), and
+    neither ``0.0000`` nor a digit before ``e-`` anywhere (in a string too: such a body only
+    takes the stdlib's path)."""
+    if not text.isascii() or b"\x7f" in text or b"0.0000" in text:
+        return False
+    at = text.find(b"e-")
+    while at != -1:
+        if at and 0x30 <= text[at - 1] <= 0x39:
+            return False
+        at = text.find(b"e-", at + 2)
+    return True
 
 
 def quality_flags(
@@ -163,6 +191,13 @@ def quality_flags(
 _INT32_END = 2**31
 
 
+class CheckedIds(list[int]):
+    """Token ids already read by ``token_ids``, or made only of such ids (an exact prompt:
+    a captured turn's ids and a slice of the render's), which ``token_ids`` passes as they
+    are: the exact prompt is ~20k ids at turn 200 of a coding-agent session, and checking
+    them again when the answer is read cost 0.5 ms a call. A client's JSON never makes one."""
+
+
 def token_ids(value: Any) -> list[int] | None:
     """``value`` as token ids ``[T]`` exactly as the engine sent them (None: not reported).
 
@@ -172,6 +207,8 @@ def token_ids(value: Any) -> list[int] | None:
     """
     if value is None:
         return None
+    if type(value) is CheckedIds:
+        return value
     # Each test a builtin's one pass in C, not a Python step per id: the event loop checks
     # every prompt id of every call (~20k at turn 200 of a coding-agent session). ``count``
     # compares types by identity, so a bool (or any int subclass) is no id, as before.

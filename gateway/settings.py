@@ -445,6 +445,18 @@ class GatewaySettings(ConfigFileSettings):
             "template (a recorded break when the text differs)."
         ),
     )
+    continuation_history_memory_mb: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "Exact continuation: memory (MiB, all trajectories together, LRU) for the last "
+            "walk over each trajectory's history (its messages' canonical forms and keys), so "
+            "that a call that re-sends its history reads only the messages it added (CPU per "
+            "call flat in the history); an entry counts its messages' JSON size twice. A "
+            "trajectory not held (evicted, another replica's, a history larger than the whole "
+            "memory) is walked whole, as with 0, which keeps nothing."
+        ),
+    )
     sampling_policy: dict[str, SamplingPolicy] = Field(
         default_factory=dict,
         description=(

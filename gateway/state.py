@@ -25,6 +25,7 @@ from gateway.auth import KeyRing
 from gateway.errors import from_pool_error
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.continuation.history import TurnMemory
+from gateway.proxy.continuation.walk import WalkMemory
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_dirs import TokenizerDirs
 from gateway.upstream.policy import PolicyRegistry
@@ -52,6 +53,8 @@ class GatewayState:
     worker_dir: Path | None = None
     # the recent turns of each trajectory, for exact continuation (gateway.proxy.continuation)
     turns: TurnMemory = field(default_factory=lambda: TurnMemory(4096, 8))
+    # the last walk over each trajectory's history (gateway.proxy.continuation.walk)
+    walks: WalkMemory = field(default_factory=lambda: WalkMemory(256 * 2**20))
 
     async def record(self, trajectory_id: str, call: CallRecord) -> list[str]:
         """Make one call durable (its steps and its attempts, one group-commit transaction);

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from tests_support import free_port
 
-from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
+from trajgate.bench.emulator import EmulatorSettings, EmulatorThread, ResponseBook
 from trajgate.bench.gateway import (
     STREAM_ENDS,
     BenchDialect,
@@ -157,9 +157,10 @@ def test_emulator_tokens_are_seeded_and_repeatable(emulator: EmulatorThread) -> 
 
 def test_emulator_with_messages_prompts_extends_a_turn_that_carries_its_answer() -> None:
     """prompt_ids='messages': 3 ids per message that is not the emulator's own answer, the
-    answer's own ids for one that is, each turn closed by the end token E; so turn 1 = P_0 +
-    R_0 + E + 3 ids of its new question + E, both streamed and not, and usage counts them
-    (4 + 2 + 1 + 4 = 11 prompt tokens)."""
+    answer's own ids for one that is, each turn closed by the end token E; an answer that
+    stopped ends on E (R_0 = [r, E], its text " t<r>"), so turn 1 = P_0 + R_0 + 3 ids of its
+    new question + E, both streamed and not, and usage counts them (4 + 2 + 4 = 10 prompt
+    tokens)."""
     settings = EmulatorSettings(
         port=free_port(), prompt_tokens=3, response_tokens=2, prompt_ids="messages"
     )
@@ -189,14 +190,15 @@ def test_emulator_with_messages_prompts_extends_a_turn_that_carries_its_answer()
         server.stop()
     end = settings.vocab_size  # E: one past the sampled ids
     assert len(p0) == 4 and p0[-1] == end and turn0["usage"]["prompt_tokens"] == 4
-    assert len(r0) == 2 and end not in r0
+    assert len(r0) == 2 and r0[1] == end and end not in r0[:1]
+    assert answer["content"] == f" t{r0[0]}"  # the stop token is no text
     p1 = turn1["prompt_token_ids"]
-    assert len(p1) == 11 and p1[:7] == [*p0, *r0, end] and p1[-1] == end
-    assert turn1["usage"] == {**turn1["usage"], "prompt_tokens": 11, "total_tokens": 13}
-    assert events[0]["prompt_token_ids"] == p1 and events[-2]["usage"]["prompt_tokens"] == 11
+    assert len(p1) == 10 and p1[:6] == [*p0, *r0] and p1[-1] == end
+    assert turn1["usage"] == {**turn1["usage"], "prompt_tokens": 10, "total_tokens": 12}
+    assert events[0]["prompt_token_ids"] == p1 and events[-2]["usage"]["prompt_tokens"] == 10
     # "three" is not the emulator's answer: 3 ids of its own (4 + 4 + 4 = 12), not R_0.
     p1_rewritten = turn1_rewritten["prompt_token_ids"]
-    assert len(p1_rewritten) == 12 and p1_rewritten[:4] == p0 and p1_rewritten[8:] == p1[7:]
+    assert len(p1_rewritten) == 12 and p1_rewritten[:4] == p0 and p1_rewritten[8:] == p1[6:]
     assert p1_rewritten[4:6] != r0
 
 
@@ -311,8 +313,9 @@ def test_emulator_serves_render_generate_and_derender_so_the_gateway_continues_e
 ) -> None:
     """With prompt_ids='messages' the emulator answers vLLM's scale-out endpoints: the gateway
     probes them, finds the end token E, and three turns that echo its answers are one token
-    sequence, every later prompt S_parent + E + the template's ids of the new user turn
-    (4 = 3 ids + E), and each answer is the emulator's own text for the sampled ids."""
+    sequence: each answer stopped on E (S_parent ends with it), every later prompt S_parent +
+    the template's ids of the new user turn (4 = 3 ids + E), and each answer is the emulator's
+    own text for the sampled ids."""
     from gateway_helpers import emulated_gateway, steps_of
 
     emulator = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
@@ -340,8 +343,8 @@ def test_emulator_serves_render_generate_and_derender_so_the_gateway_continues_e
     assert [s.continuation for s in steps] == ["template", "exact", "exact"]
     for parent, step in itertools.pairwise(steps):
         sequence = [*parent.prompt_token_ids, *parent.response_token_ids]
-        assert step.prompt_token_ids[: len(sequence) + 1] == [*sequence, 2048]  # E = V
-        assert step.suffix_tokens == 5 and len(step.prompt_token_ids) == len(sequence) + 5
+        assert sequence[-1] == 2048 and step.prompt_token_ids[: len(sequence)] == sequence  # E = V
+        assert step.suffix_tokens == 4 and len(step.prompt_token_ids) == len(sequence) + 4
         assert step.extends_parent and "prefix_break" not in step.flags
 
 
@@ -365,7 +368,7 @@ def test_a_restarted_gateway_finds_the_turn_it_continues_in_the_pool(pool_settin
         ]
     first, second = steps_of(pool_settings, "restarted")
     assert first.turn_key is not None and len(first.turn_key) == 64
-    assert (second.continuation, second.suffix_tokens) == ("exact", 5)
+    assert (second.continuation, second.suffix_tokens) == ("exact", 4)
     assert second.parent_step_id == first.id and second.extends_parent
 
 
@@ -434,3 +437,48 @@ def test_bench_layers_needs_a_gateway_process_and_single_turn_calls() -> None:
         BenchSettings(layers=True, gateway_mode="thread")
     with pytest.raises(ValueError, match="drop continuations or layers"):
         BenchSettings(layers=True, continuations=("exact",))
+
+
+def test_emulator_chat_answer_and_its_derendered_generate_answer_are_one_text() -> None:
+    """An answer that stopped ends on the end token E, which is no text: the chat answer's
+    text, the text derender gives for generate's ids without E (what the gateway sends it,
+    ``engine._as_detokenized``) and the bench's echo (``emulator_answer``) are the same 3
+    words for the 4 sampled ids, and the echo renders back to exactly those 4 ids (+ nothing:
+    E closes the turn), so a bench turn continues the previous one exactly. Before, the chat
+    answer had 4 words and the derendered one 3."""
+    from trajgate.bench.continuation import emulator_answer
+
+    settings = EmulatorSettings(
+        port=free_port(), prompt_tokens=3, response_tokens=4, prompt_ids="messages"
+    )
+    server = EmulatorThread(settings).start()
+    try:
+        chat = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"messages": MESSAGES, "return_token_ids": True},
+            timeout=10,
+        ).json()
+        rendered = httpx.post(
+            f"{server.url}/v1/chat/completions/render", json={"messages": MESSAGES}, timeout=10
+        ).json()
+        generated = httpx.post(
+            f"{server.url}/inference/v1/generate", json=rendered, timeout=10
+        ).json()
+        sampled = generated["choices"][0]["token_ids"]
+        cut = {**generated["choices"][0], "token_ids": sampled[:-1]}
+        derendered = httpx.post(
+            f"{server.url}/v1/chat/completions/derender",
+            json={"generate_response": {**generated, "choices": [cut]}},
+            timeout=10,
+        ).json()
+    finally:
+        server.stop()
+    end = settings.vocab_size
+    ids = chat["choices"][0]["token_ids"]
+    assert ids == sampled and len(ids) == 4 and ids[-1] == end
+    text = "".join(f" t{i}" for i in ids[:3])
+    assert chat["choices"][0]["message"]["content"] == text
+    assert derendered["choices"][0]["message"]["content"] == text
+    assert emulator_answer(4) == text
+    echo = {"messages": [{"role": "assistant", "content": text}]}
+    assert ResponseBook(settings).prompt_of(echo) == ids

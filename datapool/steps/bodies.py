@@ -129,12 +129,20 @@ def shared_prefix(values: Sequence[Any], theirs: Sequence[str]) -> int:
     first m values against ``theirs[:m]`` joined as a JSON array (a JSON array's text splits
     into its items one way only, so equal texts mean equal items), in C: m = all of
     ``theirs``, then all but the last (the parent's response, which a client may echo in its
-    own form). Only when both fail is each value dumped and compared (a history rewritten at
-    some message)."""
-    for m in (len(theirs), len(theirs) - 1):
-        joined = "[" + ", ".join(theirs[:m]) + "]"
-        if m > 0 and len(values) >= m and json.dumps(values[:m]) == joined:
+    own form). The second answer is read from the first one's dump (the same text up to the
+    separator before the last item), so an echo in another form costs one dump, not two. Only
+    when both fail is each value dumped and compared (a history rewritten at some message)."""
+    m = len(theirs)
+    if m > 0 and len(values) >= m:
+        text = json.dumps(values[:m])
+        if text == "[" + ", ".join(theirs) + "]":
             return m
+        if m > 1 and text.startswith("[" + ", ".join(theirs[: m - 1]) + ", "):
+            return m - 1
+    elif (
+        m > 1 and len(values) == m - 1 and json.dumps(values) == "[" + ", ".join(theirs[:-1]) + "]"
+    ):
+        return m - 1
     n = 0
     for value, key in zip(values, theirs, strict=False):
         if message_key(value) != key:

@@ -60,7 +60,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NoReturn, Protocol
 
-from datapool.steps.canonical import CanonicalCall
+from datapool.steps.canonical import CanonicalCall, Message
 from datapool.steps.records import ChoiceRecord
 from gateway.errors import InvalidRequestError, TrajgateError, openai_envelope
 
@@ -296,6 +296,16 @@ class Dialect(ABC):
         """The canonical record of a call whose engine body is ``upstream_body`` (the body
         ``prepare`` wrote, sampling defaults included): called once per call, and by the pool's
         migration for steps stored before the record existed."""
+
+    def canonical_continuing(
+        self, upstream_body: Mapping[str, Any], known: tuple[Message, ...]
+    ) -> CanonicalCall:
+        """``canonical``, given ``known``: the canonical messages of the first ``len(known)``
+        messages of the body's ``messages`` (all objects), made for an earlier call from the
+        same JSON (``gateway.proxy.continuation.walk`` proves it), so a dialect whose record
+        is made message by message reads only the messages after them. By default they are
+        not used: the record is made whole."""
+        return self.canonical(upstream_body)
 
     def client_field(self, upstream_field: str) -> str:
         """The client's name of a field of the upstream body (default: the same name)."""

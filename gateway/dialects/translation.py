@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from datapool.steps.canonical import CanonicalCall
+from datapool.steps.canonical import CanonicalCall, Message
 from gateway.capture import loads_object
 from gateway.dialects.base import (
     Captured,
@@ -206,6 +206,11 @@ class TranslatingDialect(Dialect):
         """The record of the chat body sent: the engine's conversation, whatever the client's
         API called its turns."""
         return canonical_of_chat(upstream_body)
+
+    def canonical_continuing(
+        self, upstream_body: Mapping[str, Any], known: tuple[Message, ...]
+    ) -> CanonicalCall:
+        return canonical_of_chat(upstream_body, known)
 
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
         return CHAT.read_answer(translated(prepared).chat_prepared(), answer)

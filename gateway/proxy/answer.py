@@ -23,6 +23,7 @@ from gateway.capture import UNREADABLE, dumps, loads_object
 from gateway.errors import UpstreamError
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
+from gateway.proxy.continuation.engine import PARSED_ANSWER
 from gateway.proxy.preparation import pool_lookup
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState
@@ -88,8 +89,9 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
         content = upstream.response.content
     finally:
         await upstream.aclose()
+    parsed = upstream.response.extensions.get(PARSED_ANSWER)  # an exact answer's own object
     try:
-        answer = loads_object(content)
+        answer = parsed if isinstance(parsed, dict) else loads_object(content)
         captured = dialect.read_answer(call.prepared, answer)
         client_answer = dialect.client_answer(call.prepared, answer)
     except UNREADABLE as exc:

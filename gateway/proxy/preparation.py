@@ -37,10 +37,10 @@ from gateway.proxy.continuation.engine import (
 from gateway.proxy.continuation.history import (
     HistoryKeys,
     find_extension,
-    history_keys,
     render_key,
     stored_turn,
 )
+from gateway.proxy.continuation.walk import walk_history
 from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.state import GatewayState
 from gateway.upstream.replicas import CHAT_PATH, NoHealthyUpstreamError
@@ -168,7 +168,7 @@ async def plan_continuation(
     trajectory its canonical conversation extends (``gateway.proxy.continuation.history``),
     from the gateway's memory or else from the pool (a turn another worker, replica or an
     earlier run of the gateway served), if any; the template's rendering otherwise. With it,
-    on an exact channel's chat path, the keys of the call's history (``history_keys``), from
+    on an exact channel's chat path, the keys of the call's history (``walk.walk_history``), from
     which its own turn's key is made once answered (``gateway.proxy.call.keyed``)."""
     mode = state.settings.continuation_for(attribution.channel)
     if mode == "template" or dialect.upstream_path != CHAT_PATH:
@@ -177,19 +177,25 @@ async def plan_continuation(
         return Continuation(mode), None
     if mode != "exact":
         raise ValueError(f"continuation {mode!r}; valid: {', '.join(CONTINUATION_MODES)}")
-    canonical = dialect.canonical(upstream_body)
     body_key = render_key(
         upstream_body, tool_choice_none_renders=state.upstreams.tool_choice_none_renders()
     )
+    trajectory_id = attribution.trajectory_id
+    canonical, history = walk_history(
+        state.walks,
+        trajectory_id,
+        upstream_body.get("messages"),
+        body_key,
+        dialect.name,
+        lambda known: dialect.canonical_continuing(upstream_body, known),
+    )
     continuation = Continuation(mode, render_key=body_key, canonical=canonical)
-    if canonical.messages is None:  # no conversation: nothing to extend, no turn to key
+    if canonical.messages is None or history is None:  # no conversation: no turn to key
         return continuation, None
     messages = canonical.messages
-    history = history_keys(body_key, messages)
     candidates = history.candidates
     if not candidates:
         return continuation, history
-    trajectory_id = attribution.trajectory_id
     memory = state.turns.turns_of(trajectory_id)
     extension = find_extension(candidates, messages, memory.get)
     # A later turn than memory's may be in the pool (served by another process).

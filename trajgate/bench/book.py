@@ -176,14 +176,32 @@ class ResponseBook:
         return self.settings.vocab_size
 
     def choice_tokens(self, choice_index: int) -> tuple[list[int], list[float]]:
-        """Sampled ids ``[T]`` and their logprobs ``[T]`` (nats, < 0) of one choice."""
+        """Sampled ids ``[T]`` and their logprobs ``[T]`` (nats, < 0) of one choice. With
+        ``prompt_ids="messages"`` the last id is the end token (``end_token``): an answer that
+        finishes with ``"stop"`` stopped on it, as an engine stops on ``<|im_end|>``, so the
+        ids a chat answer, generate and derender give, and the template's rendering of the
+        answer echoed back (its text, then the end token) are one sequence."""
         if choice_index not in self._choices:
             rng = random.Random(f"{self.settings.seed}:choice:{choice_index}")
             size = self.settings.vocab_size
             ids = [rng.randrange(size) for _ in range(self.settings.response_tokens)]
             logprobs = [-round(rng.expovariate(0.5) + 1e-6, 6) for _ in ids]
+            if self.settings.prompt_ids == "messages":
+                ids[-1] = self.end_token
             self._choices[choice_index] = (ids, logprobs)
         return self._choices[choice_index]
+
+    def text_of(self, ids: list[int]) -> str:
+        """The answer's text of sampled ``ids``: ``" t<id>"`` per token, without the end token
+        that stopped sampling (an engine leaves it out of the text: vLLM's
+        ``IncrementalDetokenizer``), which the template renders again when the answer is
+        echoed."""
+        return "".join(_text(i) for i in ids if i != self.end_token)
+
+    def answer_text(self, choice_index: int, completion_tokens: int) -> str:
+        """The chat answer's text of choice ``choice_index`` cut at ``completion_tokens``."""
+        ids, _logprobs = self.choice_tokens(choice_index)
+        return self.text_of(ids[:completion_tokens])
 
     def shape_of(self, body: dict[str, Any]) -> _Shape:
         """Read the fields that change the answer; raise ``ValueError`` on bad values."""
@@ -274,7 +292,7 @@ class ResponseBook:
             ids, logprobs = ids[: shape.completion_tokens], logprobs[: shape.completion_tokens]
             message = {
                 "role": "assistant",
-                "content": "".join(_text(i) for i in ids),
+                "content": self.text_of(ids),
                 "refusal": None,
                 "annotations": None,
                 "audio": None,
@@ -339,7 +357,7 @@ class ResponseBook:
                 token_id, logprob = ids[position], logprobs[position]
                 choice: dict[str, Any] = {
                     "index": index,
-                    "delta": {"content": _text(token_id)},
+                    "delta": {"content": self.text_of([token_id])},
                     "logprobs": (
                         {"content": self._logprob_entries([token_id], [logprob])}
                         if shape.logprobs

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from trajgate.bench.book import EmulatorSettings, ResponseBook, _text
+from trajgate.bench.book import EmulatorSettings, ResponseBook
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -59,9 +59,8 @@ def mode_headers(mode: str) -> dict[str, str]:
 def emulator_answer(response_tokens: int) -> str:
     """The text of the emulator's answer (choice 0, default seed, ``response_tokens`` long),
     what an agent that only appends echoes back as its assistant turn."""
-    book = ResponseBook(EmulatorSettings(response_tokens=response_tokens))
-    ids, _logprobs = book.choice_tokens(0)
-    return "".join(_text(i) for i in ids)
+    settings = EmulatorSettings(response_tokens=response_tokens, prompt_ids="messages")
+    return ResponseBook(settings).answer_text(0, response_tokens)
 
 
 def conversation_bodies(first: dict[str, Any], turns: int, response_tokens: int) -> list[bytes]:

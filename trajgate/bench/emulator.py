@@ -22,10 +22,12 @@ Shapes (checked against the real vLLM 0.32 server, see tests/test_bench_gateway.
 
 Deliberately different from vLLM: ``top_logprobs`` is always ``[]``; ``n`` choices stream
 round-robin, one token each; a response ends at ``response_tokens`` (``finish_reason: "stop"``) or
-earlier at ``max_tokens`` / ``max_completion_tokens`` (``"length"``). Responses are serialised
-once per shape and reused with a fresh ``id`` and ``created``, so the emulator costs a few
-microseconds of CPU per request and per chunk (uvicorn's h11 stack was the bottleneck; see
-docs/benchmarks.md).
+earlier at ``max_tokens`` / ``max_completion_tokens`` (``"length"``); with ``prompt_ids="messages"``
+one that stops stopped on the end token, its last id, which is no text (``ResponseBook.text_of``),
+so a chat answer, a derendered generate answer and their echo are one token sequence. Responses
+are serialised once per shape and reused with a fresh ``id`` and ``created``, so the emulator
+costs a few microseconds of CPU per request and per chunk (uvicorn's h11 stack was the
+bottleneck; see docs/benchmarks.md).
 
 ``EmulatorThread.stall_streams`` makes every streamed answer stop after its first token until
 ``resume_streams`` (an engine that stopped sampling mid-answer), so a test that must cut a stream

@@ -41,16 +41,19 @@ def sampling_of(body: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in body.items() if name not in NOT_SAMPLING}
 
 
-def canonical_of_chat(body: Mapping[str, Any]) -> CanonicalCall:
+def canonical_of_chat(body: Mapping[str, Any], known: tuple[Message, ...] = ()) -> CanonicalCall:
     """The canonical record of a chat completions body (``datapool.steps.canonical``).
 
     A chat message's ``reasoning_content`` (the older name) is its ``reasoning``; a tool call
     whose ``arguments`` is not a string keeps its JSON text, a tool that is no function tool
-    its type and name (``Message.from_json``, ``Tool.from_json``).
+    its type and name (``Message.from_json``, ``Tool.from_json``). ``known``: the canonical
+    messages of the body's first ``len(known)`` messages (all objects), already made from the
+    same JSON (``gateway.proxy.continuation.walk``); only the messages after them are read.
     """
     messages = body.get("messages")
     return CanonicalCall(
-        messages=tuple(_message(m) for m in messages if isinstance(m, Mapping))
+        messages=known
+        + tuple(_message(m) for m in messages[len(known) :] if isinstance(m, Mapping))
         if isinstance(messages, list)
         else None,
         tools=tuple(Tool.from_json(t) for t in body.get("tools") or () if isinstance(t, Mapping)),
@@ -76,6 +79,11 @@ class ChatCompletions(ChoicesDialect):
 
     def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
         return canonical_of_chat(upstream_body)
+
+    def canonical_continuing(
+        self, upstream_body: Mapping[str, Any], known: tuple[Message, ...]
+    ) -> CanonicalCall:
+        return canonical_of_chat(upstream_body, known)
 
     def check_input(self, body: dict[str, Any]) -> None:
         messages = body.get("messages")

@@ -47,7 +47,7 @@ from typing import Any, Literal
 import httpx
 
 from datapool.steps.canonical import CanonicalCall
-from gateway.capture import UNREADABLE, dumps, loads_object, token_ids
+from gateway.capture import UNREADABLE, CheckedIds, dumps, loads_object, token_ids
 from gateway.proxy.continuation.history import Extension
 from gateway.proxy.continuation.prompt import turn_prefix
 from gateway.upstream.replicas import (
@@ -103,6 +103,12 @@ async def _render(
     )
 
 
+# Where an exact unary answer keeps its own JSON object in its ``httpx.Response.extensions``:
+# the capture reads that object instead of parsing the bytes it was just written to (at turn
+# 200 of a coding-agent session 20k prompt ids: a parse, and a check of ids already checked).
+PARSED_ANSWER = "trajgate.parsed_answer"
+
+
 @dataclass
 class Continuation:
     """How one call's prompt is built. ``mode``: the channel's setting; ``extension``: the turn
@@ -137,7 +143,11 @@ class Continuation:
         """Keep ``built`` = ``exact`` only when the engine reports the prompt it was sent:
         vLLM renders the messages instead of taking forwarded ids for some bodies (``echo``,
         non-text content), and such a call was then the template's."""
-        if self.built != "exact" or engine_prompt == self.prompt_token_ids:
+        if (
+            self.built != "exact"
+            or engine_prompt is self.prompt_token_ids
+            or engine_prompt == self.prompt_token_ids
+        ):
             return
         log.warning("the engine did not sample from the exact prompt sent: recorded as template")
         self.built, self.suffix_tokens = "template", None
@@ -191,7 +201,8 @@ async def send_exact(
         continuation.built, continuation.suffix_tokens = "exact", built.suffix_tokens
     else:
         continuation.built, continuation.suffix_tokens = "template", None
-    prompt: list[int] = request["token_ids"]
+    # Read by token_ids (the render's) or spliced from such ids and a captured turn's.
+    prompt: list[int] = CheckedIds(request["token_ids"])
     continuation.prompt_token_ids = prompt
     stream = body.get("stream") is True
     if samples_from_forwarded_ids(body):
@@ -409,7 +420,9 @@ async def _unary(
     if isinstance(usage, dict):  # every sampled token, the stop token _as_detokenized hid too
         usage["completion_tokens"] = completion_tokens
         usage["total_tokens"] = len(prompt) + completion_tokens
-    return httpx.Response(200, content=dumps(answer), headers=JSON_HEADERS)
+    return httpx.Response(
+        200, content=dumps(answer), headers=JSON_HEADERS, extensions={PARSED_ANSWER: answer}
+    )
 
 
 def _derendered(choice: Any, sampled: dict[int, _Sampled]) -> _Sampled:

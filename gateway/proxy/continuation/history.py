@@ -190,6 +190,7 @@ class HistoryKeys:
 
     candidates: list[tuple[int, str]]
     digest: Any  # sha256 of the render key and every message, not yet of a response
+    messages: int = 0  # how many messages the digest has taken
 
     def answered_by(self, response: Message) -> str | None:
         """``turn_key`` of the whole history answered by ``response`` (None when ``response``
@@ -198,12 +199,23 @@ class HistoryKeys:
         return None if echo is None else _with_response(self.digest, echo)
 
 
-def history_keys(body_render_key: str, messages: Sequence[Message]) -> HistoryKeys:
+def history_keys(
+    body_render_key: str, messages: Sequence[Message], earlier: HistoryKeys | None = None
+) -> HistoryKeys:
     """``HistoryKeys`` of ``messages`` (a new call's canonical messages): one walk, each
-    message's history form serialised and hashed once. O(total message size)."""
+    message's history form serialised and hashed once. O(total message size).
+
+    ``earlier``: the ``HistoryKeys`` of ``messages[:n]`` under the same ``body_render_key``,
+    ``n`` the number of messages it was made of (``gateway.proxy.continuation.walk`` proves
+    them the same): the walk goes on from its digest over ``messages[n:]`` only, O(size of the
+    new messages)."""
     found: list[tuple[int, str]] = []
-    digest = _history_digest(body_render_key)
-    for k, message in enumerate(messages):
+    if earlier is None:
+        start, digest = 0, _history_digest(body_render_key)
+    else:
+        start, digest = earlier.messages, earlier.digest.copy()
+    for k in range(start, len(messages)):
+        message = messages[k]
         if message.role == "assistant":
             echo = echo_form(message)
             if echo is not None:
@@ -211,7 +223,9 @@ def history_keys(body_render_key: str, messages: Sequence[Message]) -> HistoryKe
         digest.update(b"\0M")
         digest.update(_history_form(message).encode())
     found.reverse()
-    return HistoryKeys(found, digest)
+    if earlier is not None:
+        found += earlier.candidates
+    return HistoryKeys(found, digest, len(messages))
 
 
 def candidate_keys(body_render_key: str, messages: Sequence[Message]) -> list[tuple[int, str]]:
