@@ -11,17 +11,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from gateway_helpers import steps_of
 from sqlalchemy import text
+from test_conversation_rows import MODEL, assert_one_row_per_conversation, merged_rows
 
 from datapool import db
+from datapool.batches.build import build_rows
+from datapool.batches.exports import export_batch
+from datapool.batches.spec import BatchSpec
 from datapool.db import make_engine
+from datapool.models import Batch
+from datapool.queries.export import export_trajectories
 from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord, LineageRecord
 from datapool.steps.store import PoolStore
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.errors import InvalidRequestError
 from gateway.proxy.lineages import lineage_of
+from gateway.server import BackgroundServer
 
 PARENT = "x-trajgate-lineage-parent"
 SESSION = "5f0c7a52-2d7e-4f7e-9d55-0c1d2e3f4a5b"
@@ -324,3 +333,108 @@ def test_migration_0016_backfills_the_lineages_the_writer_infers(
     store = PoolStore(make_engine(url), PoolSettings(data_dir=tmp_path / "d", database_url=url))
     assert {t: lineages(store, t) for t in ("pool", "other")} == written
     store.engine.dispose()
+
+
+# -- through the gateway and the real vLLM ---------------------------------------------------
+
+
+def claude_code_turn(
+    server: BackgroundServer, system: str, history: list[Any], seed: int, agent: str | None
+) -> list[Any]:
+    """One Messages call with Claude Code's headers (its session, and ``agent`` on a
+    sub-agent's calls); returns the history with the answer echoed and a new user turn."""
+    headers = {"x-claude-code-session-id": SESSION, "x-app": "cli"}
+    if agent is not None:
+        headers["x-claude-code-agent-id"] = agent
+    body = {"model": MODEL, "system": system, "messages": history, "max_tokens": 8}
+    answer = httpx.post(
+        f"{server.url}/t/claude-code/v1/messages",
+        json={**body, "temperature": 1.0},
+        headers=headers,
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    echo = {"role": "assistant", "content": answer.json()["content"]}
+    return [*history, echo, {"role": "user", "content": f"Go on ({seed})."}]
+
+
+def test_interleaved_claude_code_agents_are_one_lineage_and_one_row_each(
+    gateway: BackgroundServer, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    # The main agent and two sub-agents spawned with the very same prompt take turns: main 0,
+    # a 0, b 0, main 1, a 1, b 1. Without headers b 0 is a re-send of a 0 (its twin's lineage);
+    # named by ``x-claude-code-agent-id`` each sub-agent is a lineage of its own.
+    task = [{"role": "user", "content": "Find where the test is defined."}]
+    histories: dict[str | None, list[Any]] = {None: [TASK], "agent-a": task, "agent-b": task}
+    systems = {None: "You are the main agent.", "agent-a": "You search.", "agent-b": "You search."}
+    for k in range(2):
+        for agent in (None, "agent-a", "agent-b"):
+            histories[agent] = claude_code_turn(
+                gateway, systems[agent], histories[agent], 10 * k + len(agent or ""), agent
+            )
+    steps = steps_of(pool_settings, "claude-code")
+    main, a, b = steps[0::3], steps[1::3], steps[2::3]
+    assert [s for s in steps if "prefix_break" in s.flags] == []
+    assert [s.parent_step_id for s in steps[:3]] == [None, None, None]
+    for chain in (main, a, b):
+        assert (chain[1].parent_step_id, chain[1].extends_parent) == (chain[0].id, True)
+        assert chain[1].continuation == "exact"
+    assert [(s.lineage_id, s.lineage_parent_id, s.lineage_kind) for s in steps[:3]] == [
+        (SESSION, None, "main"),
+        ("agent-a", SESSION, "subagent"),
+        ("agent-b", SESSION, "subagent"),
+    ]
+    assert [s.lineage_id for s in steps[3:]] == [SESSION, "agent-a", "agent-b"]
+    rows = merged_rows(pool_settings, "claude-code")
+    assert_one_row_per_conversation(rows, [main, a, b])
+    assert [r["lineage_id"] for r in rows] == [SESSION, "agent-a", "agent-b"]
+    # The pool export and a batch's messages export carry each step's and row's lineage.
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    export_trajectories(store, ["claude-code"], tmp_path / "steps.jsonl", "jsonl")
+    exported = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["lineage_id"] for r in exported] == [SESSION, "agent-a", "agent-b"] * 2
+    table = build_rows(store, BatchSpec(algorithm="sft", layout="merged"))[0]
+    export_batch(store, Batch(id="b"), table, tmp_path / "rows.jsonl", "messages")
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(line)["lineage_id"] for line in lines] == [SESSION, "agent-a", "agent-b"]
+    # The pool API answers each step's lineage.
+    detail = httpx.get(f"{gateway.url}/api/trajectories/claude-code", timeout=30).json()
+    assert [s["lineage_id"] for s in detail["steps"]] == [SESSION, "agent-a", "agent-b"] * 2
+    one = httpx.get(f"{gateway.url}/api/steps/{a[1].id}", timeout=30).json()
+    assert (one["lineage_id"], one["lineage_parent_id"]) == ("agent-a", SESSION)
+    assert (one["lineage_kind"], one["lineage_source"]) == ("subagent", "headers")
+    store.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "envelope"),
+    [
+        ("chat/completions", {"messages": [TASK], "max_tokens": 1}, "openai"),
+        ("responses", {"input": "hi", "max_output_tokens": 1}, "openai"),
+        ("messages", {"messages": [TASK], "max_tokens": 1}, "anthropic"),
+    ],
+)
+def test_a_malformed_lineage_header_is_a_400_in_the_dialects_envelope_and_records_nothing(
+    gateway: BackgroundServer,
+    pool_settings: PoolSettings,
+    path: str,
+    body: dict[str, Any],
+    envelope: str,
+) -> None:
+    answer = httpx.post(
+        f"{gateway.url}/t/bad-lineage/v1/{path}",
+        json={"model": MODEL, **body},
+        headers={"X-Trajgate-Lineage": "planner", "X-Trajgate-Lineage-Kind": "helper"},
+        timeout=60,
+    )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    if envelope == "anthropic":
+        assert answer.json()["type"] == "error" and error["type"] == "invalid_request_error"
+    else:
+        assert (error["type"], error["param"]) == (
+            "invalid_request_error",
+            "X-Trajgate-Lineage-Kind",
+        )
+    assert "main, subagent, side_call, compaction" in error["message"]
+    assert steps_of(pool_settings, "bad-lineage") == []

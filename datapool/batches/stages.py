@@ -90,6 +90,7 @@ ROW_SCHEMA = pa.schema(
         ("group_id", pa.string()),
         ("trajectory_id", pa.string()),
         ("segment_index", pa.int32()),
+        ("lineage_id", pa.string()),
         ("step_ids", pa.list_(pa.string())),
         ("policy_version", pa.int32()),
         ("policy_version_spans", VERSION_SPANS),
@@ -568,6 +569,8 @@ def assemble_table(
             "group_id": [group_names[g] for g in group],
             "trajectory_id": [members[n].trajectory_id for n in member],
             "segment_index": np.asarray(plan.segment_index, dtype=np.int32),
+            # A row never crosses lineages: its steps hang on each other (``rows.segments``).
+            "lineage_id": [seg[0].row.lineage_id for seg in plan.segments],
             "step_ids": columns.step_ids,
             "policy_version": pa.array([oldest_version(seg) for seg in plan.segments], pa.int32()),
             "policy_version_spans": columns.policy_version_spans,

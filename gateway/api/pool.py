@@ -83,6 +83,21 @@ class StepSummary(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     created_at: datetime
+    lineage_id: str | None = Field(
+        default=None,
+        description="The conversation of the trajectory the step belongs to: a client's "
+        "session or agent id, or the id of the lineage's first step.",
+    )
+    lineage_parent_id: str | None = Field(
+        default=None, description="The lineage this one came from (null: the main one)."
+    )
+    lineage_kind: str | None = Field(
+        default=None, description="main, subagent, side_call or compaction."
+    )
+    lineage_source: str | None = Field(
+        default=None,
+        description="headers (a client header named it) or inferred (the continuation did).",
+    )
 
 
 class TrajectoryDetail(TrajectoryPublic):
