@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from gateway_helpers import steps_of
 from sqlalchemy import text
 from test_conversation_rows import MODEL, assert_one_row_per_conversation, merged_rows
@@ -22,15 +23,18 @@ from datapool.batches.build import build_rows
 from datapool.batches.exports import export_batch
 from datapool.batches.spec import BatchSpec
 from datapool.db import make_engine
-from datapool.models import Batch
+from datapool.lifecycle.transitions import close_trajectory
+from datapool.models import Batch, TrajectoryStatus
 from datapool.queries.export import export_trajectories
 from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord, LineageRecord
 from datapool.steps.store import PoolStore
+from gateway.app import create_app
 from gateway.dialects.chat_completions import ChatCompletions
 from gateway.errors import InvalidRequestError
 from gateway.proxy.lineages import lineage_of
 from gateway.server import BackgroundServer
+from gateway.settings import GatewaySettings
 
 PARENT = "x-trajgate-lineage-parent"
 SESSION = "5f0c7a52-2d7e-4f7e-9d55-0c1d2e3f4a5b"
@@ -290,6 +294,84 @@ def test_a_fresh_writer_places_a_named_call_within_its_lineage_from_the_stored_s
     [m1] = second.record_call("fresh", chat_call(answered, [1, 2, 3, 4, 7], [8], main))
     steps = {s.id: s for s in second.steps_of("fresh")}
     assert (steps[s1].parent_step_id, steps[m1].parent_step_id) == (s0, m0)
+
+
+def test_after_a_compaction_request_the_lineage_goes_on_in_the_compaction_unbroken(
+    pool_settings: PoolSettings,
+) -> None:
+    # Codex's thread: two turns, its compaction request (``request_kind: compaction``: the
+    # history + "summarise"), then turns whose history is the summary. Before, the first of
+    # those was a prefix break of the thread; now it starts the compaction's row, linked to
+    # the thread by ``lineage_parent_id``, and the next turn extends it.
+    store = make_store(pool_settings)
+    thread = LineageRecord("thread-1", None, "main")
+    compaction = LineageRecord(None, "thread-1", "compaction")
+    summary = [SYSTEM, {"role": "user", "content": "Summary: the test was fixed."}]
+    answered = [SYSTEM, TASK, {"role": "assistant", "content": "ok"}, TASK]
+    summarise = [*answered, {"role": "assistant", "content": "ok"}, TASK]
+    [t0] = store.record_call("compacted", chat_call([SYSTEM, TASK], [1, 2, 3], [4], thread))
+    [t1] = store.record_call("compacted", chat_call(answered, [1, 2, 3, 4, 5], [6], thread))
+    [c] = store.record_call(
+        "compacted", chat_call(summarise, [1, 2, 3, 4, 5, 6, 7], [8], compaction)
+    )
+    [p1] = store.record_call("compacted", chat_call(summary, [1, 2, 30], [31], thread))
+    going_on = [*summary, {"role": "assistant", "content": "ok"}, TASK]
+    [p2] = store.record_call("compacted", chat_call(going_on, [1, 2, 30, 31, 32], [33], thread))
+    steps = store.steps_of("compacted")
+    assert [s for s in steps if "prefix_break" in s.flags] == []
+    assert [s.parent_step_id for s in steps] == [None, t0, None, None, p1]
+    assert lineages(store, "compacted") == [
+        ("thread-1", None, "main", "headers"),
+        ("thread-1", None, "main", "headers"),
+        (c, "thread-1", "compaction", "headers"),
+        (c, "thread-1", "compaction", "headers"),
+        (c, "thread-1", "compaction", "headers"),
+    ]
+    close_trajectory(store.sessions, "compacted", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    rows = build_rows(store, BatchSpec(algorithm="sft", layout="merged"))[0].to_pylist()
+    mine = [r for r in rows if r["trajectory_id"] == "compacted"]
+    assert [r["step_ids"] for r in mine] == [[t0, t1], [c], [p1, p2]]
+    assert [r["lineage_id"] for r in mine] == ["thread-1", c, c]
+    store.engine.dispose()
+
+
+# -- lineage rewards ---------------------------------------------------------------------------
+
+
+def test_a_lineage_reward_rides_on_that_lineages_row_and_the_trajectory_reward_on_every_row(
+    pool_settings: PoolSettings,
+) -> None:
+    # Main and sub-agent, two turns each, interleaved; the trajectory is rewarded 1.0 and the
+    # sub-agent's lineage 0.25 through the API. Merged rows: [main 0, main 1], [sub 0, sub 1].
+    store = make_store(pool_settings)
+    main = LineageRecord(SESSION, None, "main")
+    sub = LineageRecord("agent-1", SESSION, "subagent")
+    answered = [SYSTEM, TASK, {"role": "assistant", "content": "ok"}, TASK]
+    store.record_call("rewarded", chat_call([SYSTEM, TASK], [1, 2, 3], [4], main))
+    store.record_call("rewarded", chat_call([SYSTEM, TASK], [1, 5, 3], [6], sub))
+    store.record_call("rewarded", chat_call(answered, [1, 2, 3, 4, 7], [8], main))
+    store.record_call("rewarded", chat_call(answered, [1, 5, 3, 6, 7], [9], sub))
+    close_trajectory(store.sessions, "rewarded", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    reward = {"target": "lineage", "name": "judge", "value": 0.25}
+    with TestClient(
+        create_app(GatewaySettings(), pool_settings), base_url="http://127.0.0.1"
+    ) as api:
+        posted = api.post(
+            "/api/rewards", json={"rewards": [{**reward, "target_id": "rewarded/agent-1"}]}
+        )
+        unknown = api.post(
+            "/api/rewards", json={"rewards": [{**reward, "target_id": "rewarded/agent-9"}]}
+        )
+        malformed = api.post("/api/rewards", json={"rewards": [{**reward, "target_id": "agent-1"}]})
+    assert posted.status_code == 201, posted.text
+    assert unknown.status_code == 404 and "lineage rewarded/agent-9" in unknown.text
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] == "target_id"
+    rows = build_rows(store, BatchSpec(algorithm="sft", layout="merged"))[0].to_pylist()
+    mine = [r for r in rows if r["trajectory_id"] == "rewarded"]
+    assert [r["lineage_id"] for r in mine] == [SESSION, "agent-1"]
+    assert [json.loads(r["lineage_rewards_json"]) for r in mine] == [{}, {"judge": 0.25}]
+    assert [json.loads(r["rewards_json"]) for r in mine] == [{"final": 1.0}] * 2
+    store.engine.dispose()
 
 
 # -- migration 0016 --------------------------------------------------------------------------

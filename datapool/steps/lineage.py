@@ -12,8 +12,12 @@ trajectory that another process wrote to, or that was evicted, is rebuilt from t
 steps that ``datapool.steps.store`` reads.
 
 Lineages (``steps.lineage_*``, one conversation of the trajectory each): a call whose client
-header names a lineage (``CallRecord.lineage``) gets its parent among that lineage's steps only,
-so interleaved sub-agents never hang on each other's steps; its first call is a root. Without a
+header names a lineage (``CallRecord.lineage``) gets its parent among that lineage's steps and
+those of the side calls and compactions that came from it only (``within``), so interleaved
+sub-agents never hang on each other's steps; its first call is a root. A compaction request
+(kind ``compaction`` by header) starts a lineage whose parent is the one it compacts; the next
+call of that lineage that does not extend it (its history is the summary) is no break but the
+compaction lineage's next root, and the lineage's later calls go on there. Without a
 header a call stays in its parent step's lineage (a fork in its twin's, a failed call in the
 latest step's), and a side call (``prefix.SIDE_CALL``, also inside a named lineage) starts a new
 lineage of kind ``side_call`` whose parent is the lineage it was compared with; a lineage that
@@ -62,6 +66,9 @@ from datapool.steps.records import (
     LineageRecord,
     LineageSource,
 )
+
+# Kinds of lineage that start at a call, their parent the lineage they came from.
+_STARTED = ("side_call", "compaction")
 
 
 @dataclass(frozen=True)
@@ -145,9 +152,17 @@ class TrajectoryTokens:
     latest_conversation: LineageRecord | None = None
 
     def within(self, lineage_id: str) -> TrajectoryTokens:
-        """The candidates of lineage ``lineage_id`` alone (its latest step the latest): the
-        memory a call that names its lineage is placed in."""
-        own = [c for c in self.candidates if c.conversation.id == lineage_id]
+        """The candidates of lineage ``lineage_id`` and of the side calls and compactions that
+        came from it (its latest step the latest): the memory a call that names its lineage is
+        placed in. Another named lineage (a sub-agent) is never in it."""
+        ids = {lineage_id}
+        own: list[_Candidate] = []
+        for c in self.candidates:  # oldest first: a lineage's parent comes before it
+            line = c.conversation
+            if line.kind in _STARTED and line.parent_id in ids and line.id is not None:
+                ids.add(line.id)
+            if line.id in ids:
+                own.append(c)
         return TrajectoryTokens(own, own[-1].step_id if own else None, self.call_count)
 
     def choose_parent(self, prompt: bytes) -> Lineage:
@@ -255,7 +270,13 @@ class TrajectoryTokens:
                 kind, detail = twin.divergence_kind, twin.divergence_detail
             else:
                 kind, detail = view._divergence(call, lineage)
-                if kind == SIDE_CALL:  # a new root of the tree, not a break of the chain
+                compacted = view._compacted(named)
+                if compacted is not None and (kind == SIDE_CALL or lineage.is_break):
+                    # The first call after a compaction request: its history is the summary,
+                    # not a break of the lineage it compacted; it goes on in the compaction's.
+                    lineage, kind, detail = Lineage(None, None, None), None, None
+                    named = compacted.conversation
+                elif kind == SIDE_CALL:  # a new root of the tree, not a break of the chain
                     compared = lineage.diverges_from or lineage.parent_step_id
                     lineage, detail = Lineage(None, None, None), None
         conversation = self._conversation(named, lineage, compared)
@@ -271,24 +292,35 @@ class TrajectoryTokens:
             conversation,
         )
 
+    def _compacted(self, named: LineageRecord | None) -> _Candidate | None:
+        """In a named lineage's memory (``within``), its latest step outside side calls when
+        that step is a compaction request (the first step of a ``compaction`` lineage)."""
+        if named is None or named.id is None:
+            return None
+        latest = next((c for c in reversed(self.candidates) if c.tree is None), None)
+        if latest is None or latest.conversation.kind != "compaction":
+            return None
+        return latest if latest.conversation.id == latest.step_id else None
+
     def _conversation(
         self, named: LineageRecord | None, lineage: Lineage, side_of: str | None
     ) -> LineageRecord:
         """The lineage of a call placed at ``lineage``: a side call (compared with step
-        ``side_of``) starts its own, a named call is in the lineage its header named, any other
-        stays in its twin's, its parent's or (a failed call) the latest step's."""
+        ``side_of``) starts its own; any other stays in its twin's, its parent's or (a failed
+        call) the latest step's, except that a named call without a parent is in the lineage
+        its header named."""
         if side_of is not None:
-            base = named.id if named is not None else None
-            if base is None:
-                base = self._candidate(side_of).conversation.id
+            base = self._candidate(side_of).conversation.id
             return LineageRecord(None, base, "side_call", "inferred")
-        if named is not None:
-            return named
+        if named is not None and (named.id is None or lineage.extends_parent is None):
+            return named  # starts here, or a failed call: not compared, so its header decides
         for step_id in (lineage.fork_of, lineage.parent_step_id):
             if step_id is not None:
                 found = next((c for c in self.candidates if c.step_id == step_id), None)
                 if found is not None:
                     return found.conversation
+        if named is not None:
+            return named
         if self.latest_conversation is not None:
             return self.latest_conversation
         return LineageRecord(None, None, "main", "inferred")

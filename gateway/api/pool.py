@@ -174,8 +174,10 @@ class StepPublic(StepSummary):
 
 
 class RewardCreate(BaseModel):
-    target: Literal["step", "trajectory"]
-    target_id: str
+    target: Literal["step", "trajectory", "lineage"]
+    target_id: str = Field(
+        description="A step id, a trajectory id, or for a lineage '<trajectory_id>/<lineage_id>'."
+    )
     name: str = Field(min_length=1, max_length=100)
     # Strict: a JSON string or boolean is refused, never coerced ("1" and true are not 1.0).
     value: StrictFloat
