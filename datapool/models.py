@@ -277,6 +277,14 @@ class Step(Base):
     # ...) and a short window of both sides around the divergence offset.
     divergence_kind: Mapped[str | None] = mapped_column(String(50))
     divergence_detail: Mapped[dict[str, Any] | None] = mapped_column(JSONColumn)
+    # The conversation of the trajectory this step belongs to (migration 0016,
+    # ``datapool.steps.records.LineageRecord``): its id (a client's session or agent id, or the
+    # id of the lineage's first step), the lineage it came from, its kind (``LINEAGE_KINDS``)
+    # and whether a client header named it or the message structure did (``LINEAGE_SOURCES``).
+    lineage_id: Mapped[str | None] = mapped_column(String(200))
+    lineage_parent_id: Mapped[str | None] = mapped_column(String(200))
+    lineage_kind: Mapped[str | None] = mapped_column(String(20))
+    lineage_source: Mapped[str | None] = mapped_column(String(10))
     # The prompt is the first ``prompt_base_tokens`` of the parent's prompt + response followed
     # by the stored delta; 0 or None means the delta is the whole prompt.
     prompt_base_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -540,6 +548,8 @@ class TrainingMetric(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
+# A trajectory's steps by lineage: a lineage's reward and its merged row (migration 0016).
+Index("ix_steps_trajectory_lineage", Step.trajectory_id, Step.lineage_id)
 # Sort keys of the inspector's trajectory list and the current-reward subquery (kind, name ->
 # latest record per target).
 Index("ix_trajectories_created_at", Trajectory.created_at)

@@ -444,6 +444,22 @@ def test_claude_code_with_a_sub_agent_is_exact_unbroken_and_one_row_per_conversa
     assert len(roots) == 2 and flagged == []  # the main agent's conversation and its sub-agent's
     assert all(s.continuation == "exact" for s in steps if s.parent_step_id is not None)
     assert [r["step_ids"][0] for r in rows] == [s.id for s in roots]
+    # Each conversation is the lineage Claude Code's headers name: the main agent's by
+    # ``x-claude-code-session-id`` (the session its body's metadata names too), the sub-agent's
+    # by ``x-claude-code-agent-id``, its parent the session.
+    main, sub = roots
+    session = json.loads(main.request["metadata"]["user_id"])["session_id"]
+    assert (main.lineage_id, main.lineage_parent_id, main.lineage_kind) == (session, None, "main")
+    assert (sub.lineage_parent_id, sub.lineage_kind) == (session, "subagent")
+    assert sub.lineage_id not in (None, session)
+    assert {s.lineage_source for s in steps} == {"headers"}
+    by_id = {s.id: s for s in steps}
+    for step in steps:
+        root = step
+        while root.parent_step_id is not None:
+            root = by_id[root.parent_step_id]
+        assert step.lineage_id == root.lineage_id
+    assert [r["lineage_id"] for r in rows] == [session, sub.lineage_id]
 
 
 # Codex compacts its history mid-turn when a call that asks for a follow-up (a tool call) ends

@@ -363,3 +363,30 @@ def test_cross_site_page_cannot_write_through_the_inspector(
         assert httpx.get(f"{base}/api/labels", params={"trajectory_id": "victim"}).json() == []
     finally:
         evil.shutdown()
+
+
+def test_the_trajectory_view_labels_each_step_with_its_lineage(
+    gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
+) -> None:
+    # A main agent and its sub-agent, named by trajgate's own headers, take turns: each step
+    # is labelled with its conversation's kind and id (the sub-agent's with its parent's).
+    base = gateway.url
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    for name, parent in (("planner", None), ("searcher", "planner"), ("planner", None)):
+        headers = {"X-Trajgate-Lineage": name}
+        if parent is not None:
+            headers["X-Trajgate-Lineage-Parent"] = parent
+        answer = httpx.post(
+            f"{base}/t/lineages/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": name}], "max_tokens": 2},
+            headers=headers,
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+    page.goto(f"{base}/inspector/trajectories/lineages")
+    labels = page.get_by_test_id("lineage")
+    expect(labels).to_have_count(3)
+    expect(labels.nth(0)).to_have_text("main planner")
+    expect(labels.nth(1)).to_have_text("subagent searcher (of planner)")
+    expect(labels.nth(2)).to_have_text("main planner")
+    shot(page, "lineages", backend_of(pool_settings))

@@ -118,6 +118,7 @@ def export_batch(
                     "tools": tools,
                     "batch_id": batch.id,
                     "trajectory_id": table["trajectory_id"][i].as_py(),
+                    "lineage_id": table["lineage_id"][i].as_py(),
                     "step_ids": table["step_ids"][i].as_py(),
                     "reward": _finite(table["reward"][i].as_py()),
                     "advantage": _finite(table["advantage"][i].as_py()),

@@ -34,7 +34,10 @@ row: ``R`` and ``A``), ``final_step`` (only the trajectory's last row is kept), 
 (the k-th of S rows gets ``gamma^(S-1-k)`` times ``R`` and ``A``; per_step only). A ``merged``
 row holds several steps and one advantage, so merged needs ``broadcast``. With step credit
 (``step_reward_names``, ``step_advantage``; per_step only) a row's advantage is
-``episode_advantage_weight * A^E + step_advantage_weight * A^S_k``.
+``episode_advantage_weight * A^E + step_advantage_weight * A^S_k``. Lineages: every row of a
+trajectory, whatever conversation (``lineage_id``) it is, gets the trajectory's ``R`` and ``A`` as
+above; a reward given to a lineage (target ``lineage``) rides on that lineage's rows in
+``lineage_rewards_json`` and changes neither ``R`` nor ``A`` (estimators score trajectories).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
 """
@@ -72,6 +75,7 @@ from datapool.db import chunks
 from datapool.errors import InvalidPoolRequestError
 from datapool.models import Batch, BatchRow, Step, Trajectory
 from datapool.rewards.group_stats import FloatArray, GroupStats, group_stats
+from datapool.rewards.values import current_rewards, lineage_target
 from datapool.steps.messages import expand_requests
 from datapool.steps.store import PoolStore
 
@@ -90,6 +94,8 @@ ROW_SCHEMA = pa.schema(
         ("group_id", pa.string()),
         ("trajectory_id", pa.string()),
         ("segment_index", pa.int32()),
+        ("lineage_id", pa.string()),
+        ("lineage_rewards_json", pa.string()),
         ("step_ids", pa.list_(pa.string())),
         ("policy_version", pa.int32()),
         ("policy_version_spans", VERSION_SPANS),
@@ -128,6 +134,8 @@ class Candidates:
     ready_ids: set[str]
     tokens: dict[str, StepTokens | None]  # exact arrays of the ready trajectories' steps
     current_policy_version: int | None  # the staleness reference
+    # {trajectory id: {lineage id: {name: value}}}: the ready trajectories' lineage rewards
+    lineage_rewards: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 def select_candidates(store: PoolStore, spec: BatchSpec, counts: Counter[str]) -> Candidates:
@@ -173,9 +181,20 @@ def select_candidates(store: PoolStore, spec: BatchSpec, counts: Counter[str]) -
             else active_policy_version(session)
         )
         tokens = load_tokens(store, session, [s for s in steps if s.trajectory_id in ready_ids])
+        targets = {
+            lineage_target(s.trajectory_id, s.lineage_id)
+            for s in steps
+            if s.trajectory_id in ready_ids and s.lineage_id is not None
+        }
+        lineage_rewards: dict[str, dict[str, dict[str, float]]] = {}
+        for target, values in current_rewards(session, "lineage", sorted(targets)).items():
+            trajectory_id, lineage_id = target.split("/", 1)
+            lineage_rewards.setdefault(trajectory_id, {})[lineage_id] = values
     counts["candidates"] = len(trajectories)
     counts["ready"] = len(ready_ids)
-    return Candidates(trajectories, steps, verdicts, ready_ids, tokens, current_version)
+    return Candidates(
+        trajectories, steps, verdicts, ready_ids, tokens, current_version, lineage_rewards
+    )
 
 
 def not_ready_reasons(candidates: Candidates) -> Counter[str]:
@@ -260,6 +279,8 @@ class Member:
     rewards: dict[str, float]  # every current trajectory reward, by name
     # {step id: {name: value}} of the spec's step_reward_names
     step_rewards: dict[str, dict[str, float]] = field(default_factory=dict)
+    # {lineage id: {name: value}}: every current reward of its lineages (``lineage_rewards_json``)
+    lineage_rewards: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -291,7 +312,10 @@ def form_groups(
         reward = sum(w * current[name] for name, w in weights.items()) if weights else math.nan
         key = t.group_id or f"\x00{t.id}"  # a key no group id has: the trajectory alone
         step_rewards = candidates.verdicts[t.id].step_rewards
-        groups.setdefault(key, []).append(Member(t.id, steps, reward, current, step_rewards))
+        lineages = candidates.lineage_rewards.get(t.id, {})
+        groups.setdefault(key, []).append(
+            Member(t.id, steps, reward, current, step_rewards, lineages)
+        )
     return [Group(None if key.startswith("\x00") else key, m) for key, m in groups.items()]
 
 
@@ -568,6 +592,12 @@ def assemble_table(
             "group_id": [group_names[g] for g in group],
             "trajectory_id": [members[n].trajectory_id for n in member],
             "segment_index": np.asarray(plan.segment_index, dtype=np.int32),
+            # A row never crosses lineages: its steps hang on each other (``rows.segments``).
+            "lineage_id": [seg[0].row.lineage_id for seg in plan.segments],
+            "lineage_rewards_json": [
+                json.dumps(members[n].lineage_rewards.get(seg[0].row.lineage_id or "", {}))
+                for seg, n in zip(plan.segments, plan.member, strict=True)
+            ],
             "step_ids": columns.step_ids,
             "policy_version": pa.array([oldest_version(seg) for seg in plan.segments], pa.int32()),
             "policy_version_spans": columns.policy_version_spans,

@@ -8,6 +8,7 @@ drop what must not be trained on.
 One row per step:
 
     trajectory_id, step_id, parent_step_id: string; step_index, choice_index: int32
+    lineage_id, lineage_parent_id, lineage_kind: string (the step's conversation, ``steps``)
     group_id, channel, trajectory_status: string; trajectory_flags: list<string>
     policy_version: int32 (null); model, finish_reason, outcome: string
     prompt_token_ids, response_token_ids: list<int32> (null = engine reported none)
@@ -47,6 +48,9 @@ SCHEMA = pa.schema(
         ("trajectory_id", pa.string()),
         ("step_id", pa.string()),
         ("parent_step_id", pa.string()),
+        ("lineage_id", pa.string()),
+        ("lineage_parent_id", pa.string()),
+        ("lineage_kind", pa.string()),
         ("step_index", pa.int32()),
         ("choice_index", pa.int32()),
         ("group_id", pa.string()),
@@ -118,6 +122,9 @@ def _rows(store: PoolStore, trajectory_ids: list[str]) -> Iterator[dict[str, Any
                 "trajectory_id": trajectory_id,
                 "step_id": step.id,
                 "parent_step_id": step.parent_step_id,
+                "lineage_id": step.lineage_id,
+                "lineage_parent_id": step.lineage_parent_id,
+                "lineage_kind": step.lineage_kind,
                 "step_index": step.step_index,
                 "choice_index": step.choice_index,
                 "group_id": trajectory.group_id,

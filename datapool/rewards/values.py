@@ -1,4 +1,4 @@
-"""Rewards: append-only records on steps and trajectories, current values, reward functions.
+"""Rewards: append-only records on steps, trajectories and lineages, current values, functions.
 
 Owns: appending reward records (never updating one), the current value per (target, name) as a
 query (the latest record without an error), bulk import from JSONL/Parquet, and running
@@ -40,8 +40,19 @@ from datapool.models import Reward, RewardSource, Step, Trajectory, utc_now
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore, StoredStep
 
-TargetKind = Literal["step", "trajectory"]
+TargetKind = Literal["step", "trajectory", "lineage"]
 TARGET_KINDS: tuple[str, ...] = get_args(TargetKind)
+# A lineage (one conversation of a trajectory, ``steps.lineage_id``) is addressed as
+# ``<trajectory_id>/<lineage_id>``: lineage ids repeat across trajectories (a session's
+# ``X-Trajgate-Lineage: planner``), trajectory ids hold no ``/``. Within ``rewards.target_id``.
+LINEAGE_TARGET_MAX_CHARS = 200
+
+
+def lineage_target(trajectory_id: str, lineage_id: str) -> str:
+    """The reward target id of lineage ``lineage_id`` of trajectory ``trajectory_id``."""
+    return f"{trajectory_id}/{lineage_id}"
+
+
 ENTRY_POINT_GROUP = "trajgate.rewards"
 
 
@@ -73,6 +84,14 @@ def check_reward(reward: RewardIn, where: str = "") -> None:
             f"got {reward.source!r}",
             param="source",
         )
+    if reward.target_kind == "lineage" and (
+        "/" not in reward.target_id.strip("/") or len(reward.target_id) > LINEAGE_TARGET_MAX_CHARS
+    ):
+        raise InvalidPoolRequestError(
+            f"{where}a lineage target is '<trajectory_id>/<lineage_id>' of at most "
+            f"{LINEAGE_TARGET_MAX_CHARS} characters, got {reward.target_id[:80]!r}",
+            param="target_id",
+        )
     if not reward.name or len(reward.name) > 100:
         raise InvalidPoolRequestError(
             f"{where}name must be 1-100 characters, got {reward.name!r}", param="name"
@@ -93,7 +112,8 @@ def check_reward(reward: RewardIn, where: str = "") -> None:
 def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) -> list[int]:
     """Append ``rewards`` in one transaction (all or none); returns their record ids.
 
-    Raises ``UnknownTargetError`` naming every unknown step/trajectory id, and
+    Raises ``UnknownTargetError`` naming every unknown step, trajectory or lineage (one with no
+    step: ``lineage_target``), and
     ``InvalidPoolRequestError`` for a bad kind, source, name or value (with its position).
     """
     for i, reward in enumerate(rewards):
@@ -119,9 +139,21 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
                     for t in session.scalars(select(Trajectory).where(Trajectory.id.in_(chunk)))
                 }
             )
-        unknown = [f"step {s}" for s in step_ids if s not in step_trajectory] + [
-            f"trajectory {t}" for t in trajectory_ids if t not in known
-        ]
+        lineages = sorted({r.target_id for r in rewards if r.target_kind == "lineage"})
+        for target in lineages:
+            trajectory_id, lineage_id = target.split("/", 1)
+            found = session.scalar(
+                select(Step.id)
+                .where(Step.trajectory_id == trajectory_id, Step.lineage_id == lineage_id)
+                .limit(1)
+            )
+            if found is not None:
+                step_trajectory[target] = trajectory_id
+        unknown = (
+            [f"step {s}" for s in step_ids if s not in step_trajectory]
+            + [f"trajectory {t}" for t in trajectory_ids if t not in known]
+            + [f"lineage {t}" for t in lineages if t not in step_trajectory]
+        )
         if unknown:
             shown = ", ".join(unknown[:10]) + (" ..." if len(unknown) > 10 else "")
             raise UnknownTargetError(
@@ -136,7 +168,7 @@ def add_rewards(sessions: sessionmaker[Session], rewards: Sequence[RewardIn]) ->
                 target_kind=r.target_kind,
                 target_id=r.target_id,
                 trajectory_id=(
-                    step_trajectory[r.target_id] if r.target_kind == "step" else r.target_id
+                    r.target_id if r.target_kind == "trajectory" else step_trajectory[r.target_id]
                 ),
                 name=r.name,
                 value=None if r.error is not None else float(r.value),  # type: ignore[arg-type]

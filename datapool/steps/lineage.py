@@ -1,7 +1,8 @@
 """The writer's memory of each open trajectory's token sequences, and where a new call's steps go.
 
 Owns: a bounded LRU of ``S_k = P_k + R_k`` per trajectory as int32 bytes; ``place``, which picks
-a new call's parent over it and explains a prefix break (``datapool.steps.prefix``); ``remember``,
+a new call's parent over it, explains a prefix break (``datapool.steps.prefix``) and names the
+call's lineage (below); ``remember``,
 which takes the call's steps in; and ``rebuilt``, the memory of a trajectory from its stored
 steps. The parent choice is exactly ``datapool.steps.prefix.choose_parent`` (a test checks they
 agree); the comparison is a memcmp of bytes instead of a Python loop over tokens, because the
@@ -9,6 +10,18 @@ writer runs it for every step against every earlier step of the trajectory (20 t
 tokens would otherwise cost milliseconds per step). Never: the source of truth, or reads SQL; a
 trajectory that another process wrote to, or that was evicted, is rebuilt from the stored
 steps that ``datapool.steps.store`` reads.
+
+Lineages (``steps.lineage_*``, one conversation of the trajectory each): a call whose client
+header names a lineage (``CallRecord.lineage``) gets its parent among that lineage's steps and
+those of the side calls and compactions that came from it only (``within``), so interleaved
+sub-agents never hang on each other's steps; its first call is a root. A compaction request
+(kind ``compaction`` by header) starts a lineage whose parent is the one it compacts; the next
+call of that lineage that does not extend it (its history is the summary) is no break but the
+compaction lineage's next root, and the lineage's later calls go on there. Without a
+header a call stays in its parent step's lineage (a fork in its twin's, a failed call in the
+latest step's), and a side call (``prefix.SIDE_CALL``, also inside a named lineage) starts a new
+lineage of kind ``side_call`` whose parent is the lineage it was compared with; a lineage that
+starts at a call takes the id of the call's first step. The first lineage is ``main``.
 
 Memory: a chain of extending steps shares one growing buffer, so a trajectory costs about
 4 bytes per token of its longest sequence; each candidate also keeps its messages as JSON text
@@ -46,7 +59,16 @@ from datapool.steps.prefix import (
     divergence_window,
     latest_of_tree,
 )
-from datapool.steps.records import CallRecord
+from datapool.steps.records import (
+    LINEAGE_KINDS,
+    CallRecord,
+    LineageKind,
+    LineageRecord,
+    LineageSource,
+)
+
+# Kinds of lineage that start at a call, their parent the lineage they came from.
+_STARTED = ("side_call", "compaction")
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,17 @@ class Placement:
     # ``H_p`` and ``C_p + [R_p]`` of ``datapool.steps.messages`` when the parent is a
     # candidate, else None.
     parent_keys: ParentKeys
+    # The call's lineage; ``id`` None: it starts here (``lineage_of`` names it).
+    conversation: LineageRecord = field(
+        default_factory=lambda: LineageRecord(None, None, "main", "inferred")
+    )
+
+    def lineage_of(self, first_step_id: str) -> LineageRecord:
+        """The call's lineage with its id: a lineage that starts at the call is named after
+        ``first_step_id``, the id of the call's first step."""
+        if self.conversation.id is not None:
+            return self.conversation
+        return replace(self.conversation, id=first_step_id)
 
     def suffix_tokens(self, call: CallRecord) -> int | None:
         """``call.suffix_tokens`` counted from the recorded parent: ``len(P) - len(S_parent)``
@@ -100,6 +133,10 @@ class _Candidate:
     tree: str | None = None  # the side call whose tree it is in (``prefix.Candidate.tree``)
     # Its bodies' memory for a child's field deltas (``datapool.steps.bodies``).
     bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)
+    # Its lineage, id always set (``Placement.lineage_of``).
+    conversation: LineageRecord = field(
+        default_factory=lambda: LineageRecord(None, None, "main", "inferred")
+    )
 
 
 @dataclass
@@ -111,6 +148,22 @@ class TrajectoryTokens:
     candidates: list[_Candidate] = field(default_factory=list)
     latest_step_id: str | None = None
     call_count: int = 0
+    # The latest step's lineage (ok or not); None: no step yet.
+    latest_conversation: LineageRecord | None = None
+
+    def within(self, lineage_id: str) -> TrajectoryTokens:
+        """The candidates of lineage ``lineage_id`` and of the side calls and compactions that
+        came from it (its latest step the latest): the memory a call that names its lineage is
+        placed in. Another named lineage (a sub-agent) is never in it."""
+        ids = {lineage_id}
+        own: list[_Candidate] = []
+        for c in self.candidates:  # oldest first: a lineage's parent comes before it
+            line = c.conversation
+            if line.kind in _STARTED and line.parent_id in ids and line.id is not None:
+                ids.add(line.id)
+            if line.id in ids:
+                own.append(c)
+        return TrajectoryTokens(own, own[-1].step_id if own else None, self.call_count)
 
     def choose_parent(self, prompt: bytes) -> Lineage:
         """``prefix.choose_parent`` over the candidates for ``prompt`` (int32 bytes)."""
@@ -199,20 +252,34 @@ class TrajectoryTokens:
         bytes of ``call.prompt_token_ids``), and at a prefix break its kind and window.
 
         A failed or token-less call is never compared: it hangs on the latest step, without
-        ``extends_parent``.
+        ``extends_parent``. A call whose header names its lineage is placed among that
+        lineage's steps only (``within``); one that starts a lineage by header is a root.
         """
+        named = call.lineage
+        view = self
+        if named is not None:
+            view = self.within(named.id) if named.id is not None else TrajectoryTokens()
+        compared: str | None = None  # the step a side call was compared with
         if prompt is None or call.outcome != StepOutcome.OK:
-            lineage = Lineage(self.latest_step_id, None, None)
+            lineage = Lineage(view.latest_step_id, None, None)
             kind, detail = None, None
         else:
-            lineage = self.choose_parent(prompt)
+            lineage = view.choose_parent(prompt)
             if lineage.fork_of is not None:  # the twin's own break facts, if it had any
                 twin = self._candidate(lineage.fork_of)
                 kind, detail = twin.divergence_kind, twin.divergence_detail
             else:
-                kind, detail = self._divergence(call, lineage)
-                if kind == SIDE_CALL:  # a new root of the tree, not a break of the chain
+                kind, detail = view._divergence(call, lineage)
+                compacted = view._compacted(named)
+                if compacted is not None and (kind == SIDE_CALL or lineage.is_break):
+                    # The first call after a compaction request: its history is the summary,
+                    # not a break of the lineage it compacted; it goes on in the compaction's.
+                    lineage, kind, detail = Lineage(None, None, None), None, None
+                    named = compacted.conversation
+                elif kind == SIDE_CALL:  # a new root of the tree, not a break of the chain
+                    compared = lineage.diverges_from or lineage.parent_step_id
                     lineage, detail = Lineage(None, None, None), None
+        conversation = self._conversation(named, lineage, compared)
         parent = lineage.parent_step_id
         # Only a candidate's keys are known, so a failed or token-less parent gets None and the
         # messages are stored whole.
@@ -222,7 +289,41 @@ class TrajectoryTokens:
             detail,
             self.tokens_of(parent) if lineage.extends_parent and parent is not None else 0,
             self.keys_of(parent),
+            conversation,
         )
+
+    def _compacted(self, named: LineageRecord | None) -> _Candidate | None:
+        """In a named lineage's memory (``within``), its latest step outside side calls when
+        that step is a compaction request (the first step of a ``compaction`` lineage)."""
+        if named is None or named.id is None:
+            return None
+        latest = next((c for c in reversed(self.candidates) if c.tree is None), None)
+        if latest is None or latest.conversation.kind != "compaction":
+            return None
+        return latest if latest.conversation.id == latest.step_id else None
+
+    def _conversation(
+        self, named: LineageRecord | None, lineage: Lineage, side_of: str | None
+    ) -> LineageRecord:
+        """The lineage of a call placed at ``lineage``: a side call (compared with step
+        ``side_of``) starts its own; any other stays in its twin's, its parent's or (a failed
+        call) the latest step's, except that a named call without a parent is in the lineage
+        its header named."""
+        if side_of is not None:
+            base = self._candidate(side_of).conversation.id
+            return LineageRecord(None, base, "side_call", "inferred")
+        if named is not None and (named.id is None or lineage.extends_parent is None):
+            return named  # starts here, or a failed call: not compared, so its header decides
+        for step_id in (lineage.fork_of, lineage.parent_step_id):
+            if step_id is not None:
+                found = next((c for c in self.candidates if c.step_id == step_id), None)
+                if found is not None:
+                    return found.conversation
+        if named is not None:
+            return named
+        if self.latest_conversation is not None:
+            return self.latest_conversation
+        return LineageRecord(None, None, "main", "inferred")
 
     def _divergence(
         self, call: CallRecord, lineage: Lineage
@@ -268,6 +369,7 @@ class TrajectoryTokens:
         with prompt and response IDs (``responses``, int32 bytes) becomes a candidate with its
         message keys, sharing the parent's for the first ``messages_base`` (and
         ``canonical_base``) messages; the first step becomes the latest."""
+        conversation = placement.lineage_of(step_ids[0]) if step_ids else placement.conversation
         if call.outcome == StepOutcome.OK and prompt is not None:
             messages = history_of(call.request, call.history_field)
             parent = placement.parent_keys
@@ -299,9 +401,11 @@ class TrajectoryTokens:
                         detail=placement.divergence_detail,
                         canonical_keys=canonical_keys,
                         bodies=request.bodies,
+                        conversation=conversation,
                     )
         if step_ids:
             self.latest_step_id = step_ids[0]
+            self.latest_conversation = conversation
 
     def add(
         self,
@@ -317,6 +421,7 @@ class TrajectoryTokens:
         detail: dict[str, Any] | None = None,
         canonical_keys: list[str] | None = None,
         bodies: Mapping[Doc, BodyKeys] | None = None,
+        conversation: LineageRecord | None = None,
     ) -> None:
         """Remember step ``step_id`` placed at ``parent`` with sequence ``prompt + response``
         (int32 bytes), its message keys (``datapool.steps.messages.history_keys``), the call it
@@ -357,6 +462,7 @@ class TrajectoryTokens:
                 canonical_keys,
                 tree,
                 bodies or {},
+                conversation or LineageRecord(step_id, None, "main", "inferred"),
             )
         )
 
@@ -375,8 +481,10 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
 
     tokens = TrajectoryTokens()
     for row in rows:
+        conversation = stored_lineage(row)
         if row.choice_index == 0 or tokens.latest_step_id is None:
             tokens.latest_step_id = row.id
+            tokens.latest_conversation = conversation
         payload = payloads[row.id]
         if (
             row.outcome == StepOutcome.OK
@@ -427,8 +535,19 @@ def rebuilt(rows: Sequence[Step], payloads: Mapping[str, TokenPayload]) -> Traje
                 detail=detail,
                 canonical_keys=canonical_keys,
                 bodies=bodies,
+                conversation=conversation,
             )
     return tokens
+
+
+def stored_lineage(row: Step) -> LineageRecord:
+    """The lineage stored with step ``row`` (every row has one since migration 0016)."""
+    kind: LineageKind = "main"
+    for known in LINEAGE_KINDS:
+        if row.lineage_kind == known:
+            kind = known
+    source: LineageSource = "headers" if row.lineage_source == "headers" else "inferred"
+    return LineageRecord(row.lineage_id or row.id, row.lineage_parent_id, kind, source)
 
 
 def _without(body: Mapping[str, Any], name: str | None) -> dict[str, Any]:

@@ -7,9 +7,31 @@ was re-encoded into IDs; every ID and logprob here is the engine's own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from datapool.steps.canonical import CanonicalCall
+
+# What a lineage (one conversation of a trajectory) is: the agent's own, a sub-agent's, a call
+# beside them (a title, a summary, a check), the continuation of a compacted history.
+LineageKind = Literal["main", "subagent", "side_call", "compaction"]
+LINEAGE_KINDS: tuple[LineageKind, ...] = ("main", "subagent", "side_call", "compaction")
+# Who named it: a client header (Claude Code, Codex, OpenCode, ``X-Trajgate-Lineage``), or the
+# pool, from the continuation (``datapool.steps.lineage``: a side call starts a new lineage,
+# any other step stays in its parent step's).
+LineageSource = Literal["headers", "inferred"]
+LINEAGE_SOURCES: tuple[LineageSource, ...] = ("headers", "inferred")
+
+
+@dataclass(frozen=True)
+class LineageRecord:
+    """A step's lineage (``steps.lineage_*``): ``id`` (None: the lineage starts at this call,
+    and its id is the call's first step id), the lineage it came from (``parent_id``), its
+    ``kind`` and ``source``."""
+
+    id: str | None
+    parent_id: str | None
+    kind: LineageKind
+    source: LineageSource = "headers"
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,8 @@ class CallRecord:
     # The field of ``request`` that holds the history the client resends (named by its
     # dialect; None: none), stored as a delta on the parent's (``datapool.steps.messages``).
     history_field: str | None = None
+    # The lineage a client header named (``gateway.proxy.lineages``); None: the pool infers it.
+    lineage: LineageRecord | None = None
 
 
 @dataclass(frozen=True)

@@ -144,11 +144,12 @@ class WriteBatch:
         the step ids in choice order (the gateway's own where it named them)."""
         lineage = placement.lineage
         now = self.now
+        named = [choice.step_id or str(uuid.uuid4()) for choice in call.choices]
+        conversation = placement.lineage_of(named[0]) if named else placement.conversation
         step_ids: list[str] = []
-        for choice, response, logprobs in zip(
-            call.choices, payload.responses, payload.logprobs, strict=True
+        for step_id, choice, response, logprobs in zip(
+            named, call.choices, payload.responses, payload.logprobs, strict=True
         ):
-            step_id = choice.step_id or str(uuid.uuid4())
             flags = list(choice.flags)
             if lineage.is_break:  # not at a fork at the same prompt (a re-send, a retry)
                 flags.append("prefix_break")
@@ -201,6 +202,10 @@ class WriteBatch:
                     "divergence_offset": lineage.divergence_offset,
                     "divergence_kind": placement.divergence_kind,
                     "divergence_detail": placement.divergence_detail,
+                    "lineage_id": conversation.id,
+                    "lineage_parent_id": conversation.parent_id,
+                    "lineage_kind": conversation.kind,
+                    "lineage_source": conversation.source,
                     "prompt_base_tokens": payload.prompt_base_tokens,
                     "payload_file_id": None,
                     "created_at": now,

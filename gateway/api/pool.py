@@ -83,6 +83,21 @@ class StepSummary(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     created_at: datetime
+    lineage_id: str | None = Field(
+        default=None,
+        description="The conversation of the trajectory the step belongs to: a client's "
+        "session or agent id, or the id of the lineage's first step.",
+    )
+    lineage_parent_id: str | None = Field(
+        default=None, description="The lineage this one came from (null: the main one)."
+    )
+    lineage_kind: str | None = Field(
+        default=None, description="main, subagent, side_call or compaction."
+    )
+    lineage_source: str | None = Field(
+        default=None,
+        description="headers (a client header named it) or inferred (the continuation did).",
+    )
 
 
 class TrajectoryDetail(TrajectoryPublic):
@@ -159,8 +174,10 @@ class StepPublic(StepSummary):
 
 
 class RewardCreate(BaseModel):
-    target: Literal["step", "trajectory"]
-    target_id: str
+    target: Literal["step", "trajectory", "lineage"]
+    target_id: str = Field(
+        description="A step id, a trajectory id, or for a lineage '<trajectory_id>/<lineage_id>'."
+    )
     name: str = Field(min_length=1, max_length=100)
     # Strict: a JSON string or boolean is refused, never coerced ("1" and true are not 1.0).
     value: StrictFloat

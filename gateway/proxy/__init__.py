@@ -21,7 +21,9 @@ Modules:
   per upstream read, while the dialect captures it (``first_event``, ``relay_stream``,
   ``record_stream``).
 - ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
-  before any upstream call.
+  before any upstream call, with the conversation (lineage) its headers name.
+- ``lineages``: the lineage a coding agent's headers (Claude Code, Codex, OpenCode) or trajgate's
+  ``X-Trajgate-Lineage*`` headers name (``lineage_of``); a malformed own header is a 400.
 - ``continuation/``: exact continuation: whether a call's history extends an earlier turn
   (``history``), the engine prompt built from that turn's own ids plus the template's rendering
   of only the new messages (``prompt``), and the call through vLLM's render, generate and

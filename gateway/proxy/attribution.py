@@ -3,7 +3,8 @@
 Owns: the trajectory id syntax, reading the body as one JSON object within the size limit, and
 attribution by URL, ``X-Trajgate-Trajectory`` / ``X-Trajgate-Group`` / ``X-Trajgate-Channel``
 headers or the API key's binding (the key read from ``Authorization: Bearer`` or
-``x-api-key``). Never: writes anything; a request refused here leaves the pool untouched. What
+``x-api-key``), and the conversation (lineage) the headers name (``gateway.proxy.lineages``).
+Never: writes anything; a request refused here leaves the pool untouched. What
 a body must hold to be captured is its dialect's check (``gateway.dialects``).
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
+from datapool.steps.records import LineageRecord
 from gateway.auth import KeyGrant, api_key
 from gateway.capture import _DIGITS_AS_ZERO, _LONG_INT, _NINETEEN_DIGITS
 from gateway.errors import (
@@ -28,6 +30,7 @@ from gateway.errors import (
     PayloadTooLargeError,
     PermissionDeniedError,
 )
+from gateway.proxy.lineages import lineage_of
 from gateway.state import GatewayState
 
 TRAJECTORY_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
@@ -276,6 +279,8 @@ class Attribution:
     channel: str | None
     # The channel the call's API key is bound to: it may write only into that channel.
     key_channel: str | None = None
+    # The conversation its headers name (``gateway.proxy.lineages``); None: the pool infers it.
+    lineage: LineageRecord | None = None
 
 
 async def attribute(
@@ -312,4 +317,5 @@ async def attribute(
     # surface only at the commit, after the tokens were paid for.
     group_id = check_group_id(request.headers.get("x-trajgate-group"))
     key_channel = grant.channel if grant else None
-    return Attribution(trajectory_id, group_id, check_channel(channel), key_channel)
+    lineage = lineage_of(request.headers)
+    return Attribution(trajectory_id, group_id, check_channel(channel), key_channel, lineage)

@@ -151,6 +151,7 @@ class Call:
             suffix_tokens=self.continuation.suffix_tokens,
             canonical=self.continuation.canonical or self.dialect.canonical(self.upstream_body),
             history_field=self.dialect.history_field,
+            lineage=self.attribution.lineage,
         )
 
     def _with_versions(self, choice: ChoiceRecord) -> ChoiceRecord:

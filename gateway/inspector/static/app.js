@@ -418,6 +418,12 @@ document.addEventListener("alpine:init", () => {
       visit(null, 0);
       this.stepOrder = order;
     },
+    // "subagent agent-a (of 5f0c7a52…)": the conversation (lineage) a step belongs to.
+    lineageText(s) {
+      const short = (id) => (id && id.length > 14 ? id.slice(0, 12) + "…" : id);
+      const parent = s.lineage_parent_id ? ` (of ${short(s.lineage_parent_id)})` : "";
+      return `${s.lineage_kind || "main"} ${short(s.lineage_id)}${parent}`;
+    },
     // A step's messages as shown: the full conversation once fetched, else what it added.
     stepMessages(s) {
       const full = this.histories[s.id];
