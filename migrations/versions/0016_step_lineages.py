@@ -1,4 +1,4 @@
-"""Each step's lineage: the conversation of its trajectory it belongs to (sub-agents, side calls, compactions).
+"""Each step's lineage: the conversation of its trajectory it belongs to (sub-agents, side calls).
 
 New columns ``steps.lineage_id`` (a client's session or agent id, or the id of the lineage's
 first step), ``lineage_parent_id`` (the lineage it came from), ``lineage_kind`` (``main``,
