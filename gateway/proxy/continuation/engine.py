@@ -295,7 +295,7 @@ def _read(reader: Any, value: Any, what: str) -> Any:
 def _answer_of(response: httpx.Response, endpoint: str) -> dict[str, Any]:
     """A 200 answer's JSON object. Raises ``httpx.DecodingError`` for one the gateway cannot
     read (not UTF-8 JSON, not an object): the replica answered, unreadably
-    (``routes.failed_attempt`` records it as ``upstream_error``)."""
+    (``attempts.failed_attempt`` records it as ``upstream_error``)."""
     try:
         return loads_object(response.content)
     except UNREADABLE as exc:
