@@ -242,10 +242,16 @@ class TrajectoryTokens:
         return self._candidate(step_id).length_bytes // TOKEN_BYTES
 
     def _candidate(self, step_id: str) -> _Candidate:
+        found = self._find(step_id)
+        if found is None:
+            raise KeyError(step_id)
+        return found
+
+    def _find(self, step_id: str) -> _Candidate | None:
         for candidate in reversed(self.candidates):  # parents are usually recent
             if candidate.step_id == step_id:
                 return candidate
-        raise KeyError(step_id)
+        return None
 
     def place(self, call: CallRecord, prompt: bytes | None) -> Placement:
         """Where ``call``'s steps go: the parent by token lineage of ``prompt`` (``pack_ids``
@@ -316,7 +322,7 @@ class TrajectoryTokens:
             return named  # starts here, or a failed call: not compared, so its header decides
         for step_id in (lineage.fork_of, lineage.parent_step_id):
             if step_id is not None:
-                found = next((c for c in self.candidates if c.step_id == step_id), None)
+                found = self._find(step_id)
                 if found is not None:
                     return found.conversation
         if named is not None:
