@@ -113,8 +113,16 @@ class GatewayMetrics:
             ["upstream"],
             registry=r,
         )
+        exact = Gauge(
+            "trajgate_upstream_exact_continuation",
+            "1 when the replica serves exact continuation (probed), 0 when it does not, -1 while "
+            "its probe has not ended (a call extending a turn then waits for it, briefly).",
+            ["upstream"],
+            registry=r,
+        )
         for replica in upstreams.replicas:
             healthy.labels(replica.url).set_function(_reader(replica, "healthy"))
+            exact.labels(replica.url).set_function(_serves_exact(replica))
             in_flight.labels(replica.url).set_function(_reader(replica, "in_flight"))
 
     def record_weight_update(self, report: PauseReport) -> None:
@@ -131,6 +139,10 @@ class GatewayMetrics:
 
 def _reader(replica: Replica, attribute: str) -> Callable[[], float]:
     return lambda: float(getattr(replica, attribute))
+
+
+def _serves_exact(replica: Replica) -> Callable[[], float]:
+    return lambda: -1.0 if replica.serves_exact is None else float(replica.serves_exact)
 
 
 class PoolWriterCollector(Collector):

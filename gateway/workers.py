@@ -10,8 +10,9 @@ the parent's liveness port answers from).
 
 Merging: counters, histograms and summaries are summed per (sample, labels); ``*_created``
 samples keep the earliest; gauges are summed (queue depths, calls in flight), except
-``trajgate_upstream_healthy`` and ``trajgate_pool_writable``, which take the minimum (a 0 in
-any worker shows). A worker that does not answer within ``PEER_TIMEOUT_S`` is left out of that
+``trajgate_upstream_healthy``, ``trajgate_upstream_exact_continuation`` and
+``trajgate_pool_writable``, which take the minimum (a 0 in any worker shows, and a probe still
+running in one, -1). A worker that does not answer within ``PEER_TIMEOUT_S`` is left out of that
 scrape (a dead one's socket is removed once its pid is gone).
 
 Never: shares state other than through the pool's database. Everything a call needs is read
@@ -41,7 +42,13 @@ log = logging.getLogger("trajgate.gateway.workers")
 
 WORKER_DIR_ENV = "TRAJGATE_WORKER_DIR"
 PEER_TIMEOUT_S = 2.0  # a worker's thread answers in microseconds; this only bounds a dead one
-_MIN_GAUGES = frozenset({"trajgate_upstream_healthy", "trajgate_pool_writable"})
+_MIN_GAUGES = frozenset(
+    {
+        "trajgate_upstream_healthy",
+        "trajgate_upstream_exact_continuation",
+        "trajgate_pool_writable",
+    }
+)
 _REQUESTS = (b"metrics", b"lag")
 
 

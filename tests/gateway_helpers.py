@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -143,3 +144,23 @@ def sse_body(chunks: list[dict[str, Any]]) -> bytes:
 
 
 Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def wait_for_exact_probes(server: BackgroundServer, timeout_s: float = 300.0) -> None:
+    """Wait until every replica's exact-continuation probe has ended (the gateway's
+    ``trajgate_upstream_exact_continuation`` gauge is no longer -1): a test that asserts how a
+    call extending a turn is sent must not race the probe a fresh gateway starts.
+
+    Raises AssertionError when a probe is still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("trajgate_upstream_exact_continuation{")
+        ]
+        if values and -1.0 not in values:
+            return
+        assert time.monotonic() < deadline, f"exact probes still running: {values}"
+        time.sleep(0.1)

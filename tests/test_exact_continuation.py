@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from gateway_helpers import WEATHER_TOOL, gateway_with, steps_of
+from gateway_helpers import WEATHER_TOOL, gateway_with, steps_of, wait_for_exact_probes
 from tests_support import free_port
 
 from datapool.batches.build import build_rows
@@ -842,6 +842,7 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
     trajectory = f"ahead-{stream}"
     messages = forced_turn(exact_gateway, trajectory, [SYSTEM, USER], stream=stream)
     assert events == ["lookup"]  # a first call extends nothing: no render at all
+    wait_for_exact_probes(exact_gateway)  # until then, a call extends without a render ahead
     answer = {**ANSWER, "messages": messages, "stream": stream}
     events.clear()
     chat(exact_gateway, trajectory, answer)
