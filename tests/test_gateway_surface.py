@@ -469,3 +469,22 @@ def test_the_pool_api_needs_the_admin_token_when_one_is_set(pool_settings: PoolS
         assert httpx.post(f"{gw.url}/api/batches/lease", json={"consumer": "x"}).status_code == 401
         ok = httpx.get(f"{gw.url}/api/trajectories", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+
+
+def test_the_exact_probe_gauge_reads_unknown_then_what_the_probe_learnt() -> None:
+    from gateway.metrics import GatewayMetrics
+    from gateway.upstream.replicas import UpstreamPool
+
+    upstreams = UpstreamPool(["http://a:1", "http://b:2"])
+    metrics = GatewayMetrics(upstreams, lambda: 0.0)
+
+    def gauge() -> dict[str, str]:
+        lines = metrics.render().decode().splitlines()
+        prefix = "trajgate_upstream_exact_continuation{"
+        return {
+            line.split('"')[1]: line.rsplit(" ", 1)[1] for line in lines if line.startswith(prefix)
+        }
+
+    assert gauge() == {"http://a:1": "-1.0", "http://b:2": "-1.0"}  # probes not ended
+    upstreams.replicas[0].serves_exact, upstreams.replicas[1].serves_exact = True, False
+    assert gauge() == {"http://a:1": "1.0", "http://b:2": "0.0"}
