@@ -368,6 +368,9 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     assert [(v["version"], v["active"]) for v in versions] == [(0, False), (1, True)]
     batches = api.get("/api/batches").json()
     assert len(batches) == 1
+    # The ack names the version the update produced, as the distributed trainer's does.
+    [consumed] = api.get(f"/api/batches/{batches[0]['id']}").json()["consumed_by"]
+    assert (consumed["consumer"], consumed["policy_version_trained"]) == ("loop-test", 1)
     after = api.post("/t/loop-after/v1/chat/completions", json=body)
     assert after.headers["x-trajgate-policy-version"] == "1"
     WeightSync([vllm.url], gateway.url).unload(f"loop-{tmp_path.name}-v1")

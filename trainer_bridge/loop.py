@@ -175,8 +175,8 @@ def run_loop(
             except BaseException:
                 leases.nack(lease, reason="publish failed")
                 raise
-            leases.ack(lease, policy_version_trained=version)
             version += 1
+            leases.ack(lease, policy_version_trained=version)  # the version it produced
             pause = published.pause_ms
             pool.post_training_metrics(
                 loop.consumer,

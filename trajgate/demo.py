@@ -419,7 +419,7 @@ class DemoRun:
             except BaseException:
                 leases.nack(lease, reason="update failed")
                 raise
-            leases.ack(lease, policy_version_trained=version)
+            leases.ack(lease, policy_version_trained=version + 1)  # the version it produced
         # one row per update for the inspector's training chart: run = the arm's channel
         self.pool.post_training_metrics(channel, version + 1, metrics)
         self.batches_trained += 1
