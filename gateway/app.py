@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from datapool.db import make_engine
 from datapool.lifecycle.hooks import CompletionHooks
 from datapool.lifecycle.transitions import close_idle
+from datapool.rewards.step_rewards import STEP_ENTRY_POINT_GROUP
 from datapool.rewards.values import resolve_reward_function
 from datapool.settings import PoolSettings
 from datapool.steps.faults import fault_reason, is_storage_fault
@@ -65,12 +66,15 @@ def check_settings(settings: GatewaySettings, pool: PoolSettings) -> None:
     check and passed a configuration ``serve`` then refused).
 
     Raises:
-        InvalidPoolRequestError: a configured reward function cannot be resolved (a typo would
-            otherwise surface only as a failed reward on every trajectory).
+        InvalidPoolRequestError: a configured reward function or step reward function cannot be
+            resolved (a typo would otherwise surface only as a failed reward on every
+            trajectory, or every step).
         SamplingSettingsError: a channel's sampling policy refuses its own defaults.
     """
     for name in pool.reward_functions:
         resolve_reward_function(name)
+    for name in pool.step_reward_functions:
+        resolve_reward_function(name, STEP_ENTRY_POINT_GROUP)
     check_defaults_against_policy(settings)
 
 
@@ -84,8 +88,9 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway app; the pool must already be migrated (``trajgate db upgrade``).
 
-    Raises ``InvalidPoolRequestError`` when a configured reward function cannot be resolved,
-    ``SamplingSettingsError`` when a channel's sampling policy refuses its own defaults.
+    Raises ``InvalidPoolRequestError`` when a configured (step) reward function cannot be
+    resolved, ``SamplingSettingsError`` when a channel's sampling policy refuses its own
+    defaults.
 
     ``upstream_transport`` replaces the network for upstream calls (tests that need an upstream
     shape the real vLLM cannot produce pass an ``httpx.MockTransport``). ``worker_dir``: this app

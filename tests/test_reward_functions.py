@@ -499,3 +499,19 @@ def test_gateway_refuses_to_start_with_a_reward_function_that_does_not_resolve(
             GatewaySettings(),
             PoolSettings(data_dir=tmp_path / "data", reward_functions=["exact_mach"]),
         )
+
+
+def test_gateway_refuses_to_start_with_a_step_reward_function_that_does_not_resolve(
+    tmp_path: Path,
+) -> None:
+    # Looked up in the step functions' own group: a trajectory function's name is not one.
+    for name in ("tool_call_fromat", "exact_match", "no.such.module:fn"):
+        with pytest.raises(InvalidPoolRequestError, match=name.replace(".", r"\.")):
+            create_app(
+                GatewaySettings(),
+                PoolSettings(data_dir=tmp_path / "data", step_reward_functions=[name]),
+            )
+    create_app(  # the built-in step function resolves
+        GatewaySettings(),
+        PoolSettings(data_dir=tmp_path / "data", step_reward_functions=["tool_call_format"]),
+    )
