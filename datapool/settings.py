@@ -139,6 +139,17 @@ class PoolSettings(ConfigFileSettings):
             "step's parent without reading payloads back (about 4 bytes per token each)."
         ),
     )
+    lineage_cache_mb: int = Field(
+        default=1024,
+        gt=0,
+        description=(
+            "MiB (estimated, all trajectories) the writer's lineage memory may hold: a long "
+            "session costs its sequence (4 bytes per token), its steps' message keys (about 10 "
+            "bytes per message per step) and about 5 KiB per step: 2 MiB for 200 turns at 60k "
+            "tokens; the least "
+            "recently used trajectories are dropped past it (and read back on their next call)."
+        ),
+    )
     reward_functions: list[str] = Field(
         default_factory=list,
         description=(

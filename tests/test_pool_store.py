@@ -3,8 +3,11 @@ compaction into Parquet, and the fast lineage agreeing with ``prefix.choose_pare
 
 from __future__ import annotations
 
+import gc
 import random
+import tracemalloc
 from dataclasses import replace
+from typing import Any
 
 from sqlalchemy import select
 
@@ -291,3 +294,75 @@ def test_lineage_is_the_same_whichever_gateway_writes_each_call(
             rng.choice(fleet).record_call(f"spread-{trial}", c)
         sticky = _lineage_columns(one, f"sticky-{trial}")
         assert _lineage_columns(one, f"spread-{trial}") == sticky, trial
+
+
+def test_the_lineage_memory_estimate_follows_what_a_long_session_holds(
+    pool_settings: PoolSettings,
+) -> None:
+    """``TrajectoryTokens.approx_bytes`` against tracemalloc: what dropping a 60-turn session's
+    memory frees (its sequence, message keys and bodies' keys), within a third."""
+    from gateway.dialects.chat_completions.serving import canonical_of_chat
+
+    store = make_store(pool_settings)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "sys " * 200},
+        {"role": "user", "content": "task"},
+    ]
+    prompt = list(range(1000))
+    tracemalloc.start()
+    try:
+        for turn in range(60):
+            response = [5000 + 40 * turn + i for i in range(40)]
+            answer = {"role": "assistant", "content": f"answer {turn} " * 20}
+            body = {"model": "tiny", "messages": list(messages)}
+            record = CallRecord(
+                request=body,
+                upstream_request=body,
+                model="tiny",
+                upstream="http://up",
+                policy_version=0,
+                latency_ms=1.0,
+                prompt_token_ids=prompt,
+                prompt_tokens=len(prompt),
+                choices=[ChoiceRecord(0, response, [-0.5] * 40, answer, "stop")],
+                history_field="messages",
+                canonical=canonical_of_chat(body),
+            )
+            store.record_call("long", record)
+            messages += [answer, {"role": "tool", "content": f"result {turn} " * 60}]
+            prompt = [*prompt, *response, *range(7000 + 300 * turn, 7260 + 300 * turn)]
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        entry = store._lineage.get("long")
+        assert entry is not None and len(entry.candidates) == 60
+        estimate = entry.approx_bytes
+        del entry
+        store._lineage.clear()
+        gc.collect()
+        freed = held - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 0.75 < freed / estimate < 1.33, (freed, estimate)
+
+
+def test_the_lineage_memory_drops_the_least_recently_used_trajectories_past_its_bytes() -> None:
+    from datapool.steps.lineage import LineageCache
+
+    def memory(size: int) -> TrajectoryTokens:
+        return TrajectoryTokens(approx_bytes=size)
+
+    cache = LineageCache(max_trajectories=10, max_bytes=1000)
+    for name in ("a", "b", "c"):
+        cache.put(name, memory(300))
+    assert cache.total_bytes == 900
+    assert cache.get("a") is not None  # "b" is now the least recently used
+    grown = cache.get("c")
+    assert grown is not None
+    grown.approx_bytes = 500  # its trajectory's steps were added in place
+    assert cache.get("c") is grown  # measured again: 1100 > 1000, "b" dropped
+    assert cache.get("b") is None and cache.total_bytes == 800
+    cache.put("huge", memory(5000))  # alone over the bound: kept, every other one dropped
+    assert [cache.get(n) is None for n in ("a", "c")] == [True, True]
+    assert cache.get("huge") is not None and cache.total_bytes == 5000
+    cache.forget("huge")
+    assert cache.total_bytes == 0

@@ -86,7 +86,9 @@ class PoolStore:
         self.settings = settings or PoolSettings()
         self.sessions: sessionmaker[Session] = make_sessionmaker(engine)
         self.payloads = PayloadFiles(self.sessions, self.settings.resolved_payload_uri())
-        self._lineage = LineageCache(self.settings.lineage_cache_trajectories)
+        self._lineage = LineageCache(
+            self.settings.lineage_cache_trajectories, self.settings.lineage_cache_mb << 20
+        )
         self._write_lock = threading.Lock()
         self._statements = Statements(engine.dialect)
         # Committed steps that start a prefix break, by ``divergence_kind`` (the gateway's
