@@ -411,6 +411,25 @@ def test_migration_0015_rewrites_stored_bodies_and_downgrade_writes_them_back_wh
     store.engine.dispose()
 
 
+def test_a_pool_with_list_deltas_refuses_to_downgrade_below_0016_and_stays_as_it_was(
+    empty_database_url: str, tmp_path: Path
+) -> None:
+    """A replaced leading item (a ``cch`` billing line) is stored as a list delta that 0015's
+    readers cannot read: the downgrade says so and changes nothing."""
+    url = empty_database_url
+    db.upgrade(url)
+    settings = PoolSettings(data_dir=tmp_path / "d", database_url=url)
+    store = PoolStore(make_engine(url), settings)
+    dialect, body = CCH_SESSIONS[0]
+    calls = run_session(store, dialect, body, 3, "cch")
+    store.engine.dispose()
+    with pytest.raises(RuntimeError, match="list delta with replaced leading items"):
+        db.downgrade(url, "0015")
+    store = PoolStore(make_engine(url), settings)
+    assert_read_back_as_sent(store, "cch", calls)
+    store.engine.dispose()
+
+
 def _json(value: Any) -> Any:
     """A JSON column as read by raw SQL: text on SQLite, decoded by psycopg on PostgreSQL."""
     return json.loads(value) if isinstance(value, str) else value

@@ -21,6 +21,12 @@ These are the writer's rules (``datapool.steps.lineage``) for calls without a he
 difference the stored rows cannot settle: a re-send of a side call (a root at the same prompt)
 is its own lineage here, where the writer puts it in its twin's. Downgrade drops the columns.
 
+Downgrade refuses (``RuntimeError``, nothing changed) while a step's ``body_deltas`` holds a
+list delta ``[k, m, items]``: the code of this revision writes it for a list whose leading
+items changed (Claude Code's billing line, with a ``cch`` new on every request), and the
+readers of revision 0015 and before cannot read it (0015's own downgrade would fail half way).
+Export such a pool (``trajgate export``) before going back.
+
 Frozen here: no import of the pool's code, which may change.
 
 Revision ID: 0016
@@ -28,6 +34,7 @@ Revises: 0015
 Create Date: 2026-12-06
 """
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +58,7 @@ _STEPS = sa.table(
     sa.column("lineage_parent_id", sa.String()),
     sa.column("lineage_kind", sa.String()),
     sa.column("lineage_source", sa.String()),
+    sa.column("body_deltas", sa.JSON(none_as_null=True)),
 )
 
 # (lineage_id, lineage_parent_id, lineage_kind)
@@ -68,12 +76,32 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    _refuse_list_deltas()
     op.drop_index("ix_steps_trajectory_lineage", table_name="steps")
     with op.batch_alter_table("steps") as batch:
         batch.drop_column("lineage_source")
         batch.drop_column("lineage_kind")
         batch.drop_column("lineage_parent_id")
         batch.drop_column("lineage_id")
+
+
+def _refuse_list_deltas() -> None:
+    """Raise ``RuntimeError`` naming a step whose ``body_deltas`` holds a list delta."""
+    connection = op.get_bind()
+    rows = connection.execute(
+        sa.select(_STEPS.c.id, _STEPS.c.body_deltas).where(_STEPS.c.body_deltas.is_not(None))
+    )
+    for step_id, deltas in rows:
+        if isinstance(deltas, str):  # SQLite's JSON as text, where the driver did not decode it
+            deltas = json.loads(deltas)
+        for doc, specs in (deltas or {}).items():
+            for name, spec in (specs or {}).items():
+                if isinstance(spec, list):
+                    raise RuntimeError(
+                        f"cannot downgrade below 0016: step {step_id} stores {doc}.{name} as a "
+                        "list delta with replaced leading items, which revision 0015 and before "
+                        "cannot read; export the pool (trajgate export) before downgrading"
+                    )
 
 
 def _backfill() -> None:
