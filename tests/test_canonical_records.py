@@ -1,4 +1,4 @@
-"""One canonical call record from every dialect (issue 25): the same conversation sent as chat,
+"""One canonical call record from every dialect: the same conversation sent as chat,
 Responses or Messages gives the same record, the same built-in reward and the same break kind
 for the same history change; a side call is a new root of the trajectory's tree."""
 

@@ -1,10 +1,10 @@
-"""One canonical call record from every dialect, through the real gateway and the real vLLM
-(issue 25): the same conversation with a tool call sent as chat, Responses and Messages gives
+"""One canonical call record from every dialect, through the real gateway and the real vLLM:
+the same conversation with a tool call sent as chat, Responses and Messages gives
 the same engine prompt, the same canonical record, the same built-in reward values and the same
 break kind for the same history change; a side call is a new root in each. The pool-side
 checks on hand-made records are in ``test_canonical_records.py``.
 
-Exact continuation (issue 26) is the default: a history the agent really changed is still a
+Exact continuation is the default: a history the agent really changed is still a
 recorded break there, and an echo of the generated turn is no break at all; the template mode
 shows how the echo would render (``tool_call_rerendered``).
 """

@@ -1,4 +1,4 @@
-"""A user's situation reads as one line on stderr, never a traceback (issue 18 item 5).
+"""A user's situation reads as one line on stderr, never a traceback.
 
 `trajgate vllm start` and `trajgate demo` reuse a healthy server on the vLLM port; they must
 first check that it is vLLM serving the expected model (another gateway or any web server

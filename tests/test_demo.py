@@ -80,7 +80,7 @@ def test_demo_closes_the_loop_from_agents_to_new_policy_versions(
     assert summary["model"] == "tiny"
     # Read back from the pool per version: as many episodes as the reward curve counts. (Not
     # asserted: that every forced call parses and none is tool_call_truncated; a run on
-    # 2026-12-02 had at least one that did not, issue 30.)
+    # 2026-12-02 had at least one that did not.)
     tool_calls = summary["tool_calls_by_policy_version"]
     assert [(v, n) for v, n, _, _ in tool_calls] == [(v, n) for v, _, n in curve]
     assert summary["control_tool_calls_by_policy_version"] == []

@@ -1,4 +1,4 @@
-"""The real-model demo, reduced (issue 30): ``trajgate demo --model smollm2`` on the real vLLM,
+"""The real-model demo, reduced: ``trajgate demo --model smollm2`` on the real vLLM,
 then its pool reopened with no vLLM and read in a real browser.
 
 One update of 2 groups x 4 calculator episodes; what is asserted is correctness, not learning

@@ -485,7 +485,7 @@ USER_Q = {"role": "user", "content": "q"}
             },
             "thinking.budget_tokens",
         ),
-        # Top-level bounds (gateway.dialects.messages.protocol; issue 29 item 10).
+        # Top-level bounds (gateway.dialects.messages.protocol).
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": 5}, "metadata"),
         ({"messages": [USER_Q], "max_tokens": 8, "metadata": {"user_id": 5}}, "metadata.user_id"),
         ({"messages": [USER_Q], "max_tokens": 8, "top_k": -5}, "top_k"),

@@ -1,4 +1,4 @@
-"""A dialect is one module (issue 25): a throw-away API defined here, registered the way a user
+"""A dialect is one module: a throw-away API defined here, registered the way a user
 registers one (``create_app(..., dialects=(*DIALECTS, Toy()))``), is served, captured, rewarded
 by a built-in reward function and exported as chat messages through the real vLLM, with no
 change anywhere else. Its own side route (a token count) is served too.

@@ -325,7 +325,7 @@ def test_unknown_previous_response_id_is_a_400_naming_it() -> None:
             "tool_choice",
         ),
         ({"input": "q", "conversation": "conv_1"}, "conversation"),
-        # Top-level bounds (gateway.dialects.responses.protocol; issue 29 item 10).
+        # Top-level bounds (gateway.dialects.responses.protocol).
         ({"input": []}, "input"),
         ({"input": "q", "max_output_tokens": -1}, "max_output_tokens"),
         ({"input": "q", "truncation": 5}, "truncation"),

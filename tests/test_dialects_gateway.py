@@ -1,6 +1,6 @@
 """The Responses and Messages dialects through the real gateway: what each call stores, how
 turns chain, previous_response_id, count_tokens, key attribution, sampling defaults and bad
-input (issue 13). Against the real vLLM (``TRAJGATE_TEST_VLLM_PORT`` reuses a running one),
+input. Against the real vLLM (``TRAJGATE_TEST_VLLM_PORT`` reuses a running one),
 except where a test says why it needs a fake upstream."""
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ BAD_MESSAGES = [
     {"model": "tiny", "max_tokens": "5", "messages": [{"role": "user", "content": "hi"}]},
     {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
     {"model": "tiny", "max_tokens": 5, "messages": [{"role": "robot", "content": "hi"}]},
-    # Out of Anthropic's bounds (issue 29 item 10: main sent these to vLLM).
+    # Out of Anthropic's bounds (these once reached vLLM).
     *(
         {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **bad}
         for bad in (
@@ -362,7 +362,7 @@ BAD_RESPONSES = [
     {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_nope"}]}]},
     {"model": "tiny", "input": "hi", "max_output_tokens": "7"},
     {"model": "tiny", "input": "hi", "tools": [{"type": "function"}]},
-    # Out of the Responses API's bounds (issue 29 item 10: main sent these to vLLM).
+    # Out of the Responses API's bounds (these once reached vLLM).
     {"model": "tiny", "input": []},
     *(
         {"model": "tiny", "input": "hi", **bad}

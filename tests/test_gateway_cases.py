@@ -165,7 +165,7 @@ def test_c02_reasoning_dropped_after_a_plain_turn_is_a_break_from_the_latest_ste
     gateway = template_gateway  # a re-rendered history (exact mode heals it)
     # Turn 0 plain, turn 1 "<think>...</think>answer", turn 2 plain. The template drops turn 1's
     # reasoning, so P_2 leaves S_1 but still extends S_0: the parent is turn 0 (P_2 extends it),
-    # and the step also says it diverges from turn 1, where, and why (issue 17 item 13).
+    # and the step also says it diverges from turn 1, where, and why.
     url = f"{gateway.url}/t/c02h/v1/chat/completions"
     history: list[dict[str, Any]] = []
     for turn, regex in enumerate(["[a-z]{2,6}", "<think>[a-z]{2,6}</think>[a-z]{2,6}", None]):
@@ -669,7 +669,7 @@ def test_c13_identical_resend_is_linked_to_the_earlier_call(
     steps = steps_of(pool_settings, "c13r")
     assert "resend" not in steps[0].flags and "resend" in steps[1].flags
     assert steps[0].call_id == steps[1].call_id
-    # A fork at the same prompt, not a rewritten history (issue 17 item 14): the re-send is the
+    # A fork at the same prompt, not a rewritten history: the re-send is the
     # first step's sibling (both roots here), and no prefix break is recorded or counted.
     assert "prefix_break" not in steps[1].flags
     assert steps[1].parent_step_id == steps[0].parent_step_id is None

@@ -1,7 +1,6 @@
 """What the gateway refuses before any route runs (``gateway.guard``) and who may write where:
 cross-site browser writes, foreign Host names, non-JSON bodies, oversized or unauthenticated
-bodies, channel-bound keys outside their channel, weak admin tokens, and the bounded key cache
-(issue 17 items 7, 9, 10, 11)."""
+bodies, channel-bound keys outside their channel, weak admin tokens, and the bounded key cache."""
 
 from __future__ import annotations
 
@@ -294,7 +293,7 @@ def test_a_channel_bound_key_cannot_write_into_another_channels_trajectory(
 
 
 def test_count_tokens_checks_a_keys_binding_as_a_call_does(loopback_gateway: Any) -> None:
-    """Issue 29 item 8: a channel-bound key counting tokens of another channel's trajectory got
+    """A channel-bound key counting tokens of another channel's trajectory got
     200 on the tokenless loopback default (the route checked keys only when keys were
     required); now the call's checks: 403 in Anthropic's envelope, by URL and by header, for
     a channel-bound and a trajectory-bound key, and 200 in the key's own channel."""

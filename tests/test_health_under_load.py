@@ -1,4 +1,4 @@
-"""Liveness under load (issue 17 item 17): ``GET /health`` on ``TRAJGATE_LIVENESS_PORT`` answers
+"""Liveness under load: ``GET /health`` on ``TRAJGATE_LIVENESS_PORT`` answers
 promptly while the gateway relays hundreds of fast streams, so a liveness probe never restarts a
 busy gateway; and it still tells a wedged event loop (503).
 

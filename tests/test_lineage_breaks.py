@@ -1,4 +1,4 @@
-"""Prefix breaks that never mislead (issue 17 items 13 and 14), through the whole gateway: a break
+"""Prefix breaks that never mislead, through the whole gateway: a break
 hidden behind an older ancestor is flagged, counted and shown; a re-send is a fork, never a break.
 
 The upstream is a mock (``httpx.MockTransport``) because the test needs prompt IDs chosen by hand

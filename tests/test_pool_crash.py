@@ -183,7 +183,7 @@ def test_kill_9_mid_load_loses_no_delivered_step_and_flags_in_flight_trajectorie
             for trajectory_id, status, flags in trajectories:
                 if trajectory_id in done:
                     assert status == "complete" and "incomplete" not in flags
-            # Only a call in flight is a cut (an agent between calls was not; issue 17 item 16).
+            # Only a call in flight is a cut (an agent between calls was not).
             # A sent call the gateway had not yet started is not flagged: nothing was sampled.
             assert f"r{round_id}-held" in flagged and flagged <= cut, sorted(flagged - cut)
             assert any(t not in cut and s == "open" for t, s, _ in trajectories)
@@ -203,7 +203,7 @@ def test_kill_9_mid_load_loses_no_delivered_step_and_flags_in_flight_trajectorie
     engine.dispose()
 
 
-# -- what a crash actually cut (issue 17 item 16) -------------------------------------------
+# -- what a crash actually cut ---------------------------------------------------------------
 
 _CRASHING_WRITER = """
 import os, socket, sys, time

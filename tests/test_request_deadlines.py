@@ -1,4 +1,4 @@
-"""Read deadlines on a request's head and body (issue 29 item 5; ``gateway.http_protocol``).
+"""Read deadlines on a request's head and body (``gateway.http_protocol``).
 
 On main a head dripped at 1 byte per 2 s was held 300 s and a body at 1 byte/s 45 s. Here the
 gateway runs with both deadlines at 1 s, and a raw socket drips: the connection must get 408

@@ -1,5 +1,5 @@
 """Requests stored without repeating themselves: each step's messages as a delta on its parent's
-messages + response, the upstream request as a merge patch, read back exactly (issue 4)."""
+messages + response, the upstream request as a merge patch, read back exactly."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every Responses ``response`` object and stream event validates against the Open Responses
-specification's schema (issue 29 item 11), loaded from its ``openapi.json``
+specification's schema, loaded from its ``openapi.json``
 (tests/data/openresponses/, with where it came from) and checked with ``jsonschema``.
 
 Main's objects lacked ``completed_at``, ``presence_penalty``, ``frequency_penalty``,

@@ -464,7 +464,7 @@ def test_builtin_reward_functions_named_by_entry_point_reward_a_trajectory_compl
     assert json.loads(tool_call["function"]["arguments"])["city"] in {"Paris", "London", "Tokyo"}
     [sent] = reward_model.bodies_of("e2e-1")
     assert sent["metadata"] == {"answer": ["paris", "Paris, France"]}
-    # The judge reads the canonical conversation (issue 25), not the client's body: empty
+    # The judge reads the canonical conversation, not the client's body: empty
     # assistant content beside tool calls is no content (None), whatever the dialect sent.
     canonical_messages = [
         *QUESTION,

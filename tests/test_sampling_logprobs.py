@@ -1,4 +1,4 @@
-"""Behaviour logprobs of the distribution that sampled (issue 27 part 2, invariant 9), on the real
+"""Behaviour logprobs of the distribution that sampled (invariant 9), on the real
 vLLM run as ``trajgate vllm start`` runs it (``--logprobs-mode processed_logprobs``).
 
 A row sampled at temperature 0.6 must store log pi(a | s) = log_softmax(logits / 0.6)[a], which

@@ -1,5 +1,5 @@
-"""A replica that answers 200 but breaks the answer: events or bodies the capture cannot read
-(issue 29 item 1), answers past the size limits (item 3), and HTTP protocol errors (item 9).
+"""A replica that answers 200 but breaks the answer: events or bodies the capture cannot read,
+answers past the size limits, and HTTP protocol errors.
 
 vLLM never sends any of these, so the upstream is scripted: ``httpx.MockTransport`` where the
 answer is well-framed HTTP, a raw socket server where the framing itself is broken. Every case
