@@ -278,6 +278,35 @@ def test_a_title_call_under_the_sessions_header_is_a_side_call_of_the_session(
     assert [s for s in store.steps_of("titled") if "prefix_break" in s.flags] == []
 
 
+def test_a_side_call_named_by_header_is_no_break_of_the_main_chain_that_goes_on_after_it(
+    pool_settings: PoolSettings,
+) -> None:
+    # Claude Code's title call (request class ``auxiliary``) between two main turns: a root by
+    # its header, so it starts a tree of its own like an inferred side call; the main turn
+    # after it extends m0 and is not a hidden break against the title (the latest step). The
+    # same from a writer whose memory is rebuilt from the pool.
+    main = LineageRecord(SESSION, None, "main")
+    title = LineageRecord(None, SESSION, "side_call")
+    answered = [SYSTEM, TASK, {"role": "assistant", "content": "ok"}, TASK]
+    store = make_store(pool_settings)
+    [m0] = store.record_call("aside", chat_call([SYSTEM, TASK], [1, 2, 3], [4], main))
+    store.record_call("aside", chat_call([TASK], [1, 50], [51], title))
+    [m1] = store.record_call("aside", chat_call(answered, [1, 2, 3, 4, 5], [6], main))
+    store.record_call("aside", chat_call([TASK], [1, 50], [52], title))
+    store.engine.dispose()
+    store = make_store(pool_settings)
+    [m2] = store.record_call(
+        "aside", chat_call([*answered, TASK], [1, 2, 3, 4, 5, 6, 7], [8], main)
+    )
+    steps = {s.id: s for s in store.steps_of("aside")}
+    assert [s.flags for s in steps.values() if "prefix_break" in s.flags] == []
+    assert [(steps[i].parent_step_id, steps[i].extends_parent) for i in (m1, m2)] == [
+        (m0, True),
+        (m1, True),
+    ]
+    store.engine.dispose()
+
+
 def test_a_fresh_writer_places_a_named_call_within_its_lineage_from_the_stored_steps(
     pool_settings: PoolSettings,
 ) -> None:

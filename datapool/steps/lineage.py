@@ -451,7 +451,10 @@ class TrajectoryTokens:
         answered (its ``step_index``; choices of one call share it, None: a call of its own)
         and its break facts (``kind``, ``detail``)."""
         tree = None
-        if parent.parent_step_id is None and kind == SIDE_CALL:
+        # A side call starts a tree of its own, inferred (``SIDE_CALL``) or named by a header
+        # (a root of a ``side_call`` lineage): the main chain's next call is no break after it.
+        aside = conversation is not None and conversation.kind == "side_call"
+        if parent.parent_step_id is None and (kind == SIDE_CALL or aside):
             tree = step_id
         elif parent.parent_step_id is not None:
             tree = next(
