@@ -428,4 +428,6 @@ def test_the_trajectory_view_nests_a_sub_agent_under_its_spawning_step_and_marks
     expect(page.get_by_test_id("lineage-row")).to_have_text(
         ["row 0 (steps 0, 3, 5)", "row 1 (steps 1, 2)", "row 2 (step 4)"]
     )
+    # The title call between two planner turns is no break of the planner's chain.
+    expect(page.locator(".flag", has_text="prefix_break")).to_have_count(0)
     shot(page, "lineage-nesting", backend_of(pool_settings))

@@ -83,6 +83,7 @@ document.addEventListener("alpine:init", () => {
     isTree: false,
     isLineages: false,
     stepIndexOf: {},
+    lineageDepth: {},
     // Full conversations fetched on demand, by step id (the trajectory view sends only what
     // each step added to its parent's).
     histories: {},
@@ -398,6 +399,7 @@ document.addEventListener("alpine:init", () => {
     layoutSteps(steps, lineages = []) {
       this.stepIndexOf = Object.fromEntries(steps.map((s) => [s.id, s.step_index]));
       this.isLineages = lineages.length > 1 && steps.every((s) => s.lineage_id);
+      this.lineageDepth = this.lineageDepths(lineages);
       if (this.isLineages) { this.isTree = false; this.stepOrder = this.layoutLineages(steps, lineages); return; }
       const children = new Map();
       const byId = new Map(steps.map((s) => [s.id, s]));
@@ -471,11 +473,20 @@ document.addEventListener("alpine:init", () => {
     rowText(r) {
       return `row ${r.segment_index} (step${r.step_ids.length === 1 ? "" : "s"} ${r.step_ids.map((id) => this.stepIndexOf[id]).join(", ")})`;
     },
-    lineageDepth(l) {
-      let depth = 0;
-      const byId = new Map(this.traj.lineages.map((x) => [x.id, x]));
-      for (let p = byId.get(l.parent_id); p && depth < 12; p = byId.get(p.parent_id)) depth += 1;
-      return depth;
+    // How many parent lineages a lineage has in the trajectory (the panel's indent), once per
+    // view: lineages come in order of their first step, so a parent's depth is usually known.
+    lineageDepths(lineages) {
+      const byId = new Map(lineages.map((l) => [l.id, l]));
+      const depths = {};
+      for (const l of lineages) {
+        let depth = 0;
+        for (let p = byId.get(l.parent_id); p && depth < 12; p = byId.get(p.parent_id)) {
+          if (depths[p.id] !== undefined) { depth += depths[p.id] + 1; break; }
+          depth += 1;
+        }
+        depths[l.id] = Math.min(depth, 12);
+      }
+      return depths;
     },
     // "subagent agent-a (of 5f0c7a52…)": the conversation (lineage) a step belongs to.
     lineageText(s) {
