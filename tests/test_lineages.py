@@ -1,4 +1,4 @@
-"""Lineages (issue 38): which conversation of its trajectory each step belongs to, named by the
+"""Lineages: which conversation of its trajectory each step belongs to, named by the
 client's headers (Claude Code, Codex, OpenCode, ``X-Trajgate-Lineage``) or inferred from the
 continuation; a named lineage's steps get their parent among that lineage's steps only; every
 stored pool gets its lineages on migration 0016 by the writer's own rules.
