@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from inspector_helpers import CHROMIUM, CHROMIUM_ARGS, SCRIPT_PAYLOAD, populate, run_episode
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+from test_lineages import spawn_a_sub_agent_and_a_side_call
 
 from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
@@ -390,3 +391,43 @@ def test_the_trajectory_view_labels_each_step_with_its_lineage(
     expect(labels.nth(1)).to_have_text("subagent searcher (of planner)")
     expect(labels.nth(2)).to_have_text("main planner")
     shot(page, "lineages", backend_of(pool_settings))
+
+
+def test_the_trajectory_view_nests_a_sub_agent_under_its_spawning_step_and_marks_side_calls(
+    gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
+) -> None:
+    # Calls m0 s0 s1 m1 t0 m2 (test_lineages.spawn_a_sub_agent_and_a_side_call): the planner's
+    # three turns, its sub-agent "searcher" spawned by m0, a title side call after m1. By
+    # lineage the view shows m0, then the searcher one level deeper, then m1, the title one
+    # level deeper, m2; each lineage's first step under a header with its kind and training
+    # rows, each step with its row.
+    spawn_a_sub_agent_and_a_side_call(gateway, "spawned")
+    base = gateway.url
+    page.goto(f"{base}/inspector/trajectories/spawned")
+    wraps = page.get_by_test_id("step-wrap")
+    expect(wraps).to_have_count(6)
+    depths = [wraps.nth(k).get_attribute("data-depth") for k in range(6)]
+    kinds = [wraps.nth(k).get_attribute("data-lineage-kind") for k in range(6)]
+    assert depths == ["0", "1", "1", "0", "1", "0"]
+    assert kinds == ["main", "subagent", "subagent", "main", "side_call", "main"]
+    steps = page.get_by_test_id("step")
+    order = [steps.nth(k).locator("b").first.inner_text() for k in range(6)]
+    assert order == ["step 0", "step 1", "step 2", "step 3", "step 4", "step 5"]
+    # The sub-agent is drawn to the right of the planner's steps (nested, not just labelled).
+    assert steps.nth(1).bounding_box()["x"] > steps.nth(0).bounding_box()["x"]  # type: ignore[index]
+    heads = page.locator("[data-testid=lineage-start]:visible")
+    expect(heads).to_have_count(3)
+    expect(heads.nth(0)).to_contain_text("main planner · 3 steps · 1 training row")
+    expect(heads.nth(1)).to_contain_text("subagent searcher (of planner) · spawned by step 0")
+    expect(heads.nth(2)).to_contain_text("side_call")
+    expect(heads.nth(2)).to_contain_text("(of planner) · after step 3 · 1 step · 1 training row")
+    rows = [0, 1, 1, 0, 2, 0]
+    expect(page.get_by_test_id("step-row")).to_have_text([f"training row {k}" for k in rows])
+    entries = page.get_by_test_id("lineage-entry")
+    expect(entries).to_have_count(3)
+    expect(page.get_by_test_id("lineage-row")).to_have_text(
+        ["row 0 (steps 0, 3, 5)", "row 1 (steps 1, 2)", "row 2 (step 4)"]
+    )
+    # The title call between two planner turns is no break of the planner's chain.
+    expect(page.locator(".flag", has_text="prefix_break")).to_have_count(0)
+    shot(page, "lineage-nesting", backend_of(pool_settings))

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from batch_helpers import agent_turns, logprobs_of, make_store, write_trajectory
+from batch_helpers import agent_turns, call, logprobs_of, make_store, write_trajectory
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase
 
 from datapool.batches.build import materialise, read_rows
 from datapool.batches.settings import BatchSettings
 from datapool.batches.spec import BatchSpec
+from datapool.lifecycle.transitions import close_trajectory
+from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
+from datapool.steps.records import LineageRecord
 from trainer_bridge.integrations.rows import PoolRow, pool_rows
 from trainer_bridge.integrations.trl import pool_reward, rollout_output
 from trainer_bridge.integrations.verl import agent_loop_outputs
@@ -66,6 +70,34 @@ def test_rollout_output_refuses_an_episode_without_exactly_one_row(
         rollout_output(rows, ["t0", "missing"])
     with pytest.raises(ValueError, match=r"\{'t0': 2\}"):
         rollout_output([rows[0], rows[0]], ["t0"])
+
+
+def test_pool_rows_carry_their_lineage_to_trls_and_verls_per_row_fields(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    # "spawn": a planner and its sub-agent "searcher" (named by headers) take turns, two each:
+    # two merged rows of one trajectory, told apart by lineage_id. "alone": one agent without
+    # headers, one row whose lineage is named after its first step.
+    store = make_store(pool_settings)
+    planner = LineageRecord("planner", None, "main")
+    searcher = LineageRecord("searcher", "planner", "subagent")
+    main, sub = agent_turns(1, 2), agent_turns(2, 2)
+    for k in range(2):
+        for turns, lineage in ((main, planner), (sub, searcher)):
+            store.record_call("spawn", replace(call(*turns[k]), lineage=lineage))
+    close_trajectory(store.sessions, "spawn", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    [first, _] = write_trajectory(store, "alone", agent_turns(3, 2), reward=0.0)
+    spec = BatchSpec(layout="merged", algorithm="sft", exclude_batched=False)
+    batch = materialise(store, spec, BatchSettings(batch_uri=str(tmp_path / "batches")))
+    rows = pool_rows(read_rows(batch))
+    spawned = [row for row in rows if row.trajectory_id == "spawn"]
+    assert [row.lineage_id for row in spawned] == ["planner", "searcher"]
+    assert [row.completion_mask for row in spawned] == [EXPECTED_MASK, EXPECTED_MASK]
+    outputs = agent_loop_outputs(spawned)
+    assert [o.extra_fields["lineage_id"] for o in outputs] == ["planner", "searcher"]
+    alone = [row for row in rows if row.trajectory_id == "alone"]
+    assert rollout_output(alone, ["alone"])["lineage_id"] == [first]
+    store.engine.dispose()
 
 
 def test_trl_grpo_trainer_updates_on_the_pool_rows_it_received(
@@ -223,6 +255,7 @@ def test_verl_generate_sequences_puts_the_pool_rows_into_its_data_proto(
         expected[n - 1] = row.reward or 0.0
         assert batch["rm_scores"][i].tolist() == expected
         assert proto.non_tensor_batch["trajectory_id"][i] == row.trajectory_id
+        assert proto.non_tensor_batch["lineage_id"][i] == row.lineage_id == row.step_ids[0]
         assert proto.non_tensor_batch["policy_version"][i] == row.policy_version
 
 

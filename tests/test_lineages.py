@@ -1,4 +1,4 @@
-"""Lineages (issue 38): which conversation of its trajectory each step belongs to, named by the
+"""Lineages: which conversation of its trajectory each step belongs to, named by the
 client's headers (Claude Code, Codex, OpenCode, ``X-Trajgate-Lineage``) or inferred from the
 continuation; a named lineage's steps get their parent among that lineage's steps only; every
 stored pool gets its lineages on migration 0016 by the writer's own rules.
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from gateway_helpers import steps_of
-from sqlalchemy import text
+from sqlalchemy import select, text
 from test_conversation_rows import MODEL, assert_one_row_per_conversation, merged_rows
 
 from datapool import db
@@ -24,8 +24,9 @@ from datapool.batches.exports import export_batch
 from datapool.batches.spec import BatchSpec
 from datapool.db import make_engine
 from datapool.lifecycle.transitions import close_trajectory
-from datapool.models import Batch, TrajectoryStatus
+from datapool.models import Batch, Step, TrajectoryStatus
 from datapool.queries.export import export_trajectories
+from datapool.queries.lineages import lineage_view
 from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord, LineageRecord
 from datapool.steps.store import PoolStore
@@ -277,6 +278,35 @@ def test_a_title_call_under_the_sessions_header_is_a_side_call_of_the_session(
     assert [s for s in store.steps_of("titled") if "prefix_break" in s.flags] == []
 
 
+def test_a_side_call_named_by_header_is_no_break_of_the_main_chain_that_goes_on_after_it(
+    pool_settings: PoolSettings,
+) -> None:
+    # Claude Code's title call (request class ``auxiliary``) between two main turns: a root by
+    # its header, so it starts a tree of its own like an inferred side call; the main turn
+    # after it extends m0 and is not a hidden break against the title (the latest step). The
+    # same from a writer whose memory is rebuilt from the pool.
+    main = LineageRecord(SESSION, None, "main")
+    title = LineageRecord(None, SESSION, "side_call")
+    answered = [SYSTEM, TASK, {"role": "assistant", "content": "ok"}, TASK]
+    store = make_store(pool_settings)
+    [m0] = store.record_call("aside", chat_call([SYSTEM, TASK], [1, 2, 3], [4], main))
+    store.record_call("aside", chat_call([TASK], [1, 50], [51], title))
+    [m1] = store.record_call("aside", chat_call(answered, [1, 2, 3, 4, 5], [6], main))
+    store.record_call("aside", chat_call([TASK], [1, 50], [52], title))
+    store.engine.dispose()
+    store = make_store(pool_settings)
+    [m2] = store.record_call(
+        "aside", chat_call([*answered, TASK], [1, 2, 3, 4, 5, 6, 7], [8], main)
+    )
+    steps = {s.id: s for s in store.steps_of("aside")}
+    assert [s.flags for s in steps.values() if "prefix_break" in s.flags] == []
+    assert [(steps[i].parent_step_id, steps[i].extends_parent) for i in (m1, m2)] == [
+        (m0, True),
+        (m1, True),
+    ]
+    store.engine.dispose()
+
+
 def test_a_fresh_writer_places_a_named_call_within_its_lineage_from_the_stored_steps(
     pool_settings: PoolSettings,
 ) -> None:
@@ -332,6 +362,61 @@ def test_after_a_compaction_request_the_lineage_goes_on_in_the_compaction_unbrok
     mine = [r for r in rows if r["trajectory_id"] == "compacted"]
     assert [r["step_ids"] for r in mine] == [[t0, t1], [c], [p1, p2]]
     assert [r["lineage_id"] for r in mine] == ["thread-1", c, c]
+    store.engine.dispose()
+
+
+def test_a_second_compaction_compacts_the_first_and_the_rows_chain(
+    pool_settings: PoolSettings,
+) -> None:
+    # The thread is compacted twice: turns t0 t1, compaction c1, turns p1 p2 on its summary,
+    # compaction c2 (its history: p2's conversation + "summarise"), turns q1 q2 on the second
+    # summary. Both requests name the thread ("thread-1"); the second compacts what c1's
+    # conversation holds, so its parent is c1, not the thread: thread-1 <- c1 <- c2.
+    store = make_store(pool_settings)
+    thread = LineageRecord("thread-1", None, "main")
+    compaction = LineageRecord(None, "thread-1", "compaction")
+    ok = {"role": "assistant", "content": "ok"}
+    answered = [SYSTEM, TASK, ok, TASK]
+    summary = [SYSTEM, {"role": "user", "content": "Summary: the test was fixed."}]
+    again = [SYSTEM, {"role": "user", "content": "Summary: fixed, then documented."}]
+
+    def record(messages: list[Any], prompt: list[int], lineage: LineageRecord) -> str:
+        [step_id] = store.record_call(
+            "twice", chat_call(messages, prompt, [prompt[-1] + 1], lineage)
+        )
+        return step_id
+
+    t0 = record([SYSTEM, TASK], [1, 2, 3], thread)
+    t1 = record(answered, [1, 2, 3, 4, 5], thread)
+    c1 = record([*answered, ok, TASK], [1, 2, 3, 4, 5, 6, 7], compaction)
+    p1 = record(summary, [1, 2, 30], thread)
+    p2 = record([*summary, ok, TASK], [1, 2, 30, 31, 32], thread)
+    c2 = record([*summary, ok, TASK, ok, TASK], [1, 2, 30, 31, 32, 33, 34], compaction)
+    q1 = record(again, [1, 2, 60], thread)
+    q2 = record([*again, ok, TASK], [1, 2, 60, 61, 62], thread)
+    steps = store.steps_of("twice")
+    assert [s for s in steps if "prefix_break" in s.flags] == []
+    assert [s.parent_step_id for s in steps] == [None, t0, None, None, p1, None, None, q1]
+    assert lineages(store, "twice") == [
+        ("thread-1", None, "main", "headers"),
+        ("thread-1", None, "main", "headers"),
+        (c1, "thread-1", "compaction", "headers"),
+        (c1, "thread-1", "compaction", "headers"),
+        (c1, "thread-1", "compaction", "headers"),
+        (c2, c1, "compaction", "headers"),
+        (c2, c1, "compaction", "headers"),
+        (c2, c1, "compaction", "headers"),
+    ]
+    # A fresh writer (its memory rebuilt from the stored lineages) chains a third the same way.
+    store.engine.dispose()
+    store = make_store(pool_settings)
+    c3 = record([*again, ok, TASK, ok, TASK], [1, 2, 60, 61, 62, 63, 64], compaction)
+    assert lineages(store, "twice")[-1] == (c3, c2, "compaction", "headers")
+    close_trajectory(store.sessions, "twice", TrajectoryStatus.COMPLETE, final_reward=1.0)
+    rows = build_rows(store, BatchSpec(algorithm="sft", layout="merged"))[0].to_pylist()
+    mine = [r for r in rows if r["trajectory_id"] == "twice"]
+    assert [r["step_ids"] for r in mine] == [[t0, t1], [c1], [p1, p2], [c2], [q1, q2], [c3]]
+    assert [r["lineage_id"] for r in mine] == ["thread-1", c1, c1, c2, c2, c3]
     store.engine.dispose()
 
 
@@ -485,6 +570,184 @@ def test_interleaved_claude_code_agents_are_one_lineage_and_one_row_each(
     one = httpx.get(f"{gateway.url}/api/steps/{a[1].id}", timeout=30).json()
     assert (one["lineage_id"], one["lineage_parent_id"]) == ("agent-a", SESSION)
     assert (one["lineage_kind"], one["lineage_source"]) == ("subagent", "headers")
+    store.engine.dispose()
+
+
+def lineage_chat(
+    server: BackgroundServer,
+    trajectory_id: str,
+    messages: list[Any],
+    seed: int,
+    headers: dict[str, str],
+) -> list[Any]:
+    """One unary chat call through the gateway with ``headers`` (trajgate's lineage headers),
+    freely sampled (4 tokens); returns the history the agent sends next: ``messages``, the
+    answer echoed, a new user message."""
+    answer = httpx.post(
+        f"{server.url}/t/{trajectory_id}/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 1.0},
+        headers=headers,
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    echo = {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]}
+    return [*messages, echo, {"role": "user", "content": f"Go on ({seed})."}]
+
+
+def test_through_the_gateway_a_compaction_of_a_compaction_is_parented_by_the_first(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # The real vLLM behind the gateway, trajgate's own headers: the thread "thread-1" takes two
+    # turns, is compacted (X-Trajgate-Lineage-Kind: compaction), goes on from a summary for two
+    # turns, is compacted again and goes on from a second summary. Steps, in call order:
+    # t0 t1 c1 p1 p2 c2 q1 q2.
+    thread = {"X-Trajgate-Lineage": "thread-1"}
+    compact = {**thread, "X-Trajgate-Lineage-Kind": "compaction"}
+    summarise = {"role": "user", "content": "Summarise the conversation so far."}
+    history = lineage_chat(gateway, "compacted-twice", [SYSTEM, TASK], 0, thread)
+    history = lineage_chat(gateway, "compacted-twice", history, 1, thread)
+    lineage_chat(gateway, "compacted-twice", [*history[:-1], summarise], 2, compact)
+    summary = [SYSTEM, {"role": "user", "content": "Summary: the test was found."}]
+    history = lineage_chat(gateway, "compacted-twice", summary, 3, thread)
+    history = lineage_chat(gateway, "compacted-twice", history, 4, thread)
+    lineage_chat(gateway, "compacted-twice", [*history[:-1], summarise], 5, compact)
+    again = [SYSTEM, {"role": "user", "content": "Summary: the test was found and fixed."}]
+    history = lineage_chat(gateway, "compacted-twice", again, 6, thread)
+    lineage_chat(gateway, "compacted-twice", history, 7, thread)
+    steps = steps_of(pool_settings, "compacted-twice")
+    t0, t1, c1, p1, p2, c2, q1, q2 = steps
+    assert [s for s in steps if "prefix_break" in s.flags] == []
+    assert [s.parent_step_id for s in steps] == [None, t0.id, None, None, p1.id, None, None, q1.id]
+    assert [(s.lineage_id, s.lineage_parent_id, s.lineage_kind) for s in steps] == [
+        ("thread-1", None, "main"),
+        ("thread-1", None, "main"),
+        (c1.id, "thread-1", "compaction"),
+        (c1.id, "thread-1", "compaction"),
+        (c1.id, "thread-1", "compaction"),
+        (c2.id, c1.id, "compaction"),
+        (c2.id, c1.id, "compaction"),
+        (c2.id, c1.id, "compaction"),
+    ]
+    # The merged rows chain thread-1 <- c1 <- c2 through their steps' lineage_parent_id.
+    rows = merged_rows(pool_settings, "compacted-twice")
+    assert [r["step_ids"] for r in rows] == [
+        [t0.id, t1.id],
+        [c1.id],
+        [p1.id, p2.id],
+        [c2.id],
+        [q1.id, q2.id],
+    ]
+    assert [r["lineage_id"] for r in rows] == ["thread-1", c1.id, c1.id, c2.id, c2.id]
+
+
+def spawn_a_sub_agent_and_a_side_call(server: BackgroundServer, trajectory_id: str) -> None:
+    """Six calls through the gateway, named by trajgate's headers: the planner's turn 0, its
+    sub-agent "searcher" (parent planner) for two turns, the planner's turn 1, a title call
+    (``side_call`` of the planner) and the planner's turn 2."""
+    planner = {"X-Trajgate-Lineage": "planner"}
+    searcher = {"X-Trajgate-Lineage": "searcher", "X-Trajgate-Lineage-Parent": "planner"}
+    title = {**planner, "X-Trajgate-Lineage-Kind": "side_call"}
+    main = lineage_chat(server, trajectory_id, [SYSTEM, TASK], 0, planner)
+    search = [{"role": "system", "content": "You search."}, TASK]
+    search = lineage_chat(server, trajectory_id, search, 1, searcher)
+    lineage_chat(server, trajectory_id, search, 2, searcher)
+    main = lineage_chat(server, trajectory_id, main, 3, planner)
+    lineage_chat(server, trajectory_id, [{"role": "user", "content": "Title this."}], 4, title)
+    lineage_chat(server, trajectory_id, main, 5, planner)
+
+
+def test_the_inspector_view_nests_each_lineage_under_its_spawning_step_with_its_rows(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # Steps in call order: m0 s0 s1 m1 t0 m2. The searcher's spawning step is the planner's
+    # latest call before s0 (m0); the title's is the planner's latest before t0 (m1). Merged
+    # rows by first step: 0 = [m0, m1, m2], 1 = [s0, s1], 2 = [t0].
+    spawn_a_sub_agent_and_a_side_call(gateway, "spawned")
+    m0, s0, s1, m1, t0, m2 = steps_of(pool_settings, "spawned")
+    view = httpx.get(f"{gateway.url}/api/inspector/trajectories/spawned", timeout=30).json()
+    assert view["lineages"] == [
+        {
+            "id": "planner",
+            "parent_id": None,
+            "kind": "main",
+            "source": "headers",
+            "first_step_id": m0.id,
+            "spawning_step_id": None,
+            "steps": 3,
+            "rows": [{"segment_index": 0, "step_ids": [m0.id, m1.id, m2.id]}],
+        },
+        {
+            "id": "searcher",
+            "parent_id": "planner",
+            "kind": "subagent",
+            "source": "headers",
+            "first_step_id": s0.id,
+            "spawning_step_id": m0.id,
+            "steps": 2,
+            "rows": [{"segment_index": 1, "step_ids": [s0.id, s1.id]}],
+        },
+        {
+            "id": t0.id,
+            "parent_id": "planner",
+            "kind": "side_call",
+            "source": "headers",
+            "first_step_id": t0.id,
+            "spawning_step_id": m1.id,
+            "steps": 1,
+            "rows": [{"segment_index": 2, "step_ids": [t0.id]}],
+        },
+    ]
+    assert [s["segment_index"] for s in view["steps"]] == [0, 1, 1, 0, 2, 0]
+    # The view's rows are the merged batch's rows.
+    rows = merged_rows(pool_settings, "spawned")
+    assert [r["step_ids"] for r in rows] == [[m0.id, m1.id, m2.id], [s0.id, s1.id], [t0.id]]
+    assert [r["segment_index"] for r in rows] == [0, 1, 2]
+
+
+def test_a_sub_agent_after_a_compaction_is_spawned_by_the_compactions_latest_call(
+    pool_settings: PoolSettings,
+) -> None:
+    # The thread compacts (c1) and goes on in c1 (p1); then a sub-agent whose header names the
+    # thread starts (a0). The thread's calls now live in c1, so a0's spawning step is p1, not
+    # the thread's last pre-compaction call t0. A failed call of the thread (f) spawns nothing:
+    # the sub-agent a1 started after it is still spawned by p1. Rows leave f out.
+    store = make_store(pool_settings)
+    thread = LineageRecord("thread-1", None, "main")
+    sub = LineageRecord("agent-1", "thread-1", "subagent")
+    ok = {"role": "assistant", "content": "ok"}
+    summary = [SYSTEM, {"role": "user", "content": "Summary."}]
+    compaction = LineageRecord(None, "thread-1", "compaction")
+    [t0] = store.record_call("spawn", chat_call([SYSTEM, TASK], [1, 2, 3], [4], thread))
+    [c1] = store.record_call(
+        "spawn", chat_call([SYSTEM, TASK, ok, TASK], [1, 2, 3, 4, 5], [6], compaction)
+    )
+    [p1] = store.record_call("spawn", chat_call(summary, [1, 2, 30], [31], thread))
+    [a0] = store.record_call("spawn", chat_call([SYSTEM, TASK], [1, 2, 40], [41], sub))
+    [f] = store.record_call(
+        "spawn", chat_call([*summary, ok, TASK], [], [], thread, outcome="upstream_error")
+    )
+    other = LineageRecord("agent-2", "thread-1", "subagent")
+    [a1] = store.record_call("spawn", chat_call([SYSTEM, TASK], [1, 2, 50], [51], other))
+    with store.sessions() as session:
+        steps = list(
+            session.scalars(
+                select(Step).where(Step.trajectory_id == "spawn").order_by(Step.step_index)
+            )
+        )
+    found, segment_index = lineage_view(steps, {f: "outcome 'upstream_error'"})
+    assert [(x["id"], x["spawning_step_id"]) for x in found] == [
+        ("thread-1", None),
+        (c1, t0),
+        ("agent-1", p1),
+        ("agent-2", p1),
+    ]
+    assert [x["rows"] for x in found] == [
+        [{"segment_index": 0, "step_ids": [t0]}],
+        [{"segment_index": 1, "step_ids": [c1]}, {"segment_index": 2, "step_ids": [p1]}],
+        [{"segment_index": 3, "step_ids": [a0]}],
+        [{"segment_index": 4, "step_ids": [a1]}],
+    ]
+    assert segment_index == {t0: 0, c1: 1, p1: 2, a0: 3, f: None, a1: 4}
     store.engine.dispose()
 
 

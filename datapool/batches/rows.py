@@ -27,8 +27,9 @@ version span (a step sampled across a kept full-weight update has several).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +47,7 @@ VERSION_SPANS = pa.list_(
     pa.struct([("version", pa.int32()), ("start", pa.int32()), ("end", pa.int32())])
 )
 FloatArray = npt.NDArray[np.float32]
+Item = TypeVar("Item")  # what a row is made of: ``StepTokens``, or a ``Step`` for a view
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,7 @@ class StepTokens:
     @property
     def temperature(self) -> float:
         """The temperature the stored logprobs are at (1.0 for steps recorded before it was)."""
-        sampling = self.row.sampling
-        return 1.0 if not sampling else float(sampling.get("logprobs_temperature", 1.0))
+        return temperature_of(self.row)
 
     def version_spans(self) -> list[tuple[int | None, int, int]]:
         """``(version, start, end)`` over the response tokens, in order (one span when the
@@ -105,16 +106,56 @@ def load_tokens(
     return result
 
 
+def temperature_of(step: Step) -> float:
+    """The temperature step ``step``'s stored logprobs are at (1.0 for steps recorded before
+    it was)."""
+    sampling = step.sampling
+    return 1.0 if not sampling else float(sampling.get("logprobs_temperature", 1.0))
+
+
+def continues(tail: Step, step: Step) -> bool:
+    """Whether ``step`` may grow a merged row ending at ``tail`` by what the pool stored: its
+    parent is ``tail``, its prompt extends ``tail``'s ``P + R`` (``extends_parent``, judged by
+    tokens when it was written), at the same temperature. ``segments`` also checks the tokens."""
+    return (
+        step.parent_step_id == tail.id
+        and bool(step.extends_parent)
+        and temperature_of(step) == temperature_of(tail)
+    )
+
+
 def _extends(tail: StepTokens, step: StepTokens) -> bool:
     n = tail.tokens
     return (
-        step.row.parent_step_id == tail.row.id
-        and bool(step.row.extends_parent)
-        and step.temperature == tail.temperature
+        continues(tail.row, step.row)
         and len(step.prompt) >= n
         and np.array_equal(step.prompt[: len(tail.prompt)], tail.prompt)
         and np.array_equal(step.prompt[len(tail.prompt) : n], tail.response)
     )
+
+
+def conversation_rows(
+    items: Sequence[Item], row_of: Callable[[Item], Step], extends: Callable[[Item, Item], bool]
+) -> list[list[Item]]:
+    """Merged rows of one trajectory's trainable ``items`` (in step order), ordered by their
+    first step: each item grows the open row whose last item is its parent (``row_of``) when
+    ``extends(last, item)``, whatever items of other conversations came in between (a
+    sub-agent's, a side call's); else it starts a row. A second child of one step (a fork)
+    starts its own row: the first child took the row. One row per conversation that goes on
+    exactly, so a row never crosses lineages."""
+    result: list[list[Item]] = []
+    open_by_tail: dict[str, list[Item]] = {}  # a row by its last step's id
+    for item in items:
+        step = row_of(item)
+        row = open_by_tail.get(step.parent_step_id) if step.parent_step_id else None
+        if row is not None and extends(row[-1], item):
+            del open_by_tail[row_of(row[-1]).id]
+            row.append(item)
+        else:
+            row = [item]
+            result.append(row)
+        open_by_tail[step.id] = row
+    return result
 
 
 def segments(
@@ -123,33 +164,20 @@ def segments(
     """Cut a trajectory's trainable ``steps`` (in order) into rows, ordered by their first step;
     returns ``(segments, steps dropped because a single step exceeds max_tokens_per_row)``.
 
-    ``merged`` grows, for each step, the open segment whose last step is the step's parent when
-    the step extends it token-exactly, whatever steps of other conversations came in between
-    (a sub-agent's, a side call's, another conversation's): one row per conversation. A
-    prefix break, a second child of the same step (a fork: the first child took the segment),
-    a dropped parent, another temperature or the row cap start a new segment. ``per_step`` is
-    one step each.
+    ``merged`` is ``conversation_rows`` with the tokens checked (``_extends``): a prefix break,
+    a fork, a dropped parent, another temperature start a new segment; a merged row is its last
+    step's ``P + R``, so the cap on each step holds for the row. ``per_step`` is one step each.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    result: list[list[StepTokens]] = []
-    open_by_tail: dict[str, list[StepTokens]] = {}  # a segment by its last step's id
-    dropped = 0
-    for step in steps:
-        if max_tokens_per_row is not None and step.tokens > max_tokens_per_row:
-            dropped += 1
-            continue
-        parent = step.row.parent_step_id
-        segment = open_by_tail.get(parent) if layout == "merged" and parent else None
-        # A merged row is its last step's P + R, so the cap checked above holds for it too.
-        if segment is not None and _extends(segment[-1], step):
-            del open_by_tail[segment[-1].row.id]
-            segment.append(step)
-        else:
-            segment = [step]
-            result.append(segment)
-        open_by_tail[step.row.id] = segment
-    return result, dropped
+    kept = [s for s in steps if max_tokens_per_row is None or s.tokens <= max_tokens_per_row]
+    if layout == "merged":
+        return conversation_rows(kept, _row_of, _extends), len(steps) - len(kept)
+    return [[s] for s in kept], len(steps) - len(kept)
+
+
+def _row_of(step: StepTokens) -> Step:
+    return step.row
 
 
 def segment_tokens(segment: Sequence[StepTokens]) -> int:

@@ -6,6 +6,8 @@
   ``list_page``, ``trajectory_view``, ``describe``, ``list_marks``).
 - ``conversation``: what each step of a trajectory added to its conversation, and one step's
   full conversation on demand (``conversation_deltas``, ``step_history``).
+- ``lineages``: a trajectory as its lineages, each with its spawning step and merged rows
+  (``lineage_view``).
 - ``steps``: one step, and its tokens with their text, whole or a window at a time
   (``step_view``, ``step_tokens``).
 - ``groups``: a group of rollouts with its counts (``group_with_counts``, ``group_rollouts``).

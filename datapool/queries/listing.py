@@ -33,6 +33,7 @@ from datapool.models import (
     UTCTimestamp,
 )
 from datapool.queries.conversation import conversation_deltas
+from datapool.queries.lineages import lineage_view
 from datapool.queries.rewards import reward_names
 from datapool.queries.specs import channel_specs, judged_spec
 from datapool.rewards.values import current_rewards
@@ -411,7 +412,9 @@ def trajectory_view(
     once in ``tools``), their rewards, labels and marks, and ``readiness`` for a batch: judged
     against ``readiness.spec`` (see ``datapool.queries.specs.judged_spec``; the newest batch
     spec of the trajectory's channel unless ``batch_id`` or ``chosen_rewards`` choose), with
-    ``readiness.specs`` the channel's recent specs to choose from; None for an unknown id."""
+    ``readiness.specs`` the channel's recent specs to choose from; ``lineages`` and each step's
+    ``segment_index``: its conversations and the merged rows they train as
+    (``datapool.queries.lineages``); None for an unknown id."""
     with sessions() as session:
         trajectory = session.get(Trajectory, trajectory_id)
         if trajectory is None:
@@ -425,6 +428,10 @@ def trajectory_view(
         verdict = assess(session, [trajectory], spec["reward_names"], step_rows=steps)[
             trajectory_id
         ]
+    lineages, segment_index = lineage_view(steps, verdict.excluded_steps)
+    row["lineages"] = lineages
+    for step in row["steps"]:
+        step["segment_index"] = segment_index[step["id"]]
     row["readiness"] = {
         "ready": verdict.ready,
         "reasons": verdict.reasons,

@@ -17,7 +17,9 @@ those of the side calls and compactions that came from it only (``within``), so 
 sub-agents never hang on each other's steps; its first call is a root. A compaction request
 (kind ``compaction`` by header) starts a lineage whose parent is the one it compacts; the next
 call of that lineage that does not extend it (its history is the summary) is no break but the
-compaction lineage's next root, and the lineage's later calls go on there. Without a
+compaction lineage's next root, and the lineage's later calls go on there; a second
+compaction request of that lineage compacts the first compaction's conversation, so its parent
+is that compaction lineage (the lineages chain). Without a
 header a call stays in its parent step's lineage (a fork in its twin's, a failed call in the
 latest step's), and a side call (``prefix.SIDE_CALL``, also inside a named lineage) starts a new
 lineage of kind ``side_call`` whose parent is the lineage it was compared with; a lineage that
@@ -264,6 +266,8 @@ class TrajectoryTokens:
         lineage's steps only (``within``); one that starts a lineage by header is a root.
         """
         named = call.lineage
+        if named is not None and named.kind == "compaction" and named.id is None:
+            named = self._compaction_of(named)
         view = self
         if named is not None:
             view = self.within(named.id) if named.id is not None else TrajectoryTokens()
@@ -299,6 +303,19 @@ class TrajectoryTokens:
             self.keys_of(parent),
             conversation,
         )
+
+    def _compaction_of(self, named: LineageRecord) -> LineageRecord:
+        """A compaction request named by header (it starts a lineage, ``named.id`` None) whose
+        header names lineage ``L``: its parent is the lineage ``L``'s calls go on in now, the
+        latest compaction of ``L`` (a compaction of a compaction) or ``L`` itself, so the
+        compactions of one conversation chain (``L`` <- ``c1`` <- ``c2``)."""
+        if named.parent_id is None:
+            return named
+        for candidate in reversed(self.within(named.parent_id).candidates):
+            line = candidate.conversation
+            if line.id == named.parent_id or line.kind == "compaction":
+                return replace(named, parent_id=line.id)
+        return named
 
     def _compacted(self, named: LineageRecord | None) -> _Candidate | None:
         """In a named lineage's memory (``within``), its latest step outside side calls when
@@ -436,7 +453,10 @@ class TrajectoryTokens:
         answered (its ``step_index``; choices of one call share it, None: a call of its own)
         and its break facts (``kind``, ``detail``)."""
         tree = None
-        if parent.parent_step_id is None and kind == SIDE_CALL:
+        # A side call starts a tree of its own, inferred (``SIDE_CALL``) or named by a header
+        # (a root of a ``side_call`` lineage): the main chain's next call is no break after it.
+        aside = conversation is not None and conversation.kind == "side_call"
+        if parent.parent_step_id is None and (kind == SIDE_CALL or aside):
             tree = step_id
         elif parent.parent_step_id is not None:
             tree = next(

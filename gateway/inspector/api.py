@@ -132,8 +132,10 @@ async def trajectory_view(
 ) -> dict[str, Any]:
     """One trajectory and its steps in order (of each step's messages only those it added to
     its parent's, ``messages_base`` saying how many it repeats; its tool list as a key of
-    ``tools``; response, rewards, labels, rule marks, lineage and prefix-break windows; no token
-    IDs), with its batch readiness judged
+    ``tools``; response, rewards, labels, rule marks, lineage and prefix-break windows, the
+    merged row it trains in as ``segment_index``; no token IDs), its ``lineages`` (each
+    conversation's kind, parent, spawning step and rows: ``datapool.queries.lineages``), with
+    its batch readiness judged
     against ``readiness.spec``: ``batch_id``'s spec, else a spec requiring the ``reward_name``
     values, else the newest batch spec of the trajectory's channel (else the pool's newest
     reward name)."""

@@ -40,7 +40,10 @@ class PoolRow:
     when the gateway had none registered). ``reward`` / ``advantage``: None when unrewarded or
     without a baseline (missing is never 0). ``temperature``: the temperature the behaviour
     logprobs are at (a trainer must divide its logits by it; 1.0 in batches made before the
-    column existed).
+    column existed). ``lineage_id``: the conversation of the trajectory the row is (a main
+    agent, a sub-agent, a side call; docs/gateway.md "Lineages"): a row never crosses
+    lineages, and a trajectory with a sub-agent is several rows, told apart by it (None in
+    batches made before the column existed).
     """
 
     trajectory_id: str
@@ -55,6 +58,7 @@ class PoolRow:
     advantage: float | None
     step_ids: list[str]
     temperature: float = 1.0
+    lineage_id: str | None = None
 
 
 def _finite_or_none(value: float | None) -> float | None:
@@ -76,6 +80,11 @@ def pool_rows(table: pa.Table) -> list[PoolRow]:
         table["temperature"].to_pylist()
         if "temperature" in table.column_names
         else [1.0] * table.num_rows
+    )
+    lineages = (
+        table["lineage_id"].to_pylist()
+        if "lineage_id" in table.column_names
+        else [None] * table.num_rows
     )
     rows: list[PoolRow] = []
     for i in range(table.num_rows):
@@ -104,6 +113,7 @@ def pool_rows(table: pa.Table) -> list[PoolRow]:
                 advantage=_finite_or_none(columns["advantage"][i]),
                 step_ids=columns["step_ids"][i],
                 temperature=float(temperatures[i]),
+                lineage_id=lineages[i],
             )
         )
     return rows

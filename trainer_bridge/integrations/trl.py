@@ -37,8 +37,8 @@ def rollout_output(rows: Sequence[PoolRow], trajectory_ids: Sequence[str]) -> di
     """TRL's ``rollout_func`` answer: one row per trajectory of ``trajectory_ids`` (the episodes
     of the prompts, in the prompts' order).
 
-    Extra keys, passed per row to TRL's reward functions: ``trajectory_id``, ``group_id``,
-    ``policy_version``, ``pool_reward``, ``pool_advantage``, ``step_ids``.
+    Extra keys, passed per row to TRL's reward functions: ``trajectory_id``, ``lineage_id``,
+    ``group_id``, ``policy_version``, ``pool_reward``, ``pool_advantage``, ``step_ids``.
 
     Raises:
         ValueError: an episode has no row, or more than one (a prefix break or a tree splits a
@@ -63,6 +63,7 @@ def rollout_output(rows: Sequence[PoolRow], trajectory_ids: Sequence[str]) -> di
         "logprobs": [row.completion_logprobs for row in chosen],
         "env_mask": [row.completion_mask for row in chosen],
         "trajectory_id": [row.trajectory_id for row in chosen],
+        "lineage_id": [row.lineage_id for row in chosen],
         "group_id": [row.group_id for row in chosen],
         "policy_version": [row.policy_version for row in chosen],
         "pool_reward": [row.reward for row in chosen],

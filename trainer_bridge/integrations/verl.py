@@ -17,8 +17,8 @@ Owns: ``PoolAgentLoop`` (one agent episode per sample through the gateway, then 
 and ``agent_loop_outputs`` (pool rows → outputs; a tree's leaves and the pieces of a prefix
 break are separate outputs). Never: tokenizes, or changes a value. The pool's reward of the
 trajectory is each row's ``reward_score``; ``extra_fields`` carry ``trajectory_id``,
-``group_id``, ``policy_version``, ``step_ids`` and an empty ``reward_extra_info`` (the
-TransferQueue trainer copies the last output's to the others).
+``lineage_id``, ``group_id``, ``policy_version``, ``step_ids`` and an empty
+``reward_extra_info`` (the TransferQueue trainer copies the last output's to the others).
 
 Weights the other way: after verl syncs new weights into its rollout servers, tell the gateway
 the new version with ``POST /admin/policy-versions {"version", "model_name", "activate": true}``
@@ -46,6 +46,9 @@ from trainer_bridge.integrations.rows import PoolRow
 
 def agent_loop_outputs(rows: Sequence[PoolRow]) -> list[AgentLoopOutput]:
     """One ``AgentLoopOutput`` per row, in order; ``num_turns``: 2 per step (user + assistant).
+    Its ``extra_fields`` (verl's ``non_tensor_batch`` per sample): ``trajectory_id``,
+    ``lineage_id`` (the row's conversation: a main agent's and a sub-agent's rows of one
+    trajectory differ in it), ``group_id``, ``policy_version``, ``step_ids``.
 
     Raises:
         ValueError: a row is unrewarded (verl would score it 0 or not at all; missing is not 0).
@@ -67,6 +70,7 @@ def agent_loop_outputs(rows: Sequence[PoolRow]) -> list[AgentLoopOutput]:
                 metrics=AgentLoopMetrics(),
                 extra_fields={
                     "trajectory_id": row.trajectory_id,
+                    "lineage_id": row.lineage_id,
                     "group_id": row.group_id,
                     "policy_version": row.policy_version,
                     "step_ids": row.step_ids,

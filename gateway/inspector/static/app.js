@@ -81,6 +81,9 @@ document.addEventListener("alpine:init", () => {
     readinessBatch: "",
     stepOrder: [],
     isTree: false,
+    isLineages: false,
+    stepIndexOf: {},
+    lineageDepth: {},
     // Full conversations fetched on demand, by step id (the trajectory view sends only what
     // each step added to its parent's).
     histories: {},
@@ -386,13 +389,18 @@ document.addEventListener("alpine:init", () => {
         // Readiness is judged against the newest batch spec of the channel unless one is chosen.
         const chosen = this.readinessBatch ? `?batch_id=${encodeURIComponent(this.readinessBatch)}` : "";
         const traj = await this.api(`/api/inspector/trajectories/${encodeURIComponent(id)}${chosen}`);
-        this.layoutSteps(traj.steps);
+        this.layoutSteps(traj.steps, traj.lineages || []);
         this.traj = traj;
       } catch (err) { this.fail(err); }
     },
     // Steps in call order; a tree (indented under their parent) when some step has two
-    // children or its parent is not the step before it.
-    layoutSteps(steps) {
+    // children or its parent is not the step before it. A trajectory of several lineages is
+    // laid out by lineage instead (layoutLineages).
+    layoutSteps(steps, lineages = []) {
+      this.stepIndexOf = Object.fromEntries(steps.map((s) => [s.id, s.step_index]));
+      this.isLineages = lineages.length > 1 && steps.every((s) => s.lineage_id);
+      this.lineageDepth = this.lineageDepths(lineages);
+      if (this.isLineages) { this.isTree = false; this.stepOrder = this.layoutLineages(steps, lineages); return; }
       const children = new Map();
       const byId = new Map(steps.map((s) => [s.id, s]));
       let tree = false;
@@ -417,6 +425,68 @@ document.addEventListener("alpine:init", () => {
       };
       visit(null, 0);
       this.stepOrder = order;
+    },
+    // Each lineage's steps in order; after each step, the lineages it spawned (its
+    // spawning_step_id): a sub-agent or side call one level deeper, a compaction at the same
+    // depth (the conversation goes on there). A lineage without a spawning step follows its
+    // parent lineage's steps; one without a parent in the trajectory is a root. The first step
+    // of each lineage carries lineageStart (its header). O(steps + lineages).
+    layoutLineages(steps, lineages) {
+      const byId = new Map(lineages.map((l) => [l.id, { ...l, stepList: [] }]));
+      steps.forEach((s) => byId.get(s.lineage_id).stepList.push(s));
+      const spawned = new Map();
+      const after = new Map();
+      const add = (map, key, l) => { if (!map.has(key)) map.set(key, []); map.get(key).push(l); };
+      for (const l of byId.values()) {
+        if (l.spawning_step_id) add(spawned, l.spawning_step_id, l);
+        else if (l.parent_id && byId.has(l.parent_id)) add(after, l.parent_id, l);
+      }
+      const order = [];
+      const seen = new Set();
+      const visit = (l, depth) => {
+        if (seen.has(l.id)) return;
+        seen.add(l.id);
+        const deeper = (child) => (child.kind === "compaction" ? depth : depth + 1);
+        l.stepList.forEach((s, k) => {
+          order.push({ ...s, depth: Math.min(depth, 12), lineageStart: k === 0 ? l : null });
+          for (const child of spawned.get(s.id) || []) visit(child, deeper(child));
+        });
+        for (const child of after.get(l.id) || []) visit(child, deeper(child));
+      };
+      for (const l of byId.values()) {
+        if (!l.spawning_step_id && !(l.parent_id && byId.has(l.parent_id))) visit(l, 0);
+      }
+      for (const l of byId.values()) visit(l, 0); // a parent cycle (headers can name one)
+      return order;
+    },
+    // "subagent searcher (of planner) · spawned by step 0 · 2 steps · 1 training row": a
+    // lineage's header above its first step.
+    lineageHead(l) {
+      const parts = [this.lineageText({ lineage_kind: l.kind, lineage_id: l.id, lineage_parent_id: l.parent_id })];
+      const spawner = l.spawning_step_id && this.stepIndexOf[l.spawning_step_id];
+      if (spawner !== undefined && spawner !== null) parts.push(`${l.kind === "subagent" ? "spawned by" : "after"} step ${spawner}`);
+      parts.push(`${l.steps} step${l.steps === 1 ? "" : "s"}`);
+      parts.push(`${l.rows.length} training row${l.rows.length === 1 ? "" : "s"}`);
+      return parts.join(" · ");
+    },
+    // "row 2 (steps 1, 3)": which steps of the trajectory one merged row holds.
+    rowText(r) {
+      return `row ${r.segment_index} (step${r.step_ids.length === 1 ? "" : "s"} ${r.step_ids.map((id) => this.stepIndexOf[id]).join(", ")})`;
+    },
+    // How many parent lineages a lineage has in the trajectory (the panel's indent), once per
+    // view: lineages come in order of their first step, so a parent's depth is usually known.
+    lineageDepths(lineages) {
+      const byId = new Map(lineages.map((l) => [l.id, l]));
+      const depths = {};
+      for (const l of lineages) {
+        let depth = 0;
+        for (let p = byId.get(l.parent_id); p && depth < 12; p = byId.get(p.parent_id)) {
+          if (depths[p.id] !== undefined) { depth += depths[p.id] + 1; break; }
+          depth += 1;
+        }
+        depths[l.id] = Math.min(depth, 12);
+      }
+      return depths;
     },
     // "subagent agent-a (of 5f0c7a52…)": the conversation (lineage) a step belongs to.
     lineageText(s) {
