@@ -96,8 +96,8 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
         "TRAJGATE_TRAINER_MICRO_BATCH_TOKENS": "40",
         "TRAJGATE_TRAINER_ACTIVATION_CHECKPOINTING": "true",
     }
-    gateway = BackgroundServer(
-        create_app(GatewaySettings(upstream_url="http://127.0.0.1:9", port=free_port()), pool),
+    gateway = BackgroundServer(  # it loads the adapter into vLLM (POST /admin/weight-updates)
+        create_app(GatewaySettings(upstream_url=vllm.url, port=free_port()), pool),
         port=free_port(),
     ).start()
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from gateway_helpers import steps_of
+from gateway_helpers import gateway_with, steps_of
 from tests_support import free_port
 
 from datapool.settings import PoolSettings
@@ -380,9 +380,11 @@ def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
-    """Publish before ack: with vLLM unreachable, the update is tried ``publish_attempts``
-    times, the batch goes back to the pool unconsumed and no version is registered (acking
-    first consumed the batch while its update died with the process)."""
+    """Publish before ack: with vLLM unreachable from the gateway that publishes (a second
+    gateway on the same pool, whose replica nothing listens at), the update is tried
+    ``publish_attempts`` times (502 ``weight_update_failed`` each), the batch goes back to the
+    pool unconsumed and no version is registered (acking first consumed the batch while its
+    update died with the process)."""
     from trainer_bridge.loop import LoopSettings, PublishFailedError, run_loop
 
     api = httpx.Client(base_url=gateway.url, timeout=120)
@@ -401,21 +403,24 @@ def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
             f"/api/trajectories/{trajectory}/complete", json={"reward": reward}
         ).raise_for_status()
     said: list[str] = []
-    loop = LoopSettings(
-        gateway_url=gateway.url,
-        vllm_urls=[f"http://127.0.0.1:{free_port()}"],  # nothing listens there
-        consumer="unpublished",
-        spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
-        max_updates=1,
-        adapter_dir=tmp_path,
-        adapter_prefix="unpublished",
-        publish_attempts=2,
-        publish_retry_s=0.05,
-    )
-    settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2)
-    with pytest.raises(PublishFailedError, match="failed 2 times"):
-        run_loop(loop, settings, say=said.append)
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with gateway_with(pool_settings, free_port(), upstream_url=unreachable) as publisher:
+        loop = LoopSettings(
+            gateway_url=publisher.url,
+            vllm_urls=[unreachable],
+            consumer="unpublished",
+            spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
+            max_updates=1,
+            adapter_dir=tmp_path,
+            adapter_prefix="unpublished",
+            publish_attempts=2,
+            publish_retry_s=0.05,
+        )
+        settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2)
+        with pytest.raises(PublishFailedError, match="failed 2 times") as failed:
+            run_loop(loop, settings, say=said.append)
     assert len(said) == 1 and "try 2 of 2" in said[0]
+    assert "502" in str(failed.value.__cause__) and "weight_update_failed" in said[0]
     [batch] = api.get("/api/batches").json()
     assert batch["status"] == "ready", batch
     # Still leasable by the next trainer; and no version 1 was registered.
