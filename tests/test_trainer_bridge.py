@@ -327,7 +327,6 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     assert 4 <= sampled_tokens <= 4 * 6
     loop = LoopSettings(
         gateway_url=gateway.url,
-        vllm_urls=[vllm.url],
         consumer="loop-test",
         spec={"channel": "train", "algorithm": "grpo", "group_size": 4},
         max_updates=1,
@@ -407,7 +406,6 @@ def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
     with gateway_with(pool_settings, free_port(), upstream_url=unreachable) as publisher:
         loop = LoopSettings(
             gateway_url=publisher.url,
-            vllm_urls=[unreachable],
             consumer="unpublished",
             spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
             max_updates=1,
