@@ -7,7 +7,9 @@ The real vLLM is the shared one (``--enable-lora``, runtime LoRA updates on, as 
 tests/test_trainer_bridge.py use it): adapters are loaded under a prefix of their own per test
 and unloaded when the test ends, and nothing here reloads its base weights. A replica without
 LoRA is the project's emulator (``trajgate.bench.emulator``), which has no LoRA route, as vLLM
-without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (404).
+without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (404). vLLM's other answers to a load (its engine
+without ``--enable-lora``, which the shared server is not) are played by ``httpx.MockTransport``
+with vLLM 0.32's bodies, the edge we do not own.
 """
 
 from __future__ import annotations
@@ -253,3 +255,67 @@ def test_a_weight_update_mixing_the_formats_fields_is_400_naming_the_field(
     assert refused.status_code == 400, refused.text
     assert param in str(refused.json()["error"]["param"])
     assert versions == []
+
+
+# vLLM 0.32's answers to /v1/load_lora_adapter (read in vllm/entrypoints/serve/lora and
+# openai/models/serving.py; the "No adapter found" one seen on the shared server).
+LORA_OFF = {
+    "error": {
+        "message": "LoRA is not enabled. Use --enable-lora to enable LoRA.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+NO_ADAPTER = {
+    "error": {
+        "message": "Loading lora a-v1 failed: No adapter found for /x",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
+}
+TAKEN = {
+    "error": {
+        "message": "The lora adapter 'a-v1' has already been loaded.",
+        "type": "InvalidUserInput",
+        "param": None,
+        "code": 400,
+    }
+}
+ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("status", "answer", "code"),
+    [
+        (404, {"detail": "Not Found"}, "lora_not_enabled"),  # runtime LoRA updates off
+        (500, LORA_OFF, "lora_not_enabled"),  # --enable-lora missing
+        (404, NO_ADAPTER, "lora_adapter_not_found"),
+        (400, TAKEN, "lora_adapter_refused"),
+        (500, ENGINE_DEAD, None),  # a failing replica: 502 weight_update_failed
+    ],
+    ids=["no-route", "no-lora-engine", "no-adapter", "name-taken", "engine-failed"],
+)
+@pytest.mark.anyio
+async def test_a_refused_adapter_is_told_from_a_failing_replica_by_vllms_answer(
+    status: int, answer: dict[str, Any], code: str | None
+) -> None:
+    from gateway.upstream.adapters import AdapterRefusedError, load_adapter
+    from gateway.upstream.weight_update import ReloadError
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json=answer)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(vllm)) as client:
+        with pytest.raises(ReloadError) as raised:
+            await load_adapter(client, ["http://replica"], "a-v1", "/x", 5.0, in_place=False)
+    failure = raised.value
+    assert (failure.code if isinstance(failure, AdapterRefusedError) else None) == code
