@@ -5,7 +5,7 @@ Owns: what the trainer sends to publish a version, and the end-of-run cleanup of
 Both formats go through ``POST /admin/weight-updates`` of the gateway, which loads the weights
 into every replica it routes to, registers and activates the version, and answers once calls
 are served by it (its failure rules, deadlines and error envelope are the gateway's:
-docs/gateway.md, "Weight updates"):
+docs/gateway.md, "Full-weight updates" and "LoRA updates"):
 
 - LoRA (``weight_format: "lora"``): the gateway loads the adapter as
   ``<adapter_prefix>-v<version>``, a new name per version, switches the alias to it and unloads
