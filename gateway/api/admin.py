@@ -395,6 +395,8 @@ async def _publish_adapter(body: WeightUpdateCreate, state: GatewayState) -> Wei
     unloaded one would serve it); calls resolving after the switch sample on the new one. So
     several worker processes may publish LoRA (the others pick the switch up within
     ``policy_refresh_s``, their previous adapter still loaded: ``lora_adapters_kept`` >= 2).
+    It runs between this process's full-weight pauses (``WeightGate.exclusive``): no adapter
+    is loaded into a replica being paused or reloaded, and two updates' unloads never cross.
 
     The failure rules of full weights: the version is claimed before anything loads (409
     ``policy_version_conflict`` for other weights under it; an identical re-send loads the
@@ -437,32 +439,33 @@ async def _publish_adapter(body: WeightUpdateCreate, state: GatewayState) -> Wei
             await unload_adapters(state.client, url, [name], timeout_s)
         await run_in_threadpool(state.policy.unregister_unused, body.version)
 
-    try:
-        await load_adapter(
-            state.client,
-            urls,
-            name,
-            location,
-            settings.upstream_total_timeout_s,
-            in_place=not claimed,
-        )
-    except ReloadError as exc:
-        await give_back(exc.reloaded)
-        raise _adapter_error(exc, name, body.version) from exc
-    try:
-        await run_in_threadpool(state.policy.register, body.version, name, location, True)
-    except BaseException:
-        await give_back(urls)
-        raise
-    registered = [
-        (row.version, row.model_name) for row in await run_in_threadpool(state.policy.list)
-    ]
-    unloaded: list[str] = []
-    for url, listed in (await listed_adapters(state.client, urls, timeout_s)).items():
-        stale = stale_adapters(listed, registered, settings.lora_adapters_kept, name)
-        for gone in await unload_adapters(state.client, url, stale, timeout_s):
-            if gone not in unloaded:
-                unloaded.append(gone)
+    async with state.upstreams.gate.exclusive():  # one update of the replicas at a time
+        try:
+            await load_adapter(
+                state.client,
+                urls,
+                name,
+                location,
+                settings.upstream_total_timeout_s,
+                in_place=not claimed,
+            )
+        except ReloadError as exc:
+            await give_back(exc.reloaded)
+            raise _adapter_error(exc, name, body.version) from exc
+        try:
+            await run_in_threadpool(state.policy.register, body.version, name, location, True)
+        except BaseException:
+            await give_back(urls)
+            raise
+        registered = [
+            (row.version, row.model_name) for row in await run_in_threadpool(state.policy.list)
+        ]
+        unloaded: list[str] = []
+        for url, listed in (await listed_adapters(state.client, urls, timeout_s)).items():
+            stale = stale_adapters(listed, registered, settings.lora_adapters_kept, name)
+            for gone in await unload_adapters(state.client, url, stale, timeout_s):
+                if gone not in unloaded:
+                    unloaded.append(gone)
     return WeightUpdatePublic(
         version=body.version,
         weight_format="lora",

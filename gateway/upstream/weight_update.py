@@ -71,7 +71,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -363,6 +364,15 @@ class WeightGate:
             except TimeoutError:
                 return not self._tickets
         return True
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Run the body between pauses, the gate left open: a LoRA update
+        (``gateway.upstream.adapters``) must not load an adapter into replicas a full-weight
+        update has paused or is reloading, nor unload adapters while another update picks
+        them. Calls pass as usual."""
+        async with self._lock:
+            yield
 
     async def pause(
         self, during: Callable[[], Awaitable[T]], drain_timeout_s: float
