@@ -63,8 +63,8 @@ class AdapterRefusedError(ReloadError):
 
     ``code``: ``lora_not_enabled`` (the replica runs without runtime LoRA),
     ``lora_adapter_not_found`` (no adapter at the path, as the replica sees its disk) or
-    ``lora_adapter_refused`` (any other refusal, vLLM's message kept: a name already loaded, a
-    rank above its ``--max-lora-rank``). ``reloaded``: the replicas that had loaded it before.
+    ``lora_adapter_refused`` (any other 4xx, vLLM's message kept: a name already loaded).
+    ``reloaded``: the replicas that had loaded it before.
     """
 
     def __init__(self, url: str, loaded: list[str], detail: str, code: str) -> None:
