@@ -5,6 +5,7 @@ trainer's logprobs of vLLM's sampled tokens match vLLM's behaviour logprobs."""
 from __future__ import annotations
 
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -186,11 +187,12 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
+    prefix = f"test-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
     sync = WeightSync(
         [vllm.url],
         gateway.url,
         base_model_name=vllm.served_model_name,
-        adapter_prefix=f"test-{tmp_path.name}",
+        adapter_prefix=prefix,
     )
     sync.register(0, vllm.served_model_name, str(tiny_model_dir))
     body = {
@@ -210,7 +212,7 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
         trainer.update(batch)
     adapter_dir = trainer.save_for_vllm(tmp_path / "adapter-v1")
     published = sync.publish(1, adapter_dir, "lora")
-    assert published.model_name == f"test-{tmp_path.name}-v1"
+    assert published.model_name == f"{prefix}-v1"
 
     after_response = httpx.post(url, json=body, timeout=120)
     after = after_response.json()["choices"][0]["message"]["content"]
@@ -304,6 +306,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
 ) -> None:
     from trainer_bridge.loop import LoopSettings, run_loop
 
+    prefix = f"loop-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
     api = httpx.Client(base_url=gateway.url, timeout=120)
     WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
     # One group of 4 rollouts of the same task, rewarded 1, 0, 0.5, 0.25 through the API.
@@ -331,7 +334,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
         spec={"channel": "train", "algorithm": "grpo", "group_size": 4},
         max_updates=1,
         adapter_dir=tmp_path,
-        adapter_prefix=f"loop-{tmp_path.name}",
+        adapter_prefix=prefix,
     )
     settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2, kl_coef=0.05)
     metrics = run_loop(loop, settings, say=lambda _: None)
@@ -369,7 +372,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     assert len(batches) == 1
     after = api.post("/t/loop-after/v1/chat/completions", json=body)
     assert after.headers["x-trajgate-policy-version"] == "1"
-    WeightSync([vllm.url], gateway.url).unload(f"loop-{tmp_path.name}-v1")
+    WeightSync([vllm.url], gateway.url).unload(f"{prefix}-v1")
 
 
 def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(

@@ -14,6 +14,7 @@ with vLLM 0.32's bodies, the edge we do not own.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -100,7 +101,7 @@ def _versions(api: httpx.Client) -> list[tuple[int, str, bool]]:
 def test_each_lora_version_is_a_new_adapter_and_those_past_the_kept_ones_are_unloaded(
     vllm: VLLMServer, pool_settings: PoolSettings, adapter_dirs: list[Path], tmp_path: Path
 ) -> None:
-    prefix = f"kept-{tmp_path.name}"
+    prefix = f"kept-{secrets.token_hex(4)}"
     with gateway_over(pool_settings, [vllm.url], vllm, prefix, lora_adapters_kept=2) as api:
         chat = {"model": "policy", "messages": PROMPT, "max_tokens": 8, "temperature": 0}
         assert api.post("/t/kept/v1/chat/completions", json=chat).is_success
@@ -139,7 +140,7 @@ def test_a_call_in_flight_finishes_on_its_adapter_while_newer_ones_are_published
 ) -> None:
     """No pause: the stream resolved the alias to version 1's adapter and keeps it, even once
     versions 2 and 3 are published and version 1's adapter is unloaded (kept 2)."""
-    prefix = f"flight-{tmp_path.name}"
+    prefix = f"flight-{secrets.token_hex(4)}"
     with gateway_over(sqlite_pool, [vllm.url], vllm, prefix, lora_adapters_kept=2) as api:
         assert _publish_lora(api, 1, adapter_dirs[0], prefix).status_code == 201
         chat = {
@@ -178,7 +179,7 @@ def test_a_call_in_flight_finishes_on_its_adapter_while_newer_ones_are_published
 def test_a_lora_update_whose_directory_holds_no_adapter_is_400_and_changes_nothing(
     vllm: VLLMServer, sqlite_pool: PoolSettings, tmp_path: Path
 ) -> None:
-    prefix = f"missing-{tmp_path.name}"
+    prefix = f"missing-{secrets.token_hex(4)}"
     with gateway_over(sqlite_pool, [vllm.url], vllm, prefix) as api:
         refused = _publish_lora(api, 1, tmp_path / "no-adapter-here", prefix)
         versions = _versions(api)
@@ -200,7 +201,7 @@ def test_a_lora_update_on_a_replica_without_lora_is_400_and_unloads_it_from_the_
     """vLLM (first) loads the adapter, the emulator (second) has no LoRA route: 400
     ``lora_not_enabled``, the adapter unloaded from vLLM again, the version not registered.
     A replica that fails otherwise (500) is 502 ``weight_update_failed``, the same undone."""
-    prefix = f"nolora-{tmp_path.name}"
+    prefix = f"nolora-{secrets.token_hex(4)}"
     emulator = EmulatorThread(EmulatorSettings(port=free_port())).start()
     try:
         with gateway_over(sqlite_pool, [vllm.url, emulator.url], vllm, prefix) as api:
