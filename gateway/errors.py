@@ -42,7 +42,9 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
 
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``previous_response_not_found`` (400, the translating dialects); ``model_not_served`` (400,
-``POST /admin/policy-versions``); ``host_not_allowed`` (400,
+``POST /admin/policy-versions``); ``lora_not_enabled``, ``lora_adapter_not_found``,
+``lora_adapter_refused`` (400, a replica refused a LoRA update's adapter,
+``gateway.upstream.adapters``); ``host_not_allowed`` (400,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
 ``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
@@ -52,7 +54,7 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);
 ``replica_weights_unknown`` (503, every replica the call could use took part in a full-weight
 update that failed, ``gateway.upstream.replicas``); ``weight_update_failed`` (502, a replica
-failed a step of a full-weight update, ``gateway.api.admin``);
+failed a step of a full-weight or LoRA update, ``gateway.api.admin``);
 ``upstream_unreachable`` (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:

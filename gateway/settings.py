@@ -276,6 +276,18 @@ class GatewaySettings(ConfigFileSettings):
             "flight up to weight_update_drain_timeout_s and aborts the rest."
         ),
     )
+    lora_adapters_kept: int = Field(
+        default=2,
+        ge=2,
+        description=(
+            "LoRA update (POST /admin/weight-updates, weight_format 'lora'): how many of this "
+            "registry's adapters stay loaded in the replicas, the newest versions (the active "
+            "one always stays); older ones are unloaded after each switch. At least 2: a gateway "
+            "process that has not refreshed its registry yet still routes the alias to the "
+            "previous adapter. More: older versions stay callable by name, and each loaded "
+            "adapter's directory must stay on disk (vLLM reloads an evicted adapter from it)."
+        ),
+    )
     health_check_interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between health checks of every replica."
     )

@@ -290,9 +290,9 @@ def test_a_refused_admin_token_is_never_echoed() -> None:
     assert "weak-tok" not in done.stderr + done.stdout
 
 
-def test_trajgate_train_finds_the_gateway_and_vllm_in_the_config_file(tmp_path: Path) -> None:
-    """``trajgate train`` without flags uses the [trainer] table's pool, vLLM replicas and
-    consumer (it used its own localhost defaults); a flag still wins."""
+def test_trajgate_train_finds_the_gateway_in_the_config_file(tmp_path: Path) -> None:
+    """``trajgate train`` without flags uses the [trainer] table's pool and consumer (it used its
+    own localhost defaults); a flag still wins. It reaches vLLM through the gateway only."""
     path = tmp_path / "trajgate.toml"
     path.write_text(
         '[trainer]\nmodel_dir = "/models/base"\npool_url = "http://lb:8000"\n'
@@ -313,6 +313,6 @@ def test_trajgate_train_finds_the_gateway_and_vllm_in_the_config_file(tmp_path: 
 
     found = services()
     assert found["gateway_url"] == "http://lb:8000"
-    assert found["vllm_urls"] == ["http://vllm-0:8000", "http://vllm-1:8000"]
+    assert "vllm_urls" not in found
     assert found["consumer"] == "run-7"
     assert services("--gateway-url", "http://gw:9000")["gateway_url"] == "http://gw:9000"

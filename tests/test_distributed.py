@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -89,15 +90,15 @@ def test_torchrun_two_ranks_update_equals_the_single_process_update(
         "TRAJGATE_TRAINER_LEARNING_RATE": "0.01",
         "TRAJGATE_TRAINER_MICRO_BATCH_ROWS": "2",
     }
-    adapter = f"dist-{tmp_path.name}"
+    adapter = f"dist-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
     sharded_env = {  # the torchrun side: the same update, sharded and packed
         "TRAJGATE_TRAINER_ADAPTER_PREFIX": adapter,
         "TRAJGATE_TRAINER_SHARDING": "fsdp2",
         "TRAJGATE_TRAINER_MICRO_BATCH_TOKENS": "40",
         "TRAJGATE_TRAINER_ACTIVATION_CHECKPOINTING": "true",
     }
-    gateway = BackgroundServer(
-        create_app(GatewaySettings(upstream_url="http://127.0.0.1:9", port=free_port()), pool),
+    gateway = BackgroundServer(  # it loads the adapter into vLLM (POST /admin/weight-updates)
+        create_app(GatewaySettings(upstream_url=vllm.url, port=free_port()), pool),
         port=free_port(),
     ).start()
     try:

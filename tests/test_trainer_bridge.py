@@ -5,13 +5,14 @@ trainer's logprobs of vLLM's sampled tokens match vLLM's behaviour logprobs."""
 from __future__ import annotations
 
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from gateway_helpers import steps_of
+from gateway_helpers import gateway_with, steps_of
 from tests_support import free_port
 
 from datapool.settings import PoolSettings
@@ -186,11 +187,12 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
+    prefix = f"test-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
     sync = WeightSync(
         [vllm.url],
         gateway.url,
         base_model_name=vllm.served_model_name,
-        adapter_prefix=f"test-{tmp_path.name}",
+        adapter_prefix=prefix,
     )
     sync.register(0, vllm.served_model_name, str(tiny_model_dir))
     body = {
@@ -210,7 +212,7 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
         trainer.update(batch)
     adapter_dir = trainer.save_for_vllm(tmp_path / "adapter-v1")
     published = sync.publish(1, adapter_dir, "lora")
-    assert published.model_name == f"test-{tmp_path.name}-v1"
+    assert published.model_name == f"{prefix}-v1"
 
     after_response = httpx.post(url, json=body, timeout=120)
     after = after_response.json()["choices"][0]["message"]["content"]
@@ -304,6 +306,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
 ) -> None:
     from trainer_bridge.loop import LoopSettings, run_loop
 
+    prefix = f"loop-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
     api = httpx.Client(base_url=gateway.url, timeout=120)
     WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
     # One group of 4 rollouts of the same task, rewarded 1, 0, 0.5, 0.25 through the API.
@@ -327,12 +330,11 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     assert 4 <= sampled_tokens <= 4 * 6
     loop = LoopSettings(
         gateway_url=gateway.url,
-        vllm_urls=[vllm.url],
         consumer="loop-test",
         spec={"channel": "train", "algorithm": "grpo", "group_size": 4},
         max_updates=1,
         adapter_dir=tmp_path,
-        adapter_prefix=f"loop-{tmp_path.name}",
+        adapter_prefix=prefix,
     )
     settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2, kl_coef=0.05)
     metrics = run_loop(loop, settings, say=lambda _: None)
@@ -373,7 +375,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     assert (consumed["consumer"], consumed["policy_version_trained"]) == ("loop-test", 1)
     after = api.post("/t/loop-after/v1/chat/completions", json=body)
     assert after.headers["x-trajgate-policy-version"] == "1"
-    WeightSync([vllm.url], gateway.url).unload(f"loop-{tmp_path.name}-v1")
+    WeightSync([vllm.url], gateway.url).unload(f"{prefix}-v1")
 
 
 def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
@@ -383,9 +385,11 @@ def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
     tiny_model_dir: Path,
     tmp_path: Path,
 ) -> None:
-    """Publish before ack: with vLLM unreachable, the update is tried ``publish_attempts``
-    times, the batch goes back to the pool unconsumed and no version is registered (acking
-    first consumed the batch while its update died with the process)."""
+    """Publish before ack: with vLLM unreachable from the gateway that publishes (a second
+    gateway on the same pool, whose replica nothing listens at), the update is tried
+    ``publish_attempts`` times (502 ``weight_update_failed`` each), the batch goes back to the
+    pool unconsumed and no version is registered (acking first consumed the batch while its
+    update died with the process)."""
     from trainer_bridge.loop import LoopSettings, PublishFailedError, run_loop
 
     api = httpx.Client(base_url=gateway.url, timeout=120)
@@ -404,21 +408,23 @@ def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
             f"/api/trajectories/{trajectory}/complete", json={"reward": reward}
         ).raise_for_status()
     said: list[str] = []
-    loop = LoopSettings(
-        gateway_url=gateway.url,
-        vllm_urls=[f"http://127.0.0.1:{free_port()}"],  # nothing listens there
-        consumer="unpublished",
-        spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
-        max_updates=1,
-        adapter_dir=tmp_path,
-        adapter_prefix="unpublished",
-        publish_attempts=2,
-        publish_retry_s=0.05,
-    )
-    settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2)
-    with pytest.raises(PublishFailedError, match="failed 2 times"):
-        run_loop(loop, settings, say=said.append)
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with gateway_with(pool_settings, free_port(), upstream_url=unreachable) as publisher:
+        loop = LoopSettings(
+            gateway_url=publisher.url,
+            consumer="unpublished",
+            spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
+            max_updates=1,
+            adapter_dir=tmp_path,
+            adapter_prefix="unpublished",
+            publish_attempts=2,
+            publish_retry_s=0.05,
+        )
+        settings = TrainerSettings(model_dir=tiny_model_dir, learning_rate=1e-2)
+        with pytest.raises(PublishFailedError, match="failed 2 times") as failed:
+            run_loop(loop, settings, say=said.append)
     assert len(said) == 1 and "try 2 of 2" in said[0]
+    assert "502" in str(failed.value.__cause__) and "weight_update_failed" in said[0]
     [batch] = api.get("/api/batches").json()
     assert batch["status"] == "ready", batch
     # Still leasable by the next trainer; and no version 1 was registered.

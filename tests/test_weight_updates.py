@@ -317,7 +317,6 @@ def test_train_loop_publishes_full_weights_through_the_pause_and_records_its_len
             api.post(f"/api/trajectories/{trajectory}/complete", json={"reward": reward})
         loop = LoopSettings(
             gateway_url=gateway.url,
-            vllm_urls=[vllm.url],
             consumer="full-loop",
             spec={"channel": "train", "algorithm": "grpo", "group_size": 2},
             max_updates=1,

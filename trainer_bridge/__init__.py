@@ -1,5 +1,5 @@
 """The trainer's side: lease batches from the pool over HTTP, turn their rows into tensors, run RL
-updates of a Hugging Face causal LM, and publish the new weights into vLLM and the gateway.
+updates of a Hugging Face causal LM, and publish the new weights through the gateway into vLLM.
 
 Shape legend: ``B`` batch rows, ``T`` tokens per row.
 
@@ -16,8 +16,8 @@ Shape legend: ``B`` batch rows, ``T`` tokens per row.
   ``aggregate``).
 - ``trainer``: ``PolicyTrainer``, one RL update with LoRA (peft) or full weights, and saving
   weights vLLM can load (``TrainBatch``, ``UpdateMetrics``).
-- ``sync``: ``WeightSync`` loads new weights into vLLM and registers them with the gateway as the
-  next policy version.
+- ``sync``: ``WeightSync`` publishes new weights (LoRA or full) through the gateway, which loads
+  them into every vLLM replica and activates them as the next policy version.
 - ``loop``: the trainer against running services: lease → train → ack → publish (``run_loop``).
 - ``sharding``: FSDP2 over the ranks (``shard_model``) and gathering sharded weights into the
   files vLLM loads (``save_full_safetensors``, ``gather_trainable``).

@@ -219,7 +219,7 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
         trainer.steps = lineage.steps
     sync = (
         WeightSync(
-            [url.strip() for url in settings.vllm_urls.split(",") if url.strip()],
+            [],  # the gateway loads the weights into the replicas it routes to
             settings.gateway_url or settings.pool_url,
             admin_token=settings.admin_token,
             adapter_prefix=settings.adapter_prefix,

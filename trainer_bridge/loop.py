@@ -35,8 +35,7 @@ from trainer_bridge.trainer import PolicyTrainer
 class LoopSettings:
     """Where the services are and how long to run."""
 
-    gateway_url: str
-    vllm_urls: list[str]
+    gateway_url: str  # publishes each update into its vLLM replicas (POST /admin/weight-updates)
     consumer: str = "trainer-0"
     lease_s: float = 600.0  # renewed every lease_s / 3 while an update runs
     spec: dict[str, Any] | None = None  # materialised whenever no batch is waiting
@@ -125,7 +124,7 @@ def run_loop(
         else active_version(loop.gateway_url, loop.admin_token)
     )
     sync = WeightSync(
-        loop.vllm_urls,
+        [],  # the gateway loads the weights; a training run leaves its last adapters served
         loop.gateway_url,
         admin_token=loop.admin_token,
         adapter_prefix=loop.adapter_prefix,

@@ -121,12 +121,14 @@ class DistributedSettings(ConfigFileSettings):
     )
     vllm_urls: str = Field(
         default="",
-        description="vLLM base URLs (comma-separated) to load each update into; empty: none.",
+        description="torchrun's trainer: set (the vLLM base URLs, comma-separated), each update "
+        "is published through gateway_url, which loads it into the replicas it routes to; empty: "
+        "saved only. Not contacted directly.",
     )
     adapter_prefix: str = Field(
         default="policy",
         min_length=1,
-        description="LoRA: each version is loaded into vLLM as the adapter <prefix>-v<version>.",
+        description="LoRA: the gateway loads each version as the adapter <prefix>-v<version>.",
     )
     gateway_url: str | None = Field(
         default=None,

@@ -1,24 +1,27 @@
-"""Publishing new weights: into vLLM, then into the gateway as the next policy version.
+"""Publishing new weights: one request to the gateway, which drives every vLLM replica.
 
-Owns: the order of a publish, so that no step mixes old and new weights and every later step
-carries the new version.
+Owns: what the trainer sends to publish a version, and the end-of-run cleanup of its adapters.
 
-- LoRA: "load the adapter into every vLLM replica under its own name → reset each prefix cache
-  → register the version with the gateway (which switches the alias atomically)". Calls in
-  flight finish on the adapter they started with.
-- Full weights: one ``POST /admin/weight-updates`` to the gateway, which holds new calls, drains
-  (or aborts) the calls in flight, reloads its replicas in place, registers the version and
-  releases the held calls on it (``gateway.upstream.weight_update``). The gateway reloads the
-  replicas it routes to; ``vllm_urls`` serve LoRA loads only. A full reload must not go to vLLM
-  directly: calls in flight would sample across it.
+Both formats go through ``POST /admin/weight-updates`` of the gateway, which loads the weights
+into every replica it routes to, registers and activates the version, and answers once calls
+are served by it (its failure rules, deadlines and error envelope are the gateway's:
+docs/gateway.md, "Full-weight updates" and "LoRA updates"):
+
+- LoRA (``weight_format: "lora"``): the gateway loads the adapter as
+  ``<adapter_prefix>-v<version>``, a new name per version, switches the alias to it and unloads
+  its adapters past the newest ``lora_adapters_kept``; nothing paused, calls in flight finish on
+  the adapter they started with (``gateway.upstream.adapters``).
+- Full weights: the gateway holds new calls, keeps or drains the calls in flight, reloads its
+  replicas in place, registers the version and releases the held calls on it
+  (``gateway.upstream.weight_update``). A full reload must not go to vLLM directly: calls in
+  flight would sample across it.
+
+One direct exchange with vLLM is left, ``unload``/``unload_all``: the end of a run (the demo,
+a test) unloads the adapters it published before their directories are deleted (vLLM reloads
+an evicted adapter from its directory, and one whose directory is gone kills the engine). That
+is teardown, not a publish: no version changes, so it needs none of the gateway's ordering.
 
 Never: trains.
-
-vLLM endpoints used (vLLM 0.32, checked against the CPU build):
-``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`` (needs
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and ``POST /reset_prefix_cache``
-(``VLLM_SERVER_DEV_MODE=1``); the gateway uses ``POST /collective_rpc {"method":
-"reload_weights", "kwargs": {"weights_path"}}``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class PublishedPolicy:
 
 
 class WeightSync:
-    """Pushes weights to vLLM replicas and registers them with a gateway."""
+    """Publishes weights through a gateway; ``vllm_urls`` serve only ``unload`` (teardown)."""
 
     def __init__(
         self,
@@ -57,14 +60,13 @@ class WeightSync:
         admin_token: str | None = None,
         adapter_prefix: str = "policy",
         base_model_name: str = "tiny",
-        keep_adapters: int = 2,
         timeout_s: float = 120.0,
     ) -> None:
         self.vllm_urls = [url.rstrip("/") for url in vllm_urls]
         self.gateway_url = gateway_url.rstrip("/")
         self.adapter_prefix = adapter_prefix
         self.base_model_name = base_model_name
-        self.keep_adapters = keep_adapters
+        # The adapters this sync published that the gateway has not unloaded (``unload_all``).
         self.loaded_adapters: list[str] = []
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
@@ -73,7 +75,7 @@ class WeightSync:
         response = self.client.post(url, json=body)
         if response.status_code >= 400:
             raise WeightSyncError(f"POST {url} -> {response.status_code}: {response.text[:500]}")
-        try:  # vLLM answers some of these in plain text ("Success: LoRA adapter ...")
+        try:
             answer = response.json()
         except ValueError:
             return {}
@@ -93,61 +95,72 @@ class WeightSync:
         return PublishedPolicy(version, model_name, weights_location)
 
     def publish(self, version: int, weights_dir: Path, fmt: WeightFormat) -> PublishedPolicy:
-        """Load ``weights_dir`` into every replica, reset their prefix caches, register.
+        """Publish ``weights_dir`` as ``version`` with one ``POST /admin/weight-updates``.
 
-        LoRA: each version is its own adapter name (``<prefix>-v<version>``), so a call resolved
-        against the previous version before the switch still finds its adapter. Full weights:
-        reloaded in place under the base model name by the gateway, around a pause of its
-        calls (``POST /admin/weight-updates``); ``weights_dir`` must be readable by every
-        replica. Adapters older than the last ``keep_adapters`` are unloaded after the switch
-        (the previous version stays for calls still in flight).
+        LoRA: the gateway loads the adapter into every replica as ``<prefix>-v<version>`` (a
+        name of its own, so a call resolved against the previous version still finds its
+        adapter), activates it and unloads its older adapters. Full weights: reloaded in place
+        under the base model name, around a pause of the gateway's calls. ``weights_dir`` must
+        be readable by every replica.
 
         Raises:
-            WeightSyncError: a replica or the gateway refused.
+            WeightSyncError: the gateway refused (4xx: bad input, such as replicas without
+                LoRA or no adapter in ``weights_dir``; 409: the version holds other weights)
+                or a replica failed (502 ``weight_update_failed``: publish again).
             ValueError: unknown ``fmt``.
         """
         location = str(weights_dir.resolve())
+        body: dict[str, object] = {
+            "version": version,
+            "weight_format": fmt,
+            "weights_location": location,
+        }
         if fmt == "full":
-            answer = self._post(
-                f"{self.gateway_url}/admin/weight-updates",
-                {
-                    "version": version,
-                    "model_name": self.base_model_name,
-                    "weights_location": location,
-                },
-            )
-            pause_ms = answer.get("pause_ms")
-            return PublishedPolicy(
-                version,
-                self.base_model_name,
-                location,
-                float(pause_ms) if isinstance(pause_ms, int | float) else None,
-            )
-        if fmt != "lora":
+            body["model_name"] = self.base_model_name
+        elif fmt == "lora":
+            body["adapter_prefix"] = self.adapter_prefix
+        else:
             raise ValueError(f"weight format must be 'lora' or 'full', got {fmt!r}")
-        model_name = f"{self.adapter_prefix}-v{version}"
-        for url in self.vllm_urls:
-            self._post(
-                f"{url}/v1/load_lora_adapter",
-                {"lora_name": model_name, "lora_path": location, "load_inplace": True},
-            )
-        for url in self.vllm_urls:
-            self._post(f"{url}/reset_prefix_cache", {})
-        published = self.register(version, model_name, location)
-        self.loaded_adapters.append(model_name)
-        while len(self.loaded_adapters) > self.keep_adapters:
-            self.unload(self.loaded_adapters.pop(0))
-        return published
+        answer = self._post(f"{self.gateway_url}/admin/weight-updates", body)
+        model_name = answer.get("model_name")
+        if not isinstance(model_name, str):
+            raise WeightSyncError(f"the gateway's answer names no model_name: {answer}")
+        if fmt == "lora":
+            unloaded = answer.get("unloaded_adapters")
+            gone = set(unloaded) if isinstance(unloaded, list) else set()
+            self.loaded_adapters = [
+                name for name in self.loaded_adapters if name not in gone and name != model_name
+            ]
+            self.loaded_adapters.append(model_name)
+            return PublishedPolicy(version, model_name, location)
+        pause_ms = answer.get("pause_ms")
+        return PublishedPolicy(
+            version,
+            model_name,
+            location,
+            float(pause_ms) if isinstance(pause_ms, int | float) else None,
+        )
 
     def unload(self, model_name: str) -> None:
-        """Unload an adapter from every replica. Old versions must not pile up: vLLM reloads an
-        evicted adapter from its directory, and one whose directory is gone kills the engine
-        (vLLM 0.32, CPU: ``LoRAAdapterNotFoundError`` in the worker, then ``EngineDeadError``)."""
+        """Unload an adapter from every replica in ``vllm_urls`` (teardown: see the module
+        docstring); one already gone (vLLM's 404) is left as it is.
+
+        Raises:
+            WeightSyncError: a replica refused otherwise.
+        """
         for url in self.vllm_urls:
-            self._post(f"{url}/v1/unload_lora_adapter", {"lora_name": model_name})
+            response = self.client.post(
+                f"{url}/v1/unload_lora_adapter", json={"lora_name": model_name}
+            )
+            if response.status_code >= 400 and response.status_code != 404:
+                raise WeightSyncError(
+                    f"POST {url}/v1/unload_lora_adapter -> {response.status_code}: "
+                    f"{response.text[:500]}"
+                )
 
     def unload_all(self) -> None:
-        """Unload every adapter this sync loaded (end of a run or a test)."""
+        """Unload every adapter this sync published that is still loaded (end of a run or a
+        test, before their directories are deleted)."""
         while self.loaded_adapters:
             self.unload(self.loaded_adapters.pop())
 

@@ -439,13 +439,6 @@ def train(
             "TRAJGATE_TRAINER_POOL_URL (or the \\[trainer] table), else http://127.0.0.1:8000."
         ),
     ] = None,
-    vllm_url: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="vLLM base URL; repeat for replicas. Default TRAJGATE_TRAINER_VLLM_URLS "
-            "(comma-separated), else http://127.0.0.1:8100."
-        ),
-    ] = None,
     consumer: Annotated[
         str | None,
         typer.Option(
@@ -473,9 +466,9 @@ def train(
     ] = None,
     check_config: CheckConfigOpt = False,
 ) -> None:
-    """Lease batches from the pool, train (LoRA or full), publish each update to vLLM and the
-    gateway as the next policy version, then ack (a publish that keeps failing gives the batch
-    back). The same command on a CPU or a GPU host.
+    """Lease batches from the pool, train (LoRA or full), publish each update through the
+    gateway (which loads it into every vLLM replica) as the next policy version, then ack (a
+    publish that keeps failing gives the batch back). The same command on a CPU or a GPU host.
     Flags left out keep the value of TRAJGATE_TRAINER_* or the config file's \\[trainer] table."""
     from trainer_bridge.settings import DistributedSettings, TrainerSettings
 
@@ -494,10 +487,6 @@ def train(
         gateway_url = where.gateway_url or (
             where.pool_url if "pool_url" in chosen else "http://127.0.0.1:8000"
         )
-    if not vllm_url:
-        vllm_url = [u.strip() for u in where.vllm_urls.split(",") if u.strip()] or [
-            "http://127.0.0.1:8100"
-        ]
     if consumer is None:
         consumer = where.consumer if "consumer" in chosen else "trainer-0"
     if max_updates is None:
@@ -511,7 +500,6 @@ def train(
         report = describe(settings, where)
         report["services"] = {  # what this command will use, after flags and defaults
             "gateway_url": hide_url_password(gateway_url),
-            "vllm_urls": [hide_url_password(url) for url in vllm_url],
             "consumer": consumer,
             "max_updates": max_updates,
             "idle_exit_s": idle_exit_s,
@@ -526,7 +514,6 @@ def train(
 
     loop = LoopSettings(
         gateway_url=gateway_url.rstrip("/"),
-        vllm_urls=vllm_url,
         consumer=consumer,
         spec=batch_spec,
         max_updates=max_updates,

@@ -12,6 +12,8 @@ Modules:
   step.
 - ``weight_update``: the pause around a full-weight reload (``WeightGate``: hold new calls, drain
   or abort the calls in flight, release them on the new version; ``reload_replicas``).
+- ``adapters``: LoRA updates, a new adapter per policy version loaded into every replica and the
+  old ones unloaded, never paused (``load_adapter``, ``stale_adapters``, ``unload_adapters``).
 
 Never: reads a request or an answer (that is ``gateway.dialects``), knows trajectories or steps
 (``gateway.proxy``), or writes SQL.

@@ -71,7 +71,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -364,6 +365,15 @@ class WeightGate:
                 return not self._tickets
         return True
 
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Run the body between pauses, the gate left open: a LoRA update
+        (``gateway.upstream.adapters``) must not load an adapter into replicas a full-weight
+        update has paused or is reloading, nor unload adapters while another update picks
+        them. Calls pass as usual."""
+        async with self._lock:
+            yield
+
     async def pause(
         self, during: Callable[[], Awaitable[T]], drain_timeout_s: float
     ) -> tuple[T, PauseReport]:
@@ -496,7 +506,7 @@ async def pause_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: 
     """``POST /pause?mode=keep`` on each replica: vLLM freezes its requests, answering once its
     engine finished the step in flight (vLLM 0.32, dev mode). Raises ``ReloadError``."""
     for url in urls:
-        await _post(client, url, "/pause?mode=keep", {}, timeout_s, [])
+        await post_to_replica(client, url, "/pause?mode=keep", {}, timeout_s, [])
 
 
 async def resume_replicas(
@@ -509,7 +519,7 @@ async def resume_replicas(
     for url in urls:
         for attempt in range(tries):
             try:
-                await _post(client, url, "/resume", {}, timeout_s, [])
+                await post_to_replica(client, url, "/resume", {}, timeout_s, [])
                 break
             except ReloadError as exc:
                 if attempt + 1 == tries:
@@ -538,7 +548,9 @@ async def reload_kept_replicas(
         if not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=True):
             raise ReloadError(url, reloaded, "its prefix cache could not be reset")
         label_body = {"new_version": label}
-        await _post(client, url, "/update_weight_version", label_body, timeout_s, reloaded)
+        await post_to_replica(
+            client, url, "/update_weight_version", label_body, timeout_s, reloaded
+        )
 
 
 def reload_label(version: int) -> str:
@@ -556,9 +568,11 @@ async def _reload_weights(
     reloaded: list[str],
 ) -> None:
     """``reload_weights`` on ``url``, added to ``reloaded`` once it accepted; raises
-    ``ReloadError`` (``partial`` when the reload may have begun: see ``_post``)."""
+    ``ReloadError`` (``partial`` when the reload may have begun: see ``post_to_replica``)."""
     reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
-    await _post(client, url, "/collective_rpc", reload, timeout_s, reloaded, reloading=True)
+    await post_to_replica(
+        client, url, "/collective_rpc", reload, timeout_s, reloaded, reloading=True
+    )
     reloaded.append(url)
 
 
@@ -566,14 +580,14 @@ async def _reset_prefix_cache(
     client: httpx.AsyncClient, url: str, timeout_s: float, reloaded: list[str], *, force: bool
 ) -> bool:
     path = "/reset_prefix_cache?reset_running_requests=true" if force else "/reset_prefix_cache"
-    answer = await _post(client, url, path, {}, timeout_s, reloaded)
+    answer = await post_to_replica(client, url, path, {}, timeout_s, reloaded)
     try:
         return bool(answer.json().get("success", True))
     except (ValueError, AttributeError):
         return True  # an older vLLM answers 200 without a body: nothing to retry on
 
 
-async def _post(
+async def post_to_replica(
     client: httpx.AsyncClient,
     url: str,
     path: str,
