@@ -6,6 +6,9 @@ PoolError                          (500)
  ├── InvalidPoolRequestError       400: a value the pool cannot accept (says expected vs got)
  ├── VersionConflictError          409: a policy version is already registered with other
  │                                      fields (one version, one weight set)
+ ├── CurationRuleFailedError       409: a curation rule cannot be evaluated (stored params no
+ │                                      longer valid, its predicate raises), so a batch that
+ │                                      re-applies the rules is not formed
  ├── PoolUnavailableError          503: the database cannot take writes now (disk full,
  │                                      locked past its timeout, unreachable)
  └── payload.PayloadMissingError   500 (code payload_missing): a step's stored payload or
@@ -51,6 +54,10 @@ class TrajectoryExistsError(PoolError):
 
 class VersionConflictError(PoolError):
     """A policy version registered again with another model name or weights location."""
+
+
+class CurationRuleFailedError(PoolError):
+    """Curation rules that failed when applied (each named with its error; stored on it too)."""
 
 
 class PoolUnavailableError(PoolError):

@@ -449,6 +449,8 @@ class CurationRule(Base):
     """A curation rule declared in the pool; its matches are ``curation_marks``."""
 
     __tablename__ = "curation_rules"
+    # SQLite: never reuse the id of a deleted rule (marks and logs name rules by id).
+    __table_args__ = ({"sqlite_autoincrement": True},)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
@@ -459,6 +461,9 @@ class CurationRule(Base):
     author: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
     applied_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Why the rule's last run failed (datapool.curation.rules.apply_rules); None after a good run.
+    error: Mapped[str | None] = mapped_column(Text)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class CurationMark(Base):

@@ -59,8 +59,8 @@ failed a step of a full-weight or LoRA update, ``gateway.api.admin``);
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:
 TrajectoryClosedError → 409, VersionConflictError → 409, TrajectoryExistsError → 409,
-UnknownTargetError → 404, InvalidPoolRequestError → 400, PoolUnavailableError → 503,
-PayloadMissingError → 500.
+CurationRuleFailedError → 409 (code ``curation_rule_failed``), UnknownTargetError → 404,
+InvalidPoolRequestError → 400, PoolUnavailableError → 503, PayloadMissingError → 500.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from datapool.errors import (
+    CurationRuleFailedError,
     InvalidPoolRequestError,
     PoolError,
     PoolUnavailableError,
@@ -217,6 +218,8 @@ def from_pool_error(exc: PoolError) -> TrajgateError:
         return ConflictError(exc.message, param=exc.param, code="trajectory_closed")
     if isinstance(exc, VersionConflictError):
         return ConflictError(exc.message, param=exc.param, code="policy_version_conflict")
+    if isinstance(exc, CurationRuleFailedError):
+        return ConflictError(exc.message, param=exc.param, code="curation_rule_failed")
     if isinstance(exc, TrajectoryExistsError):
         return ConflictError(exc.message, param=exc.param, code="trajectory_exists")
     if isinstance(exc, UnknownTargetError):

@@ -29,8 +29,17 @@ step-level kinds accept it):
 - ``reward_threshold`` [name="final", min?, max?]: trajectories whose current reward is outside
   [min, max] (unrewarded ones are not matched; readiness keeps them out anyway).
 - ``predicate`` [function="pkg.mod:fn"]: ``fn(RewardContext)`` returns truthy to match (a string
-  is the reason); a predicate that raises matches, with the error as reason (never trained on by
-  accident).
+  is the reason). The function must import and accept one positional argument when the rule is
+  declared; a predicate that raises makes the whole rule fail (below), it matches nothing.
+
+Params are typed per kind (``datapool.curation.rule_params``: unknown names, loose types and
+out-of-bounds values are refused with ``InvalidPoolRequestError`` naming ``params.<field>``), on
+create and again each time a rule is applied. A rule that fails when applied (stored params
+that no longer validate, e.g. declared before the typed check; a predicate that is gone or
+raises) keeps the marks of its last good run, stores its ``error`` and is skipped; the other
+rules run. Completion hooks and ``/api/curation/apply`` report it; a batch that re-applies the
+rules is refused (``CurationRuleFailedError``, 409) until the rule is deleted: one broken rule
+never excludes everything, nor lets through silently what it was meant to keep out.
 
 A rule's action is ``exclude`` (readiness keeps the target out, unless a human ``include`` label
 on the same target overrides it) or ``flag`` (the mark is only shown in readiness ``notes``).
@@ -41,6 +50,7 @@ Case codes (Cnn) are defined in docs/capture-cases.md.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -51,8 +61,13 @@ import numpy as np
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from datapool.curation.rule_params import (
+    PredicateParams,
+    RuleParams,
+    parse_params,
+)
 from datapool.db import chunks
-from datapool.errors import InvalidPoolRequestError, UnknownTargetError
+from datapool.errors import CurationRuleFailedError, InvalidPoolRequestError, UnknownTargetError
 from datapool.models import (
     EMPTY,
     CurationMark,
@@ -95,25 +110,8 @@ INTEGRITY_FLAGS: tuple[str, ...] = (
     # version sampled (a unary call; gateway.upstream.weight_update).
     "policy_version_split_unknown",
 )
-STEP_TARGETS: tuple[str, ...] = ("step", "trajectory")
-_PARAMS: dict[str, set[str]] = {
-    "integrity": {"flags", "target"},
-    "prefix_break": set(),
-    "truncated": {"target"},
-    "empty": set(),
-    "degenerate_group": {"reward_name", "eps", "success_reward", "fail_reward"},
-    "stale": {"max_versions_behind", "current_version", "target"},
-    "length": {
-        "max_prompt_tokens",
-        "max_response_tokens",
-        "max_total_tokens",
-        "max_steps",
-        "target",
-    },
-    "duplicate_prompt": set(),
-    "reward_threshold": {"name", "min", "max"},
-    "predicate": {"function"},
-}
+# The signature a predicate is called with: one positional argument, a RewardContext.
+_PREDICATE_PROBE = object()
 
 
 @dataclass(frozen=True)
@@ -134,63 +132,58 @@ class RuleResult:
     name: str
     matched: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    error: str | None = None  # the rule failed: its marks were left as they were
+
+
+class _RuleFailed(Exception):
+    """A rule that cannot be evaluated (stored params no longer valid, predicate missing or
+    raising); caught per rule in ``apply_rules``."""
 
 
 # ---- rules ---------------------------------------------------------------------------------
 
 
-def check_rule(kind: str, action: str, params: dict[str, Any]) -> None:
-    """Raise ``InvalidPoolRequestError`` for an unknown kind/action or unknown/bad params."""
-    if kind not in RULE_KINDS:
-        raise InvalidPoolRequestError(
-            f"kind must be one of {RULE_KINDS}, got {kind!r}", param="kind"
-        )
+def check_rule(kind: str, action: str, params: dict[str, Any]) -> RuleParams:
+    """``params`` as ``kind``'s typed model (``datapool.curation.rule_params``); a predicate's
+    function must import and accept one positional argument.
+
+    Raises ``InvalidPoolRequestError`` for an unknown kind/action or unknown/bad params.
+    """
     if action not in RULE_ACTIONS:
         raise InvalidPoolRequestError(
             f"action must be one of {RULE_ACTIONS}, got {action!r}", param="action"
         )
-    unknown = set(params) - _PARAMS[kind]
-    if unknown:
-        raise InvalidPoolRequestError(
-            f"rule kind {kind!r} takes params {sorted(_PARAMS[kind])}, "
-            f"got unknown {sorted(unknown)}",
-            param="params",
-        )
-    target = params.get("target", "step")
-    if target not in STEP_TARGETS:
-        raise InvalidPoolRequestError(
-            f"params.target must be one of {STEP_TARGETS}, got {target!r}", param="params"
-        )
-    if kind == "stale" and not isinstance(params.get("max_versions_behind"), int):
-        raise InvalidPoolRequestError(
-            "a 'stale' rule needs params.max_versions_behind (an integer K >= 0)", param="params"
-        )
-    if kind == "length" and not set(params) - {"target"}:
-        raise InvalidPoolRequestError(
-            "a 'length' rule needs at least one of max_prompt_tokens, max_response_tokens, "
-            "max_total_tokens, max_steps",
-            param="params",
-        )
-    if kind == "reward_threshold" and params.get("min") is None and params.get("max") is None:
-        raise InvalidPoolRequestError(
-            "a 'reward_threshold' rule needs params.min or params.max", param="params"
-        )
-    if kind == "predicate":
-        resolve_predicate(str(params.get("function", "")))
+    typed = parse_params(kind, params)
+    if isinstance(typed, PredicateParams):
+        resolve_predicate(typed.function)
+    return typed
 
 
 def resolve_predicate(name: str) -> Callable[[RewardContext], Any]:
-    """Import ``pkg.mod:fn``; raises ``InvalidPoolRequestError`` when that finds no callable."""
+    """Import ``pkg.mod:fn``; raises ``InvalidPoolRequestError`` (param ``params.function``)
+    when that finds no callable, or one that cannot be called as ``fn(context)``."""
     module_name, _, attribute = name.partition(":")
     try:
         target = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as exc:
         raise InvalidPoolRequestError(
             f"predicate {name!r} cannot be imported (expected 'pkg.mod:fn'): {exc}",
-            param="params",
+            param="params.function",
         ) from exc
     if not callable(target):
-        raise InvalidPoolRequestError(f"predicate {name!r} is not callable", param="params")
+        raise InvalidPoolRequestError(
+            f"predicate {name!r} is not callable (got {type(target).__name__})",
+            param="params.function",
+        )
+    try:
+        inspect.signature(target).bind(_PREDICATE_PROBE)
+    except TypeError as exc:
+        raise InvalidPoolRequestError(
+            f"predicate {name!r} cannot be called as fn(context): {exc}",
+            param="params.function",
+        ) from exc
+    except ValueError:
+        pass  # no signature to inspect (some builtins): a call failure shows at apply time
     fn: Callable[[RewardContext], Any] = target
     return fn
 
@@ -205,7 +198,11 @@ def create_rule(
     author: str | None = None,
     apply_now: bool = True,
 ) -> tuple[CurationRule, RuleResult | None]:
-    """Declare a rule (names are unique) and, by default, apply it to the whole pool."""
+    """Declare a rule (names are unique) and, by default, apply it to the whole pool.
+
+    Raises ``InvalidPoolRequestError`` for bad params, a taken name, or (``apply_now``) a rule
+    that fails on the pool as it is (a predicate that raises): then nothing is stored.
+    """
     params = dict(params or {})
     check_rule(kind, action, params)
     with store.sessions.begin() as session:
@@ -222,8 +219,18 @@ def create_rule(
         )
         session.add(rule)
         session.flush()
-    result = apply_rules(store, rule_ids=[rule.id])[0] if apply_now else None
-    return rule, result
+    if not apply_now:
+        return rule, None
+    [result] = apply_rules(store, rule_ids=[rule.id], on_failure="report")
+    if result.error is not None:
+        delete_rule(store.sessions, rule.id)
+        raise InvalidPoolRequestError(
+            f"rule {name!r} was not stored: it fails on the pool: {result.error}", param="params"
+        )
+    with store.sessions() as session:
+        stored = session.get(CurationRule, rule.id)
+        assert stored is not None  # created above
+    return stored, result
 
 
 def list_rules(sessions: sessionmaker[Session]) -> list[CurationRule]:
@@ -246,12 +253,23 @@ def apply_rules(
     *,
     rule_ids: Sequence[int] | None = None,
     trajectory_ids: Sequence[str] | None = None,
+    on_failure: Literal["raise", "report"] = "raise",
 ) -> list[RuleResult]:
     """Apply rules (default: every enabled one) to ``trajectory_ids`` (default: the whole pool).
 
     Each rule's marks inside the scope are replaced by its new matches in one transaction per
     rule; group rules run on the groups of the scope's trajectories.
+
+    A rule that fails (its stored params no longer validate, its predicate does not import or
+    raises on a trajectory) is skipped: its marks are left as they were (what it excluded stays
+    excluded, nothing new is excluded), its ``error`` and ``failed_at`` are stored and its
+    result carries the ``error``; the other rules still run. Then ``on_failure="raise"`` raises
+    ``CurationRuleFailedError`` naming the failed rules (a batch is not formed while a rule
+    cannot say what it excludes); ``"report"`` returns the results. Raises
+    ``UnknownTargetError`` for a ``rule_ids`` entry that names no rule.
     """
+    if on_failure not in ("raise", "report"):
+        raise ValueError(f"on_failure must be one of ('raise', 'report'), got {on_failure!r}")
     with store.sessions() as session:
         query = select(CurationRule).order_by(CurationRule.id)
         if rule_ids is not None:
@@ -265,18 +283,41 @@ def apply_rules(
     results = []
     for rule in rules:
         result = RuleResult(rule.id, rule.name)
-        matches = _evaluate(store, rule, trajectory_ids, result)
+        try:
+            matches = _evaluate(store, rule, trajectory_ids, result)
+        except _RuleFailed as exc:
+            result.error = str(exc)
+            with store.sessions.begin() as session:
+                stored = session.get(CurationRule, rule.id)
+                if stored is not None:
+                    stored.error, stored.failed_at = result.error, utc_now()
+            results.append(result)
+            continue
         with store.sessions.begin() as session:
             _replace_marks(session, rule, trajectory_ids, matches)
-            session.get(CurationRule, rule.id).applied_at = utc_now()  # type: ignore[union-attr]
+            stored = session.get(CurationRule, rule.id)
+            if stored is not None:
+                stored.applied_at, stored.error, stored.failed_at = utc_now(), None, None
         result.matched = len(matches)
         results.append(result)
+    failed = [r for r in results if r.error is not None]
+    if failed and on_failure == "raise":
+        raise CurationRuleFailedError(
+            "curation rule(s) failed, so what they exclude is unknown: "
+            + "; ".join(f"rule {r.name!r} (id {r.rule_id}): {r.error}" for r in failed)
+            + ". Delete each failed rule and declare it again with valid params, or form the "
+            "batch with apply_rules=false (the marks of its last good run stay)",
+            param="rules",
+        )
     return results
 
 
 def apply_on_completion(store: PoolStore, trajectory_id: str) -> None:
-    """Hook run after a trajectory completes (after its reward functions): every enabled rule."""
-    apply_rules(store, trajectory_ids=[trajectory_id])
+    """Hook run after a trajectory completes (after its reward functions): every enabled rule.
+
+    A failed rule does not fail the hook: its error is stored on the rule (``apply_rules``).
+    """
+    apply_rules(store, trajectory_ids=[trajectory_id], on_failure="report")
 
 
 def _scope_groups(session: Session, trajectory_ids: Sequence[str]) -> list[str]:
@@ -385,7 +426,10 @@ def _evaluate(
 ) -> list[Match]:
     # Over 80 lines on purpose: one short branch per rule kind, each reading only the columns it
     # needs; a table of ten closures would read worse than the branches side by side.
-    p = rule.params or {}
+    try:
+        p = parse_params(rule.kind, rule.params or {}).model_dump(exclude_none=True)
+    except InvalidPoolRequestError as exc:
+        raise _RuleFailed(f"stored params no longer valid: {exc.message}") from exc
     target = str(p.get("target", "step"))
     with store.sessions() as session:
         if rule.kind == "integrity":
@@ -606,7 +650,10 @@ def _degenerate_groups(
 
 
 def _predicate(store: PoolStore, p: dict[str, Any], scope: Sequence[str] | None) -> list[Match]:
-    fn = resolve_predicate(str(p.get("function", "")))
+    try:
+        fn = resolve_predicate(str(p["function"]))
+    except InvalidPoolRequestError as exc:
+        raise _RuleFailed(exc.message) from exc
     with store.sessions() as session:
         trajectories = _trajectories_in(session, scope)
     matches = []
@@ -616,9 +663,12 @@ def _predicate(store: PoolStore, p: dict[str, Any], scope: Sequence[str] | None)
         )
         try:
             verdict = fn(context)
-        except Exception as exc:  # matched: an unknown verdict must not reach training
-            matches.append(Match("trajectory", t.id, t.id, f"predicate raised {exc!r}"))
-            continue
+        except Exception as exc:
+            # The whole rule fails (apply_rules keeps its old marks and stores the error): a
+            # broken predicate must neither exclude everything nor let anything through quietly.
+            raise _RuleFailed(
+                f"predicate {p['function']} raised on trajectory {t.id!r}: {exc!r}"
+            ) from exc
         if verdict:
             reason = verdict if isinstance(verdict, str) else f"predicate {p['function']}"
             matches.append(Match("trajectory", t.id, t.id, reason))

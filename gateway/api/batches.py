@@ -189,7 +189,10 @@ class RuleCreate(BaseModel):
     name: str = Field(min_length=1, max_length=200)
     kind: curation.RuleKind
     action: curation.RuleAction = "exclude"
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Checked against the kind's typed params (datapool.curation.rule_params).",
+    )
     author: str | None = Field(default=None, max_length=200)
     apply_now: bool = Field(default=True, description="Apply to the whole pool right away.")
 
@@ -204,6 +207,11 @@ class RulePublic(BaseModel):
     author: str | None
     created_at: datetime
     applied_at: datetime | None
+    error: str | None = Field(
+        description="Why the rule's last run failed (its marks stay as they were); null after "
+        "a good run. Batches that re-apply rules are refused (409) while it fails."
+    )
+    failed_at: datetime | None
 
 
 class RuleResultPublic(BaseModel):
@@ -211,6 +219,9 @@ class RuleResultPublic(BaseModel):
     name: str
     matched: int = Field(description="Targets the rule marks in the scope it ran on.")
     counts: dict[str, int] = Field(description="degenerate_group: groups per kind (all_success…)")
+    error: str | None = Field(
+        default=None, description="The rule failed: nothing was marked, old marks stay."
+    )
 
 
 class RuleCreated(RulePublic):
@@ -230,7 +241,11 @@ def _rule_public(rule: CurationRule) -> dict[str, Any]:
 
 def _result_public(result: curation.RuleResult) -> RuleResultPublic:
     return RuleResultPublic(
-        rule_id=result.rule_id, name=result.name, matched=result.matched, counts=result.counts
+        rule_id=result.rule_id,
+        name=result.name,
+        matched=result.matched,
+        counts=result.counts,
+        error=result.error,
     )
 
 
@@ -271,10 +286,12 @@ async def delete_rule(
 
 @router.post("/curation/apply", response_model=list[RuleResultPublic])
 async def apply_rules(body: ApplyRequest, store: StoreDep) -> list[RuleResultPublic]:
-    """Re-apply rules (e.g. after rewards arrived); each rule's marks in the scope are replaced."""
+    """Re-apply rules (e.g. after rewards arrived); each rule's marks in the scope are replaced.
+
+    A rule that fails is reported in its result's ``error`` (and stored on the rule)."""
     results = await run_in_threadpool(
         lambda: curation.apply_rules(
-            store, rule_ids=body.rule_ids, trajectory_ids=body.trajectory_ids
+            store, rule_ids=body.rule_ids, trajectory_ids=body.trajectory_ids, on_failure="report"
         )
     )
     return [_result_public(r) for r in results]
