@@ -394,3 +394,36 @@ def test_the_writer_finds_an_echo_in_another_form_with_one_dump_of_the_history(
     assert bodies.shared_prefix(rewritten, theirs) == 1
     # an item whose text only starts like the parent's ("1" against "12") is no match
     assert bodies.shared_prefix([12, 5], ["1", "5", "7"]) == 0
+
+
+def test_a_proved_prefix_gives_shared_prefixs_answer_from_the_parents_text() -> None:
+    # The parent's H_p = M_p + [R_p] = [s, u, a] + [r], kept as a ListText (its orjson text's
+    # digests, with and without r). Each case: proved_prefix's answer is shared_prefix's.
+    import json
+
+    from datapool.steps import bodies
+
+    s, u, a = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"n": 1}
+    r = {"role": "assistant", "content": "b", "refusal": None}
+    theirs = [json.dumps(m) for m in (s, u, a, r)]
+    proof = bodies.list_text(bodies.orjson_text([s, u, a]), r)
+    assert proof is not None and proof.head is not None
+    # the head is the text '[{...},{...},{"n":1}' without its "]": len(orjson text) - 1
+    assert proof.head[0] == len(bodies.orjson_text([s, u, a]) or b"") - 1
+    cases = {
+        "echo as sent, then a new message: all 4": ([s, u, a, r, u], 4),
+        "the whole H_p and nothing more: 4": ([s, u, a, r], 4),
+        "echo in its own form: M_p, 3": ([s, u, a, {"role": "assistant", "content": "b"}], 3),
+        "echo with the keys reordered: 3": ([s, u, a, {"content": "b", **r}], 3),
+        "M_p alone: 3": ([s, u, a], 3),
+        "a number as a float (1.0 is not 1): 2": ([s, u, {"n": 1.0}, r], 2),
+        "a rewritten first message: 0": ([{"role": "system", "content": "t"}, u, a, r], 0),
+        "an item that only starts like the parent's: 2": ([s, u], 2),
+    }
+    for name, (values, expected) in cases.items():
+        text = bodies.orjson_text(values)
+        assert bodies.proved_prefix(values, text, theirs, proof) == expected, name
+        assert bodies.shared_prefix(values, theirs) == expected, name
+    # a list orjson cannot write (an integer past 64 bits) is compared by its keys
+    assert bodies.orjson_text([2**64]) is None
+    assert bodies.proved_prefix([s, u, a, r], None, theirs, proof) == 4
