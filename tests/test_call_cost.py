@@ -211,6 +211,23 @@ def test_what_the_strict_parse_refuses_is_still_refused(content: bytes, needle: 
     assert needle in refused.value.message
 
 
+def test_the_depth_check_takes_128_levels_and_refuses_129_in_a_wide_body() -> None:
+    # 200 objects of 2 levels (more brackets than MAX_JSON_DEPTH, so the depth is walked), then
+    # a chain of n lists in the top list: depth 1 + n. n = 127 -> 128, taken; n = 128 -> 129.
+    from gateway.errors import InvalidRequestError
+    from gateway.proxy.attribution import parse_json
+
+    def body(n: int, opener: bytes, closer: bytes) -> bytes:
+        return b"[" + b'{"a": [1]}, ' * 200 + opener * n + b"0" + closer * n + b"]"
+
+    for opener, closer in ((b"[", b"]"), (b'{"k": ', b"}")):
+        assert len(parse_json(body(127, opener, closer))) == 201
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_json(body(128, opener, closer))
+        assert "nests deeper than 128" in refused.value.message
+    assert parse_json(b'"' + b"[" * 200 + b'"') == "[" * 200  # brackets in a string: no depth
+
+
 def test_a_wide_body_with_a_nul_is_refused_and_a_wide_shallow_one_is_taken() -> None:
     from gateway.errors import InvalidRequestError
     from gateway.proxy.attribution import parse_json
