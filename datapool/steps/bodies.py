@@ -116,64 +116,98 @@ def orjson_text(value: Any) -> bytes | None:
         return None
 
 
+class PrefixDigests:
+    """The sha256 digests of prefixes of one list text (``text[:n]``), for ``ListText``: a
+    child's text is checked against its parent's (``proved_prefix``), then kept for its own
+    children (``list_text``), the prefixes growing, so the text is hashed once in all (a prefix
+    shorter than one asked before is hashed alone)."""
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+        self._sha = hashlib.sha256()
+        self._at = 0
+
+    def upto(self, n: int) -> bytes:
+        """The digest of ``text[:n]``."""
+        if n < self._at:
+            return hashlib.sha256(memoryview(self.text)[:n]).digest()
+        self._sha.update(memoryview(self.text)[self._at : n])
+        self._at = n
+        return self._sha.digest()  # the state goes on: digest() does not end it
+
+    def upto_then(self, n: int, more: bytes) -> bytes:
+        """The digest of ``text[:n] + more``."""
+        self.upto(n)
+        if self._at != n:
+            return hashlib.sha256(bytes(memoryview(self.text)[:n]) + more).digest()
+        sha = self._sha.copy()
+        sha.update(more)
+        return sha.digest()
+
+
+def text_digests(value: Any) -> PrefixDigests | None:
+    """``value``'s orjson text (``orjson_text``) ready for ``proved_prefix`` and
+    ``list_text``; None where orjson cannot write it."""
+    text = orjson_text(value)
+    return None if text is None else PrefixDigests(text)
+
+
 _NO_ITEM = object()
 
 
-def list_text(text: bytes | None, appended: Any = _NO_ITEM) -> ListText | None:
-    """The ``ListText`` of the list whose orjson text is ``text``, or, with ``appended``, of
+def list_text(digests: PrefixDigests | None, appended: Any = _NO_ITEM) -> ListText | None:
+    """The ``ListText`` of the list whose text ``digests`` holds, or, with ``appended``, of
     that list with ``appended`` after its items (``head`` then the list itself); None when
     there is no text or orjson cannot write ``appended``."""
-    if text is None:
+    if digests is None:
         return None
-    open_text = memoryview(text)[:-1]  # without the closing "]"
-    digest = hashlib.sha256(open_text)
+    n = len(digests.text) - 1  # without the closing "]"
     if appended is _NO_ITEM:
-        return ListText((len(open_text), digest.digest()))
+        return ListText((n, digests.upto(n)))
     item = orjson_text(appended)
     if item is None:
         return None
-    head = (len(open_text), digest.digest()) if len(text) > 2 else None  # "[]" has no items
+    head = (n, digests.upto(n)) if n > 1 else None  # "[]" has no items
     item = (b"," if head is not None else b"") + item
-    digest.update(item)
-    return ListText((len(open_text) + len(item), digest.digest()), head)
+    return ListText((n + len(item), digests.upto_then(n, item)), head)
 
 
-def _begins(text: bytes, known: tuple[int, bytes]) -> bool:
-    """Whether list text ``text`` begins with the items whose open text (``ListText``) is
-    ``known``, the next byte ending one of them: a JSON array's text splits into its items one
-    way only, so those are its first items, as JSON."""
+def _begins(digests: PrefixDigests, known: tuple[int, bytes]) -> bool:
+    """Whether the list text of ``digests`` begins with the items whose open text
+    (``ListText``) is ``known``, the next byte ending one of them: a JSON array's text splits
+    into its items one way only, so those are its first items, as JSON."""
     n, digest = known
-    return (
-        len(text) > n
-        and text[n] in b",]"
-        and hashlib.sha256(memoryview(text)[:n]).digest() == digest
-    )
+    text = digests.text
+    return len(text) > n and text[n] in b",]" and digests.upto(n) == digest
 
 
 def proved_prefix(
     values: Sequence[Any],
-    text: bytes | None,
+    digests: PrefixDigests | None,
     theirs: Sequence[str],
     proof: ListText | None,
 ) -> int:
-    """``shared_prefix(values, theirs)``, proved from texts where it can be: ``text`` is
-    ``values``' orjson text (``orjson_text``) and ``proof`` the ``ListText`` of the parent's
-    list whose keys are ``theirs``. Equal orjson texts are equal JSON values, types and key
-    order included (orjson writes a double in its shortest form and never writes NaN), so
-    their ``json.dumps`` texts, which ``shared_prefix`` compares, are equal too. Where the
+    """``shared_prefix(values, theirs)``, proved from texts where it can be: ``digests``
+    holds ``values``' orjson text (``text_digests``) and ``proof`` is the ``ListText`` of the
+    parent's list whose keys are ``theirs``. Equal orjson texts are equal JSON values, types
+    and key order included (orjson writes a double in its shortest form and never writes NaN),
+    so their ``json.dumps`` texts, which ``shared_prefix`` compares, are equal too. Where the
     proof does not settle it (no text or proof, the parent's items not all there), the answer
-    is ``shared_prefix``'s own."""
+    is ``shared_prefix``'s own. The head is checked before the whole list (a text that begins
+    with the whole begins with its head), so the text is hashed in one pass."""
     m = len(theirs)
-    if text is None or proof is None or m == 0:
+    if digests is None or proof is None or m == 0:
         return shared_prefix(values, theirs)
-    if _begins(text, proof.whole):
+    if proof.head is None or m == 1:
+        return m if _begins(digests, proof.whole) else shared_prefix(values, theirs)
+    if not _begins(digests, proof.head):
+        return shared_prefix(values, theirs)
+    if _begins(digests, proof.whole):
         return m
-    if proof.head is not None and m > 1 and _begins(text, proof.head):
-        # The first m - 1 items are the parent's; the last of its items is compared alone.
-        if len(values) >= m and message_key(values[m - 1]) == theirs[m - 1]:
-            return m
-        return m - 1
-    return shared_prefix(values, theirs)
+    # The first m - 1 items are the parent's; the last of its items is compared alone.
+    if len(values) >= m and message_key(values[m - 1]) == theirs[m - 1]:
+        return m
+    return m - 1
 
 
 @dataclass(frozen=True)
@@ -318,12 +352,12 @@ def encode_body(
         if isinstance(value, list):
             heads[name] = value[:HEAD_ITEMS]
             theirs = parent.lists.get(name) if parent is not None else None
-            own_text = orjson_text(value)
-            known = list_text(own_text)
+            digests = text_digests(value)
+            proof = parent.texts.get(name) if parent is not None else None
+            n = 0 if theirs is None else proved_prefix(value, digests, theirs, proof)
+            known = list_text(digests)  # after the check: the text hashed in one pass
             if known is not None:
                 texts[name] = known
-            proof = parent.texts.get(name) if parent is not None else None
-            n = 0 if theirs is None else proved_prefix(value, own_text, theirs, proof)
             found = None if n or not theirs else head_replaced(value, theirs)
             # One string per shared item, not one per step; only the new items are dumped.
             k, m = found or (0, n)

@@ -174,11 +174,9 @@ class TrajectoryTokens:
             return Lineage(None, None, None)
         # Longest first, the later of equal lengths first: the first match is the parent, and
         # it is usually the latest step, so one comparison instead of one per earlier step.
-        order = sorted(
-            range(len(self.candidates)),
-            key=lambda i: (self.candidates[i].length_bytes, i),
-            reverse=True,
-        )
+        # (A stable sort of the indices latest first by length: no key tuple per candidate.)
+        lengths = [candidate.length_bytes for candidate in self.candidates]
+        order = sorted(range(len(lengths) - 1, -1, -1), key=lengths.__getitem__, reverse=True)
         best = next((self.candidates[i] for i in order if self._extends(prompt, i)), None)
         latest = latest_of_tree(self.candidates, None if best is None else best.tree)
         if best is not None and (best.call == latest.call or self._extends_call(prompt, latest)):
