@@ -649,3 +649,66 @@ def test_a_missing_blob_is_an_error_not_a_null_tool_list(sqlite_pool: PoolSettin
         step_id = connection.execute(text("SELECT id FROM steps WHERE step_index = 1")).scalar_one()
     with pytest.raises(RequestMissingError, match=f"step {step_id} stores its 'tools' as blob"):
         store.get_step(step_id)
+
+
+STORED_COLUMNS = (
+    "request, messages_base, upstream_request, upstream_request_patch, canonical, "
+    "canonical_base, body_deltas"
+)
+
+
+def stored_bodies(store: PoolStore, trajectory_id: str) -> list[tuple[Any, ...]]:
+    with store.engine.connect() as connection:
+        query = f"SELECT {STORED_COLUMNS} FROM steps WHERE trajectory_id = :t ORDER BY step_index"
+        return [tuple(row) for row in connection.execute(text(query), {"t": trajectory_id})]
+
+
+@pytest.mark.parametrize(
+    ("dialect", "body"),
+    [*SESSIONS, *CCH_SESSIONS],
+    ids=[*(d.name for d, _ in SESSIONS), *(f"{d.name}-cch" for d, _ in CCH_SESSIONS)],
+)
+def test_the_writer_stores_the_same_rows_when_it_proves_the_shared_prefix_from_text(
+    sqlite_pool: PoolSettings,
+    dialect: Dialect,
+    body: Callable[[int], dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each list compared through its parent's ``ListText`` (``bodies.proved_prefix``) is
+    stored as when every list was compared by ``json.dumps`` of the parent's length
+    (``shared_prefix`` alone): the same step rows, column for column. And no list of the
+    history's length is dumped by ``json`` once the parent's text is known (turn 1 on); a
+    session whose first system line changes on every call still finds the run after it by
+    ``json`` (``head_replaced``)."""
+    from datapool.steps import bodies, messages
+
+    store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
+    long_dumps: list[int] = []
+    real_dumps = json.dumps
+
+    def counting(value: Any, *args: Any, **kwargs: Any) -> str:
+        if isinstance(value, list) and len(value) > 12:  # 14 messages at turn 6
+            long_dumps.append(len(value))
+        return real_dumps(value, *args, **kwargs)
+
+    turns = 12
+    for turn in range(turns):
+        call = turn_call(dialect, body(turn), turn)
+        if turn == turns - 1:
+            monkeypatch.setattr(json, "dumps", counting)
+        store.record_call("proved", call)
+        monkeypatch.setattr(json, "dumps", real_dumps)
+
+    def keys_alone(values: Any, text: Any, theirs: Any, proof: Any) -> int:
+        return bodies.shared_prefix(values, theirs)
+
+    monkeypatch.setattr(bodies, "proved_prefix", keys_alone)
+    monkeypatch.setattr(messages, "proved_prefix", keys_alone)
+    for turn in range(turns):
+        store.record_call("compared", turn_call(dialect, body(turn), turn))
+    assert stored_bodies(store, "proved") == stored_bodies(store, "compared")
+    if (dialect, body) in CCH_SESSIONS:
+        assert long_dumps
+    else:
+        assert long_dumps == []
+    store.engine.dispose()

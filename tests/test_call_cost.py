@@ -211,6 +211,23 @@ def test_what_the_strict_parse_refuses_is_still_refused(content: bytes, needle: 
     assert needle in refused.value.message
 
 
+def test_the_depth_check_takes_128_levels_and_refuses_129_in_a_wide_body() -> None:
+    # 200 objects of 2 levels (more brackets than MAX_JSON_DEPTH, so the depth is walked), then
+    # a chain of n lists in the top list: depth 1 + n. n = 127 -> 128, taken; n = 128 -> 129.
+    from gateway.errors import InvalidRequestError
+    from gateway.proxy.attribution import parse_json
+
+    def body(n: int, opener: bytes, closer: bytes) -> bytes:
+        return b"[" + b'{"a": [1]}, ' * 200 + opener * n + b"0" + closer * n + b"]"
+
+    for opener, closer in ((b"[", b"]"), (b'{"k": ', b"}")):
+        assert len(parse_json(body(127, opener, closer))) == 201
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_json(body(128, opener, closer))
+        assert "nests deeper than 128" in refused.value.message
+    assert parse_json(b'"' + b"[" * 200 + b'"') == "[" * 200  # brackets in a string: no depth
+
+
 def test_a_wide_body_with_a_nul_is_refused_and_a_wide_shallow_one_is_taken() -> None:
     from gateway.errors import InvalidRequestError
     from gateway.proxy.attribution import parse_json
@@ -394,3 +411,40 @@ def test_the_writer_finds_an_echo_in_another_form_with_one_dump_of_the_history(
     assert bodies.shared_prefix(rewritten, theirs) == 1
     # an item whose text only starts like the parent's ("1" against "12") is no match
     assert bodies.shared_prefix([12, 5], ["1", "5", "7"]) == 0
+
+
+def test_a_proved_prefix_gives_shared_prefixs_answer_from_the_parents_text() -> None:
+    # The parent's H_p = M_p + [R_p] = [s, u, a] + [r], kept as a ListText (its orjson text's
+    # digests, with and without r). Each case: proved_prefix's answer is shared_prefix's.
+    import json
+
+    from datapool.steps import bodies
+
+    s, u, a = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"n": 1}
+    r = {"role": "assistant", "content": "b", "refusal": None}
+    theirs = [json.dumps(m) for m in (s, u, a, r)]
+    proof = bodies.list_text(bodies.text_digests([s, u, a]), r)
+    assert proof is not None and proof.head is not None
+    # the head is the text '[{...},{...},{"n":1}' without its "]": len(orjson text) - 1
+    assert proof.head[0] == len(bodies.orjson_text([s, u, a]) or b"") - 1
+    assert proof.whole[0] == len(bodies.orjson_text([s, u, a, r]) or b"") - 1
+    cases = {
+        "echo as sent, then a new message: all 4": ([s, u, a, r, u], 4),
+        "the whole H_p and nothing more: 4": ([s, u, a, r], 4),
+        "echo in its own form: M_p, 3": ([s, u, a, {"role": "assistant", "content": "b"}], 3),
+        "echo with the keys reordered: 3": ([s, u, a, {"content": "b", **r}], 3),
+        "M_p alone: 3": ([s, u, a], 3),
+        "a number as a float (1.0 is not 1): 2": ([s, u, {"n": 1.0}, r], 2),
+        "a rewritten first message: 0": ([{"role": "system", "content": "t"}, u, a, r], 0),
+        "an item that only starts like the parent's: 2": ([s, u], 2),
+    }
+    for name, (values, expected) in cases.items():
+        digests = bodies.text_digests(values)
+        assert bodies.proved_prefix(values, digests, theirs, proof) == expected, name
+        # the same text's own ListText after the check: as if hashed alone
+        own = bodies.list_text(digests)
+        assert own == bodies.list_text(bodies.text_digests(values)), name
+        assert bodies.shared_prefix(values, theirs) == expected, name
+    # a list orjson cannot write (an integer past 64 bits) is compared by its keys
+    assert bodies.orjson_text([2**64]) is None
+    assert bodies.proved_prefix([s, u, a, r], None, theirs, proof) == 4

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from datapool.models import Step, StepOutcome
-from datapool.steps.bodies import BodyKeys, Doc, body_keys
+from datapool.steps.bodies import BodyKeys, Doc, ListText, body_keys, list_text
 from datapool.steps.canonical import CanonicalCall, Message
 from datapool.steps.messages import (
     ParentKeys,
@@ -139,6 +139,9 @@ class _Candidate:
     conversation: LineageRecord = field(
         default_factory=lambda: LineageRecord(None, None, "main", "inferred")
     )
+    # The ``ListText`` of ``message_keys``' and ``canonical_keys``' lists (None: not known).
+    message_text: ListText | None = None
+    canonical_text: ListText | None = None
 
 
 @dataclass
@@ -175,11 +178,9 @@ class TrajectoryTokens:
             return Lineage(None, None, None)
         # Longest first, the later of equal lengths first: the first match is the parent, and
         # it is usually the latest step, so one comparison instead of one per earlier step.
-        order = sorted(
-            range(len(self.candidates)),
-            key=lambda i: (self.candidates[i].length_bytes, i),
-            reverse=True,
-        )
+        # (A stable sort of the indices latest first by length: no key tuple per candidate.)
+        lengths = [candidate.length_bytes for candidate in self.candidates]
+        order = sorted(range(len(lengths) - 1, -1, -1), key=lengths.__getitem__, reverse=True)
         best = next((self.candidates[i] for i in order if self._extends(prompt, i)), None)
         latest = latest_of_tree(self.candidates, None if best is None else best.tree)
         if best is not None and (best.call == latest.call or self._extends_call(prompt, latest)):
@@ -237,7 +238,11 @@ class TrajectoryTokens:
         for candidate in reversed(self.candidates):
             if candidate.step_id == step_id:
                 return ParentKeys(
-                    candidate.message_keys, candidate.canonical_keys, candidate.bodies
+                    candidate.message_keys,
+                    candidate.canonical_keys,
+                    candidate.bodies,
+                    candidate.message_text,
+                    candidate.canonical_text,
                 )
         return ParentKeys(None, None)
 
@@ -407,13 +412,22 @@ class TrajectoryTokens:
                         choice.response_message,
                     )
                     answer = choice.response_message
+                    response_key = None if answer is None else canonical_response_key(answer)
                     canonical_keys = history_keys(
                         parent.canonical,
                         request.canonical_messages,
                         request.canonical_base or 0,
-                        None if answer is None else canonical_response_key(answer),
+                        response_key,
                     )
                     answered = choice.response_message is not None
+                    texts = (
+                        (list_text(request.history_text), list_text(request.canonical_text))
+                        if answer is None
+                        else (
+                            list_text(request.history_text, answer),
+                            list_text(request.canonical_text, response_key),
+                        )
+                    )
                     self.add(
                         step_id,
                         placement.lineage,
@@ -427,6 +441,7 @@ class TrajectoryTokens:
                         canonical_keys=canonical_keys,
                         bodies=request.bodies,
                         conversation=conversation,
+                        texts=texts,
                     )
         if step_ids:
             self.latest_step_id = step_ids[0]
@@ -447,6 +462,7 @@ class TrajectoryTokens:
         canonical_keys: list[str] | None = None,
         bodies: Mapping[Doc, BodyKeys] | None = None,
         conversation: LineageRecord | None = None,
+        texts: tuple[ListText | None, ListText | None] = (None, None),
     ) -> None:
         """Remember step ``step_id`` placed at ``parent`` with sequence ``prompt + response``
         (int32 bytes), its message keys (``datapool.steps.messages.history_keys``), the call it
@@ -496,6 +512,7 @@ class TrajectoryTokens:
                 tree,
                 bodies or {},
                 conversation or LineageRecord(step_id, None, "main", "inferred"),
+                *texts,
             )
         )
 

@@ -67,6 +67,8 @@ from datapool.steps.bodies import (
     Doc,
     EncodedBody,
     FieldSpec,
+    ListText,
+    PrefixDigests,
     RequestMissingError,
     based_on_parent,
     blob_shas,
@@ -77,7 +79,8 @@ from datapool.steps.bodies import (
     list_delta,
     load_blob,
     message_key,
-    shared_prefix,
+    proved_prefix,
+    text_digests,
 )
 from datapool.steps.canonical import CanonicalCall, response_of
 
@@ -123,14 +126,22 @@ def history_keys(
     return keys
 
 
-def messages_base(parent_keys: Sequence[str] | None, messages: Any) -> int | None:
+def messages_base(
+    parent_keys: Sequence[str] | None,
+    messages: Any,
+    digests: PrefixDigests | None = None,
+    proof: ListText | None = None,
+) -> int | None:
     """b: how many leading ``messages`` equal the parent's ``M_p + [R_p]`` (as JSON text);
-    None when ``messages`` is not a list (the request is then stored whole)."""
+    None when ``messages`` is not a list (the request is then stored whole). ``digests``:
+    ``messages``' orjson text (``bodies.text_digests``), ``proof``: the parent's ``ListText``
+    of ``M_p + [R_p]`` (``bodies.proved_prefix``; the same answer, without a ``json.dumps`` of
+    the history)."""
     if not isinstance(messages, list):
         return None
     if not parent_keys:
         return 0
-    return shared_prefix(messages, parent_keys)
+    return proved_prefix(messages, digests, parent_keys, proof)
 
 
 def stored_request(
@@ -161,16 +172,24 @@ class RequestDelta:
     new_blobs: dict[str, str] = field(default_factory=dict)
     # Each body's memory for the children's deltas (the upstream's only when stored whole).
     bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)
+    # ``M`` and ``C`` as orjson wrote them (``bodies.text_digests``; None: not a list, or not
+    # writable), from which the lineage memory makes each step's ``ListText`` of ``H``.
+    history_text: PrefixDigests | None = None
+    canonical_text: PrefixDigests | None = None
 
 
 @dataclass(frozen=True)
 class ParentKeys:
     """The parent's message keys (``message_key``): ``H_p`` of its request history and of its
-    canonical messages; None when the parent is not a lineage candidate (stored whole)."""
+    canonical messages; None when the parent is not a lineage candidate (stored whole).
+    ``request_text`` and ``canonical_text``: the ``bodies.ListText`` of those two lists
+    (None: not known, the keys alone are compared)."""
 
     request: Sequence[str] | None
     canonical: Sequence[str] | None
     bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)  # ``RequestDelta.bodies``
+    request_text: ListText | None = None
+    canonical_text: ListText | None = None
 
 
 def request_delta(
@@ -184,7 +203,8 @@ def request_delta(
     ``C_p + [R_p]``, ``upstream_request`` as a merge patch on ``request`` where one says it
     without an array, and every other field through ``datapool.steps.bodies``."""
     history = history_of(request, history_field)
-    base = messages_base(parent.request, history)
+    history_text = None if history is None else text_digests(history)
+    base = messages_base(parent.request, history, history_text, parent.request_text)
     stored, history_spec = _cut(
         request, history_field, history, base, parent.request, parent.bodies.get("request")
     )
@@ -204,11 +224,14 @@ def request_delta(
         patch = None
     if patch is None:
         encoded["upstream"] = encode_body(upstream_request, parent.bodies.get("upstream"))
-    stored_canonical, canonical_base, messages = None, None, None
+    stored_canonical, canonical_base, messages, canonical_text = None, None, None, None
     if canonical is not None:
         record = canonical.to_json()
         messages = record["messages"]
-        canonical_base = messages_base(parent.canonical, messages)
+        canonical_text = text_digests(messages) if isinstance(messages, list) else None
+        canonical_base = messages_base(
+            parent.canonical, messages, canonical_text, parent.canonical_text
+        )
         parent_body = parent.bodies.get("canonical")
         stored_canonical, messages_spec = _cut(
             record, "messages", messages, canonical_base, parent.canonical, parent_body
@@ -239,6 +262,8 @@ def request_delta(
         deltas or None,
         new_blobs,
         {doc: body.keys for doc, body in encoded.items()},
+        history_text,
+        canonical_text,
     )
 
 
