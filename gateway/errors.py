@@ -34,6 +34,7 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
      ├── AuthenticationError            401     authentication_error   unauthenticated
      ├── PermissionDeniedError          403     permission_error       permission_denied
      ├── NotFoundError                  404     not_found_error        not_found
+     ├── UnprocessableError             422     invalid_request_error  unprocessable
      ├── ConflictError                  409     conflict_error         conflict
      ├── ServiceUnavailableError        503     service_unavailable    service_unavailable
      └── UpstreamError                  502     upstream_error         upstream_error
@@ -48,7 +49,8 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
 ``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
-``policy_version_conflict``, ``trajectory_exists`` (409); ``payload_missing``
+``policy_version_conflict``, ``trajectory_exists`` (409); ``idempotency_key_reused`` (422, an
+``Idempotency-Key`` sent again with another body, ``gateway.proxy.answer``); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
 ``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still
 sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);
@@ -165,6 +167,15 @@ class NotFoundError(TrajgateError):
     status_code = 404
     error_type = "not_found_error"
     default_code = "not_found"
+
+
+class UnprocessableError(TrajgateError):
+    """A well-formed request the gateway will not process as sent (an ``Idempotency-Key``
+    reused with another body: 422, as the IETF's Idempotency-Key header draft asks)."""
+
+    status_code = 422
+    error_type = "invalid_request_error"
+    default_code = "unprocessable"
 
 
 class ConflictError(TrajgateError):

@@ -609,6 +609,27 @@ def test_c13_same_idempotency_key_is_replayed_not_sampled_again(
     assert again.headers["x-trajgate-replayed"] == "true"
     assert again.headers["x-trajgate-call-id"] == first.headers["x-trajgate-call-id"]
     assert len(steps_of(pool_settings, "c13k")) == 1
+    # The same key with another question: refused, not answered with the first one's reply.
+    other = {**body, "messages": [{"role": "user", "content": "Something else entirely?"}]}
+    reused = _post(f"{gateway.url}/t/c13k/v1/chat/completions", other, headers=headers)
+    assert reused.status_code == 422, reused.text
+    error = reused.json()["error"]
+    assert (error["code"], error["param"]) == ("idempotency_key_reused", "Idempotency-Key")
+    assert len(steps_of(pool_settings, "c13k")) == 1
+    # Over Messages too, in Anthropic's envelope; a new key is a new call.
+    messages_body = {"model": "tiny", "max_tokens": 4, "messages": other["messages"]}
+    url = f"{gateway.url}/t/c13m/v1/messages"
+    assert _post(url, {**messages_body, "max_tokens": 3}, headers=headers).status_code == 200
+    refused = _post(url, messages_body, headers=headers)
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert "idempotency_key_reused" in refused.json()["error"]["message"]
+    fresh = _post(
+        f"{gateway.url}/t/c13k/v1/chat/completions", other, headers={"Idempotency-Key": "2"}
+    )
+    assert fresh.status_code == 200 and "x-trajgate-replayed" not in fresh.headers
+    assert len(steps_of(pool_settings, "c13k")) == 2
 
 
 def test_an_over_long_idempotency_key_is_refused_up_front_on_both_backends(

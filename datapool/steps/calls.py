@@ -63,8 +63,9 @@ def record_attempts(sessions: sessionmaker[Session], attempts: list[AttemptRecor
 
 def find_replay(
     sessions: sessionmaker[Session], trajectory_id: str, idempotency_key: str
-) -> tuple[str, dict[str, Any]] | None:
-    """``(call_id, response_body)`` of the successful call with this key, if any."""
+) -> tuple[str, dict[str, Any], str | None] | None:
+    """``(call_id, response_body, request_hash)`` of the successful call with this key, if
+    any; ``request_hash`` is its step's (None for a step stored without one)."""
     with sessions() as session:
         row = session.execute(
             select(CallAttempt.call_id, CallAttempt.response_body)
@@ -77,7 +78,14 @@ def find_replay(
             .order_by(CallAttempt.created_at.desc())
             .limit(1)
         ).first()
-    return None if row is None else (row[0], row[1])
+        if row is None:
+            return None
+        digest = session.scalar(
+            select(Step.request_hash)
+            .where(Step.trajectory_id == trajectory_id, Step.call_id == row[0])
+            .limit(1)
+        )
+    return row[0], row[1], digest
 
 
 # Built once: the statement is the same for every call, only its parameters change.

@@ -11,6 +11,7 @@ Never: retries (``gateway.proxy.attempts`` has decided).
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import httpx
 from fastapi import Response
@@ -19,8 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from datapool.models import StepOutcome
 from datapool.steps.calls import find_replay
 from gateway.body_budget import hold_answers
-from gateway.capture import UNREADABLE, dumps, loads_object
-from gateway.errors import UpstreamError
+from gateway.capture import UNREADABLE, dumps, loads_object, request_hash
+from gateway.errors import UnprocessableError, UpstreamError
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
 from gateway.proxy.continuation.engine import PARSED_ANSWER
@@ -125,14 +126,32 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
 
 
 async def replayed_answer(
-    state: GatewayState, attribution: Attribution, idempotency_key: str
+    state: GatewayState,
+    attribution: Attribution,
+    idempotency_key: str,
+    dialect_name: str,
+    body: dict[str, Any],
 ) -> Response | None:
-    """The stored answer of the trajectory's earlier call with this Idempotency-Key, if any."""
+    """The stored answer of the trajectory's earlier call with this Idempotency-Key, if any.
+
+    Raises ``UnprocessableError`` (422 ``idempotency_key_reused``) when that call's body was
+    another (its ``request_hash`` differs from ``body``'s under ``dialect_name``): a key names
+    one request, and answering another with its answer would hand the client, and the
+    trajectory, a reply to a question it did not ask (the IETF Idempotency-Key draft, 2.7)."""
     replay = await pool_lookup(
         state, find_replay, state.store.sessions, attribution.trajectory_id, idempotency_key
     )
     if replay is None:
         return None
+    stored_hash = replay[2]
+    if stored_hash is not None and stored_hash != request_hash(dialect_name, body):
+        raise UnprocessableError(
+            f"Idempotency-Key {idempotency_key!r} was used by call {replay[0]} of trajectory "
+            f"{attribution.trajectory_id!r} with another request body; a key names one request: "
+            "send a new key for a new request",
+            param="Idempotency-Key",
+            code="idempotency_key_reused",
+        )
     state.metrics.replays.inc()
     return JSONResponse(
         replay[1],

@@ -222,7 +222,9 @@ async def forward_call(
     """
     idempotency_key = check_idempotency_key(request.headers.get("idempotency-key"))
     if idempotency_key:
-        replay = await replayed_answer(state, attribution, idempotency_key)
+        replay = await replayed_answer(
+            state, attribution, idempotency_key, dialect.name, prepared.client_body
+        )
         if replay is not None:
             return replay
     call = await new_call(state, dialect, prepared, attribution, idempotency_key)
