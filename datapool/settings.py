@@ -157,6 +157,16 @@ class PoolSettings(ConfigFileSettings):
             "group 'trajgate.rewards' or module paths 'pkg.mod:fn'."
         ),
     )
+    curation_predicate_modules: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Modules whose functions a 'predicate' curation rule may name ('pkg.mod' allows "
+            "'pkg.mod:fn'; 'pkg.*' allows every module under 'pkg'). A rule is declared over "
+            "the API, so without this list any caller could make the gateway import a module "
+            "of its choice and call one of its functions; empty (the default): no predicate "
+            "rule can be declared or applied."
+        ),
+    )
     reward_model_url: str | None = Field(
         default=None,
         description=(

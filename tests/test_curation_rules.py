@@ -43,6 +43,12 @@ BAD_PARAMS: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+@pytest.fixture
+def pool_settings(pool_settings: PoolSettings) -> PoolSettings:
+    """Each backend's pool, with this module's predicates allowed (the default allows none)."""
+    return pool_settings.model_copy(update={"curation_predicate_modules": ["curation_predicates"]})
+
+
 def pool_of_three(pool_settings: PoolSettings) -> PoolStore:
     """``a`` (label bad, 2 steps), ``b`` (label ok, 1 step), ``c`` (no metadata, 1 step)."""
     store = make_store(pool_settings)
@@ -84,16 +90,49 @@ def test_a_predicate_that_raises_on_the_pool_is_refused_at_create_and_nothing_is
 ) -> None:
     pool_of_three(pool_settings)
     with httpx.Client(base_url=gateway.url, timeout=60) as api:
-        # os.system takes one argument, so it passes the signature check; it then raises
-        # TypeError on the first RewardContext it is given.
+        # Trajectory c has no label: the predicate raises KeyError on it.
         refused = api.post(
             "/api/curation/rules",
-            json={"name": "shell", "kind": "predicate", "params": {"function": "os:system"}},
+            json={
+                "name": "broken",
+                "kind": "predicate",
+                "params": {"function": "curation_predicates:breaks_on_unlabelled"},
+            },
         )
         assert refused.status_code == 400, refused.text
-        assert "predicate os:system raised" in refused.json()["error"]["message"]
+        message = refused.json()["error"]["message"]
+        assert "predicate curation_predicates:breaks_on_unlabelled raised" in message
         assert api.get("/api/curation/rules").json() == []
         assert all(ready(api, t) for t in ("a", "b", "c"))  # nothing excluded
+
+
+def test_a_predicate_outside_the_operators_modules_is_refused_before_anything_is_imported(
+    gateway: BackgroundServer, pool_settings: PoolSettings
+) -> None:
+    # A rule comes over the API: a caller naming os:system (which takes one argument) must not
+    # get the gateway to import and call it; neither may a module nobody allowed.
+    pool_of_three(pool_settings)
+    with httpx.Client(base_url=gateway.url, timeout=60) as api:
+        for function in ("os:system", "antigravity:geohash", "curation_predicates_x:fn"):
+            rule = {"name": "shell", "kind": "predicate", "params": {"function": function}}
+            refused = api.post("/api/curation/rules", json=rule)
+            assert refused.status_code == 400, refused.text
+            error = refused.json()["error"]
+            assert error["param"] == "params.function"
+            assert "TRAJGATE_CURATION_PREDICATE_MODULES" in error["message"]
+        assert api.get("/api/curation/rules").json() == []
+    import sys
+
+    assert "antigravity" not in sys.modules  # refused before any import
+
+
+def test_predicate_modules_allow_a_module_or_a_package_and_nothing_else() -> None:
+    assert curation.predicate_allowed("pkg.mod", ["pkg.mod"])
+    assert not curation.predicate_allowed("pkg.mod2", ["pkg.mod"])
+    assert not curation.predicate_allowed("pkg", ["pkg.mod"])
+    assert curation.predicate_allowed("pkg.sub.mod", ["pkg.*"])
+    assert not curation.predicate_allowed("pkgx.mod", ["pkg.*"])
+    assert not curation.predicate_allowed("os", [])
 
 
 def test_a_predicate_that_starts_raising_fails_its_rule_which_keeps_its_marks_and_blocks_batches(

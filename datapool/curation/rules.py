@@ -143,9 +143,12 @@ class _RuleFailed(Exception):
 # ---- rules ---------------------------------------------------------------------------------
 
 
-def check_rule(kind: str, action: str, params: dict[str, Any]) -> RuleParams:
+def check_rule(
+    kind: str, action: str, params: dict[str, Any], allowed_modules: Sequence[str] = ()
+) -> RuleParams:
     """``params`` as ``kind``'s typed model (``datapool.curation.rule_params``); a predicate's
-    function must import and accept one positional argument.
+    function must be in ``allowed_modules`` (``PoolSettings.curation_predicate_modules``),
+    import and accept one positional argument.
 
     Raises ``InvalidPoolRequestError`` for an unknown kind/action or unknown/bad params.
     """
@@ -155,14 +158,37 @@ def check_rule(kind: str, action: str, params: dict[str, Any]) -> RuleParams:
         )
     typed = parse_params(kind, params)
     if isinstance(typed, PredicateParams):
-        resolve_predicate(typed.function)
+        resolve_predicate(typed.function, allowed_modules)
     return typed
 
 
-def resolve_predicate(name: str) -> Callable[[RewardContext], Any]:
-    """Import ``pkg.mod:fn``; raises ``InvalidPoolRequestError`` (param ``params.function``)
-    when that finds no callable, or one that cannot be called as ``fn(context)``."""
+def predicate_allowed(module_name: str, allowed_modules: Sequence[str]) -> bool:
+    """Whether ``module_name`` is one of ``allowed_modules`` (``pkg.mod``) or under one of its
+    ``pkg.*`` entries."""
+    for allowed in allowed_modules:
+        if allowed.endswith(".*"):
+            if module_name.startswith(allowed[:-1]):
+                return True
+        elif module_name == allowed:
+            return True
+    return False
+
+
+def resolve_predicate(
+    name: str, allowed_modules: Sequence[str] = ()
+) -> Callable[[RewardContext], Any]:
+    """Import ``pkg.mod:fn`` when its module is allowed (``predicate_allowed``); raises
+    ``InvalidPoolRequestError`` (param ``params.function``) when it is not, when the import
+    finds no callable, or one that cannot be called as ``fn(context)``. Nothing is imported
+    from a module that is not allowed."""
     module_name, _, attribute = name.partition(":")
+    if not predicate_allowed(module_name, allowed_modules):
+        raise InvalidPoolRequestError(
+            f"predicate {name!r}: module {module_name!r} is not in "
+            f"TRAJGATE_CURATION_PREDICATE_MODULES ({list(allowed_modules)}); a predicate rule "
+            "runs code on the gateway, so its modules are named by the operator, not the caller",
+            param="params.function",
+        )
     try:
         target = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -204,7 +230,7 @@ def create_rule(
     that fails on the pool as it is (a predicate that raises): then nothing is stored.
     """
     params = dict(params or {})
-    check_rule(kind, action, params)
+    check_rule(kind, action, params, store.settings.curation_predicate_modules)
     with store.sessions.begin() as session:
         if session.scalar(select(CurationRule.id).where(CurationRule.name == name)) is not None:
             raise InvalidPoolRequestError(f"a rule named {name!r} exists already", param="name")
@@ -651,7 +677,7 @@ def _degenerate_groups(
 
 def _predicate(store: PoolStore, p: dict[str, Any], scope: Sequence[str] | None) -> list[Match]:
     try:
-        fn = resolve_predicate(str(p["function"]))
+        fn = resolve_predicate(str(p["function"]), store.settings.curation_predicate_modules)
     except InvalidPoolRequestError as exc:
         raise _RuleFailed(exc.message) from exc
     with store.sessions() as session:
