@@ -132,7 +132,14 @@ class DemoConfig:
         if self.model not in REWARD_NAMES:
             raise ValueError(f"model {self.model!r}: choose one of {sorted(REWARD_NAMES)}")
         # A group of one has no reward spread, so GRPO would never train on it.
-        for name, least in (("rounds", 1), ("groups", 1), ("group_size", 2), ("agents", 1)):
+        for name, least in (
+            ("rounds", 1),
+            ("groups", 1),
+            ("group_size", 2),
+            ("agents", 1),
+            ("max_resampled_rounds", 0),
+            ("max_staleness_versions", 0),
+        ):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.gateway_port == self.vllm_port:
