@@ -23,12 +23,15 @@ import importlib.util
 import math
 import os
 import random
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, Literal
 
 import httpx
@@ -331,9 +334,16 @@ class DemoRun:
     def play_round(self, channel: str, round_index: int) -> list[str]:
         """Run every group's rollouts concurrently; returns the completed trajectory ids."""
         jobs = [(g, m) for g in range(self.config.groups) for m in range(self.config.group_size)]
-        with ThreadPoolExecutor(max_workers=self.config.agents) as executor:
+        executor = ThreadPoolExecutor(max_workers=self.config.agents)
+        try:
             futures = [executor.submit(self._episode, channel, round_index, g, m) for g, m in jobs]
             played = [future.result() for future in futures]
+        except BaseException:
+            # Ctrl-C, SIGTERM or an episode's failure: drop the episodes not started rather
+            # than play them all before the services are stopped (those running fail then).
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        executor.shutdown()
         self.played.setdefault(channel, []).extend(played)
         return played
 
@@ -474,7 +484,6 @@ class DemoRun:
         """Agents play rounds back to back in a thread while the trainer trains on each
         finished round and publishes; returns ``[version, mean reward, n]`` per version."""
         import queue
-        import threading
 
         trainer = self._new_trainer()
         version = first_version
@@ -639,6 +648,11 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     say: Callable[[str], None] = (
         (lambda text: print(text, flush=True)) if echo else (lambda text: None)
     )
+    with sigterm_as_interrupt():
+        return _run_demo(config, say)
+
+
+def _run_demo(config: DemoConfig, say: Callable[[str], None]) -> dict[str, Any]:
     started = time.monotonic()
     run = DemoRun(config, say)
     try:
@@ -703,6 +717,29 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     finally:
         run.stop()
     return result
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises ``KeyboardInterrupt`` in the main thread, so a demo told
+    to stop by ``kill`` (a service manager, a CI timeout) takes Ctrl-C's path: every
+    ``finally`` runs and vLLM (3 GB, its port held) and the gateway are stopped. Python's
+    default SIGTERM ends the process at once, running no ``finally``. A second SIGTERM while
+    stopping is ignored (SIGKILL still ends it). Outside the main thread (no handler can be
+    installed there) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping: let the cleanup finish
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def learning_gain(curve: list[list[float]]) -> float:
