@@ -27,12 +27,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import numpy as np
@@ -54,6 +54,7 @@ from trajgate import demo_task, smollm2, tinymodel, vllm_server
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 PAD_TOKEN_ID = 0
 DemoModelName = Literal["tiny", "smollm2"]
+T = TypeVar("T")
 # A batch lease of the demo's trainer, renewed every third of it while the update runs (however
 # long it takes); a crashed demo's batch is free again this long after.
 DEMO_LEASE_S = 300.0
@@ -130,6 +131,10 @@ class DemoConfig:
     seed: int = 0
     # Keep the gateway and its inspector up on the pool after the loop, until Ctrl-C.
     serve_after: bool = False
+    # Seconds between the progress lines of a round (episodes done / total, elapsed): a round
+    # takes about 30 s on a quiet 2-core machine and many minutes on a loaded one, which
+    # printed nothing meanwhile.
+    progress_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.model not in REWARD_NAMES:
@@ -147,6 +152,8 @@ class DemoConfig:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.gateway_port == self.vllm_port:
             raise ValueError(f"the gateway and vLLM cannot share port {self.gateway_port}")
+        if not self.progress_interval_s > 0:
+            raise ValueError(f"progress_interval_s must be > 0, got {self.progress_interval_s}")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
@@ -337,7 +344,14 @@ class DemoRun:
         executor = ThreadPoolExecutor(max_workers=self.config.agents)
         try:
             futures = [executor.submit(self._episode, channel, round_index, g, m) for g, m in jobs]
-            played = [future.result() for future in futures]
+            played = results_reporting(
+                futures,
+                lambda done, elapsed_s: self.say(
+                    f"  {channel} round {round_index}: {done}/{len(futures)} episodes, "
+                    f"{elapsed_s:.0f} s"
+                ),
+                self.config.progress_interval_s,
+            )
         except BaseException:
             # Ctrl-C, SIGTERM or an episode's failure: drop the episodes not started rather
             # than play them all before the services are stopped (those running fail then).
@@ -654,6 +668,9 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
 
 def _run_demo(config: DemoConfig, say: Callable[[str], None]) -> dict[str, Any]:
     started = time.monotonic()
+    warning = load_warning(os.getloadavg()[0], os.cpu_count() or 1)
+    if warning is not None:
+        say(warning)
     run = DemoRun(config, say)
     try:
         run.start()
@@ -717,6 +734,41 @@ def _run_demo(config: DemoConfig, say: Callable[[str], None]) -> dict[str, Any]:
     finally:
         run.stop()
     return result
+
+
+def results_reporting(
+    futures: list[Future[T]],
+    report: Callable[[int, float], None],
+    interval_s: float,
+) -> list[T]:
+    """The results of ``futures`` in their order, calling ``report(done, elapsed_s)`` every
+    ``interval_s`` seconds while some are pending (``done``: futures finished so far;
+    ``elapsed_s``: seconds since the call). Raises a failed future's exception as soon as one
+    failed, without waiting for the others."""
+    started = time.monotonic()
+    pending = set(futures)
+    while pending:
+        finished, pending = wait(pending, timeout=interval_s, return_when=FIRST_EXCEPTION)
+        for future in finished:
+            error = future.exception()
+            if error is not None:
+                raise error
+        if pending:
+            report(len(futures) - len(pending), time.monotonic() - started)
+    return [future.result() for future in futures]
+
+
+def load_warning(load_1m: float, cpus: int) -> str | None:
+    """A warning when the 1-minute load average exceeds the CPU count: the demo's agents,
+    vLLM and the trainer then share the cores with other work and the run takes longer than
+    the README's estimate (measured: vLLM's start alone took 5 minutes at a load of 16 on 2
+    cores); None otherwise."""
+    if load_1m <= cpus:
+        return None
+    return (
+        f"warning: the 1-minute load average is {load_1m:.1f} on {cpus} CPUs: other work "
+        "shares them, so this run will be slower than the README's estimate (a quiet machine)"
+    )
 
 
 @contextmanager
