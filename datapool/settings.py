@@ -50,7 +50,8 @@ class PoolSettings(ConfigFileSettings):
         description=(
             "SQLAlchemy URL of the pool's database. Unset means SQLite at "
             "<data_dir>/pool.sqlite3 (WAL mode): zero set-up, one writer at a time. Use "
-            "postgresql+psycopg://... for several gateway processes or heavy concurrent load."
+            "postgresql+psycopg://... for several gateway processes or heavy concurrent load. "
+            "A URL whose dialect or driver SQLAlchemy cannot load is refused at start."
         ),
     )
     payload_uri: str | None = Field(

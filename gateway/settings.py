@@ -151,7 +151,8 @@ class GatewaySettings(ConfigFileSettings):
     upstream_url: str = Field(
         default="http://127.0.0.1:8100",
         description=(
-            "Base URL of the vLLM OpenAI server (without /v1); several replicas comma-separated. "
+            "Base URL of the vLLM OpenAI server (without /v1; http:// or https:// with a host); "
+            "several replicas comma-separated. "
             "Calls go to the least-loaded healthy replica, sticky per trajectory."
         ),
     )
