@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from trajgate.config import ConfigFileSettings
@@ -26,6 +26,16 @@ HTTP_STEP_REWARD_MODEL_NAMES = frozenset(
 )
 
 
+def sqlalchemy_url(database_url: str) -> str:
+    """``database_url`` as SQLAlchemy takes it: ``postgres://`` and driverless
+    ``postgresql://`` (as Heroku-style and libpq URLs are written) mean PostgreSQL through
+    psycopg 3, the driver installed; any other URL unchanged."""
+    for prefix in ("postgres://", "postgresql://"):
+        if database_url.startswith(prefix):
+            return "postgresql+psycopg://" + database_url.removeprefix(prefix)
+    return database_url
+
+
 class PoolSettings(ConfigFileSettings):
     """Where the pool's SQL state and files live, and how steps reach them."""
 
@@ -40,7 +50,8 @@ class PoolSettings(ConfigFileSettings):
         description=(
             "SQLAlchemy URL of the pool's database. Unset means SQLite at "
             "<data_dir>/pool.sqlite3 (WAL mode): zero set-up, one writer at a time. Use "
-            "postgresql+psycopg://... for several gateway processes or heavy concurrent load."
+            "postgresql+psycopg://... for several gateway processes or heavy concurrent load. "
+            "A URL whose dialect or driver SQLAlchemy cannot load is refused at start."
         ),
     )
     payload_uri: str | None = Field(
@@ -236,6 +247,35 @@ class PoolSettings(ConfigFileSettings):
         ),
     )
 
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str | None) -> str | None:
+        """Refuse a database URL SQLAlchemy cannot use (unparsable, an unknown dialect, a driver
+        not installed) here, so ``serve --check-config`` refuses what ``serve`` would die on.
+        Loads the dialect and its driver module; opens no connection."""
+        if not value:
+            return value
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+        expected = "expected postgresql+psycopg://user:password@host:5432/name or sqlite:///path"
+        try:
+            url = make_url(sqlalchemy_url(value))
+        except ArgumentError as exc:
+            raise ValueError(f"not a SQLAlchemy URL; {expected}") from exc
+        try:
+            dialect = url.get_dialect()
+        except NoSuchModuleError as exc:
+            raise ValueError(f"SQLAlchemy has no dialect {url.drivername!r}; {expected}") from exc
+        try:
+            dialect.import_dbapi()
+        except ImportError as exc:
+            raise ValueError(
+                f"the driver of {url.drivername!r} is not installed ({exc}); use "
+                "postgresql+psycopg://... (installed) or install the driver"
+            ) from exc
+        return value
+
     @model_validator(mode="after")
     def _check_reward_model(self) -> PoolSettings:
         if self.reward_model_url is not None and not self.reward_model_url.startswith(
@@ -276,13 +316,9 @@ class PoolSettings(ConfigFileSettings):
         return self
 
     def resolved_database_url(self) -> str:
-        """The SQLAlchemy URL; ``postgres://`` and driverless ``postgresql://`` (as Heroku-style
-        and libpq URLs are written) mean PostgreSQL through psycopg 3, the driver installed."""
+        """The SQLAlchemy URL (``sqlalchemy_url``), SQLite under ``data_dir`` when unset."""
         if self.database_url:
-            for prefix in ("postgres://", "postgresql://"):
-                if self.database_url.startswith(prefix):
-                    return "postgresql+psycopg://" + self.database_url.removeprefix(prefix)
-            return self.database_url
+            return sqlalchemy_url(self.database_url)
         return f"sqlite:///{(self.data_dir / 'pool.sqlite3').resolve()}"
 
     def resolved_payload_uri(self) -> str:

@@ -22,7 +22,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from datapool.batches.settings import BatchSettings
 from datapool.db import make_engine
+from datapool.errors import InvalidPoolRequestError
 from datapool.lifecycle.hooks import CompletionHooks
 from datapool.lifecycle.transitions import close_idle
 from datapool.rewards.step_rewards import STEP_ENTRY_POINT_GROUP
@@ -59,7 +61,9 @@ from gateway.workers import WORKER_DIR_ENV, PeerServer, gather_metrics
 log = logging.getLogger("trajgate.gateway")
 
 
-def check_settings(settings: GatewaySettings, pool: PoolSettings) -> None:
+def check_settings(
+    settings: GatewaySettings, pool: PoolSettings, batch: BatchSettings | None = None
+) -> None:
     """Every check of the settings that needs more than their own validation, run before the
     gateway starts: by ``create_app`` and by ``trajgate serve --check-config``, so a
     configuration the check accepts is one that starts (``--check-config`` skipped the sampling
@@ -69,8 +73,20 @@ def check_settings(settings: GatewaySettings, pool: PoolSettings) -> None:
         InvalidPoolRequestError: a configured reward function or step reward function cannot be
             resolved (a typo would otherwise surface only as a failed reward on every
             trajectory, or every step).
+        InvalidPoolRequestError: also (``param`` 'lease_default_s') a default lease longer
+            than the longest one allowed (``batch``, read from the environment when None):
+            every lease asked without ``lease_s`` would be refused, blaming a field the client
+            never sent.
         SamplingSettingsError: a channel's sampling policy refuses its own defaults.
     """
+    batch = batch or BatchSettings()
+    if batch.lease_default_s > batch.lease_max_s:
+        raise InvalidPoolRequestError(
+            f"lease_default_s ({batch.lease_default_s:g} s) exceeds lease_max_s "
+            f"({batch.lease_max_s:g} s), so every lease asked without lease_s would be refused; "
+            "lower TRAJGATE_LEASE_DEFAULT_S or raise TRAJGATE_LEASE_MAX_S",
+            param="lease_default_s",
+        )
     for name in pool.reward_functions:
         resolve_reward_function(name)
     for name in pool.step_reward_functions:

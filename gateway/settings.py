@@ -13,6 +13,7 @@ import math
 import re
 import string
 from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -128,6 +129,20 @@ def check_sampling_value(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be {low}{high}, got {value!r}")
 
 
+def check_http_url(url: str) -> None:
+    """Raise ``ValueError`` unless ``url`` is an absolute http:// or
+    https:// URL with a host (and a valid port, if any)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  # raises ValueError on a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"not a URL ({exc})") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            "expected an http:// or https:// URL with a host, such as http://127.0.0.1:8100"
+        )
+
+
 class GatewaySettings(ConfigFileSettings):
     """How the gateway listens, where it forwards, its limits and its keys."""
 
@@ -136,7 +151,8 @@ class GatewaySettings(ConfigFileSettings):
     upstream_url: str = Field(
         default="http://127.0.0.1:8100",
         description=(
-            "Base URL of the vLLM OpenAI server (without /v1); several replicas comma-separated. "
+            "Base URL of the vLLM OpenAI server (without /v1; http:// or https:// with a host); "
+            "several replicas comma-separated. "
             "Calls go to the least-loaded healthy replica, sticky per trajectory."
         ),
     )
@@ -514,6 +530,16 @@ class GatewaySettings(ConfigFileSettings):
     def _split_allowed_hosts(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _check_upstream_urls(cls, value: str) -> str:
+        urls = [url.strip() for url in value.split(",") if url.strip()]
+        if not urls:
+            raise ValueError("upstream_url names no replica; expected e.g. http://127.0.0.1:8100")
+        for url in urls:
+            check_http_url(url)
         return value
 
     @field_validator("sampling_defaults")

@@ -24,6 +24,7 @@ from trajgate.config import ConfigFileError, describe, hide_url_password, load_c
 if TYPE_CHECKING:
     import httpx
 
+    from datapool.batches.settings import BatchSettings
     from gateway.settings import GatewaySettings
 
 KEEP_ALIVE_S = 75
@@ -77,9 +78,18 @@ def _settings(cls: type[T], **overrides: object) -> T:
     """``cls(**overrides)``, or exit 2 with one line per invalid value (no traceback): a value
     may come from a flag, a ``TRAJGATE_*`` variable or the ``TRAJGATE_CONFIG`` file."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     try:
         return cls(**overrides)
+    except SettingsError as exc:  # a value that is not JSON where the field needs JSON
+        cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+        typer.echo(
+            f"error: {exc}{cause}; a list or table setting takes JSON (e.g. "
+            '\'["name"]\' or \'{"key": "value"}\'); fix its TRAJGATE_* variable',
+            err=True,
+        )
+        raise typer.Exit(2) from exc
     except ValidationError as exc:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or cls.__name__
@@ -99,6 +109,8 @@ def _shown_input(field: str, error: Any) -> str:
         word in field.lower() for word in ("token", "key", "secret", "password")
     ):
         return ""
+    if isinstance(value, str):  # a database URL's password, say
+        value = hide_url_password(value)
     return f" (got {value!r})"
 
 
@@ -223,9 +235,10 @@ def serve(
             overrides[key] = value
     settings = _settings(GatewaySettings, **overrides)
     pool = _pool_settings(database_url, data_dir)
-    _check_start(settings, pool)
+    batch = _settings(BatchSettings)
+    _check_start(settings, pool, batch)
     if check_config:
-        typer.echo(json.dumps(describe(settings, pool, BatchSettings()), indent=2))
+        typer.echo(json.dumps(describe(settings, pool, batch), indent=2))
         return
     import uvicorn
 
@@ -257,7 +270,7 @@ def serve(
         _serve_workers(settings, pool, options)
 
 
-def _check_start(settings: GatewaySettings, pool: PoolSettings) -> None:
+def _check_start(settings: GatewaySettings, pool: PoolSettings, batch: BatchSettings) -> None:
     """``gateway.app.check_settings`` (every start check), its refusal a usage error naming the
     setting at fault: run by ``serve`` and ``serve --check-config`` alike."""
     from datapool.errors import PoolError
@@ -265,9 +278,10 @@ def _check_start(settings: GatewaySettings, pool: PoolSettings) -> None:
     from gateway.proxy.sampling import SamplingSettingsError
 
     try:
-        check_settings(settings, pool)
+        check_settings(settings, pool, batch)
     except PoolError as exc:
-        raise typer.BadParameter(exc.message, param_hint="TRAJGATE_REWARD_FUNCTIONS") from exc
+        setting = f"TRAJGATE_{exc.param.upper()}" if exc.param else "TRAJGATE_REWARD_FUNCTIONS"
+        raise typer.BadParameter(exc.message, param_hint=setting) from exc
     except SamplingSettingsError as exc:
         raise typer.BadParameter(str(exc), param_hint="TRAJGATE_SAMPLING_POLICY") from exc
 
@@ -584,6 +598,22 @@ def _run_user_facing(action: Callable[[], T], *also: type[Exception]) -> T:
         raise typer.Exit(1) from exc
 
 
+def _pool_command(action: Callable[[], T]) -> T:
+    """``action()`` of a pool command, or exit 1 with one line when the pool refuses (an
+    unknown id, a batch without rows, a payload gone: ``datapool.errors``) or the output cannot
+    be written (``OSError``): the user's situation, not a traceback."""
+    from datapool.errors import PoolError
+
+    try:
+        return action()
+    except PoolError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(1) from exc
+    except OSError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
 RoundsOpt = Annotated[
     int | None,
     typer.Option(
@@ -618,6 +648,8 @@ ResampledRoundsOpt = Annotated[
         "replay draws mostly the same ones).",
     ),
 ]
+DemoPortOpt = Annotated[int, typer.Option(min=1, max=65535, help="Gateway port.")]
+VLLMPortOpt = Annotated[int, typer.Option(min=1, max=65535, help="vLLM port.")]
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -650,8 +682,8 @@ def _demo_model(model: str) -> Literal["tiny", "smollm2"]:
 
 @app.command()
 def demo(
-    port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
-    vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
+    port: DemoPortOpt = 8000,
+    vllm_port: VLLMPortOpt = 8100,
     model: ModelOpt = "smollm2",
     rounds: RoundsOpt = None,
     groups: GroupsOpt = None,
@@ -668,7 +700,8 @@ def demo(
         ),
     ] = False,
     max_staleness: Annotated[
-        int, typer.Option(help="Async: drop steps more than this many versions behind.")
+        int,
+        typer.Option(min=0, help="Async: drop steps more than this many versions behind."),
     ] = 1,
     seed: Annotated[
         int,
@@ -731,8 +764,8 @@ def bench_loop(
     agents: AgentsOpt = None,
     learning_rate: LearningRateOpt = None,
     resampled_rounds: ResampledRoundsOpt = None,
-    port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
-    vllm_port: Annotated[int, typer.Option(help="vLLM port.")] = 8100,
+    port: DemoPortOpt = 8000,
+    vllm_port: VLLMPortOpt = 8100,
     seed: Annotated[int, typer.Option(help="Seed of the first run; then +1 per run.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -1114,12 +1147,14 @@ def export_trajectories(
     ids = select_trajectories(store, status=status, channel=channel, group_id=group)
     with Progress(transient=True) as bar:
         task = bar.add_task("export trajectories", total=len(ids))
-        rows = run_export(
-            store,
-            ids,
-            out,
-            format,  # type: ignore[arg-type]  # checked above
-            progress=lambda n: bar.update(task, advance=n),
+        rows = _pool_command(
+            lambda: run_export(
+                store,
+                ids,
+                out,
+                format,  # type: ignore[arg-type]  # checked above
+                progress=lambda n: bar.update(task, advance=n),
+            )
         )
     typer.echo(json.dumps({"trajectories": len(ids), "rows": rows, "out": str(out)}))
 
@@ -1175,9 +1210,9 @@ def batches_create(
     """Materialise a batch spec into an immutable batch; prints its id and counts."""
     from pydantic import ValidationError
 
-    from datapool.batches.build import BatchSpec, NothingToBatchError, materialise
+    from datapool.batches.build import BatchSpec, materialise
 
-    fields: dict[str, Any] = json.loads(spec.read_text()) if spec is not None else {}
+    fields: dict[str, Any] = _read_spec(spec) if spec is not None else {}
     for key, value in (
         ("channel", channel),
         ("algorithm", algorithm),
@@ -1191,11 +1226,7 @@ def batches_create(
     except ValidationError as exc:
         raise typer.BadParameter(str(exc), param_hint="--spec") from exc
     _pool, store = _pool_store(database_url, data_dir)
-    try:
-        batch = materialise(store, batch_spec)
-    except NothingToBatchError as exc:
-        typer.echo(exc.message, err=True)
-        raise typer.Exit(1) from exc
+    batch = _pool_command(lambda: materialise(store, batch_spec))
     typer.echo(json.dumps({"id": batch.id, "uri": batch.uri, **batch.manifest["counts"]}))
 
 
@@ -1244,8 +1275,13 @@ def batches_export(
             f"expected one of {EXPORT_FORMATS}, got {format!r}", param_hint="--format"
         )
     _pool, store = _pool_store(database_url, data_dir)
-    batch = get_batch(store, batch_id)
-    rows = export_batch(store, batch, read_rows(batch), out, format)  # type: ignore[arg-type]
+
+    def export() -> int:
+        batch = get_batch(store, batch_id)
+        fmt: Any = format  # checked above
+        return export_batch(store, batch, read_rows(batch), out, fmt)
+
+    rows = _pool_command(export)
     typer.echo(json.dumps({"batch_id": batch_id, "rows": rows, "out": str(out)}))
 
 

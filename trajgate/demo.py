@@ -23,13 +23,16 @@ import importlib.util
 import math
 import os
 import random
+import signal
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Literal
+from types import FrameType, ModuleType
+from typing import Any, Literal, TypeVar
 
 import httpx
 import numpy as np
@@ -51,6 +54,7 @@ from trajgate import demo_task, smollm2, tinymodel, vllm_server
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 PAD_TOKEN_ID = 0
 DemoModelName = Literal["tiny", "smollm2"]
+T = TypeVar("T")
 # A batch lease of the demo's trainer, renewed every third of it while the update runs (however
 # long it takes); a crashed demo's batch is free again this long after.
 DEMO_LEASE_S = 300.0
@@ -127,16 +131,29 @@ class DemoConfig:
     seed: int = 0
     # Keep the gateway and its inspector up on the pool after the loop, until Ctrl-C.
     serve_after: bool = False
+    # Seconds between the progress lines of a round (episodes done / total, elapsed): a round
+    # takes about 30 s on a quiet 2-core machine and many minutes on a loaded one, which
+    # printed nothing meanwhile.
+    progress_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.model not in REWARD_NAMES:
             raise ValueError(f"model {self.model!r}: choose one of {sorted(REWARD_NAMES)}")
         # A group of one has no reward spread, so GRPO would never train on it.
-        for name, least in (("rounds", 1), ("groups", 1), ("group_size", 2), ("agents", 1)):
+        for name, least in (
+            ("rounds", 1),
+            ("groups", 1),
+            ("group_size", 2),
+            ("agents", 1),
+            ("max_resampled_rounds", 0),
+            ("max_staleness_versions", 0),
+        ):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
         if self.gateway_port == self.vllm_port:
             raise ValueError(f"the gateway and vLLM cannot share port {self.gateway_port}")
+        if not self.progress_interval_s > 0:
+            raise ValueError(f"progress_interval_s must be > 0, got {self.progress_interval_s}")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
@@ -324,9 +341,23 @@ class DemoRun:
     def play_round(self, channel: str, round_index: int) -> list[str]:
         """Run every group's rollouts concurrently; returns the completed trajectory ids."""
         jobs = [(g, m) for g in range(self.config.groups) for m in range(self.config.group_size)]
-        with ThreadPoolExecutor(max_workers=self.config.agents) as executor:
+        executor = ThreadPoolExecutor(max_workers=self.config.agents)
+        try:
             futures = [executor.submit(self._episode, channel, round_index, g, m) for g, m in jobs]
-            played = [future.result() for future in futures]
+            played = results_reporting(
+                futures,
+                lambda done, elapsed_s: self.say(
+                    f"  {channel} round {round_index}: {done}/{len(futures)} episodes, "
+                    f"{elapsed_s:.0f} s"
+                ),
+                self.config.progress_interval_s,
+            )
+        except BaseException:
+            # Ctrl-C, SIGTERM or an episode's failure: drop the episodes not started rather
+            # than play them all before the services are stopped (those running fail then).
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        executor.shutdown()
         self.played.setdefault(channel, []).extend(played)
         return played
 
@@ -467,7 +498,6 @@ class DemoRun:
         """Agents play rounds back to back in a thread while the trainer trains on each
         finished round and publishes; returns ``[version, mean reward, n]`` per version."""
         import queue
-        import threading
 
         trainer = self._new_trainer()
         version = first_version
@@ -632,7 +662,15 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     say: Callable[[str], None] = (
         (lambda text: print(text, flush=True)) if echo else (lambda text: None)
     )
+    with sigterm_as_interrupt():
+        return _run_demo(config, say)
+
+
+def _run_demo(config: DemoConfig, say: Callable[[str], None]) -> dict[str, Any]:
     started = time.monotonic()
+    warning = load_warning(os.getloadavg()[0], os.cpu_count() or 1)
+    if warning is not None:
+        say(warning)
     run = DemoRun(config, say)
     try:
         run.start()
@@ -696,6 +734,64 @@ def run_demo(config: DemoConfig | None = None, *, echo: bool = True) -> dict[str
     finally:
         run.stop()
     return result
+
+
+def results_reporting(
+    futures: list[Future[T]],
+    report: Callable[[int, float], None],
+    interval_s: float,
+) -> list[T]:
+    """The results of ``futures`` in their order, calling ``report(done, elapsed_s)`` every
+    ``interval_s`` seconds while some are pending (``done``: futures finished so far;
+    ``elapsed_s``: seconds since the call). Raises a failed future's exception as soon as one
+    failed, without waiting for the others."""
+    started = time.monotonic()
+    pending = set(futures)
+    while pending:
+        finished, pending = wait(pending, timeout=interval_s, return_when=FIRST_EXCEPTION)
+        for future in finished:
+            error = future.exception()
+            if error is not None:
+                raise error
+        if pending:
+            report(len(futures) - len(pending), time.monotonic() - started)
+    return [future.result() for future in futures]
+
+
+def load_warning(load_1m: float, cpus: int) -> str | None:
+    """A warning when the 1-minute load average exceeds the CPU count: the demo's agents,
+    vLLM and the trainer then share the cores with other work and the run takes longer than
+    the README's estimate (measured: vLLM's start alone took 5 minutes at a load of 16 on 2
+    cores); None otherwise."""
+    if load_1m <= cpus:
+        return None
+    return (
+        f"warning: the 1-minute load average is {load_1m:.1f} on {cpus} CPUs: other work "
+        "shares them, so this run will be slower than the README's estimate (a quiet machine)"
+    )
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises ``KeyboardInterrupt`` in the main thread, so a demo told
+    to stop by ``kill`` (a service manager, a CI timeout) takes Ctrl-C's path: every
+    ``finally`` runs and vLLM (3 GB, its port held) and the gateway are stopped. Python's
+    default SIGTERM ends the process at once, running no ``finally``. A second SIGTERM while
+    stopping is ignored (SIGKILL still ends it). Outside the main thread (no handler can be
+    installed there) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping: let the cleanup finish
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def learning_gain(curve: list[list[float]]) -> float:

@@ -287,6 +287,8 @@ def start(
             something that is not a healthy server listens there.
         VLLMStartError: the server exited or was not healthy within ``ready_timeout_s``; the
             message names its log and carries its end.
+        KeyboardInterrupt: (or any exception) while waiting: the server started is stopped
+            first, its pid file removed.
     """
     venv_dir = venv_dir or default_venv_dir()
     model_dir = model_dir or default_model_dir()
@@ -323,15 +325,22 @@ def start(
     _pid_path(port).parent.mkdir(parents=True, exist_ok=True)
     _pid_path(port).write_text(str(proc.pid))
     deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            _pid_path(port).unlink(missing_ok=True)  # nothing runs under it any more
-            raise VLLMStartError(
-                f"vLLM exited with {proc.returncode}; its log: {log_path}\n{_tail(log_path)}"
-            )
-        if is_healthy(url):
-            return server
-        time.sleep(1.0)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                _pid_path(port).unlink(missing_ok=True)  # nothing runs under it any more
+                raise VLLMStartError(
+                    f"vLLM exited with {proc.returncode}; its log: {log_path}\n{_tail(log_path)}"
+                )
+            if is_healthy(url):
+                return server
+            time.sleep(1.0)
+    except BaseException:
+        # Ctrl-C (or the demo's SIGTERM, turned into one) while vLLM loads, which takes minutes:
+        # the caller never gets the server to stop, so it is stopped here.
+        server.stop()
+        _pid_path(port).unlink(missing_ok=True)
+        raise
     server.stop()
     _pid_path(port).unlink(missing_ok=True)
     raise VLLMStartError(
