@@ -203,7 +203,8 @@ def _record(
             session.add(batch)
             session.flush()
             if spec.exclude_batched:
-                _claim(session, batch_id, trajectory_ids)
+                # what the pre-check reads back: the trajectories of the lineage rows
+                _claim(session, batch_id, [row["trajectory_id"] for row in lineage])
             for start in range(0, len(lineage), SQL_ROWS_PER_INSERT):
                 session.execute(insert(BatchRow), lineage[start : start + SQL_ROWS_PER_INSERT])
     except _ClaimTakenError:
