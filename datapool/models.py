@@ -523,6 +523,16 @@ class BatchConsumption(Base):
     acked_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utc_now)
 
 
+class BatchClaim(Base):
+    """A trajectory taken by an exclusive batch (built with ``exclude_batched``): one batch at
+    most per trajectory, enforced by the primary key across every process (migration 0018)."""
+
+    __tablename__ = "batch_claims"
+
+    trajectory_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+
+
 class BatchRow(Base):
     """Lineage: which steps each row of a batch holds (a merged row holds several)."""
 

@@ -49,8 +49,9 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
 ``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
-``policy_version_conflict``, ``trajectory_exists`` (409); ``idempotency_key_reused`` (422, an
-``Idempotency-Key`` sent again with another body, ``gateway.proxy.answer``); ``payload_missing``
+``ack_conflict``, ``policy_version_conflict``, ``trajectory_exists`` (409);
+``idempotency_key_reused`` (422, an ``Idempotency-Key`` sent again with another body,
+``gateway.proxy.answer``); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
 ``no_capturing_upstream`` (503); ``aborted_for_weight_update`` (503, with Retry-After: still
 sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);

@@ -87,6 +87,27 @@ def test_grpo_and_rloo_advantages_match_hand_derived_values_with_unrewarded_memb
     assert manifest["counts"]["degenerate_groups_dropped"] == 1
 
 
+@pytest.mark.parametrize("magnitude", [1e308, 1.7e308])
+def test_a_group_of_huge_rewards_gets_the_normalised_grpo_advantage(
+    pool_settings: PoolSettings, magnitude: float
+) -> None:
+    store = make_store(pool_settings)
+    # [m, -m]: mean 0, std = sqrt(2) m, A = ±m / (sqrt(2) m + eps) = ±1/sqrt(2) = ±0.70711
+    # (the std overflowed: ±0.556 at 1e308). At 1.7e308 the std itself, 2.4e308, is past the
+    # float range: the advantage is still ±0.70711, the row's std is inf and the manifest's null.
+    write_group(store, "huge", [magnitude, -magnitude])
+    table, _ = build_rows(store, BatchSpec(algorithm="grpo", exclude_batched=False))
+    rows = rows_by_trajectory(table)
+    assert rows["huge-m0"]["advantage"] == pytest.approx(1 / math.sqrt(2), abs=1e-12)
+    assert rows["huge-m1"]["advantage"] == pytest.approx(-1 / math.sqrt(2), abs=1e-12)
+    std = math.sqrt(2) * magnitude
+    assert rows["huge-m0"]["group_reward_std"] == pytest.approx(std)  # inf == approx(inf)
+    batch = materialise(store, BatchSpec(algorithm="grpo"))  # the manifest is strict JSON
+    assert batch.rows == 2
+    (group,) = batch.manifest["groups"]
+    assert group["std"] == (None if math.isinf(std) else pytest.approx(std))
+
+
 def test_degenerate_groups_depend_on_a_configurable_epsilon_and_are_counted(
     pool_settings: PoolSettings,
 ) -> None:

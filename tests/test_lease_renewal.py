@@ -25,7 +25,7 @@ from datapool.batches.build import BatchSpec, materialise
 from datapool.batches.settings import BatchSettings
 from datapool.settings import PoolSettings
 from gateway.server import BackgroundServer
-from trainer_bridge.client import LeasedBatch, LeaseLostError, PoolClient
+from trainer_bridge.client import LeasedBatch, LeaseLostError, PoolClient, PoolClientError
 from trainer_bridge.leases import LeaseKeeper
 
 
@@ -200,6 +200,32 @@ def test_lease_bodies_are_read_strictly_and_a_retried_ack_is_answered_as_done(
     # Another consumer's ack of that lease is still refused.
     other = api.post(f"/api/batches/{lease.batch_id}/ack", json={**ack, "consumer": "other"})
     assert other.status_code == 409 and other.json()["error"]["code"] == "lease_lost"
+
+
+def test_a_repeated_ack_with_another_policy_version_is_409_ack_conflict_and_the_first_stands(
+    pool: PoolClient, api: httpx.Client
+) -> None:
+    """An ack of version 1, then the same lease acked with version 2 (it was 204 with 1 still
+    recorded, so the trainer believed version 2 held the batch): 409 ``ack_conflict``, version
+    1 stays. An identical retry is still 204, and the client raises its plain error for the
+    conflict, not ``LeaseLostError`` (the update was counted)."""
+    lease = pool.lease("conflicting", lease_s=60)
+    assert lease is not None
+    ack = {"consumer": "conflicting", "lease_id": lease.lease_id, "policy_version_trained": 1}
+    assert api.post(f"/api/batches/{lease.batch_id}/ack", json=ack).status_code == 204
+    for other in (2, None):
+        refused = api.post(
+            f"/api/batches/{lease.batch_id}/ack", json={**ack, "policy_version_trained": other}
+        )
+        assert refused.status_code == 409, (other, refused.text)
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("ack_conflict", "policy_version_trained")
+        assert f"policy_version_trained 1, got {other}" in error["message"]
+    assert api.post(f"/api/batches/{lease.batch_id}/ack", json=ack).status_code == 204
+    assert _consumers(api, lease.batch_id) == [("conflicting", 1)]
+    with pytest.raises(PoolClientError) as raised:
+        pool.ack(lease, policy_version_trained=2)
+    assert raised.value.status_code == 409 and not isinstance(raised.value, LeaseLostError)
 
 
 def test_lease_bodies_refuse_a_version_that_is_not_an_integer_a_blank_consumer_and_a_key_twice(

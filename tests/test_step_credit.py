@@ -107,6 +107,14 @@ def test_step_returns_with_leave_one_out_baseline_follow_prime() -> None:
     assert math.isnan(credit.step_advantage[5])  # NaN, never 0: no other rollout to compare
 
 
+def test_a_leave_one_out_baseline_of_huge_step_rewards_does_not_overflow() -> None:
+    # one step each, rewards [1.5, 1.5, 0.5] x 1e308 (K mean = 3.5e308 came out inf):
+    # baselines (1.5 + 0.5)/2 = 1.0, 1.0, (1.5 + 1.5)/2 = 1.5, so r~ = [0.5, 0.5, -1.0] x 1e308
+    step_rows = rows([0, 1, 2], [0, 0, 0], [0, 0, 0], [1.5e308, 1.5e308, 0.5e308])
+    credit = step_return_advantages(step_rows, params("leave_one_out"))
+    np.testing.assert_allclose(credit.step_advantage, [0.5e308, 0.5e308, -1e308], rtol=1e-12)
+
+
 def test_anchor_state_advantages_compare_returns_within_each_sub_group() -> None:
     # GiGPO, gamma 0.5, outcome only (no step reward named): R = 1, 0, 1.
     # t0 states A, B; t1 A, B, C; t2 A, D. Returns gamma^(S-1-k) R: t0 [0.5, 1], t1 [0, 0, 0],

@@ -62,6 +62,38 @@ def test_groups_are_normalised_separately() -> None:
     _close(advantages, [-1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0])
 
 
+@pytest.mark.parametrize("magnitude", [1e308, 1.0, 1e-300])
+def test_grpo_and_reinforce_pp_normalise_huge_and_tiny_rewards_exactly(magnitude: float) -> None:
+    # [m, -m]: mean 0, std = sqrt((m^2 + m^2) / 1) = sqrt(2) m, so A = ±m / (sqrt(2) m) =
+    # ±1/sqrt(2) = ±0.7071 whatever m (eps ~0 here: with eps 1e-6 a tiny group is all eps).
+    # Unscaled, m^2 overflowed at 1e308 (A came out ±0.556) and underflowed to 0 at 1e-300.
+    rewards, ids = _a(magnitude, -magnitude), _ids(3, 3)
+    half_sqrt2 = 1 / math.sqrt(2)
+    _close(grpo_advantages(rewards, ids, eps=1e-320), [half_sqrt2, -half_sqrt2])
+    _close(reinforce_pp_advantages(rewards, eps=1e-320), [half_sqrt2, -half_sqrt2])
+    stats = group_stats(rewards, ids)
+    assert float(stats.mean[0]) == 0.0
+    assert float(stats.std[0]) == pytest.approx(math.sqrt(2) * magnitude, rel=1e-12)
+    assert not stats.degenerate[0] or magnitude < 1e-6  # a tiny spread is below degenerate_eps
+
+
+def test_grpo_of_rewards_whose_spread_passes_the_float_range_stays_finite() -> None:
+    # [M, -M, -M] with M = 1.7e308: mean -M/3, std = sqrt(((4M/3)^2 + 2 (2M/3)^2) / 2)
+    # = M sqrt(12/9) = 1.1547 M (past the float range: inf), A = (4M/3) / (1.1547 M) = 1.1547
+    # and (-2M/3) / (1.1547 M) = -0.57735: finite, computed on the rewards divided by 2^1023.
+    m = 1.7e308
+    advantages = grpo_advantages(_a(m, -m, -m), _ids(0, 0, 0))
+    _close(advantages, [2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)])
+    assert math.isinf(float(group_stats(_a(m, -m, -m), _ids(0, 0, 0)).std[0]))
+
+
+def test_rloo_of_huge_rewards_is_each_minus_the_others_mean() -> None:
+    # [1.5, 1.5, 0.5] x 1e308 (their sum, 3.5e308, passes the float range; it came out inf):
+    # 1.5 - (1.5 + 0.5)/2 = 0.5 twice, and 0.5 - (1.5 + 1.5)/2 = -1.0, times 1e308
+    advantages = rloo_advantages(_a(1.5e308, 1.5e308, 0.5e308), _ids(1, 1, 1))
+    _close(advantages, [0.5e308, 0.5e308, -1e308])
+
+
 def test_c16_unrewarded_members_are_left_out_of_the_baseline_not_zeroed() -> None:
     # two rewarded -1.0, two never rewarded: baseline over the two, scored size 2
     rewards = _a(-1, -1, NAN, NAN)

@@ -91,9 +91,11 @@ class PoolClient:
             return response
         try:
             message = str(response.json()["error"]["message"])
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:500]
-        if response.status_code == 409 and "lease" in message:
+            code = response.json()["error"].get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message, code = response.text[:500], None
+        # By code, not by wording: an ack_conflict's message names its lease too.
+        if response.status_code == 409 and code == "lease_lost":
             raise LeaseLostError(response.status_code, message)
         raise PoolClientError(response.status_code, message)
 

@@ -53,39 +53,46 @@ def grpo_advantages(
     """GRPO advantages ``[B]`` from rewards ``[B]`` and group ids ``[B]`` (NaN in, NaN out).
 
     A degenerate group (all rewarded members equal) gets advantage 0 for its rewarded members.
+    Computed on the rewards divided by their group's power-of-two scale ``s``
+    (``group_stats``): ``(r/s - mean/s) / (std/s + eps/s)``, the same number, so any finite
+    rewards give the normalised advantage (±1e308 in a group of two: ±1/sqrt(2), where the
+    unscaled std overflowed); only a centred reward past the float range is ±inf without std.
     """
     stats = group_stats(rewards, group_ids)
     inverse = np.searchsorted(stats.group_ids, group_ids)  # [B]
-    centred = rewards - stats.mean[inverse]  # [B]
+    scale = stats.scale[inverse]  # [B]
+    centred = rewards / scale - stats.scaled_mean[inverse]  # [B], in (-4, 4)
     if not scale_by_std:
-        return centred
-    std = np.nan_to_num(stats.std[inverse], nan=0.0)  # [B]
-    return centred / (std + eps)
+        with np.errstate(over="ignore"):
+            return centred * scale
+    std = np.nan_to_num(stats.scaled_std[inverse], nan=0.0)  # [B]
+    with np.errstate(over="ignore"):  # eps/s past the float range: the advantage is ~0, is 0
+        return centred / (std + eps / scale)
 
 
 def rloo_advantages(rewards: FloatArray, group_ids: IntArray) -> FloatArray:
     """RLOO advantages ``[B]``: each reward minus the mean of the *other* rewarded members.
 
-    A member whose group has no other rewarded member gets NaN (no baseline exists).
+    A member whose group has no other rewarded member gets NaN (no baseline exists). Computed
+    as ``n/(n-1) (r - mean)`` (the same number: ``mean_{j != i} r_j = (n mean - r_i)/(n-1)``)
+    on the rewards divided by the group's power-of-two scale, so no sum overflows; only an
+    advantage past the float range is ±inf.
     """
     stats = group_stats(rewards, group_ids)
     inverse = np.searchsorted(stats.group_ids, group_ids)  # [B]
     n = stats.scored_size[inverse].astype(rewards.dtype)  # [B]
-    total = stats.mean[inverse] * n  # [B]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        leave_one_out = (total - rewards) / (n - 1)  # [B]; inf/NaN where n < 2, replaced below
-    return np.where(n >= 2, rewards - leave_one_out, np.nan).astype(rewards.dtype)
+    scale = stats.scale[inverse]  # [B]
+    centred = rewards / scale - stats.scaled_mean[inverse]  # [B]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        advantages = centred * (n / (n - 1)) * scale  # [B]; inf/NaN where n < 2, replaced below
+    return np.where(n >= 2, advantages, np.nan).astype(rewards.dtype)
 
 
 def reinforce_pp_advantages(rewards: FloatArray, *, eps: float = 1e-6) -> FloatArray:
     """REINFORCE++ advantages ``[B]``: rewards normalised by the batch's mean and std
-    (unbiased; 0 for a single rewarded member)."""
-    rewarded = rewards[~np.isnan(rewards)]  # [B'] the rewarded ones
-    if rewarded.size == 0:
-        return np.full_like(rewards, np.nan)
-    std = rewarded.std(ddof=1) if rewarded.size > 1 else np.zeros((), dtype=rewards.dtype)
-    advantages: FloatArray = (rewards - rewarded.mean()) / (np.nan_to_num(std, nan=0.0) + eps)
-    return advantages
+    (unbiased; 0 for a single rewarded member; NaN for all when none is rewarded): GRPO with
+    the whole batch as one group, so as robust to huge and tiny rewards."""
+    return grpo_advantages(rewards, np.zeros(rewards.shape, dtype=np.int64), eps=eps)
 
 
 def sft_weights(rewards: FloatArray) -> FloatArray:

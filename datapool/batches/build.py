@@ -2,7 +2,8 @@
 
 Owns: ``build_rows`` (the stages of ``datapool.batches.stages``, run in order),
 ``materialise`` (write the rows as Parquet + manifest, record the batch and the lineage of
-every row in ``batch_rows`` in one transaction), reading batches back, and the lineage of a
+every row in ``batch_rows`` in one transaction, and claim the trajectories of an exclusive
+batch in ``batch_claims`` in that same transaction), reading batches back, and the lineage of a
 step. Never: changes a batch once it is ``ready``. What a batch is made of is
 ``datapool.batches.spec.BatchSpec``; how rewards become advantages is
 ``datapool.batches.advantages``.
@@ -22,6 +23,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from sqlalchemy import insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from datapool.batches import stages
 from datapool.batches.settings import BatchSettings
@@ -29,7 +32,15 @@ from datapool.batches.spec import BatchSpec
 from datapool.curation.rules import apply_rules
 from datapool.curation.selection import select_trajectory_ids
 from datapool.errors import InvalidPoolRequestError, UnknownTargetError
-from datapool.models import Batch, BatchConsumption, BatchRow, CurationRule, Step, utc_now
+from datapool.models import (
+    Batch,
+    BatchClaim,
+    BatchConsumption,
+    BatchRow,
+    CurationRule,
+    Step,
+    utc_now,
+)
 from datapool.steps.store import PoolStore
 
 __all__ = [
@@ -43,6 +54,12 @@ __all__ = [
     "read_rows",
     "step_lineage",
 ]
+
+
+# How many times a build whose trajectories a concurrent batch claimed first is built again
+# without them (each retry sees the winners' batches and excludes their trajectories).
+CLAIM_ATTEMPTS = 8
+SQL_ROWS_PER_INSERT = 5000
 
 
 class NothingToBatchError(InvalidPoolRequestError):
@@ -103,7 +120,14 @@ def build_rows(store: PoolStore, spec: BatchSpec) -> tuple[pa.Table, dict[str, A
 
 def materialise(store: PoolStore, spec: BatchSpec, settings: BatchSettings | None = None) -> Batch:
     """Build ``spec`` into a new immutable batch (status ``ready``): Parquet rows and a manifest
-    under the batch URI, the batch and its ``batch_rows`` in one transaction."""
+    under the batch URI, the batch and its ``batch_rows`` in one transaction.
+
+    With ``exclude_batched`` (the default) the batch also claims its trajectories in that
+    transaction (``batch_claims``): builds running at once, in any gateway processes, never put
+    one trajectory in two such batches. A build that loses a claim is built again without the
+    trajectories the winner took, so it gets only episodes not yet batched, or raises
+    ``NothingToBatchError`` when none are left (also after ``CLAIM_ATTEMPTS`` lost claims).
+    """
     settings = settings or BatchSettings()
     if spec.apply_rules:
         with store.sessions() as session:
@@ -114,7 +138,27 @@ def materialise(store: PoolStore, spec: BatchSpec, settings: BatchSettings | Non
                     session, spec.filters.model_copy(update={"channel": spec.channel})
                 )
             apply_rules(store, trajectory_ids=scope)
-    table, manifest = build_rows(store, spec)
+    for _attempt in range(CLAIM_ATTEMPTS):
+        table, manifest = build_rows(store, spec)
+        try:
+            return _record(store, spec, settings, table, manifest)
+        except _ClaimTakenError:
+            continue  # a concurrent batch took some of them first: build again without those
+    raise NothingToBatchError(
+        f"concurrent batches took trajectories this spec chose on each of {CLAIM_ATTEMPTS} "
+        "attempts; ask again"
+    )
+
+
+def _record(
+    store: PoolStore, spec: BatchSpec, settings: BatchSettings, table: pa.Table, manifest: Any
+) -> Batch:
+    """Write ``table`` and its manifest under a new batch URI, then record the batch, its claims
+    (when ``spec.exclude_batched``) and its lineage in one transaction.
+
+    Raises ``_ClaimTakenError`` (files removed, nothing recorded) when another batch claimed one
+    of the table's trajectories since ``build_rows`` read the pool.
+    """
     batch_id = str(uuid.uuid4())
     root = settings.resolved_batch_uri(Path(store.settings.data_dir))
     uri = f"{root}/{batch_id}/rows.parquet"
@@ -127,37 +171,68 @@ def materialise(store: PoolStore, spec: BatchSpec, settings: BatchSettings | Non
         "files": [uri],
     }
     fs, path = _filesystem(uri)
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    directory = path.rsplit("/", 1)[0]
+    fs.create_dir(directory, recursive=True)
     with fs.open_output_stream(path) as sink:
         pq.write_table(table, sink, compression="zstd")
-    with fs.open_output_stream(path.rsplit("/", 1)[0] + "/manifest.json") as sink:
+    with fs.open_output_stream(directory + "/manifest.json") as sink:
         sink.write(json.dumps(manifest, indent=1).encode())
+    trajectory_ids = table["trajectory_id"].to_pylist()
     lineage = [
         {"batch_id": batch_id, "row_index": i, "step_id": step_id, "trajectory_id": trajectory_id}
         for i, (step_ids, trajectory_id) in enumerate(
-            zip(table["step_ids"].to_pylist(), table["trajectory_id"].to_pylist(), strict=True)
+            zip(table["step_ids"].to_pylist(), trajectory_ids, strict=True)
         )
         for step_id in step_ids
     ]
-    with store.sessions.begin() as session:
-        batch = Batch(
-            id=batch_id,
-            name=spec.name,
-            status="ready",
-            spec=spec.model_dump(mode="json"),
-            manifest=manifest,
-            uri=uri,
-            rows=table.num_rows,
-            tokens=int(manifest["counts"]["tokens"]),
-            leases=0,
-            expired_leases=0,
-            created_at=created_at,
-        )
-        session.add(batch)
-        session.flush()
-        for start in range(0, len(lineage), 5000):
-            session.execute(insert(BatchRow), lineage[start : start + 5000])
+    batch = Batch(
+        id=batch_id,
+        name=spec.name,
+        status="ready",
+        spec=spec.model_dump(mode="json"),
+        manifest=manifest,
+        uri=uri,
+        rows=table.num_rows,
+        tokens=int(manifest["counts"]["tokens"]),
+        leases=0,
+        expired_leases=0,
+        created_at=created_at,
+    )
+    try:
+        with store.sessions.begin() as session:
+            session.add(batch)
+            session.flush()
+            if spec.exclude_batched:
+                # what the pre-check reads back: the trajectories of the lineage rows
+                _claim(session, batch_id, [row["trajectory_id"] for row in lineage])
+            for start in range(0, len(lineage), SQL_ROWS_PER_INSERT):
+                session.execute(insert(BatchRow), lineage[start : start + SQL_ROWS_PER_INSERT])
+    except _ClaimTakenError:
+        fs.delete_dir(directory)
+        raise
     return batch
+
+
+class _ClaimTakenError(Exception):
+    """Another batch claimed one of the trajectories first (its transaction committed)."""
+
+
+def _claim(session: Session, batch_id: str, trajectory_ids: list[str]) -> None:
+    """Claim ``trajectory_ids`` for ``batch_id`` in the caller's transaction; raises
+    ``_ClaimTakenError`` when one is claimed already.
+
+    The trajectory id is ``batch_claims``' primary key, so of two builds that chose the same
+    trajectory only the first to commit gets it, whatever process each runs in: PostgreSQL makes
+    the second INSERT wait for the first transaction and then fail on the key; SQLite's single
+    writer lock does the same. Sorted, so two builds insert overlapping keys in one order and
+    never deadlock on PostgreSQL.
+    """
+    claims = [{"trajectory_id": t, "batch_id": batch_id} for t in sorted(set(trajectory_ids))]
+    try:
+        for start in range(0, len(claims), SQL_ROWS_PER_INSERT):
+            session.execute(insert(BatchClaim), claims[start : start + SQL_ROWS_PER_INSERT])
+    except IntegrityError as exc:
+        raise _ClaimTakenError(str(exc.orig)) from exc
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:

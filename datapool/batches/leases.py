@@ -14,7 +14,8 @@ Either way the UPDATE re-checks the lease condition, so two consumers never hold
 An expired lease counts in ``expired_leases`` when the next consumer takes the batch over; a
 renewal, ack or nack with a lease that expired (or was taken over) is refused with
 ``LeaseNotCurrentError`` (the gateway answers 409 ``lease_lost``; the trainer's client raises its
-own ``trainer_bridge.client.LeaseLostError`` from that answer).
+own ``trainer_bridge.client.LeaseLostError`` from that answer). An ack repeated with another
+policy version than the one recorded is refused with ``AckConflictError`` (409 ``ack_conflict``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ LEASABLE = ("ready", "consumed", "leased")
 
 class LeaseNotCurrentError(InvalidPoolRequestError):
     """The lease named in an ack/nack is not the batch's current, unexpired lease."""
+
+
+class AckConflictError(InvalidPoolRequestError):
+    """An ack repeated for a lease already acked, with another ``policy_version_trained``: not
+    a retry of the recorded ack, and the recorded one stands."""
 
 
 @dataclass(frozen=True)
@@ -181,22 +187,32 @@ def ack(
 ) -> None:
     """Record that ``consumer`` trained on the batch (once); the lease ends.
 
-    Idempotent for a retry of the same ack (same consumer and lease id already recorded): a
-    consumer whose ack reached the pool but whose answer was lost retries and is told it is
-    done, not that its lease was lost.
+    Idempotent for a retry of the same ack (same consumer, lease id and policy version trained
+    already recorded): a consumer whose ack reached the pool but whose answer was lost retries
+    and is told it is done, not that its lease was lost.
 
     Raises:
         LeaseNotCurrentError: the lease is not current and this ack was not recorded before.
+        AckConflictError: this lease's ack is recorded with another ``policy_version_trained``
+            (the gateway answers 409 ``ack_conflict``); the recorded version is kept, since the
+            lineage of every step in the batch already names it.
     """
     with sessions.begin() as session:
         recorded = session.execute(
-            select(BatchConsumption.batch_id).where(
+            select(BatchConsumption.policy_version_trained).where(
                 BatchConsumption.batch_id == batch_id,
                 BatchConsumption.consumer == consumer,
                 BatchConsumption.lease_id == lease_id,
             )
         ).first()
         if recorded is not None:
+            if recorded[0] != policy_version_trained:
+                raise AckConflictError(
+                    f"lease {lease_id!r} of {consumer!r} on batch {batch_id} was acked with "
+                    f"policy_version_trained {recorded[0]}, got {policy_version_trained}; a "
+                    "retry must repeat the recorded ack",
+                    param="policy_version_trained",
+                )
             return
         _release(session, batch_id, consumer, lease_id, "consumed")
         session.add(

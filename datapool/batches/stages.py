@@ -379,8 +379,10 @@ def _group_report(group_id: str, verdict: GroupVerdict) -> dict[str, Any]:
         "group_id": group_id,
         "members_in_batch": verdict.members,
         "scored_size": verdict.scored,
-        "mean": None if math.isnan(verdict.mean) else verdict.mean,
-        "std": None if math.isnan(verdict.std) else verdict.std,
+        # JSON has no NaN or inf (PostgreSQL refuses them): a std past the float range
+        # (rewards near ±1.8e308) is null here, inf in the rows' group_reward_std.
+        "mean": verdict.mean if math.isfinite(verdict.mean) else None,
+        "std": verdict.std if math.isfinite(verdict.std) else None,
         "degenerate": verdict.degenerate,
         "kind": verdict.kind,
     }

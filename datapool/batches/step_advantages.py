@@ -145,8 +145,11 @@ def normalised_step_rewards(rows: StepRows, params: StepParams) -> FloatArray:
         stats = group_stats(means, member_group)  # [G'] over rollouts with rewards
         g = np.searchsorted(stats.group_ids, member_group)  # [N]
         k = stats.scored_size[g].astype(np.float64)  # [N] rollouts K
-        with np.errstate(invalid="ignore", divide="ignore"):
-            others = (stats.mean[g] * k - means) / (k - 1)  # [N]; NaN/inf where K < 2
+        scale, mean = stats.scale[g], stats.scaled_mean[g]  # [N] each
+        # (K mean - m_i) / (K - 1) = mean + (mean - m_i) / (K - 1), on the means divided by the
+        # group's power-of-two scale: K mean overflowed for rewards near 1e308.
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            others = (mean + (mean - means / scale) / (k - 1)) * scale  # [N]; NaN/inf if K < 2
         baseline = np.where(k >= 2, others, np.nan)  # [N]
         return r - baseline[inverse]
     raise InvalidPoolRequestError(

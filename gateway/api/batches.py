@@ -637,7 +637,8 @@ async def batch_rows(
 @router.post("/batches/{batch_id}/ack", status_code=204)
 async def ack_batch(batch_id: str, body: AckRequest, sessions: SessionsDep) -> Response:
     """The consumer trained on the batch: recorded once, with the policy version trained (a
-    retry of an ack already recorded answers 204 again)."""
+    retry of an ack already recorded answers 204 again; one naming another policy version
+    answers 409 ``ack_conflict`` and the recorded version stays)."""
     await _held(
         leases.ack, sessions, batch_id, body.consumer, body.lease_id, body.policy_version_trained
     )
@@ -658,6 +659,8 @@ async def _held(fn: Any, sessions: Sessions, *args: Any) -> Any:
         return await run_in_threadpool(fn, sessions, *args)
     except leases.LeaseNotCurrentError as exc:
         raise ConflictError(exc.message, param=exc.param, code="lease_lost") from exc
+    except leases.AckConflictError as exc:
+        raise ConflictError(exc.message, param=exc.param, code="ack_conflict") from exc
     except UnknownTargetError as exc:
         raise _batch_not_found(exc) from exc
 
