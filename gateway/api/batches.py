@@ -33,7 +33,7 @@ from datapool.models import INTEGER_MAX, Batch, CurationRule, Label
 from datapool.queries.labels import current_label as current_label_of
 from datapool.queries.labels import label_history
 from datapool.steps.store import PoolStore
-from gateway.api.bodies import PoolRoute
+from gateway.api.bodies import PoolRoute, StrictBody
 from gateway.api.dependencies import BatchSettingsDep, SessionsDep, StoreDep
 from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
 
@@ -44,7 +44,7 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 # ---- labels --------------------------------------------------------------------------------
 
 
-class LabelFields(BaseModel):
+class LabelFields(StrictBody):
     tags: list[str] = Field(default_factory=list, description="Tags to add.")
     remove_tags: list[str] = Field(default_factory=list, description="Tags to remove.")
     quality: Literal["good", "bad", "unsure"] | None = None
@@ -185,7 +185,7 @@ async def current_label(
 # ---- curation rules ------------------------------------------------------------------------
 
 
-class RuleCreate(BaseModel):
+class RuleCreate(StrictBody):
     name: str = Field(min_length=1, max_length=200)
     kind: curation.RuleKind
     action: curation.RuleAction = "exclude"
@@ -217,7 +217,7 @@ class RuleCreated(RulePublic):
     result: RuleResultPublic | None
 
 
-class ApplyRequest(BaseModel):
+class ApplyRequest(StrictBody):
     rule_ids: list[Annotated[int, Field(ge=1, le=INTEGER_MAX)]] | None = Field(
         default=None, description="Default: every enabled rule."
     )
