@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, Field, Strict
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
@@ -405,13 +405,9 @@ def _names_someone(consumer: str) -> str:
 Consumer = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_names_someone)]
 # A policy version is an integer: lax mode read ``"1"`` as 1 and ``true`` as 1.
 PolicyVersion = Annotated[int, Strict(), Field(ge=0, le=INTEGER_MAX)]
-# A lease request with a field we do not know is refused (400), not half-read.
-STRICT_BODY = ConfigDict(extra="forbid")
 
 
-class LeaseRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class LeaseRequest(StrictBody):
     consumer: Consumer
     lease_s: LeaseSeconds | None = Field(
         default=None, gt=0, description="Default TRAJGATE_LEASE_DEFAULT_S."
@@ -431,9 +427,7 @@ class LeasePublic(BaseModel):
     rows_url: str
 
 
-class RenewRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class RenewRequest(StrictBody):
     consumer: Consumer
     lease_id: str
     lease_s: LeaseSeconds | None = Field(
@@ -444,17 +438,13 @@ class RenewRequest(BaseModel):
     )
 
 
-class AckRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class AckRequest(StrictBody):
     consumer: Consumer
     lease_id: str
     policy_version_trained: PolicyVersion | None = None
 
 
-class NackRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class NackRequest(StrictBody):
     consumer: Consumer
     lease_id: str
     reason: str | None = None
