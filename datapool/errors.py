@@ -30,10 +30,11 @@ class PoolError(Exception):
 class TrajectoryClosedError(PoolError):
     """A step for a trajectory that is complete, abandoned or failed (counted, never stored)."""
 
-    def __init__(self, trajectory_id: str, status: str, *, refused: str = "no more steps") -> None:
+    def __init__(self, trajectory_id: str, status: str, *, refused: str = "this call") -> None:
+        """``refused``: what was refused, as a noun phrase ("this call", "the final reward")."""
         super().__init__(
-            f"trajectory {trajectory_id!r} is {status}; it accepts {refused} "
-            "(expected status 'open')",
+            f"refused {refused}: trajectory {trajectory_id!r} is already {status}; only an open "
+            "trajectory accepts it",
             param="trajectory_id",
         )
         self.trajectory_id = trajectory_id

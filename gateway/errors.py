@@ -292,6 +292,12 @@ def from_validation_error(exc: RequestValidationError) -> InvalidRequestError:
         return InvalidRequestError(
             f"{param!r} is required" if param else "a request body is required", param=param
         )
+    if kind == "extra_forbidden":
+        return InvalidRequestError(
+            f"unknown field {param!r}: this request does not take it (unknown fields are refused, "
+            "never ignored; nothing was changed)",
+            param=param,
+        )
     message = str(first.get("msg") or "invalid request")
     if "input" in first:
         got = repr(first["input"])

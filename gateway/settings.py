@@ -320,6 +320,28 @@ class GatewaySettings(ConfigFileSettings):
         gt=0,
         description="Largest request body accepted; larger ones get 413 and nothing is recorded.",
     )
+    max_metadata_bytes: int = Field(
+        default=64 * 1024,
+        gt=0,
+        le=1 << 30,
+        description=(
+            "Largest metadata of a trajectory registered with POST /api/trajectories, in bytes "
+            "of its compact UTF-8 JSON; larger is a 400 and nothing is registered (every "
+            "listing page returns each trajectory's metadata whole)."
+        ),
+    )
+    max_trajectory_tags: int = Field(
+        default=256,
+        gt=0,
+        le=1 << 20,
+        description="Most tags POST /api/trajectories accepts for one trajectory; more is a 400.",
+    )
+    max_tag_chars: int = Field(
+        default=128,
+        gt=0,
+        le=1 << 20,
+        description="Longest tag, in characters, POST /api/trajectories accepts; longer is a 400.",
+    )
     max_body_bytes_in_flight: int = Field(
         default=64 * 1024 * 1024,
         gt=0,

@@ -356,9 +356,10 @@ def test_closing_a_closed_trajectory_again_is_idempotent_or_409(api: httpx.Clien
         api.post("/api/trajectories/twice/complete", json={"reward": 0.0}), 409
     )
     assert late_reward["code"] == "trajectory_closed"
-    assert "a final reward" in late_reward["message"]
+    assert late_reward["message"].startswith("refused the final reward: ")
+    assert "already complete" in late_reward["message"]
     other_status = assert_envelope(api.post("/api/trajectories/twice/abandon"), 409)
-    assert "becoming abandoned" in other_status["message"]
+    assert other_status["message"].startswith("refused marking it abandoned: ")
     detail = api.get("/api/trajectories/twice").json()
     assert (detail["status"], detail["rewards"]["final"]) == ("complete", 1.0)
 
@@ -420,3 +421,151 @@ def test_registering_an_existing_trajectory_is_409_and_a_nan_reward_bound_is_400
         refused = api.get("/api/trajectories", params={"reward_min": bound})
         assert refused.status_code == 400, (bound, refused.text)
     assert api.get("/api/trajectories", params={"reward_max": "0.5"}).status_code == 200
+
+
+def test_an_unknown_field_is_a_400_naming_it_and_nothing_changes(api: httpx.Client) -> None:
+    """A misspelt field is refused on every /api and /admin body, never dropped: the request
+    would otherwise act without it (a completion without its reward cannot be retried)."""
+    refused = api.post("/api/trajectories", json={"id": "uf-1", "tagz": ["a"]})
+    assert assert_envelope(refused, 400)["param"] == "tagz"
+    assert_envelope(api.get("/api/trajectories/uf-1"), 404)
+    assert api.post("/api/trajectories", json={"id": "uf-1"}).status_code == 201
+
+    error = assert_envelope(api.post("/api/trajectories/uf-1/complete", json={"rewrd": 1}), 400)
+    assert error["param"] == "rewrd" and "unknown field 'rewrd'" in error["message"]
+    assert api.get("/api/trajectories/uf-1").json()["status"] == "open"
+    completed = api.post("/api/trajectories/uf-1/complete", json={"reward": 1})
+    assert completed.status_code == 200, completed.text
+    assert completed.json()["rewards"] == {"final": 1.0}
+
+    item = {"target": "trajectory", "target_id": "uf-1", "name": "judge", "value": 0.5}
+    misspelt_item = api.post("/api/rewards", json={"rewards": [item, {**item, "sorce": "rule"}]})
+    assert assert_envelope(misspelt_item, 400)["param"] == "rewards.1.sorce"
+    extra_top = api.post("/api/rewards", json={"rewards": [item], "dry_run": True})
+    assert assert_envelope(extra_top, 400)["param"] == "dry_run"
+    history = api.get("/api/rewards", params={"trajectory_id": "uf-1"}).json()
+    assert "judge" not in [r["name"] for r in history]  # neither batch wrote anything
+
+    assert assert_envelope(api.put("/api/groups/uf-g", json={"size": 2}), 400)["param"] == "size"
+    assert_envelope(api.get("/api/groups/uf-g"), 404)
+    label = {"target": "trajectory", "target_id": "uf-1", "qualty": "good"}
+    assert assert_envelope(api.post("/api/labels", json=label), 400)["param"] == "qualty"
+    assert api.get("/api/labels", params={"trajectory_id": "uf-1"}).json() == []
+    key = api.post("/admin/api-keys", json={"name": "k", "chanel": "train"})
+    assert assert_envelope(key, 400)["param"] == "chanel"
+    assert api.get("/admin/api-keys").json() == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/api/groups/ty-g", {"expected_size": "4"}, "expected_size"),
+        ("/api/groups/ty-g", {"expected_size": True}, "expected_size"),
+        ("/api/groups/ty-g", {"expected_size": 4.0}, "expected_size"),
+        ("/api/trajectories", {"id": 5}, "id"),
+        ("/api/trajectories", {"id": "ty-1", "tags": [1]}, "tags.0"),
+        ("/api/trajectories/ty-1/complete", {"reward": True}, "reward"),
+        ("/api/trajectories/ty-1/complete", {"reward_name": 5, "reward": 1.0}, "reward_name"),
+        ("/admin/policy-versions", {"version": "1", "model_name": "m"}, "version"),
+        ("/admin/policy-versions", {"version": 1, "model_name": "m", "activate": 1}, "activate"),
+    ],
+)
+def test_a_value_of_another_json_type_is_a_400_never_coerced(
+    api: httpx.Client, path: str, body: dict[str, Any], param: str
+) -> None:
+    """No string read as a number, no boolean as 1, no number as a string: as the lease routes
+    refuse ``lease_s: "30"``, the pool routes refuse ``expected_size: "4"``."""
+    if "/complete" in path:
+        assert api.post("/api/trajectories", json={"id": "ty-1"}).status_code == 201
+    method = api.put if path.startswith("/api/groups/") else api.post
+    assert assert_envelope(method(path, json=body), 400)["param"] == param
+    assert_envelope(api.get("/api/groups/ty-g"), 404)
+    if "/complete" in path:
+        assert api.get("/api/trajectories/ty-1").json()["status"] == "open"
+    else:
+        assert_envelope(api.get("/api/trajectories/ty-1"), 404)
+    assert api.get("/admin/policy-versions").json() == []
+
+
+def test_put_group_changes_only_the_fields_it_names_and_status_is_refused(
+    api: httpx.Client,
+) -> None:
+    created = api.put("/api/groups/pg", json={})
+    assert created.status_code == 200, created.text
+    assert (created.json()["expected_size"], created.json()["status"]) == (None, "open")
+    assert api.put("/api/groups/pg", json={"expected_size": 2}).json()["expected_size"] == 2
+    kept = api.put("/api/groups/pg", json={})
+    assert kept.status_code == 200 and kept.json()["expected_size"] == 2  # left out: unchanged
+
+    error = assert_envelope(api.put("/api/groups/pg", json={"status": "complete"}), 400)
+    assert error["param"] == "status" and "derived" in error["message"]
+    both = api.put("/api/groups/pg", json={"expected_size": 3, "status": "open"})
+    assert assert_envelope(both, 400)["param"] == "status"
+    group = api.get("/api/groups/pg").json()
+    assert (group["expected_size"], group["status"]) == (2, "open")  # nothing changed
+
+    cleared = api.put("/api/groups/pg", json={"expected_size": None})
+    assert cleared.status_code == 200 and cleared.json()["expected_size"] is None
+
+
+def test_trajectory_tags_and_metadata_past_their_bounds_are_400_and_register_nothing(
+    api: httpx.Client,
+) -> None:
+    """Defaults: 256 tags of at most 128 characters, metadata of at most 64 KiB as compact JSON
+    (``{"x":"..."}`` is 8 bytes around its value)."""
+    at_bounds = {
+        "id": "lim-ok",
+        "tags": [f"{i:03d}" + "t" * 125 for i in range(256)],
+        "metadata": {"x": "m" * (65536 - 8)},
+    }
+    accepted = api.post("/api/trajectories", json=at_bounds)
+    assert accepted.status_code == 201, accepted.text
+    assert len(accepted.json()["tags"]) == 256
+
+    past = [
+        ({"tags": [str(i) for i in range(257)]}, "tags", "257 tags"),
+        ({"tags": ["ok", "t" * 129]}, "tags.1", "129 characters"),
+        ({"metadata": {"x": "m" * (65536 - 7)}}, "metadata", "65537 bytes"),
+        ({"metadata": {"x": "é" * 32765}}, "metadata", "65538 bytes"),  # UTF-8 bytes, not chars
+    ]
+    for index, (fields, param, said) in enumerate(past):
+        refused = api.post("/api/trajectories", json={"id": f"lim-{index}", **fields})
+        error = assert_envelope(refused, 400)
+        assert error["param"] == param and said in error["message"], error
+        assert_envelope(api.get(f"/api/trajectories/lim-{index}"), 404)
+
+
+def test_tag_and_metadata_bounds_are_settings(
+    emulator: EmulatorThread, sqlite_pool: PoolSettings
+) -> None:
+    settings = GatewaySettings(
+        upstream_url=emulator.url,
+        port=free_port(),
+        max_trajectory_tags=2,
+        max_tag_chars=3,
+        max_metadata_bytes=18,  # {"k":"0123456789"}
+    )
+    server = BackgroundServer(create_app(settings, sqlite_pool), port=settings.port).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as api:
+            ok = {"id": "s-ok", "tags": ["abc", "d"], "metadata": {"k": "0123456789"}}
+            assert api.post("/api/trajectories", json=ok).status_code == 201
+            for fields, param in [
+                ({"tags": ["a", "b", "c"]}, "tags"),
+                ({"tags": ["abcd"]}, "tags.0"),
+                ({"metadata": {"k": "01234567890"}}, "metadata"),
+            ]:
+                refused = api.post("/api/trajectories", json={"id": "s-no", **fields})
+                assert assert_envelope(refused, 400)["param"] == param
+    finally:
+        server.stop()
+
+
+def test_history_filters_that_match_nothing_answer_an_empty_list(api: httpx.Client) -> None:
+    """A query parameter filters a list (200 [], as /api/trajectories?group_id= and
+    /api/labels?trajectory_id= do); only an id in the path is looked up (404)."""
+    assert api.get("/api/rewards", params={"trajectory_id": "nope"}).json() == []
+    assert api.get("/api/rewards", params={"target_id": "nope"}).json() == []
+    assert api.get("/api/labels", params={"trajectory_id": "nope"}).json() == []
+    assert api.get("/api/trajectories", params={"group_id": "nope"}).json()["data"] == []
+    assert assert_envelope(api.get("/api/trajectories/nope"), 404)["param"] == "trajectory_id"

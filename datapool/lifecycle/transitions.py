@@ -189,7 +189,7 @@ def close_trajectory(
             if trajectory.status == status.value and final_reward is None:
                 return trajectory
             # 409 like a late call: the trajectory's state, not the request, is what conflicts.
-            what = "a final reward" if final_reward is not None else f"becoming {status.value}"
+            what = "the final reward" if final_reward is not None else f"marking it {status.value}"
             raise TrajectoryClosedError(trajectory_id, trajectory.status, refused=what)
         _close(session, trajectory, status, reason)
         if final is not None:
@@ -258,9 +258,16 @@ def update_group(session: Session, group_id: str) -> None:
 
 
 def set_group(
-    sessions: sessionmaker[Session], group_id: str, expected_size: int | None
+    sessions: sessionmaker[Session],
+    group_id: str,
+    expected_size: int | None,
+    *,
+    update_size: bool = True,
 ) -> TrajectoryGroup:
-    """Create or update a group's expected size (then re-check whether it is complete)."""
+    """Create a group if missing and set its expected size (``None``: no size), then re-check
+    whether it is complete. With ``update_size=False`` the size is left as it is (a new group's
+    is ``None``) and ``expected_size`` is ignored. Raises ``InvalidPoolRequestError`` for a size
+    below 1."""
     if expected_size is not None and expected_size < 1:
         raise InvalidPoolRequestError(
             f"expected_size must be >= 1, got {expected_size}", param="expected_size"
@@ -269,7 +276,8 @@ def set_group(
         _ensure_group(session, group_id)
         group = session.get(TrajectoryGroup, group_id)
         assert group is not None
-        group.expected_size = expected_size
+        if update_size:
+            group.expected_size = expected_size
         session.flush()
         update_group(session, group_id)
     return group

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.models import INTEGER_MAX
-from gateway.api.bodies import PoolRoute
+from gateway.api.bodies import PoolRoute, StrictBody
 from gateway.auth import check_admin_token
 from gateway.errors import (
     ConflictError,
@@ -58,7 +58,7 @@ AdminDep = Annotated[GatewayState, Depends(_admin_state)]
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=PoolRoute)
 
 
-class PolicyVersionCreate(BaseModel):
+class PolicyVersionCreate(StrictBody):
     version: int = Field(
         ge=0, le=INTEGER_MAX, description="Integer id of the weights; bumps on each sync."
     )
@@ -88,7 +88,7 @@ WeightFormat = Literal["lora", "full"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 
 
-class WeightUpdateCreate(BaseModel):
+class WeightUpdateCreate(StrictBody):
     version: int = Field(
         ge=0, le=INTEGER_MAX, description="The policy version the new weights are."
     )
@@ -168,7 +168,7 @@ class WeightUpdatePublic(BaseModel):
     )
 
 
-class ApiKeyCreate(BaseModel):
+class ApiKeyCreate(StrictBody):
     name: str = Field(min_length=1, max_length=200)
     trajectory_id: str | None = Field(
         default=None,

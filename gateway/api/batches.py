@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import pyarrow as pa
 from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, Field, Strict
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
@@ -33,7 +33,7 @@ from datapool.models import INTEGER_MAX, Batch, CurationRule, Label
 from datapool.queries.labels import current_label as current_label_of
 from datapool.queries.labels import label_history
 from datapool.steps.store import PoolStore
-from gateway.api.bodies import PoolRoute
+from gateway.api.bodies import PoolRoute, StrictBody
 from gateway.api.dependencies import BatchSettingsDep, SessionsDep, StoreDep
 from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
 
@@ -44,7 +44,7 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 # ---- labels --------------------------------------------------------------------------------
 
 
-class LabelFields(BaseModel):
+class LabelFields(StrictBody):
     tags: list[str] = Field(default_factory=list, description="Tags to add.")
     remove_tags: list[str] = Field(default_factory=list, description="Tags to remove.")
     quality: Literal["good", "bad", "unsure"] | None = None
@@ -185,7 +185,7 @@ async def current_label(
 # ---- curation rules ------------------------------------------------------------------------
 
 
-class RuleCreate(BaseModel):
+class RuleCreate(StrictBody):
     name: str = Field(min_length=1, max_length=200)
     kind: curation.RuleKind
     action: curation.RuleAction = "exclude"
@@ -228,7 +228,7 @@ class RuleCreated(RulePublic):
     result: RuleResultPublic | None
 
 
-class ApplyRequest(BaseModel):
+class ApplyRequest(StrictBody):
     rule_ids: list[Annotated[int, Field(ge=1, le=INTEGER_MAX)]] | None = Field(
         default=None, description="Default: every enabled rule."
     )
@@ -422,13 +422,9 @@ def _names_someone(consumer: str) -> str:
 Consumer = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_names_someone)]
 # A policy version is an integer: lax mode read ``"1"`` as 1 and ``true`` as 1.
 PolicyVersion = Annotated[int, Strict(), Field(ge=0, le=INTEGER_MAX)]
-# A lease request with a field we do not know is refused (400), not half-read.
-STRICT_BODY = ConfigDict(extra="forbid")
 
 
-class LeaseRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class LeaseRequest(StrictBody):
     consumer: Consumer
     lease_s: LeaseSeconds | None = Field(
         default=None, gt=0, description="Default TRAJGATE_LEASE_DEFAULT_S."
@@ -448,9 +444,7 @@ class LeasePublic(BaseModel):
     rows_url: str
 
 
-class RenewRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class RenewRequest(StrictBody):
     consumer: Consumer
     lease_id: str
     lease_s: LeaseSeconds | None = Field(
@@ -461,17 +455,13 @@ class RenewRequest(BaseModel):
     )
 
 
-class AckRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class AckRequest(StrictBody):
     consumer: Consumer
     lease_id: str
     policy_version_trained: PolicyVersion | None = None
 
 
-class NackRequest(BaseModel):
-    model_config = STRICT_BODY
-
+class NackRequest(StrictBody):
     consumer: Consumer
     lease_id: str
     reason: str | None = None

@@ -4,7 +4,10 @@ Owns: ``PoolRoute``, the route class of those routers, which reads a JSON body w
 gateway's strict parser (``gateway.proxy.attribution.parse_json``, NUL refused), refuses an
 object that names a key twice (JSON parsers keep the last one silently, so ``{"consumer": "a",
 "consumer": "b"}`` would act for ``b`` whatever the sender meant) and refuses a NUL character
-in a query or path parameter. Every integer field and parameter there is bounded by
+in a query or path parameter; ``StrictBody``, the base of every request body there, which refuses
+a field the body's schema does not name (``{"rewrd": 1}`` is a 400 naming ``rewrd``, never a
+request read without it) and a value of another JSON type (no ``"4"`` or ``true`` read as 4 or
+1, no number read as a string). Every integer field and parameter there is bounded by
 ``datapool.models.INTEGER_MAX`` in its route's schema. Never: checks a field's meaning (the
 route's schema does).
 
@@ -22,9 +25,18 @@ from typing import Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict
 
 from gateway.errors import InvalidRequestError
 from gateway.proxy.attribution import parse_json
+
+
+class StrictBody(BaseModel):
+    """A request body of the ``/api`` and ``/admin`` routes: unknown fields and values of another
+    JSON type are refused (400 naming the field), so a misspelt or mistyped field never leaves
+    the request half-read and acted on. A nested model keeps its own configuration."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

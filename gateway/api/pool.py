@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
-from pydantic import BaseModel, Field, StrictFloat
+from pydantic import BaseModel, Field, StrictFloat, field_validator
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from datapool.db import Sessions
@@ -34,10 +36,11 @@ from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
 from datapool.rewards import values as rewards
 from datapool.steps.store import PoolStore
-from gateway.api.bodies import PoolRoute
+from gateway.api.bodies import PoolRoute, StrictBody
 from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.proxy.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
+from gateway.settings import GatewaySettings
 from gateway.state import StateDep
 
 router = APIRouter(tags=["pool"], route_class=PoolRoute)
@@ -104,16 +107,24 @@ class TrajectoryDetail(TrajectoryPublic):
     steps: list[StepSummary]
 
 
-class TrajectoryCreate(BaseModel):
+class TrajectoryCreate(StrictBody):
     # The rules of the X-Trajgate-Group/-Channel headers, so both ways into the pool agree.
     id: str = Field(pattern=TRAJECTORY_ID_PATTERN.pattern)
     group_id: str | None = Field(default=None, pattern=GROUP_ID_PATTERN.pattern)
     channel: str = Field(default="train", pattern=CHANNEL_PATTERN.pattern)
-    tags: list[str] = Field(default_factory=list)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    tags: list[str] = Field(
+        default_factory=list,
+        description="At most TRAJGATE_MAX_TRAJECTORY_TAGS tags (default 256) of at most "
+        "TRAJGATE_MAX_TAG_CHARS characters (default 128).",
+    )
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description="At most TRAJGATE_MAX_METADATA_BYTES bytes as compact UTF-8 JSON "
+        "(default 65536).",
+    )
 
 
-class CompleteRequest(BaseModel):
+class CompleteRequest(StrictBody):
     # Checked by ``rewards.check_reward`` like POST /api/rewards (one validation path): 400 and
     # the trajectory stays open when the reward is NaN/infinite or the name has a bad length.
     reward: StrictFloat | None = Field(
@@ -173,7 +184,7 @@ class StepPublic(StepSummary):
     rewards: dict[str, float]
 
 
-class RewardCreate(BaseModel):
+class RewardCreate(StrictBody):
     target: Literal["step", "trajectory", "lineage"]
     target_id: str = Field(
         description="A step id, a trajectory id, or for a lineage '<trajectory_id>/<lineage_id>'."
@@ -185,7 +196,7 @@ class RewardCreate(BaseModel):
     author: str | None = None
 
 
-class RewardBatch(BaseModel):
+class RewardBatch(StrictBody):
     rewards: list[RewardCreate] = Field(min_length=1, max_length=100_000)
 
 
@@ -206,8 +217,28 @@ class RewardIds(BaseModel):
     ids: list[int]
 
 
-class GroupUpdate(BaseModel):
-    expected_size: int | None = Field(default=None, ge=1, le=INTEGER_MAX)
+class GroupUpdate(StrictBody):
+    """A PUT of a group changes only the fields it names (a field left out keeps its value)."""
+
+    expected_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=INTEGER_MAX,
+        description="Members that complete the group; null: no size (the group never "
+        "completes by size). Left out: unchanged (null for a new group).",
+    )
+    # Derived from expected_size and the members' statuses, never set: named here only so that
+    # sending it is refused with a message saying so rather than as an unknown field.
+    status: SkipJsonSchema[Any] = Field(default=None, exclude=True)
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _status_is_derived(cls, value: Any) -> None:
+        raise PydanticCustomError(
+            "read_only",
+            "status is derived, never set: a group is complete once expected_size members "
+            "closed, and open again when a member joins; nothing was changed",
+        )
 
 
 class GroupPublic(BaseModel):
@@ -340,9 +371,42 @@ async def list_trajectories(
     )
 
 
+def _check_sizes(body: TrajectoryCreate, settings: GatewaySettings) -> None:
+    """Raise ``InvalidRequestError`` (400) for more than ``max_trajectory_tags`` tags, a tag over
+    ``max_tag_chars`` characters, or metadata over ``max_metadata_bytes`` bytes of compact UTF-8
+    JSON: each listing page returns them whole, so one trajectory must not weigh megabytes."""
+    if len(body.tags) > settings.max_trajectory_tags:
+        raise InvalidRequestError(
+            f"tags holds {len(body.tags)} tags; expected at most {settings.max_trajectory_tags} "
+            "(TRAJGATE_MAX_TRAJECTORY_TAGS)",
+            param="tags",
+        )
+    for index, tag in enumerate(body.tags):
+        if len(tag) > settings.max_tag_chars:
+            raise InvalidRequestError(
+                f"tags.{index} is {len(tag)} characters long; expected at most "
+                f"{settings.max_tag_chars} (TRAJGATE_MAX_TAG_CHARS)",
+                param=f"tags.{index}",
+            )
+    size = len(json.dumps(body.metadata, ensure_ascii=False, separators=(",", ":")).encode())
+    if size > settings.max_metadata_bytes:
+        raise InvalidRequestError(
+            f"metadata is {size} bytes as compact JSON; expected at most "
+            f"{settings.max_metadata_bytes} (TRAJGATE_MAX_METADATA_BYTES)",
+            param="metadata",
+        )
+
+
 @router.post("/trajectories", response_model=TrajectoryPublic, status_code=201)
-async def create_trajectory(body: TrajectoryCreate, sessions: SessionsDep) -> TrajectoryPublic:
-    """Register a trajectory before its first call (group, channel, tags, metadata)."""
+async def create_trajectory(
+    body: TrajectoryCreate, sessions: SessionsDep, state: StateDep
+) -> TrajectoryPublic:
+    """Register a trajectory before its first call (group, channel, tags, metadata).
+
+    Tags and metadata are bounded (``TRAJGATE_MAX_TRAJECTORY_TAGS``, ``TRAJGATE_MAX_TAG_CHARS``,
+    ``TRAJGATE_MAX_METADATA_BYTES``): past a bound, 400 and nothing is registered.
+    """
+    _check_sizes(body, state.settings)
     trajectory = await run_in_threadpool(
         lifecycle.create_trajectory,
         sessions,
@@ -455,8 +519,17 @@ async def put_group(
     body: GroupUpdate,
     sessions: SessionsDep,
 ) -> GroupPublic:
-    """Create a group or set its expected size; it completes when that many members closed."""
-    await run_in_threadpool(lifecycle.set_group, sessions, group_id, body.expected_size)
+    """Create a group or change the fields the body names (a field left out keeps its value;
+    ``{}`` only creates a missing group); it completes when ``expected_size`` members closed.
+    ``status`` is derived: a body naming it is refused with 400."""
+    await run_in_threadpool(
+        lambda: lifecycle.set_group(
+            sessions,
+            group_id,
+            body.expected_size,
+            update_size="expected_size" in body.model_fields_set,
+        )
+    )
     return await run_in_threadpool(_group, sessions, group_id)
 
 

@@ -25,14 +25,14 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.errors import UnknownTargetError
 from datapool.models import INTEGER_MAX, UTCTimestamp
 from datapool.queries import charts, conversation, groups, listing, steps
-from gateway.api.bodies import PoolRoute
+from gateway.api.bodies import PoolRoute, StrictBody
 from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.auth import check_admin_token
 from gateway.errors import (
@@ -305,18 +305,21 @@ async def chart_data(
     )
 
 
-class TrainingMetricIn(BaseModel):
+class TrainingMetricIn(StrictBody):
     run: str = Field(default="default", min_length=1, max_length=200)
     policy_version: int | None = Field(default=None, ge=0, le=INTEGER_MAX)
     step: int = Field(ge=0, le=INTEGER_MAX, description="The trainer's optimiser step.")
     metrics: dict[str, float] = Field(description="Name to value, e.g. loss, kl, grad_norm.")
 
 
-class TrainingMetricBatch(BaseModel):
+class TrainingMetricBatch(StrictBody):
     rows: list[TrainingMetricIn] = Field(min_length=1, max_length=10_000)
 
 
 class TrainingMetricPublic(TrainingMetricIn):
+    # An answer read from stored rows, not a request body: the request rules do not apply.
+    model_config = ConfigDict(extra="ignore", strict=False)
+
     id: int
     created_at: datetime
 
