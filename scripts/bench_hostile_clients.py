@@ -1,4 +1,4 @@
-"""Slow and heavy clients against a real ``trajgate serve`` (issue 29 items 5 and 6).
+"""Slow and heavy clients against a real ``trajgate serve`` (read deadlines, body budget).
 
 Starts the emulator (``trajgate.bench.emulator``) in this process and ``trajgate serve`` as a
 child process (tokenless loopback default, SQLite in a temporary directory) in front of it, so
@@ -14,7 +14,7 @@ the RSS read from ``/proc/<pid>/status`` is the gateway's alone. Prints one JSON
   stop (half declare ``--body-mib`` MiB, half send a chunked body), so their bodies hang until
   the body deadline (30 s); one second later an ordinary chat call is sent: reports how long
   it took (s). The body limit is the default 16 MiB here, so the default four connections
-  declare the whole default budget (64 MiB; issue 29's review).
+  declare the whole default budget (64 MiB).
 - ``answers``: ``--connections`` concurrent unary chat calls whose answers are ``--answer-mib``
   MiB each (the emulator's tokens with their logprobs); reports the answer's bytes, the
   gateway's RSS before and at its peak (sampled every 20 ms) and the calls' statuses.

@@ -1,4 +1,4 @@
-"""Exact continuation's figures on a pool (issue 26): prefix breaks among non-first steps, merged
+"""Exact continuation's figures on a pool: prefix breaks among non-first steps, merged
 rows per trajectory, and how many prompts each mode built.
 
 Usage: ``.venv/bin/python scripts/continuation_figures.py DATA_DIR`` (a pool directory, e.g. the

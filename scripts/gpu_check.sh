@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Processed against raw behaviour logprobs (issue 27): vLLM's sampling throughput in each
+# Processed against raw behaviour logprobs: vLLM's sampling throughput in each
 # --logprobs-mode, one engine at a time; needs vLLM, found by $VLLM_PYTHON (default python3).
 #   VLLM_PYTHON=/path/to/vllm/bin/python scripts/gpu_check.sh --logprobs-cost --model DIR
 # Flags (scripts/logprobs_cost.py --help): --requests N --tokens T --dtype D --enforce-eager.

@@ -1,4 +1,4 @@
-"""What vLLM's processed behaviour logprobs cost against its raw ones (issue 27, docs/gateway.md,
+"""What vLLM's processed behaviour logprobs cost against its raw ones (docs/gateway.md,
 "Sampling policy and behaviour logprobs"): the same batch of sampled generations under
 ``--logprobs-mode raw_logprobs`` and ``processed_logprobs``, each mode in its own process (one
 engine at a time on the device), timed after a warm-up batch.

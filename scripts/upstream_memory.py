@@ -1,4 +1,4 @@
-"""Gateway RSS against hostile upstreams and slow readers (issue 29 items 3 and 4).
+"""Gateway RSS against hostile upstreams and slow readers (answer size limits, bounded buffers).
 
 Starts ``trajgate serve`` as its own process (its RSS is what is measured, sampled every 20 ms
 from /proc) in front of an upstream run here, then one scenario:

@@ -13,12 +13,12 @@ steered (``ToolCallSteering``, a transport between the gateway and vLLM): vLLM's
 output (``structured_outputs.regex``, which leaves the prompt as rendered) makes it write one
 well-formed call of a harmless tool of that agent's own list, in the hermes format its tool
 parser reads. The agent runs the tool and calls again (unsteered); the pool's built-in
-``tool_call_format`` must find that call in the canonical record whatever the dialect (before
-issue 25 it read the client's body: a Messages ``tool_use`` or a Responses ``function_call``
+``tool_call_format`` must find that call in the canonical record whatever the dialect (when it
+read the client's body instead: a Messages ``tool_use`` or a Responses ``function_call``
 counted as malformed, 0.0). The steered call is written as compact JSON
 (``{"name":"Glob","arguments":{...}}``), a formatting the chat template never renders (it
 writes ``", "`` and ``": "``), as a policy exploring its outputs does: the call that carries the
-tool's result must continue that turn's own ids exactly (issue 26), where the template's
+tool's result must continue that turn's own ids exactly (exact continuation), where the template's
 rendering of the same history would not extend them (a prefix break at every tool turn).
 
 Their requests are large (Qwen Code ~28k prompt tokens with the tiny model's tokenizer, Claude
@@ -416,7 +416,7 @@ def test_claude_code_with_a_sub_agent_is_exact_unbroken_and_one_row_per_conversa
 ) -> None:
     """Claude Code's first call is steered to its Agent tool: it spawns a sub-agent (its own
     conversation, first call ``[system, user, system]``) whose first call is steered to a safe
-    tool; both go on. Before issue 38: every step after the sub-agent's first call was flagged
+    tool; both go on. Before lineages: every step after the sub-agent's first call was flagged
     ``system_changed`` and the merged export gave one row per step."""
     steering = ToolCallSteering(dict.fromkeys(SPAWN_TOOLS, SPAWN))
     with gateway_with(pool_settings, free_port(), upstream_url=vllm.url, transport=steering) as gw:
@@ -474,7 +474,7 @@ def test_codex_compacting_mid_session_completes_with_the_compaction_call_recorde
     """Codex with ``model_auto_compact_token_limit`` low enough to compact mid-session: its
     compaction request (a Responses body with ``tools: []`` and ``tool_choice: "auto"``,
     which vLLM refuses with a tool_choice and no tools) goes through the gateway, reaches vLLM
-    and is a recorded step, and the session goes on after it. Before issue 38 the gateway
+    and is a recorded step, and the session goes on after it. Before, the gateway
     passed the tool_choice on, vLLM answered 400 and Codex exited 1. One call is steered: the
     compacted history holds no tool result, and steering it again would compact forever."""
     steering = ToolCallSteering(max_steered=1)
@@ -532,10 +532,10 @@ def test_claude_code_with_its_billing_line_continues_exactly_and_stores_what_cha
     """Claude Code believing it talks to Anthropic (``_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL``)
     puts ``x-anthropic-billing-header: ...; cch=<hex>;`` in system block 0, a new ``cch`` on
     every request; vLLM strips that line before rendering. Four calls steered to a tool (three
-    tool turns): every continuation is exact (issue 38: 0 of 2 before, ``system_changed``
-    breaks), and no continuation stores the system prompt or its history again (issue 37:
-    each stored a new system blob, its upstream messages as a new blob and its canonical
-    messages whole, tens of KB growing with the turns)."""
+    tool turns): every continuation is exact (0 of 2 before, ``system_changed`` breaks),
+    and no continuation stores the system prompt or its history again (before, each stored a
+    new system blob, its upstream messages as a new blob and its canonical messages whole, tens
+    of KB growing with the turns)."""
     steering = ToolCallSteering(max_steered=STEERED_TURNS, follow_ups=True)
     with gateway_with(pool_settings, free_port(), upstream_url=vllm.url, transport=steering) as gw:
         env, work = _home(tmp_path)

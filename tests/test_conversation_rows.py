@@ -1,4 +1,4 @@
-"""Several conversations in one trajectory (issue 38), through the real gateway and the real vLLM:
+"""Several conversations in one trajectory (lineages), through the real gateway and the real vLLM:
 a sub-agent whose first call ends with a system message is a new root, not a break of the main
 chain; conversations that take turns each continue exactly and each export as one merged row.
 """
@@ -61,7 +61,7 @@ def chat(server: BackgroundServer, trajectory_id: str, messages: list[Any], seed
 def test_a_sub_agent_starting_with_system_user_system_is_a_new_root_and_both_stay_exact(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
-    # main 0, sub 0, main 1, sub 1: before issue 38, steps 1-4 were ``system_changed`` breaks.
+    # main 0, sub 0, main 1, sub 1: before lineages, steps 1-4 were ``system_changed`` breaks.
     main = chat(gateway, "sub-agent", MAIN, 0)
     sub = chat(gateway, "sub-agent", SUB, 1)
     chat(gateway, "sub-agent", main, 2)
@@ -147,7 +147,7 @@ def assert_one_row_per_conversation(
 def test_two_conversations_taking_turns_continue_exactly_and_export_as_two_rows(
     gateway: BackgroundServer, pool_settings: PoolSettings, dialect: str
 ) -> None:
-    # A and B alternate call by call for 3 turns each: before issue 38, 6 merged rows.
+    # A and B alternate call by call for 3 turns each: before lineages, 6 merged rows.
     turn, url = DIALECTS[dialect], f"{gateway.url}/t/taking-turns/v1"
     histories = {"A": [], "B": []}  # type: dict[str, list[Any]]
     for k in range(3):
@@ -167,7 +167,7 @@ def test_two_conversations_taking_turns_continue_exactly_and_export_as_two_rows(
 def test_a_side_call_between_main_turns_leaves_the_main_chain_one_row(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
-    # main 0, a title call, main 1, main 2: before issue 38, rows [0], [title], [1, 2].
+    # main 0, a title call, main 1, main 2: before lineages, rows [0], [title], [1, 2].
     main = chat(gateway, "side-row", MAIN, 0)
     title = [{"role": "system", "content": "Write a title."}, MAIN[1]]
     chat(gateway, "side-row", title, 1)
@@ -207,7 +207,7 @@ def test_continuing_the_first_answer_after_a_resend_is_exact_like_a_choice_of_n(
     gateway: BackgroundServer, pool_settings: PoolSettings
 ) -> None:
     # The same request twice (a retry), then the agent goes on from the FIRST answer: before
-    # issue 38 that step was flagged ``history_rewritten`` (it leaves the re-send's answer);
+    # lineages that step was flagged ``history_rewritten`` (it leaves the re-send's answer);
     # going on from choice 0 of one n=2 call was not. Both are a sibling's exact continuation.
     first = chat(gateway, "resend", MAIN[:2], 0)
     chat(gateway, "resend", MAIN[:2], 1)
@@ -225,7 +225,7 @@ def test_a_dropped_middle_turn_is_a_history_truncated_break(
 ) -> None:
     # [system, task, a0, go on 0] → a1; then the agent drops its first exchange (task, a0) and
     # sends [system, go on 0, a1, go on 1]: the parent's messages with whole turns removed.
-    # Before issue 38 this break was labelled ``history_rewritten``.
+    # Before lineages this break was labelled ``history_rewritten``.
     history = chat(gateway, "dropped", MAIN[:2], 0)
     history = chat(gateway, "dropped", history, 1)
     chat(gateway, "dropped", [history[0], *history[3:]], 2)

@@ -1,4 +1,4 @@
-"""Exact continuation (issue 26) on the real vLLM: the suffix the gateway splices, the calls it
+"""Exact continuation on the real vLLM: the suffix the gateway splices, the calls it
 serves from a turn's own tokens, the fallbacks it records as breaks, and the proof that the
 engine saw exactly the merged sequence the trainer scores.
 
@@ -457,7 +457,7 @@ def test_compaction_falls_back_to_the_template_and_is_recorded_as_a_break(
     last = steps[-1]
     assert last.continuation == "template" and last.suffix_tokens is None
     # A summary that keeps only the system message is a conversation start: recorded as a new
-    # root of the trajectory's tree (side_call, issue 25's rule), never spliced onto the chain.
+    # root of the trajectory's tree (side_call), never spliced onto the chain.
     assert (last.parent_step_id, last.divergence_kind) == (None, "side_call")
     assert not last.extends_parent
 

@@ -1,5 +1,5 @@
-"""Full-weight updates while agents call (issue 19 section 3), and the version a call naming a
-model is stamped with when several versions share that name (issue 17 item 15).
+"""Full-weight updates while agents call, and the version a call naming a
+model is stamped with when several versions share that name.
 
 A full reload happens in place in vLLM, so the gateway holds new calls, lets the calls in flight
 finish (aborting them past the drain limit: mode 'drain', tested here; mode 'keep' is in

@@ -1,4 +1,4 @@
-"""Full-weight updates that keep the calls in flight (issue 27 part 1, invariant 9): vLLM pauses
+"""Full-weight updates that keep the calls in flight (invariant 9): vLLM pauses
 with its requests frozen, the weights are replaced, the requests resume on the new weights, and
 each step records which tokens each version sampled.
 

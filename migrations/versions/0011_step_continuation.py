@@ -1,4 +1,4 @@
-"""What built each step's prompt: exact continuation or the chat template (issue 26).
+"""What built each step's prompt: exact continuation or the chat template.
 
 ``steps.continuation`` is "exact" (the extended turn's own prompt and sampled ids, then the
 template's rendering of only the new messages and the generation prompt) or "template" (the whole

@@ -1,4 +1,4 @@
-"""The key of the turn each step answered, so exact continuation finds it in any process (issue 26).
+"""The key of the turn each step answered, so exact continuation finds it in any process.
 
 ``steps.turn_key`` is ``gateway.proxy.continuation.history.turn_key`` of an ok step of an exact
 channel (a hash of its canonical history, the echo form of its response and the fields that
