@@ -35,7 +35,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from gateway.upstream.replicas import MODELS_PATH
+from gateway.upstream.replicas import model_entries
 from gateway.upstream.weight_update import ReloadError, post_to_replica
 
 log = logging.getLogger("trajgate.upstreams")
@@ -127,19 +127,8 @@ async def listed_adapters(
     asked within ``timeout_s``; a replica that does not answer a list is left out."""
 
     async def listed(url: str) -> set[str] | None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                answer = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
-            entries = answer.json()["data"]
-        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
-            return None
-        if answer.status_code != 200 or not isinstance(entries, list):
-            return None
-        return {
-            e["id"]
-            for e in entries
-            if isinstance(e, dict) and isinstance(e.get("id"), str) and e.get("parent")
-        }
+        entries = await model_entries(client, url, timeout_s)
+        return None if entries is None else {e["id"] for e in entries if e.get("parent")}
 
     answers = await asyncio.gather(*map(listed, urls))
     return {url: names for url, names in zip(urls, answers, strict=True) if names is not None}

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -452,18 +453,28 @@ async def served_models(
     it."""
 
     async def listed(url: str) -> list[str] | None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                answer = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
-            entries = answer.json()["data"]
-        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
-            return None
-        if answer.status_code != 200 or not isinstance(entries, list):
-            return None
-        return [e["id"] for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
+        entries = await model_entries(client, url, timeout_s)
+        return None if entries is None else [e["id"] for e in entries]
 
     answers = [names for names in await asyncio.gather(*map(listed, urls)) if names is not None]
     return {name for names in answers for name in names} if answers else None
+
+
+async def model_entries(
+    client: httpx.AsyncClient, url: str, timeout_s: float
+) -> list[dict[str, Any]] | None:
+    """The entries of the replica at ``url``'s ``MODELS_PATH`` list that have a string ``id``,
+    asked within ``timeout_s``; None when it answered no such list (an error, a timeout, a
+    non-200 or a body of another shape)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            answer = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
+        entries = answer.json()["data"]
+    except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
+        return None
+    if answer.status_code != 200 or not isinstance(entries, list):
+        return None
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
 
 
 def end_of_turn(with_y: list[int], with_z: list[int]) -> int | None:
