@@ -251,3 +251,18 @@ def test_train_refuses_a_bad_flag_in_one_line_before_loading_anything(
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert says in " ".join(result.stderr.split()), result.stderr
+
+
+@pytest.mark.parametrize("command", [["export", "trajectories"], ["batches", "export", "b-1"]])
+def test_an_export_to_a_folder_that_does_not_exist_is_refused_before_reading_the_pool(
+    tmp_path: Path, sqlite_pool: PoolSettings, command: list[str]
+) -> None:
+    """An empty pool writes no row, so without the check nothing would open the file and the
+    export would report success for a file that was never created."""
+    out = tmp_path / "missing" / "rows.parquet"
+    url = sqlite_pool.resolved_database_url()
+    result = _cli(*command, "--out", str(out), "--database-url", url, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    said = " ".join(result.stderr.split())  # rich wraps the message in a box
+    assert "Invalid value for --out: no directory" in said and "rows.parquet in" in said, said
+    assert not out.parent.exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
@@ -146,6 +147,22 @@ def _pool_settings(database_url: str | None, data_dir: Path | None) -> PoolSetti
     if data_dir:
         overrides["data_dir"] = data_dir
     return _settings(PoolSettings, **overrides)
+
+
+def _writable_output(out: Path) -> Path:
+    """``out`` if a file can be written there: its folder exists and is writable. Raises
+    ``typer.BadParameter`` (``--out``) otherwise, before any pool is read: an export with no
+    row to write would otherwise report success without creating the file."""
+    folder = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise typer.BadParameter(f"{out} is a directory, expected a file", param_hint="--out")
+    if not folder.is_dir():
+        raise typer.BadParameter(
+            f"no directory {folder} to write {out.name} in", param_hint="--out"
+        )
+    if not os.access(folder, os.W_OK):
+        raise typer.BadParameter(f"cannot write in {folder}", param_hint="--out")
+    return out
 
 
 def _existing_pool(database_url: str | None, data_dir: Path | None) -> PoolSettings:
@@ -1142,6 +1159,7 @@ def export_trajectories(
         raise typer.BadParameter(
             f"expected statuses among {sorted(statuses)}, got {unknown}", param_hint="--status"
         )
+    _writable_output(out)
     pool = _existing_pool(database_url, data_dir)
     store = PoolStore(make_engine(pool.resolved_database_url()), pool)
     ids = select_trajectories(store, status=status, channel=channel, group_id=group)
@@ -1274,6 +1292,7 @@ def batches_export(
         raise typer.BadParameter(
             f"expected one of {EXPORT_FORMATS}, got {format!r}", param_hint="--format"
         )
+    _writable_output(out)
     _pool, store = _pool_store(database_url, data_dir)
 
     def export() -> int:
