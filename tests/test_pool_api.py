@@ -557,6 +557,19 @@ def test_tag_and_metadata_bounds_are_settings(
             ]:
                 refused = api.post("/api/trajectories", json={"id": "s-no", **fields})
                 assert assert_envelope(refused, 400)["param"] == param
+            # a label's tags are the trajectory's too (listing pages return them): same bounds
+            label = {"target": "trajectory", "target_id": "s-ok", "quality": "good"}
+            bulk = {"target": "trajectory", "filter": {"trajectory_ids": ["s-ok"]}}
+            for fields, param in [
+                ({"tags": ["a", "b", "c"]}, "tags"),
+                ({"remove_tags": ["abcd"]}, "remove_tags.0"),
+            ]:
+                for path, body in (("/api/labels", label), ("/api/labels/bulk", bulk)):
+                    refused = api.post(path, json={**body, **fields})
+                    assert assert_envelope(refused, 400)["param"] == param, path
+            assert api.get("/api/labels", params={"trajectory_id": "s-ok"}).json() == []
+            within = api.post("/api/labels", json={**label, "tags": ["abc", "d"]})
+            assert within.status_code == 201, within.text
     finally:
         server.stop()
 
@@ -569,3 +582,25 @@ def test_history_filters_that_match_nothing_answer_an_empty_list(api: httpx.Clie
     assert api.get("/api/labels", params={"trajectory_id": "nope"}).json() == []
     assert api.get("/api/trajectories", params={"group_id": "nope"}).json()["data"] == []
     assert assert_envelope(api.get("/api/trajectories/nope"), 404)["param"] == "trajectory_id"
+
+
+def test_a_batch_spec_or_filter_value_of_another_json_type_is_a_400_naming_it(
+    api: httpx.Client,
+) -> None:
+    """A batch spec and a bulk label's filter are strict as every other body: ``"4"`` read as 4
+    would build a batch the sender did not describe (and ``1`` read as true a flag)."""
+    assert api.post("/api/trajectories", json={"id": "st-1"}).status_code == 201
+    wrong_type = api.post("/api/batches", json={"algorithm": "sft", "group_size": "4"})
+    assert assert_envelope(wrong_type, 400)["param"] == "group_size"
+    flag_as_number = api.post("/api/batches", json={"algorithm": "sft", "scale_by_std": 1})
+    assert assert_envelope(flag_as_number, 400)["param"] == "scale_by_std"
+    bulk = {"target": "trajectory", "quality": "good", "filter": {"policy_version": "4"}}
+    assert assert_envelope(api.post("/api/labels/bulk", json=bulk), 400)["param"] == (
+        "filter.policy_version"
+    )
+    assert api.get("/api/labels", params={"trajectory_id": "st-1"}).json() == []
+    # the two times stay ISO 8601 text or Unix seconds, as documented
+    for after in ("2020-01-01T00:00:00Z", 1577836800):
+        bulk = {"target": "trajectory", "quality": "good", "filter": {"created_after": after}}
+        labelled = api.post("/api/labels/bulk", json=bulk)
+        assert labelled.status_code == 201, labelled.text

@@ -26,9 +26,11 @@ ANCHOR_KEYS: tuple[AnchorKey, ...] = get_args(AnchorKey)
 
 
 class BatchSpec(BaseModel):
-    """What a batch is made of; stored with the batch and in its manifest."""
+    """What a batch is made of; stored with the batch and in its manifest. Strict: a value of
+    another JSON type is refused (``"4"`` is no ``group_size``, ``1`` no ``scale_by_std``), as
+    for every other body of the pool API (``gateway.api.bodies.StrictBody``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = Field(default=None, max_length=200)
     channel: str = "train"

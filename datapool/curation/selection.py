@@ -22,9 +22,11 @@ from datapool.rewards.values import current_rewards_query
 
 
 class TrajectoryFilter(BaseModel):
-    """Trajectories to act on; every given field must hold (AND)."""
+    """Trajectories to act on; every given field must hold (AND). Strict as ``BatchSpec``
+    (``"4"`` is no ``policy_version``), except the two times, which are ISO 8601 text or Unix
+    seconds by design (``UTCTimestamp``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     channel: str | None = None
     status: list[str] | None = Field(default=None, description="Any of these statuses.")
@@ -39,8 +41,8 @@ class TrajectoryFilter(BaseModel):
     policy_version: int | None = Field(
         default=None, ge=0, le=INTEGER_MAX, description="Has a step of this version."
     )
-    created_after: UTCTimestamp | None = None
-    created_before: UTCTimestamp | None = None
+    created_after: UTCTimestamp | None = Field(default=None, strict=False)
+    created_before: UTCTimestamp | None = Field(default=None, strict=False)
     quality: list[Quality] | None = Field(
         default=None, description="Current quality label of the trajectory is one of these."
     )

@@ -33,9 +33,10 @@ from datapool.models import INTEGER_MAX, Batch, CurationRule, Label
 from datapool.queries.labels import current_label as current_label_of
 from datapool.queries.labels import label_history
 from datapool.steps.store import PoolStore
-from gateway.api.bodies import PoolRoute, StrictBody
+from gateway.api.bodies import PoolRoute, StrictBody, check_tags
 from gateway.api.dependencies import BatchSettingsDep, SessionsDep, StoreDep
 from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
+from gateway.state import GatewayState, StateDep
 
 router = APIRouter(tags=["curation and batches"], route_class=PoolRoute)
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
@@ -124,9 +125,16 @@ def _label_public(r: Label) -> LabelPublic:
     )
 
 
+def _check_label_tags(body: LabelFields, state: GatewayState) -> None:
+    check_tags(body.tags, state.settings, "tags")
+    check_tags(body.remove_tags, state.settings, "remove_tags")
+
+
 @router.post("/labels", response_model=LabelIds, status_code=201)
-async def post_label(body: LabelCreate, sessions: SessionsDep) -> LabelIds:
-    """Append one label (append-only; the current view folds the history)."""
+async def post_label(body: LabelCreate, sessions: SessionsDep, state: StateDep) -> LabelIds:
+    """Append one label (append-only; the current view folds the history). Its tags are bounded
+    as a trajectory's own (``TRAJGATE_MAX_TRAJECTORY_TAGS``, ``TRAJGATE_MAX_TAG_CHARS``)."""
+    _check_label_tags(body, state)
     ids = await run_in_threadpool(
         labels.add_labels, sessions, [_label_in(body, body.target, body.target_id)]
     )
@@ -134,8 +142,10 @@ async def post_label(body: LabelCreate, sessions: SessionsDep) -> LabelIds:
 
 
 @router.post("/labels/bulk", response_model=LabelIds, status_code=201)
-async def post_labels_bulk(body: LabelBulk, sessions: SessionsDep) -> LabelIds:
-    """Append the same label to every trajectory, step or group the filter matches."""
+async def post_labels_bulk(body: LabelBulk, sessions: SessionsDep, state: StateDep) -> LabelIds:
+    """Append the same label to every trajectory, step or group the filter matches (its tags
+    bounded as ``post_label``'s)."""
+    _check_label_tags(body, state)
     ids = await run_in_threadpool(
         bulk_labels.bulk_label, sessions, body.filter, _label_in(body, body.target, "-")
     )

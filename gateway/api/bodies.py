@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway.errors import InvalidRequestError
 from gateway.proxy.attribution import parse_json
+from gateway.settings import GatewaySettings
 
 
 class StrictBody(BaseModel):
@@ -37,6 +38,25 @@ class StrictBody(BaseModel):
     the request half-read and acted on. A nested model keeps its own configuration."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def check_tags(tags: list[str], settings: GatewaySettings, param: str = "tags") -> None:
+    """Raise ``InvalidRequestError`` (400 naming ``param`` or ``param.<i>``) for more than
+    ``max_trajectory_tags`` tags or a tag over ``max_tag_chars`` characters: a trajectory's tags
+    (its own, and those its labels add) come back whole on every listing page."""
+    if len(tags) > settings.max_trajectory_tags:
+        raise InvalidRequestError(
+            f"{param} holds {len(tags)} tags; expected at most {settings.max_trajectory_tags} "
+            "(TRAJGATE_MAX_TRAJECTORY_TAGS)",
+            param=param,
+        )
+    for index, tag in enumerate(tags):
+        if len(tag) > settings.max_tag_chars:
+            raise InvalidRequestError(
+                f"{param}.{index} is {len(tag)} characters long; expected at most "
+                f"{settings.max_tag_chars} (TRAJGATE_MAX_TAG_CHARS)",
+                param=f"{param}.{index}",
+            )
 
 
 def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

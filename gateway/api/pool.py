@@ -36,7 +36,7 @@ from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
 from datapool.rewards import values as rewards
 from datapool.steps.store import PoolStore
-from gateway.api.bodies import PoolRoute, StrictBody
+from gateway.api.bodies import PoolRoute, StrictBody, check_tags
 from gateway.api.dependencies import SessionsDep, StoreDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.proxy.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
@@ -375,19 +375,7 @@ def _check_sizes(body: TrajectoryCreate, settings: GatewaySettings) -> None:
     """Raise ``InvalidRequestError`` (400) for more than ``max_trajectory_tags`` tags, a tag over
     ``max_tag_chars`` characters, or metadata over ``max_metadata_bytes`` bytes of compact UTF-8
     JSON: each listing page returns them whole, so one trajectory must not weigh megabytes."""
-    if len(body.tags) > settings.max_trajectory_tags:
-        raise InvalidRequestError(
-            f"tags holds {len(body.tags)} tags; expected at most {settings.max_trajectory_tags} "
-            "(TRAJGATE_MAX_TRAJECTORY_TAGS)",
-            param="tags",
-        )
-    for index, tag in enumerate(body.tags):
-        if len(tag) > settings.max_tag_chars:
-            raise InvalidRequestError(
-                f"tags.{index} is {len(tag)} characters long; expected at most "
-                f"{settings.max_tag_chars} (TRAJGATE_MAX_TAG_CHARS)",
-                param=f"tags.{index}",
-            )
+    check_tags(body.tags, settings)
     size = len(json.dumps(body.metadata, ensure_ascii=False, separators=(",", ":")).encode())
     if size > settings.max_metadata_bytes:
         raise InvalidRequestError(
