@@ -469,6 +469,39 @@ def test_an_id_with_a_newline_is_refused_whole_not_up_to_the_newline(
     assert len(walked.upstream_calls) == calls_before
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_a_header_naming_another_trajectory_than_the_url_is_refused_before_anything_runs(
+    walked: Walked, path: str, body: dict[str, Any]
+) -> None:
+    """Either id would file the call's step under a trajectory the other says it is not in."""
+    before = _row_counts(walked.pool)
+    calls_before = len(walked.upstream_calls)
+    response = walked.client.post(
+        f"/t/url-id/{path}",
+        json={"model": "tiny", **body},
+        headers={"X-Trajgate-Trajectory": "header-id"},
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert error.get("code", "trajectory_id_conflict") == "trajectory_id_conflict"
+    assert "'url-id'" in error["message"] and "'header-id'" in error["message"]
+    assert _row_counts(walked.pool) == before
+    assert len(walked.upstream_calls) == calls_before
+    same = walked.client.post(
+        "/t/url-id/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"X-Trajgate-Trajectory": "url-id"},
+    )
+    assert same.status_code != 400, same.text  # the same id twice is one trajectory
+
+
 def test_an_id_with_a_newline_is_refused_in_pool_api_bodies_too(walked: Walked) -> None:
     before = _row_counts(walked.pool)
     for body in (

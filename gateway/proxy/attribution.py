@@ -307,7 +307,8 @@ async def attribute(
     state: GatewayState, request: Request, url_trajectory_id: str | None
 ) -> Attribution:
     """Which trajectory a call belongs to: URL, else ``X-Trajgate-Trajectory``, else the API
-    key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys. A key
+    key's bound trajectory, else a fresh anonymous one. Raises 401/403 for bad keys, 400
+    ``trajectory_id_conflict`` when the URL and the header name different trajectories. A key
     the cache does not hold is looked up off the event loop (``KeyRing.verify``)."""
     grant: KeyGrant | None = None
     token = api_key(request)
@@ -322,6 +323,15 @@ async def attribute(
     elif token is not None and token.startswith("tg-"):
         grant = await state.keys.verify(token)
     header_id = request.headers.get("x-trajgate-trajectory")
+    if url_trajectory_id is not None and header_id is not None and header_id != url_trajectory_id:
+        # Both name the call's trajectory: recording it in either would file the other's steps
+        # wrongly, so neither is chosen silently.
+        raise InvalidRequestError(
+            f"the URL names trajectory {url_trajectory_id!r} and X-Trajgate-Trajectory names "
+            f"{header_id!r}; send one, or the same id in both",
+            param="trajectory_id",
+            code="trajectory_id_conflict",
+        )
     trajectory_id = url_trajectory_id or header_id or (grant.trajectory_id if grant else None)
     trajectory_id = check_trajectory_id(trajectory_id or f"anon-{uuid.uuid4()}")
     if grant and grant.trajectory_id and grant.trajectory_id != trajectory_id:
