@@ -3,12 +3,14 @@
 Records a session of ``--turns`` calls (and one of a tenth as many, for the ratio) in chat
 completions or the Messages API (``--dialect``) into a fresh
 SQLite pool through ``PoolStore`` (``trajgate.bench.long_session``: 28 KB tool list, ~450-character
-tool results), then reads ``GET /api/inspector/trajectories/<id>`` and the last step's first token
+tool results; with ``--cch``, Claude Code's system message whose attribution line changes on every
+call), then reads ``GET /api/inspector/trajectories/<id>`` and the last step's first token
 page, whole and its first window of 2,000 positions, in-process (Starlette's test client: server
 time plus the ASGI hop, no network), each ``--repeats`` times; prints JSON with the median wall
 and process-CPU milliseconds and the bytes.
 
     PYTHONPATH=. .venv/bin/python scripts/inspector_view_figures.py --turns 200
+    PYTHONPATH=. .venv/bin/python scripts/inspector_view_figures.py --dialect messages --cch
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dialect", choices=DIALECTS, default="chat")
+    parser.add_argument(
+        "--cch",
+        action="store_true",
+        help="Claude Code's system message with a cch that changes on every call",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         pool = PoolSettings(data_dir=Path(tmp))
@@ -58,13 +65,14 @@ def main() -> None:
         store = PoolStore(make_engine(pool.resolved_database_url()), pool)
         short_turns = max(1, args.turns // 10)
         sessions = {
-            "long": record_session(store, "long", args.turns, args.dialect),
-            "short": record_session(store, "short", short_turns, args.dialect),
+            "long": record_session(store, "long", args.turns, args.dialect, args.cch),
+            "short": record_session(store, "short", short_turns, args.dialect, args.cch),
         }
         store.engine.dispose()
         app = create_app(GatewaySettings(allowed_hosts=["testserver"]), pool)
         result: dict[str, Any] = {
             "dialect": args.dialect,
+            "cch": args.cch,
             "turns": args.turns,
             "short_turns": short_turns,
         }

@@ -15,6 +15,7 @@ from sqlalchemy import Connection, text
 
 from datapool import db
 from datapool.db import make_engine
+from datapool.queries.edits import apply_edits
 from datapool.queries.export import export_trajectories
 from datapool.rewards.functions import tool_call_format
 from datapool.rewards.values import RewardContext
@@ -603,9 +604,11 @@ def test_the_trajectory_view_of_a_changing_cch_session_ships_what_each_step_adde
 ) -> None:
     """The inspector's trajectory view of a Messages session with a new ``cch`` on every call:
     no message is a common prefix of a step and its parent (the system message differs), so
-    the view names the replaced system message (``messages_replaced``) and ships it with what
-    the step appended, not the whole history; bytes per step stay flat and the history
-    rebuilds exactly. Before, every step shipped its whole history (``messages_base`` 0)."""
+    the view names the replaced system message (``messages_replaced``), ships it as an edit of
+    the first step's text (``head_edits`` against ``head_texts``) and then what the step
+    appended, not the whole history; bytes per step stay flat and the history rebuilds
+    exactly. Before, every step shipped its whole history (``messages_base`` 0), then its
+    whole system message."""
     store = PoolStore(make_engine(sqlite_pool.resolved_database_url()), sqlite_pool)
     calls = run_session(store, Messages(), messages_cch_body, 32, "long")
     run_session(store, Messages(), messages_cch_body, 8, "short")
@@ -616,7 +619,10 @@ def test_the_trajectory_view_of_a_changing_cch_session_ships_what_each_step_adde
         len(long.content),
         len(short.content),
     )
-    steps = long.json()["steps"]
+    view = long.json()
+    # One text: the first step's system message, which every later one is an edit of.
+    assert list(view["head_texts"]) == ["h0"]
+    steps = view["steps"]
     full: dict[str, list[Any]] = {}
     for k, (step, call) in enumerate(zip(steps, calls, strict=True)):
         parent = next((p for p in steps if p["id"] == step["parent_step_id"]), None)
@@ -626,15 +632,20 @@ def test_the_trajectory_view_of_a_changing_cch_session_ships_what_each_step_adde
         replaced, base, added = (
             step[key] for key in ("messages_replaced", "messages_base", "messages_added")
         )
-        full[step["id"]] = [*added[:replaced], *head[replaced:base], *added[replaced:]]
+        texts = [apply_edits(view["head_texts"][h["text"]], h["edits"]) for h in step["head_edits"]]
+        full[step["id"]] = [*map(json.loads, texts), *head[replaced:base], *added]
         assert call.canonical is not None
         assert same_json(full[step["id"]], call.canonical.to_json()["messages"]), f"turn {k}"
         if k:
             # Turn k sends [system, task, (assistant, result) x k]: 2 + 2k messages. Its parent's
             # history and answer are 2 + 2(k - 1) + 1; the answer (tool call ``c{k-1}``) is not
             # the echo the client sends (``toolu_{k-1}``), so the step covers the parent's first
-            # 2k, replaces its system message, and adds the echo and the result: 3 messages.
-            assert (replaced, base, len(added)) == (1, 2 * k, 3), f"turn {k}"
+            # 2k, replaces its system message, and appends the echo and the result: 2 messages.
+            assert (replaced, base, len(added)) == (1, 2 * k, 2), f"turn {k}"
+            # The system message as one edit: the 5 hex digits of its cch (fewer where a digit
+            # happens to equal the first step's).
+            (edit,) = step["head_edits"][0]["edits"]
+            assert len(edit[2]) <= 5 and edit[1] - edit[0] <= 5, f"turn {k}"
     store.engine.dispose()
 
 

@@ -4,9 +4,10 @@ the square of the turns.
 Per dialect (chat completions, and the Messages API as Claude Code speaks it), one session of 200
 calls and one of 20, recorded through the dialect and the pool's own write path
 (``trajgate.bench.long_session``: a 28 KB tool list on every call, each turn re-sending the whole
-history plus the model's tool call and a ~450-character tool result), on SQLite only: the views
-are computed in Python from the records the store reads back, the same on both backends (the
-store's reads are tested on both in tests/test_request_storage.py).
+history plus the model's tool call and a ~450-character tool result), and the same two with
+Claude Code's system message, whose ``cch`` changes on every call (``-cch-``), on SQLite only:
+the views are computed in Python from the records the store reads back, the same on both
+backends (the store's reads are tested on both in tests/test_request_storage.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from test_inspector_browser import ARTIFACTS, browser, page  # noqa: F401 (the f
 from tests_support import free_port
 
 from datapool import db
+from datapool.queries.edits import apply_edits
 from datapool.settings import PoolSettings
 from datapool.steps.canonical import response_of
 from gateway.app import create_app
@@ -38,6 +40,7 @@ from trajgate.bench.long_session import (
     FIRST_PROMPT_TOKENS,
     RESPONSE_TOKENS,
     Session,
+    billing,
     record_session,
     tool_result,
 )
@@ -49,7 +52,7 @@ SHORT_TURNS = 20
 @pytest.fixture(scope="module")
 def horizon(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolSettings, dict[str, Session]]:
     """A SQLite pool holding trajectories ``<dialect>-long`` (200 turns) and ``<dialect>-short``
-    (20 turns) of each dialect."""
+    (20 turns) of each dialect, and ``<dialect>-cch-long`` and ``<dialect>-cch-short``."""
     tmp = tmp_path_factory.mktemp("horizon")
     url = f"sqlite:///{tmp / 'pool.sqlite3'}"
     db.upgrade(url)
@@ -58,8 +61,9 @@ def horizon(tmp_path_factory: pytest.TempPathFactory) -> tuple[PoolSettings, dic
     sessions = {}
     for dialect in DIALECTS:
         for name, turns in (("long", TURNS), ("short", SHORT_TURNS)):
-            trajectory_id = f"{dialect}-{name}"
-            sessions[trajectory_id] = record_session(store, trajectory_id, turns, dialect)
+            for cch in (False, True):
+                trajectory_id = f"{dialect}{'-cch' if cch else ''}-{name}"
+                sessions[trajectory_id] = record_session(store, trajectory_id, turns, dialect, cch)
     store.engine.dispose()
     return pool, sessions
 
@@ -97,22 +101,34 @@ def test_trajectory_view_bytes_per_step_do_not_grow_with_the_history(
     assert len(long.json()["tools"]) == 1  # one tool list, sent once
 
 
-@pytest.mark.parametrize("dialect", DIALECTS)
-def test_added_messages_along_the_parent_chain_rebuild_each_steps_full_history(
-    client: TestClient, horizon: tuple[PoolSettings, dict[str, Session]], dialect: str
-) -> None:
-    view = client.get(f"/api/inspector/trajectories/{dialect}-long").json()
-    steps = view["steps"]
-    assert len(steps) == TURNS
-    by_id = {s["id"]: s for s in steps}
+def rebuilt_histories(view: dict[str, Any]) -> dict[str, list[Any]]:
+    """Each step's canonical messages rebuilt from the view alone, parents first: its replaced
+    first messages (``head_edits`` of ``head_texts``), the parent's history and answer it
+    covers, what it appended."""
+    by_id = {s["id"]: s for s in view["steps"]}
     full: dict[str, list[Any]] = {}
-    for step in steps:  # call order: a parent before its children
+    for step in view["steps"]:  # call order: a parent before its children
         parent = by_id.get(step["parent_step_id"])
         head = []
         if parent is not None:
             head = [*full[parent["id"]], response_of(parent["response_message"]).to_json()]
-        full[step["id"]] = head[: step["messages_base"]] + step["messages_added"]
-    requests = horizon[1][f"{dialect}-long"].requests
+        texts = [apply_edits(view["head_texts"][h["text"]], h["edits"]) for h in step["head_edits"]]
+        covered = head[step["messages_replaced"] : step["messages_base"]]
+        full[step["id"]] = [*map(json.loads, texts), *covered, *step["messages_added"]]
+    return full
+
+
+@pytest.mark.parametrize("cch", [False, True], ids=["plain", "cch"])
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_added_messages_along_the_parent_chain_rebuild_each_steps_full_history(
+    client: TestClient, horizon: tuple[PoolSettings, dict[str, Session]], dialect: str, cch: bool
+) -> None:
+    name = f"{dialect}{'-cch' if cch else ''}-long"
+    view = client.get(f"/api/inspector/trajectories/{name}").json()
+    steps = view["steps"]
+    assert len(steps) == TURNS
+    full = rebuilt_histories(view)
+    requests = horizon[1][name].requests
     tools = canonical_of(dialect, requests[0])["tools"]
     for k, step in enumerate(steps):
         expected = canonical_of(dialect, requests[k])["messages"]
@@ -120,9 +136,34 @@ def test_added_messages_along_the_parent_chain_rebuild_each_steps_full_history(
         assert view["tools"][step["tools_key"]] == tools
         if k:
             # Turn k sends 2 + 2k messages; its parent's history + answer is 2 + 2(k-1) + 1 of
-            # them, so it adds one: the tool result of turn k - 1.
-            assert step["messages_base"] == 2 * k + 1
+            # them, so it adds one: the tool result of turn k - 1 (and, with a new cch, its
+            # system message replaces the parent's first message).
+            assert (step["messages_replaced"], step["messages_base"]) == (int(cch), 2 * k + 1)
             assert [m["content"] for m in step["messages_added"]] == [tool_result(k - 1)]
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_cch_sessions_view_ships_its_changing_system_message_as_edits_not_whole(
+    client: TestClient, dialect: str
+) -> None:
+    long = client.get(f"/api/inspector/trajectories/{dialect}-cch-long")
+    short = client.get(f"/api/inspector/trajectories/{dialect}-cch-short")
+    assert long.status_code == short.status_code == 200
+    view = long.json()
+    system = view["steps"][0]["messages_added"][0]
+    # Shipped whole twice: in the first step's messages and as the one text the others edit.
+    assert view["head_texts"] == {"h0": json.dumps(system)}
+    for k, step in enumerate(view["steps"][1:], start=1):
+        # Per step the system message costs its new cch (5 hex digits) and the edit's place:
+        # at most 64 bytes, where shipping it whole costs its ~6.4 KB again on every step.
+        assert len(json.dumps(step["head_edits"])) <= 64, f"turn {k}"
+    # Hence bytes per step stay flat (a step adds one tool result and an answer) and the
+    # 200-turn view is under the goal of 1 MB (1.64 MB when each step shipped its system
+    # message whole).
+    per_step_long = len(long.content) / TURNS
+    per_step_short = len(short.content) / SHORT_TURNS
+    assert per_step_long <= 1.1 * per_step_short, (per_step_long, per_step_short)
+    assert len(long.content) <= 1_000_000
 
 
 def test_full_history_on_demand_is_the_request_exactly_as_sent(
@@ -234,3 +275,36 @@ def test_a_200_turn_trajectory_opens_with_full_history_and_token_pages_on_demand
         page.get_by_test_id("tokens-earlier").click()
         expect(tokens).to_have_count(2000 + ENV_TOKENS + RESPONSE_TOKENS)
         page.screenshot(path=str(ARTIFACTS / "horizon-tokens.png"))
+
+
+@pytest_browser
+def test_a_cch_session_shows_each_steps_own_system_message(
+    horizon: tuple[PoolSettings, dict[str, Session]],
+    page: Page,  # noqa: F811 (the fixture)
+) -> None:
+    """The page rebuilds each step's system message from the view's edits: the last step shows
+    its own cch, before and after its full history is fetched."""
+    last = TURNS - 1
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    with gateway_with(horizon[0], free_port(), upstream_url=unreachable) as server:
+        page.goto(f"{server.url}/inspector/trajectories/messages-cch-long")
+        steps = page.get_by_test_id("step")
+        expect(steps).to_have_count(TURNS, timeout=30_000)
+        for k in (1, last):
+            shown = steps.nth(k).get_by_test_id("message-content")
+            # Its system message (rebuilt: billing line, identity, prompt), then the result of
+            # the tool called at turn k - 1.
+            expect(shown).to_have_count(2)
+            expect(shown.nth(0)).to_contain_text(billing(k))
+            expect(shown.nth(1)).to_have_text(tool_result(k - 1))
+        final = steps.nth(last)
+        # 2 + 2 * 198 + 1 = 399 messages of step 198's history and answer, less the replaced one.
+        expect(final.get_by_test_id("repeats")).to_contain_text(
+            "398 earlier messages repeat step 198's conversation after its first message"
+        )
+        final.screenshot(path=str(ARTIFACTS / "horizon-cch-step.png"))
+        final.get_by_test_id("show-history").click()
+        shown = final.get_by_test_id("message-content")
+        expect(shown).to_have_count(2 + 2 * last)
+        expect(shown.nth(0)).to_contain_text(billing(last))

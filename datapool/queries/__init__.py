@@ -6,6 +6,8 @@
   ``list_page``, ``trajectory_view``, ``describe``, ``list_marks``).
 - ``conversation``: what each step of a trajectory added to its conversation, and one step's
   full conversation on demand (``conversation_deltas``, ``step_history``).
+- ``edits``: a text as edits of another, how the view ships a replaced message that changed a
+  little (``text_edits``, ``apply_edits``).
 - ``lineages``: a trajectory as its lineages, each with its spawning step and merged rows
   (``lineage_view``).
 - ``steps``: one step, and its tokens with their text, whole or a window at a time

@@ -18,9 +18,21 @@ response (``R_p`` left out when the parent has none; ``H_p`` empty without a par
 - ``messages_replaced`` = k, 0 but for a conversation whose first messages changed while the
   rest repeats the parent's (Claude Code's system message carries a billing line with a ``cch``
   that changes on every call): no message is then a common prefix, and rather than ship the
-  whole history, b counts the messages of ``H_p`` the step covers and the first k of
-  ``messages_added`` replace ``H_p``'s first k: ``C == messages_added[:k] + H_p[k:b] +
-  messages_added[k:]`` (k at most ``datapool.steps.bodies.HEAD_ITEMS``);
+  whole history, b counts the messages of ``H_p`` the step covers, ``messages_added`` =
+  ``C[b:]`` (what the step appended) and ``head_edits`` gives each of the first k messages as
+  edits of a text in the view's ``head_texts`` (below): ``C == heads + H_p[k:b] +
+  messages_added`` (k at most ``datapool.steps.bodies.HEAD_ITEMS``);
+- ``head_edits``: per replaced message, ``{"text": key, "edits": [[start, end, insert], ...]}``:
+  the message is ``json.loads(apply_edits(head_texts[key], edits))``
+  (``datapool.queries.edits``), its exact JSON text; ``[]`` when k is 0. ``head_texts`` maps
+  each key (``h0``, ``h1``, ... in order of first use) to a message's JSON text
+  (``message_key``). A replaced message is edits of the text its predecessor at the same place
+  in the parent's conversation was rebuilt from (the predecessor's own text the first time, so
+  the first step's system message is shipped twice: in its ``messages_added`` and as a key),
+  so a 6 KB system message whose ``cch`` changes ships as one ~5-character edit per step, never
+  again whole; its text becomes a new key only when the edits would weigh more than
+  a quarter of it (``REBASE_FRACTION``: the message really changed). Edits name no older key, so
+  a message is rebuilt from one text, not along the chain of steps;
 - ``tools_key``: the tool list offered, as a key of the view's ``tools`` table, where each
   distinct list appears once (``t0``, ``t1``, ... in order of first use); None when no tool
   was offered. Lists are told apart with Python's ``==`` (a C-speed deep comparison; the JSON
@@ -31,21 +43,57 @@ response (``R_p`` left out when the parent has none; ``H_p`` empty without a par
 Cost: the pool's reconstruction gives a step the very message objects of its parent's list for
 the prefix it repeats, so the prefix compares by identity and JSON text is compared only where
 the objects differ (the parent's response, and the first message that differs): work
-proportional to what each step added.
+proportional to what each step added, plus, per replaced message, its JSON text and one
+comparison with its base text (about 30 µs for a 6 KB message changed in one place).
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.orm import Session
 
 from datapool.db import Sessions
 from datapool.models import Step
+from datapool.queries.edits import edits_cost, text_edits
 from datapool.steps.bodies import HEAD_ITEMS
 from datapool.steps.messages import canonical_response_key, expand_requests, message_key
+
+# A replaced message becomes a new ``head_texts`` entry when its edits would weigh more than this
+# fraction of its text: it changed beyond a line, and its successors are better edits of it.
+REBASE_FRACTION = 0.25
+
+
+@dataclass
+class HeadTexts:
+    """The view's ``head_texts`` as it is built (``texts``: key to JSON text) and, per step
+    seen, the key each of its first ``HEAD_ITEMS`` messages is rebuilt from (None: the message
+    was shipped whole, in its step's or an ancestor's ``messages_added``)."""
+
+    texts: dict[str, str] = field(default_factory=dict)
+    bases: dict[str, list[str | None]] = field(default_factory=dict)
+
+    def edits(self, message: Any, base: str | None, predecessor: Any) -> dict[str, Any]:
+        """``{"text": key, "edits": [...]}`` for a replaced ``message`` whose predecessor (the
+        message at its place in the parent's conversation) is rebuilt from key ``base``, or
+        shipped whole (None): edits of ``base``'s text, or of the predecessor's own text, when
+        they weigh at most ``REBASE_FRACTION`` of the message; else the message's own text as
+        a new key. (A predecessor rebuilt from ``base`` is close to it: a message too far from
+        ``base`` is too far from the predecessor as well.)"""
+        text = message_key(message)
+        known = self.texts[base] if base is not None else message_key(predecessor)
+        edits = text_edits(known, text)
+        if edits_cost(edits) > REBASE_FRACTION * len(text):
+            return {"text": self._add(text), "edits": []}
+        return {"text": base if base is not None else self._add(known), "edits": edits}
+
+    def _add(self, text: str) -> str:
+        key = f"h{len(self.texts)}"
+        self.texts[key] = text
+        return key
 
 
 def common_prefix(messages: Sequence[Any], head: Sequence[Any]) -> int:
@@ -61,26 +109,39 @@ def common_prefix(messages: Sequence[Any], head: Sequence[Any]) -> int:
 
 def conversation_deltas(
     rows: Sequence[Step],
-) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]]]:
-    """``(per step id: {messages_base, messages_added, messages_replaced, tools_key, sampling,
-    prompt}, tools)``
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]], dict[str, str]]:
+    """``(per step id: {messages_base, messages_added, messages_replaced, head_edits,
+    tools_key, sampling, prompt}, tools, head_texts)``
     for expanded ``rows`` (``expand_requests``) of one trajectory, parents before children
-    (call order). ``tools`` maps each ``tools_key`` to its list (module docstring)."""
+    (call order). ``tools`` maps each ``tools_key`` to its list, ``head_texts`` each key of a
+    ``head_edits`` entry to its JSON text (module docstring)."""
     by_id = {row.id: row for row in rows}
     heads: dict[str, list[Any]] = {}  # H of each step seen, built once when a child needs it
     deltas: dict[str, dict[str, Any]] = {}
     tools: dict[str, list[Any]] = {}
+    texts = HeadTexts()
     for row in rows:
         record = row.canonical or {}
         messages = record.get("messages")
         base, added, replaced = None, None, 0
+        edits: list[dict[str, Any]] = []
+        bases: list[str | None] = [None] * HEAD_ITEMS
         if isinstance(messages, list):
             head = _head(by_id.get(row.parent_step_id or ""), heads)
+            # The parent's messages keep their bases where this step repeats them.
+            inherited = texts.bases.get(row.parent_step_id or "", bases)
             base = common_prefix(messages, head)
             added = messages[base:]
             if base == 0 and head:
                 replaced, base = _head_replaced(messages, head)
-                added = [*messages[:replaced], *messages[base:]]
+                added = messages[base:] if replaced else added
+                for i in range(replaced):
+                    edits.append(texts.edits(messages[i], inherited[i], head[i]))
+            bases = [
+                edits[i]["text"] if i < replaced else inherited[i] if i < base else None
+                for i in range(HEAD_ITEMS)
+            ]
+        texts.bases[row.id] = bases
         key = None
         offered = record.get("tools")
         if offered:
@@ -93,11 +154,12 @@ def conversation_deltas(
             "messages_base": base,
             "messages_added": added,
             "messages_replaced": replaced,
+            "head_edits": edits,
             "tools_key": key,
             "sampling": record.get("sampling"),
             "prompt": record.get("prompt"),
         }
-    return deltas, tools
+    return deltas, tools, texts.texts
 
 
 def _head_replaced(messages: Sequence[Any], head: Sequence[Any]) -> tuple[int, int]:

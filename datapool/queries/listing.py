@@ -455,7 +455,7 @@ def _view(session: Session, trajectory: Trajectory) -> tuple[dict[str, Any], lis
         )
     )
     expand_requests(session, steps)  # the full records, then what each step added to them
-    added, tools = conversation_deltas(steps)
+    added, tools, head_texts = conversation_deltas(steps)
     step_ids = [s.id for s in steps]
     step_rewards = current_rewards(session, "step", step_ids)
     labels = labels_of_trajectories(session, [trajectory_id])
@@ -466,6 +466,7 @@ def _view(session: Session, trajectory: Trajectory) -> tuple[dict[str, Any], lis
     row["label_tags"] = _label(labels.get(("trajectory", trajectory_id)))
     row["marks"] = [m for m in marks if m["target"] == "trajectory"]
     row["tools"] = tools
+    row["head_texts"] = head_texts
     row["steps"] = [
         {
             **{k: getattr(s, k) for k in STEP_COLUMNS},

@@ -131,9 +131,10 @@ async def trajectory_view(
     reward_name: Annotated[list[str], Query()] = [],  # noqa: B006 (FastAPI copies defaults)
 ) -> dict[str, Any]:
     """One trajectory and its steps in order (of each step's messages only those it added to
-    its parent's, ``messages_base`` saying how many it repeats; its tool list as a key of
-    ``tools``; response, rewards, labels, rule marks, lineage and prefix-break windows, the
-    merged row it trains in as ``segment_index``; no token IDs), its ``lineages`` (each
+    its parent's, ``messages_base`` saying how many it repeats, a replaced first message as
+    edits of a text of ``head_texts``; its tool list as a key of ``tools``; response, rewards,
+    labels, rule marks, lineage and prefix-break windows, the merged row it trains in as
+    ``segment_index``; no token IDs), its ``lineages`` (each
     conversation's kind, parent, spawning step and rows: ``datapool.queries.lineages``), with
     its batch readiness judged
     against ``readiness.spec``: ``batch_id``'s spec, else a spec requiring the ``reward_name``

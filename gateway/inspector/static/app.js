@@ -41,6 +41,20 @@ function logprobColour(lp) {
   return `background: hsl(${Math.round(120 * (1 - x))} 70% 80%)`;
 }
 
+// A text with edits [[start, end, insert], ...] (sorted, not overlapping) applied: the view's
+// replaced messages (head_edits) against its head_texts. Offsets agree with the server's: the
+// texts are ASCII JSON, so a UTF-16 code unit is a character.
+function applyEdits(base, edits) {
+  const parts = [];
+  let at = 0;
+  for (const [start, end, insert] of edits) {
+    parts.push(base.slice(at, start), insert);
+    at = end;
+  }
+  parts.push(base.slice(at));
+  return parts.join("");
+}
+
 function showable(text) {
   // Make whitespace tokens visible without turning them into markup.
   return text.replace(/\n/g, "↵\n").replace(/\t/g, "→").replace(/^ $/, "·");
@@ -389,6 +403,7 @@ document.addEventListener("alpine:init", () => {
         // Readiness is judged against the newest batch spec of the channel unless one is chosen.
         const chosen = this.readinessBatch ? `?batch_id=${encodeURIComponent(this.readinessBatch)}` : "";
         const traj = await this.api(`/api/inspector/trajectories/${encodeURIComponent(id)}${chosen}`);
+        this.rebuildHeads(traj);
         this.layoutSteps(traj.steps, traj.lineages || []);
         this.traj = traj;
       } catch (err) { this.fail(err); }
@@ -494,17 +509,26 @@ document.addEventListener("alpine:init", () => {
       const parent = s.lineage_parent_id ? ` (of ${short(s.lineage_parent_id)})` : "";
       return `${s.lineage_kind || "main"} ${short(s.lineage_id)}${parent}`;
     },
-    // A step's messages as shown: the full conversation once fetched, else what it added.
+    // Each step's replaced first messages (head_edits: edits of a text of head_texts) as
+    // head_messages, once per view: a step ships a changed system message as a few characters.
+    rebuildHeads(traj) {
+      const texts = traj.head_texts || {};
+      for (const s of traj.steps) {
+        s.head_messages = (s.head_edits || []).map((h) => JSON.parse(applyEdits(texts[h.text], h.edits)));
+      }
+    },
+    // A step's messages as shown: the full conversation once fetched, else what it added (its
+    // replaced first messages, then what it appended).
     stepMessages(s) {
       const full = this.histories[s.id];
       if (full) return (full.canonical || {}).messages || [];
-      return s.messages_added || [];
+      return [...(s.head_messages || []), ...(s.messages_added || [])];
     },
     stepTools(s) {
       return (s.tools_key && this.traj && this.traj.tools[s.tools_key]) || [];
     },
     // "repeats 12 messages of step 5's conversation": what the added messages follow. With
-    // messages_replaced k, the first k added messages take the place of the parent's first k.
+    // messages_replaced k, the first k shown take the place of the parent's first k.
     repeatsText(s) {
       if (!s.messages_base) return "";
       const parent = this.traj.steps.find((p) => p.id === s.parent_step_id);
