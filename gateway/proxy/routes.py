@@ -214,8 +214,8 @@ async def forward_call(
     lifetime: CallLifetime,
 ) -> Response:
     """``proxy_call`` once the call is attributed, counted in flight and admitted
-    (``lifetime.ticket``); the open upstream response is handed to ``lifetime``, which closes
-    it however the call ends.
+    (``lifetime.ticket``); the open upstream response and the render sent ahead are handed to
+    ``lifetime``, which closes them however the call ends.
 
     A full-weight update that aborts the call while it waits for its upstream records it as
     ``aborted_for_weight_update`` and answers 503 (``weight_update.aborted_error``).
@@ -227,14 +227,12 @@ async def forward_call(
         )
         if replay is not None:
             return replay
-    call = await new_call(state, dialect, prepared, attribution, idempotency_key)
+    call = await new_call(state, dialect, prepared, attribution, idempotency_key, lifetime)
     call.ticket = ticket = lifetime.ticket
     try:
         upstream = lifetime.upstream = await ticket.guard(open_upstream(state, call))
     except CallAborted:
         await abort_call(state, call, None)
-    finally:
-        call.continuation.discard()  # a render sent ahead that no attempt took
     if not call.prepared.stream:
         ticket.release()  # the whole answer is in: its sampling ended
     try:
