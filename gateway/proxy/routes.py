@@ -41,7 +41,7 @@ from gateway.proxy.lifetime import CallLifetime
 from gateway.proxy.preparation import new_call, settle_channel
 from gateway.state import GatewayState, StateDep
 from gateway.upstream.replicas import Replica
-from gateway.upstream.weight_update import ABORTED_FOR_WEIGHT_UPDATE, CallAborted, aborted_error
+from gateway.upstream.weight_update import CallAborted, aborted_error
 
 router = APIRouter()  # the routes every app serves whatever its dialects: ``/v1/models``
 
@@ -247,6 +247,6 @@ async def abort_call(state: GatewayState, call: Call, replica: Replica | None) -
     """Record a call a full-weight update aborted before its first token reached the client,
     and raise its 503."""
     call.ticket.release()
-    call.add_attempt(replica, ABORTED_FOR_WEIGHT_UPDATE, error="weight update")
-    await fail_call(state, call, replica, ABORTED_FOR_WEIGHT_UPDATE, "aborted for a weight update")
+    outcome = call.attempts.aborted(replica)
+    await fail_call(state, call, replica, outcome, "aborted for a weight update")
     raise aborted_error()
