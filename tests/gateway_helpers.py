@@ -14,6 +14,7 @@ from datapool.db import make_engine
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore, StoredStep
 from gateway.app import create_app
+from gateway.proxy.continuation.engine import RenderAhead
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 
@@ -164,3 +165,17 @@ def wait_for_exact_probes(server: BackgroundServer, timeout_s: float = 300.0) ->
             return
         assert time.monotonic() < deadline, f"exact probes still running: {values}"
         time.sleep(0.1)
+
+
+def assert_renders_ended(sent: list[RenderAhead], within_s: float) -> None:
+    """Every render the gateway sent ahead (``RenderAhead``) has ended, taken and answered or
+    cancelled, within ``within_s`` seconds: the call's lifetime ends before its answer goes out
+    (a stream's, once the server has sent it), and a cancel needs one more turn of the
+    gateway's event loop to land.
+
+    Raises AssertionError naming how many are still pending."""
+    deadline = time.monotonic() + within_s
+    while not all(ahead.task.done() for ahead in sent):
+        pending = sum(not ahead.task.done() for ahead in sent)
+        assert time.monotonic() < deadline, f"{pending} render(s) sent ahead still pending"
+        time.sleep(0.01)

@@ -17,7 +17,13 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from gateway_helpers import WEATHER_TOOL, gateway_with, steps_of, wait_for_exact_probes
+from gateway_helpers import (
+    WEATHER_TOOL,
+    assert_renders_ended,
+    gateway_with,
+    steps_of,
+    wait_for_exact_probes,
+)
 from tests_support import free_port
 
 from datapool.batches.build import build_rows
@@ -822,12 +828,20 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
     stream: bool,
 ) -> None:
     # The render is the one exchange exact mode adds before sampling: it leaves while the
-    # gateway asks the pool about re-sends (every call does), and the call uses it.
+    # gateway asks the pool about re-sends (every call does), and the call uses it. Each one
+    # has ended by the time its call is answered (the call's lifetime ends it: one the call
+    # took is done, one it did not is cancelled).
     from gateway.proxy import preparation
     from gateway.proxy.continuation import engine
 
     events: list[str] = []
+    sent: list[engine.RenderAhead] = []
     render, find_resend = engine._render, preparation.find_resend
+    render_ahead = preparation.render_ahead
+
+    def recorded_render_ahead(*args: Any) -> engine.RenderAhead:
+        sent.append(render_ahead(*args))
+        return sent[-1]
 
     async def recorded_render(*args: Any) -> httpx.Response:
         events.append("render")
@@ -839,6 +853,7 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
 
     monkeypatch.setattr(engine, "_render", recorded_render)
     monkeypatch.setattr(preparation, "find_resend", recorded_find_resend)
+    monkeypatch.setattr(preparation, "render_ahead", recorded_render_ahead)
     trajectory = f"ahead-{stream}"
     messages = forced_turn(exact_gateway, trajectory, [SYSTEM, USER], stream=stream)
     assert events == ["lookup"]  # a first call extends nothing: no render at all
@@ -847,16 +862,20 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
     events.clear()
     chat(exact_gateway, trajectory, answer)
     assert events == ["render", "lookup"]
+    assert_renders_ended(sent, 5.0)
     # The same body again (a re-send): prepared again under the earlier call's id, to the same
     # JSON, so the render sent ahead serves it.
     events.clear()
     chat(exact_gateway, trajectory, answer)
     assert events == ["render", "lookup"]
+    assert_renders_ended(sent, 5.0)
     # A rewritten turn: the render sent ahead is dropped, the template renders the call.
     events.clear()
     rewritten = [*messages[:2], {**messages[2], "content": "changed"}, *messages[3:]]
     chat(exact_gateway, trajectory, {**answer, "messages": rewritten})
     assert events == ["render", "lookup"]
+    assert len(sent) == 3
+    assert_renders_ended(sent, 5.0)
     steps = steps_of(pool_settings, trajectory)
     assert [s.continuation for s in steps] == ["template", "exact", "exact", "template"]
     assert steps[2].call_id == steps[1].call_id and "resend" in steps[2].flags

@@ -13,10 +13,12 @@ Modules:
 - ``answer``: the client's answer (``answer_call``): a replayed one, an upstream refusal, a
   stream handed to ``streaming``, or a unary answer committed before it is sent.
 - ``lifetime``: the one owner of what a call holds (``CallLifetime``: its trajectory's in-flight
-  count and journal entry, its weight-gate ticket, its open upstream response), ended once
-  however the call ends, by its streamed answer (``CallStream``) when it outlives the route.
-- ``call``: one logical call (``Call``): its attempts, its commit to the pool (``commit``,
-  ``fail_call``) and the ``x-trajgate-*`` headers.
+  count and journal entry, its weight-gate ticket, its open upstream response, the render sent
+  ahead of an exact continuation), ended once however the call ends, by its streamed answer
+  (``CallStream``) when it outlives the route.
+- ``call``: one logical call (``Call``): its attempts (``Attempts``, where each outcome an
+  attempt ends in is written), its commit to the pool (``commit``, ``fail_call``) and the
+  ``x-trajgate-*`` headers.
 - ``streaming``: reading an upstream SSE stream in bytes and relaying it to the client, one write
   per upstream read, while the dialect captures it (``first_event``, ``relay_stream``,
   ``record_stream``).

@@ -17,7 +17,6 @@ import httpx
 from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from datapool.models import StepOutcome
 from datapool.steps.calls import find_replay
 from gateway.body_budget import hold_answers
 from gateway.capture import UNREADABLE, dumps, loads_object, request_hash
@@ -56,20 +55,13 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
         content = await response.aread()
     except httpx.HTTPError as exc:  # a stream's error body broken or past the answer limit
         await upstream.aclose()
-        call.add_attempt(replica, StepOutcome.UPSTREAM_ERROR, status_code=response.status_code)
-        await fail_call(state, call, replica, StepOutcome.UPSTREAM_ERROR, repr(exc))
+        outcome = call.attempts.upstream_error(replica, status_code=response.status_code)
+        await fail_call(state, call, replica, outcome, repr(exc))
         raise UpstreamError(f"upstream {replica.url} answered badly: {exc!r}") from exc
     await upstream.aclose()
     error = content.decode("utf-8", "replace")
-    call.add_attempt(
-        replica, StepOutcome.UPSTREAM_ERROR, status_code=response.status_code, error=error
-    )
-    record = call.record(
-        replica,
-        failed_choice(StepOutcome.UPSTREAM_ERROR),
-        outcome=StepOutcome.UPSTREAM_ERROR,
-        error=error,
-    )
+    outcome = call.attempts.upstream_error(replica, status_code=response.status_code, error=error)
+    record = call.record(replica, failed_choice(outcome), outcome=outcome, error=error)
     step_ids = await commit(state, call, record)
     state.metrics.requests.labels(call.dialect.name, str(response.status_code)).inc()
     return Response(
@@ -97,15 +89,15 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
         client_answer = dialect.client_answer(call.prepared, answer)
     except UNREADABLE as exc:
         error = f"upstream {replica.url} answered 200 with a body the capture cannot read: {exc!r}"
-        call.add_attempt(replica, StepOutcome.UPSTREAM_ERROR, status_code=200, error=error)
-        await fail_call(state, call, replica, StepOutcome.UPSTREAM_ERROR, error)
+        outcome = call.attempts.upstream_error(replica, status_code=200, error=error)
+        await fail_call(state, call, replica, outcome, error)
         raise UpstreamError(error) from exc
     if replica.system_fingerprint is None:
         replica.system_fingerprint = captured.system_fingerprint
     # The answer is kept for Idempotency-Key replays (``find_replay`` looks up only by key):
     # a call without a key is never replayed, so its answer is not written twice.
     response_body = client_answer if call.idempotency_key else None
-    call.add_attempt(replica, StepOutcome.OK, status_code=200, response_body=response_body)
+    call.attempts.ok(replica, response_body=response_body)
     record = call.record(
         replica,
         captured.choices,

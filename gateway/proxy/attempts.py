@@ -16,7 +16,6 @@ import asyncio
 import anyio
 import httpx
 
-from datapool.models import StepOutcome
 from gateway.capture import dumps
 from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from gateway.proxy.call import Call, fail_call
@@ -95,8 +94,10 @@ async def try_replica(
                     await response.aread()
     except (TimeoutError, httpx.TimeoutException) as exc:
         connect = isinstance(exc, httpx.ConnectTimeout)
-        outcome = StepOutcome.UPSTREAM_UNREACHABLE if connect else StepOutcome.UPSTREAM_TIMEOUT
-        call.add_attempt(replica, outcome, error=repr(exc))
+        if connect:
+            outcome = call.attempts.unreachable(replica, repr(exc))
+        else:
+            outcome = call.attempts.timed_out(replica, repr(exc))
         state.metrics.attempts_failed.labels(outcome).inc()
         if connect:
             state.upstreams.mark_failure(replica)
@@ -118,13 +119,10 @@ async def try_replica(
             return None
         await response.aclose()
         state.upstreams.mark_failure(replica)
-        call.add_attempt(
-            replica,
-            StepOutcome.UPSTREAM_ERROR,
-            status_code=response.status_code,
-            error=content.decode("utf-8", "replace"),
+        outcome = call.attempts.upstream_error(
+            replica, status_code=response.status_code, error=content.decode("utf-8", "replace")
         )
-        state.metrics.attempts_failed.labels(StepOutcome.UPSTREAM_ERROR).inc()
+        state.metrics.attempts_failed.labels(outcome).inc()
         return None
     state.upstreams.mark_success(replica)
     return response
@@ -144,9 +142,11 @@ async def failed_attempt(
     is not retried: the tokens were generated, and another replica would sample as long.
     """
     reached = isinstance(exc, httpx.ProtocolError | httpx.DecodingError | AnswerTooLargeError)
-    outcome = StepOutcome.UPSTREAM_ERROR if reached else StepOutcome.UPSTREAM_UNREACHABLE
     state.upstreams.mark_failure(replica)
-    call.add_attempt(replica, outcome, error=repr(exc))
+    if reached:
+        outcome = call.attempts.upstream_error(replica, error=repr(exc))
+    else:
+        outcome = call.attempts.unreachable(replica, repr(exc))
     state.metrics.attempts_failed.labels(outcome).inc()
     if not last and not isinstance(exc, AnswerTooLargeError):
         return

@@ -1,10 +1,11 @@
 """One logical call while it is in flight: what it is, its attempts, its record and its commit.
 
 Owns: ``Call`` (the client's body, the dialect's preparation, the attribution, the policy
-version, the upstream attempts, the step ids named before a stream's commit), turning it into
-the pool's ``CallRecord``, the trajgate response headers, and committing it with its metrics and
-log line. Never: talks to an upstream (``gateway.proxy.routes`` and ``gateway.proxy.streaming``
-do) or reads an answer (the dialect does).
+version, the upstream attempts, the step ids named before a stream's commit), ``Attempts``
+(the one recorder of those attempts: each outcome an attempt ends in is written there once),
+turning a call into the pool's ``CallRecord``, the trajgate response headers, and committing
+it with its metrics and log line. Never: talks to an upstream (``gateway.proxy.routes`` and
+``gateway.proxy.streaming`` do) or reads an answer (the dialect does).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,7 +30,11 @@ from gateway.proxy.continuation.history import HistoryKeys, Turn
 from gateway.proxy.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica
-from gateway.upstream.weight_update import POLICY_VERSION_SPLIT_UNKNOWN, Ticket
+from gateway.upstream.weight_update import (
+    ABORTED_FOR_WEIGHT_UPDATE,
+    POLICY_VERSION_SPLIT_UNKNOWN,
+    Ticket,
+)
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -47,7 +53,8 @@ class Call:
     idempotency_key: str | None
     resend_of: str | None
     started: float = field(default_factory=time.perf_counter)
-    attempts: list[AttemptRecord] = field(default_factory=list)
+    # Its upstream attempts, in order, each recorded through this (``Attempts``).
+    attempts: Attempts = field(init=False)
     # Named before writing when the answer's headers go out first (streaming): index = choice.
     step_ids: list[str] = field(default_factory=list)
     # Admission through the weight gate: how long it was held, and the abort of its sampling.
@@ -61,6 +68,11 @@ class Call:
     # ``steps.sampling``.
     sampling: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        self.attempts = Attempts(
+            self.call_id, self.trajectory_id, self.idempotency_key, self.elapsed_ms
+        )
+
     @property
     def trajectory_id(self) -> str:
         return self.attribution.trajectory_id
@@ -71,31 +83,6 @@ class Call:
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0
-
-    def add_attempt(
-        self,
-        replica: Replica | None,
-        outcome: str,
-        *,
-        status_code: int | None = None,
-        error: str | None = None,
-        response_body: dict[str, Any] | None = None,
-    ) -> None:
-        self.attempts.append(
-            AttemptRecord(
-                id=str(uuid.uuid4()),
-                call_id=self.call_id,
-                trajectory_id=self.trajectory_id,
-                attempt_index=len(self.attempts),
-                upstream=replica.url if replica else None,
-                status_code=status_code,
-                outcome=outcome,
-                error=error,
-                latency_ms=self.elapsed_ms(),
-                idempotency_key=self.idempotency_key,
-                response_body=response_body,
-            )
-        )
 
     def record(
         self,
@@ -146,7 +133,7 @@ class Call:
             sampling=self.sampling,
             group_id=self.attribution.group_id,
             channel=self.attribution.channel,
-            attempts=tuple(self.attempts),
+            attempts=tuple(self.attempts.records),
             continuation=self.continuation.built,
             suffix_tokens=self.continuation.suffix_tokens,
             canonical=self.continuation.canonical or self.dialect.canonical(self.upstream_body),
@@ -183,6 +170,83 @@ class Call:
             # False only under on_write_failure='serve' when the pool failed the commit.
             headers["x-trajgate-recorded"] = "true" if step_ids else "false"
         return headers
+
+
+class Attempts:
+    """One call's upstream attempts in the order they ended (``AttemptRecord``, stored with its
+    steps as ``call_attempts``): each outcome an attempt can end in is written here, by one
+    method each, and nowhere else. The caller decides which outcome an attempt met (the loop
+    ``gateway.proxy.attempts``, the answer ``gateway.proxy.answer`` and
+    ``gateway.proxy.streaming``); each method but ``ok`` returns the outcome, which the call's
+    failed step is recorded with (``fail_call``).
+
+    ``replica``: the replica tried (None: the call never reached one); ``status_code``: the
+    HTTP status it answered (None before a status line); ``error``: what went wrong, as text.
+    ``latency_ms`` of each is the call's time so far (``elapsed_ms``, in ms).
+    """
+
+    def __init__(
+        self,
+        call_id: str,
+        trajectory_id: str,
+        idempotency_key: str | None,
+        elapsed_ms: Callable[[], float],
+    ) -> None:
+        self.records: list[AttemptRecord] = []
+        self._call_id = call_id
+        self._trajectory_id = trajectory_id
+        self._idempotency_key = idempotency_key
+        self._elapsed_ms = elapsed_ms
+
+    def ok(self, replica: Replica, *, response_body: dict[str, Any] | None = None) -> None:
+        """The replica answered 200 and the answer was read whole; ``response_body``: the
+        client's answer, kept for Idempotency-Key replays (None: not kept)."""
+        self._add(replica, StepOutcome.OK, 200, None, response_body)
+
+    def upstream_error(
+        self, replica: Replica, *, status_code: int | None = None, error: str | None = None
+    ) -> str:
+        """The replica was reached and its answer is what failed: a refusal (a non-200
+        status), an answer broken in transport or framing, one the capture cannot read, or
+        vLLM's own error event ending a stream."""
+        return self._add(replica, StepOutcome.UPSTREAM_ERROR, status_code, error)
+
+    def unreachable(self, replica: Replica, error: str) -> str:
+        """The replica could not be reached (refused, reset, a connect timeout)."""
+        return self._add(replica, StepOutcome.UPSTREAM_UNREACHABLE, None, error)
+
+    def timed_out(self, replica: Replica, error: str, *, status_code: int | None = None) -> str:
+        """The replica did not answer (or stream on) within a time limit."""
+        return self._add(replica, StepOutcome.UPSTREAM_TIMEOUT, status_code, error)
+
+    def aborted(self, replica: Replica | None, *, status_code: int | None = None) -> str:
+        """A full-weight update aborted the attempt (``weight_update.CallAborted``)."""
+        return self._add(replica, ABORTED_FOR_WEIGHT_UPDATE, status_code, "weight update")
+
+    def _add(
+        self,
+        replica: Replica | None,
+        outcome: str,
+        status_code: int | None,
+        error: str | None,
+        response_body: dict[str, Any] | None = None,
+    ) -> str:
+        self.records.append(
+            AttemptRecord(
+                id=str(uuid.uuid4()),
+                call_id=self._call_id,
+                trajectory_id=self._trajectory_id,
+                attempt_index=len(self.records),
+                upstream=replica.url if replica else None,
+                status_code=status_code,
+                outcome=outcome,
+                error=error,
+                latency_ms=self._elapsed_ms(),
+                idempotency_key=self._idempotency_key,
+                response_body=response_body,
+            )
+        )
+        return outcome
 
 
 def failed_choice(outcome: str) -> list[ChoiceRecord]:

@@ -13,6 +13,11 @@ weight gate ticket     ``Ticket`` from ``WeightGate.admit``: a full-weight updat
 replica in flight      the open upstream response (``ReplicaResponse``), whose close gives
                        back the replica's in-flight count and makes vLLM abort a request left
                        early
+render sent ahead      an exact continuation's render (``RenderAhead``), sent while the call
+                       is still prepared (``gateway.proxy.preparation.render_ahead_of``);
+                       ``send_exact`` takes it from ``Continuation.ahead``, and ending the
+                       lifetime cancels one no attempt took (refused, re-sent elsewhere,
+                       failed upstream, cancelled), so none is left running
 =====================  =====================================================================
 
 Leaving the ``async with`` block ends the lifetime unless the call's answer is a stream that
@@ -20,8 +25,10 @@ outlives the route handler: ``hand_over`` then gives it to the answer (``CallStr
 ends it once the stream is done, after the stream's own commit, whether the server sent it
 whole, the client left midway, or never read it at all. Earlier releases that are part of a
 call's meaning stay where they happen (``Ticket.release`` when sampling ended, so an update
-need not wait for a commit; ``ReplicaResponse.aclose`` when the answer is read): both are
-idempotent, and ending the lifetime releases what is still held.
+need not wait for a commit; ``ReplicaResponse.aclose`` when the answer is read;
+``drop_ahead`` once the call is known to extend no turn, so a template call does not keep a
+render it will never read while it samples): all are idempotent, and ending the lifetime
+releases what is still held.
 
 Never: decides what a call records or answers (``gateway.proxy.routes`` and
 ``gateway.proxy.streaming`` do); ends twice (``end`` is idempotent).
@@ -36,6 +43,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from datapool.steps.writer import PoolWriter
+from gateway.proxy.continuation.engine import RenderAhead
 from gateway.upstream.replicas import ReplicaResponse
 from gateway.upstream.weight_update import Ticket
 
@@ -48,6 +56,7 @@ class CallLifetime:
         self._trajectory_id = trajectory_id
         self.ticket = Ticket()  # the gate's ticket once ``admit`` set it
         self.upstream: ReplicaResponse | None = None  # the open upstream response, once any
+        self.ahead: RenderAhead | None = None  # the render sent ahead, once any
         self._started = False
         self._handed_over = False
 
@@ -71,8 +80,16 @@ class CallLifetime:
         self._handed_over = True
         return CallStream(self, response)
 
+    def drop_ahead(self) -> None:
+        """Discard the render sent ahead now rather than when the lifetime ends (cancelled if
+        still out, its answer let go); nothing when there is none."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.discard()
+
     async def end(self) -> None:
-        """Close the upstream response if still open, give the ticket back and count the call
+        """Discard the render sent ahead (cancelled if no attempt took it; a taken one is done),
+        close the upstream response if still open, give the ticket back and count the call
         out of its trajectory; shielded from cancellation (a client gone must not leave a
         count held). The second call does nothing."""
         if not self._started:
@@ -80,6 +97,7 @@ class CallLifetime:
         self._started = False
         with anyio.CancelScope(shield=True):
             try:
+                self.drop_ahead()
                 if self.upstream is not None:
                     await self.upstream.aclose()
             finally:

@@ -2,9 +2,10 @@
 
 Owns: Idempotency-Key replays, the call's channel (``settle_channel``), the policy alias, the
 channel's sampling defaults and policy, re-send detection, the earlier call a body continues,
-the exact-continuation plan and the render sent ahead of it, and the pool reads all of that
-needs (``pool_lookup``: off the event loop, under the pool's failure mode). Never: sends the
-call (``gateway.proxy.attempts``) or answers it (``gateway.proxy.answer``).
+the exact-continuation plan and the render sent ahead of it (held by the call's lifetime,
+``gateway.proxy.lifetime``), and the pool reads all of that needs (``pool_lookup``: off the
+event loop, under the pool's failure mode). Never: sends the call (``gateway.proxy.attempts``)
+or answers it (``gateway.proxy.answer``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from gateway.proxy.continuation.history import (
     stored_turn,
 )
 from gateway.proxy.continuation.walk import walk_history
+from gateway.proxy.lifetime import CallLifetime
 from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.state import GatewayState
 from gateway.upstream.replicas import CHAT_PATH, NoHealthyUpstreamError
@@ -54,6 +56,7 @@ async def new_call(
     prepared: Prepared,
     attribution: Attribution,
     idempotency_key: str | None,
+    lifetime: CallLifetime,
 ) -> Call:
     """The ``prepared`` call with the policy alias resolved, the channel's sampling defaults
     where the client omitted a field, and the earlier call it re-sends (same body within
@@ -61,9 +64,10 @@ async def new_call(
     (``Dialect.earlier_call_id``) gets that call's step read from the pool.
 
     The upstream body is final before the pool is asked about re-sends and turns, so an exact
-    continuation's render is already on its way meanwhile (``render_ahead_of``); a re-send's
-    body is prepared again under the earlier call's id (``send_exact`` takes the render sent
-    ahead when that body's JSON is the same)."""
+    continuation's render is already on its way meanwhile (``render_ahead_of``), held by
+    ``lifetime`` (``CallLifetime.ahead``), whose end cancels it if no attempt took it; a
+    re-send's body is prepared again under the earlier call's id (``send_exact`` takes the
+    render sent ahead when that body's JSON is the same)."""
     body = prepared.client_body
     resolution = state.policy.resolve(body.get("model"))
     digest = request_hash(dialect.name, body)
@@ -82,43 +86,42 @@ async def new_call(
 
     call_id = str(uuid.uuid4())
     final, replaced = prepared_as(call_id)
-    ahead = render_ahead_of(state, attribution, dialect, final)
-    try:
-        if ahead is not None:
-            # Let the render reach the replica before the pool lookups below, whose threads
-            # would otherwise hold the GIL while the render is still being sent.
-            await asyncio.sleep(0)
-        resend_of = None
-        if state.settings.resend_window_s > 0 and not idempotency_key:
-            resend_of = await pool_lookup(
-                state,
-                find_resend,
-                state.store.engine,
-                attribution.trajectory_id,
-                digest,
-                state.settings.resend_window_s,
-            )
-        if resend_of is not None:
-            call_id = resend_of
-            final, replaced = prepared_as(call_id)
-        continuation, history = await plan_continuation(
-            state, attribution, final.upstream_body, dialect
+    # Owned by the call's lifetime from here: whatever ends the call (a refusal below, a
+    # failed or cancelled attempt) ends the render too.
+    lifetime.ahead = render_ahead_of(state, attribution, dialect, final)
+    if lifetime.ahead is not None:
+        # Let the render reach the replica before the pool lookups below, whose threads
+        # would otherwise hold the GIL while the render is still being sent.
+        await asyncio.sleep(0)
+    resend_of = None
+    if state.settings.resend_window_s > 0 and not idempotency_key:
+        resend_of = await pool_lookup(
+            state,
+            find_resend,
+            state.store.engine,
+            attribution.trajectory_id,
+            digest,
+            state.settings.resend_window_s,
         )
-        sampling = sampling_record(
-            final.upstream_body,
-            state.settings.upstream_logprobs_mode,
-            policy,
-            replaced,
-            tool_strict_level=tool_strict_level,
-        )
-    except BaseException:
-        if ahead is not None:
-            ahead.discard()
-        raise
+    if resend_of is not None:
+        call_id = resend_of
+        final, replaced = prepared_as(call_id)
+    continuation, history = await plan_continuation(
+        state, attribution, final.upstream_body, dialect
+    )
+    sampling = sampling_record(
+        final.upstream_body,
+        state.settings.upstream_logprobs_mode,
+        policy,
+        replaced,
+        tool_strict_level=tool_strict_level,
+    )
     if continuation.extension is not None:
-        continuation.ahead = ahead  # from here forward_call discards it, if no attempt takes it
-    elif ahead is not None:
-        ahead.discard()
+        continuation.ahead = lifetime.ahead  # for ``send_exact`` to take
+    else:
+        # Dropped now, not when the call ends: a call that extends no turn is the template's,
+        # and would otherwise keep a render nothing reads for as long as it samples.
+        lifetime.drop_ahead()
     return Call(
         dialect=dialect,
         attribution=attribution,

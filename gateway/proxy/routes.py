@@ -41,7 +41,7 @@ from gateway.proxy.lifetime import CallLifetime
 from gateway.proxy.preparation import new_call, settle_channel
 from gateway.state import GatewayState, StateDep
 from gateway.upstream.replicas import Replica
-from gateway.upstream.weight_update import ABORTED_FOR_WEIGHT_UPDATE, CallAborted, aborted_error
+from gateway.upstream.weight_update import CallAborted, aborted_error
 
 router = APIRouter()  # the routes every app serves whatever its dialects: ``/v1/models``
 
@@ -214,8 +214,8 @@ async def forward_call(
     lifetime: CallLifetime,
 ) -> Response:
     """``proxy_call`` once the call is attributed, counted in flight and admitted
-    (``lifetime.ticket``); the open upstream response is handed to ``lifetime``, which closes
-    it however the call ends.
+    (``lifetime.ticket``); the open upstream response and the render sent ahead are handed to
+    ``lifetime``, which closes them however the call ends.
 
     A full-weight update that aborts the call while it waits for its upstream records it as
     ``aborted_for_weight_update`` and answers 503 (``weight_update.aborted_error``).
@@ -227,14 +227,12 @@ async def forward_call(
         )
         if replay is not None:
             return replay
-    call = await new_call(state, dialect, prepared, attribution, idempotency_key)
+    call = await new_call(state, dialect, prepared, attribution, idempotency_key, lifetime)
     call.ticket = ticket = lifetime.ticket
     try:
         upstream = lifetime.upstream = await ticket.guard(open_upstream(state, call))
     except CallAborted:
         await abort_call(state, call, None)
-    finally:
-        call.continuation.discard()  # a render sent ahead that no attempt took
     if not call.prepared.stream:
         ticket.release()  # the whole answer is in: its sampling ended
     try:
@@ -249,6 +247,6 @@ async def abort_call(state: GatewayState, call: Call, replica: Replica | None) -
     """Record a call a full-weight update aborted before its first token reached the client,
     and raise its 503."""
     call.ticket.release()
-    call.add_attempt(replica, ABORTED_FOR_WEIGHT_UPDATE, error="weight update")
-    await fail_call(state, call, replica, ABORTED_FOR_WEIGHT_UPDATE, "aborted for a weight update")
+    outcome = call.attempts.aborted(replica)
+    await fail_call(state, call, replica, outcome, "aborted for a weight update")
     raise aborted_error()

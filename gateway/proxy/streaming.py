@@ -161,8 +161,10 @@ async def first_event(
     except (TimeoutError, httpx.HTTPError, UpstreamError) as exc:
         await upstream.aclose()
         timeout = isinstance(exc, TimeoutError | httpx.TimeoutException)
-        outcome = StepOutcome.UPSTREAM_TIMEOUT if timeout else StepOutcome.UPSTREAM_ERROR
-        call.add_attempt(replica, outcome, status_code=200, error=repr(exc))
+        if timeout:
+            outcome = call.attempts.timed_out(replica, repr(exc), status_code=200)
+        else:
+            outcome = call.attempts.upstream_error(replica, status_code=200, error=repr(exc))
         await fail_call(state, call, replica, outcome, repr(exc))
         if timeout:
             raise UpstreamTimeoutError(
@@ -263,12 +265,10 @@ async def relay_stream(
             kind = upstream.response.headers.get("content-type")
             raise UpstreamError(f"upstream {replica.url} answered a stream with no event ({kind})")
     except StreamTimedOut as exc:
-        abort_reason = StepOutcome.UPSTREAM_TIMEOUT
-        call.add_attempt(replica, abort_reason, status_code=200, error=str(exc))
+        abort_reason = call.attempts.timed_out(replica, str(exc), status_code=200)
         yield stream.error_event(UpstreamTimeoutError(str(exc)))
     except CallAborted:
-        abort_reason = ABORTED_FOR_WEIGHT_UPDATE
-        call.add_attempt(replica, abort_reason, status_code=200, error="weight update")
+        abort_reason = call.attempts.aborted(replica, status_code=200)
         yield stream.error_event(aborted_error())
     except (asyncio.CancelledError, GeneratorExit):
         abort_reason = StepOutcome.CLIENT_DISCONNECT
@@ -276,8 +276,8 @@ async def relay_stream(
     except (httpx.HTTPError, UpstreamError) as exc:
         # a broken connection or framing, or an event the capture cannot read: the step keeps
         # the tokens before it, flagged ``aborted`` with outcome upstream_error (never trained)
-        abort_reason, abort_error = StepOutcome.UPSTREAM_ERROR, repr(exc)
-        call.add_attempt(replica, abort_reason, status_code=200, error=abort_error)
+        abort_error = repr(exc)
+        abort_reason = call.attempts.upstream_error(replica, status_code=200, error=abort_error)
         error = exc if isinstance(exc, UpstreamError) else None
         yield stream.error_event(error or UpstreamError(f"upstream stream failed: {exc!r}"))
     finally:
@@ -323,11 +323,9 @@ async def record_stream(
     call.ticket.release()  # sampling ended: a full-weight update need not wait for the commit
     captured = stream.captured(abort_reason)
     if finished and captured.error is None:
-        call.add_attempt(replica, StepOutcome.OK, status_code=200)
+        call.attempts.ok(replica)
     elif captured.error is not None:  # vLLM's own error event ended the stream
-        call.add_attempt(
-            replica, StepOutcome.UPSTREAM_ERROR, status_code=200, error=json.dumps(captured.error)
-        )
+        call.attempts.upstream_error(replica, status_code=200, error=json.dumps(captured.error))
     outcome = StepOutcome.OK if abort_reason is None else abort_reason
     if captured.error is not None:
         outcome = StepOutcome.UPSTREAM_ERROR
