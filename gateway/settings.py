@@ -516,7 +516,7 @@ class GatewaySettings(ConfigFileSettings):
             "gateway runs, after its start-up objects are frozen out of every collection "
             "(gc.freeze). A call at turn 200 of a long session holds lists of ~20k prompt ids "
             "that each young collection walks item by item: at 700 such a collection ran about "
-            "once per call at ~0.8 ms (docs/gateway.md, 'What a call costs as its history "
+            "once per call at 0.6 to 0.8 ms (docs/gateway.md, 'What a call costs as its history "
             "grows'). Higher: fewer collections, more cyclic garbage held between them. 0 "
             "leaves the interpreter's thresholds and freezes nothing."
         ),
