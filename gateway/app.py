@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _running_state(settings, pool, upstream_transport, worker_dir) as state:
             app.state.gateway = state
-            yield
+            with _tuned_collector(settings.gc_young_threshold):
+                yield
 
     app = FastAPI(title="trajgate gateway", lifespan=lifespan)
     app.state.settings = settings  # read before the lifespan too (gateway.server's deadlines)
@@ -146,6 +148,25 @@ def create_app(
     app.include_router(inspector.router)
     app.include_router(probes)
     return app
+
+
+@contextmanager
+def _tuned_collector(young_threshold: int) -> Iterator[None]:
+    """While the app serves: the objects made by its start frozen out of every collection
+    (``gc.freeze``) and the youngest generation's threshold at ``young_threshold`` (the
+    setting ``gc_young_threshold``: why, there); the interpreter's thresholds restored and the
+    frozen objects handed back to the oldest generation on exit. 0 changes nothing."""
+    if young_threshold == 0:
+        yield
+        return
+    before = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(young_threshold, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
 
 
 def create_worker_app() -> FastAPI:

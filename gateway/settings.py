@@ -507,6 +507,20 @@ class GatewaySettings(ConfigFileSettings):
             "memory) is walked whole, as with 0, which keeps nothing."
         ),
     )
+    gc_young_threshold: int = Field(
+        default=10_000,
+        ge=0,
+        description=(
+            "The garbage collector's youngest-generation threshold (allocations of container "
+            "objects between collections; the interpreter's default is 700) set while the "
+            "gateway runs, after its start-up objects are frozen out of every collection "
+            "(gc.freeze). A call at turn 200 of a long session holds lists of ~20k prompt ids "
+            "that each young collection walks item by item: at 700 such a collection ran about "
+            "once per call at 0.6 to 0.8 ms (docs/gateway.md, 'What a call costs as its history "
+            "grows'). Higher: fewer collections, more cyclic garbage held between them. 0 "
+            "leaves the interpreter's thresholds and freezes nothing."
+        ),
+    )
     sampling_policy: dict[str, SamplingPolicy] = Field(
         default_factory=dict,
         description=(

@@ -2,8 +2,9 @@
 
 Modules: ``serving`` (``Messages``: the dialect behind ``gateway.dialects.base.Dialect``),
 ``request`` (a Messages body checked and translated into the chat body sent to vLLM, tool-use id
-mapping), ``render`` (a chat completion rendered as a Messages ``message``), ``stream`` (chat
-chunks as Messages events, as they come).
+mapping), ``memory`` (recent translations, so a call re-sending its history translates only
+the messages it added), ``render`` (a chat completion rendered as a Messages ``message``),
+``stream`` (chat chunks as Messages events, as they come).
 """
 
 from gateway.dialects.messages.serving import Messages

@@ -56,6 +56,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.dialects.messages.memory import Kept, TranslationMemory, messages_text
 from gateway.dialects.messages.protocol import MessagesRequest
 from gateway.dialects.translation import (
     Field,
@@ -134,12 +135,16 @@ _fail = _FIELDS.fail
 _expect = _FIELDS.expect
 
 
-def translate_request(body: dict[str, Any], *, counting: bool = False) -> Translation:
+def translate_request(
+    body: dict[str, Any], *, counting: bool = False, memory: TranslationMemory | None = None
+) -> Translation:
     """The chat body for a Messages ``body`` (never mutated).
 
     ``counting`` is True for ``/v1/messages/count_tokens``: ``max_tokens`` is not required and
-    no sampling field is written. Raises ``InvalidRequestError`` (400) naming the field (module
-    docstring).
+    no sampling field is written. ``memory``: recent translations, of which the messages a
+    kept one proves the same are reused and the body's kept in turn
+    (``gateway.dialects.messages.memory``); the chat body is the same with or without it.
+    Raises ``InvalidRequestError`` (400) naming the field (module docstring).
     """
     _expect(body.get("model"), str, "model", "a string")
     messages: list[dict[str, Any]] = []
@@ -149,8 +154,7 @@ def translate_request(body: dict[str, Any], *, counting: bool = False) -> Transl
     _expect(raw_messages, list, "messages", "a list of messages")
     if not raw_messages:
         raise _fail("messages", "must hold at least one message")
-    for position, message in enumerate(raw_messages):
-        messages += _message(message, f"messages.{position}")
+    messages += _translated_messages(raw_messages, memory)
     chat: dict[str, Any] = {"model": body["model"], "messages": messages}
     last = messages[-1]
     if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
@@ -180,6 +184,27 @@ def translate_request(body: dict[str, Any], *, counting: bool = False) -> Transl
     # bounds and enums of every top-level field, the ignored ones (metadata) included.
     check_top_level(MessagesRequest, body, _FIELDS)
     return Translation(chat, omitted, ignored)
+
+
+def _translated_messages(
+    raw_messages: list[Any], memory: TranslationMemory | None
+) -> list[dict[str, Any]]:
+    """The chat messages of the body's ``messages`` (a non-empty list), those a kept
+    translation proves the same taken from it, the rest translated one by one; the result kept
+    in ``memory`` (when given and orjson can write the messages)."""
+    text = None if memory is None else messages_text(raw_messages)
+    earlier, shared = (None, 0) if memory is None or text is None else memory.longest(text)
+    messages: list[dict[str, Any]] = []
+    ends: list[int] = []
+    if earlier is not None:
+        messages += earlier.chat
+        ends += earlier.ends
+    for position in range(shared, len(raw_messages)):
+        messages += _message(raw_messages[position], f"messages.{position}")
+        ends.append(len(messages))
+    if memory is not None and text is not None:
+        memory.keep(Kept(text, tuple(messages), tuple(ends)), earlier)
+    return messages
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:

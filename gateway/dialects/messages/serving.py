@@ -34,6 +34,7 @@ from typing import Any
 
 from gateway.capture import dumps
 from gateway.dialects.base import Engine, Prepared, SideRoute, frame
+from gateway.dialects.messages.memory import TranslationMemory
 from gateway.dialects.messages.render import (
     anthropic_envelope,
     error_type,
@@ -94,10 +95,15 @@ class Messages(TranslatingDialect):
     history_field = "messages"
     side_routes = (SideRoute("/messages/count_tokens", count_tokens),)
 
+    def __init__(self) -> None:
+        # Recent translations (``messages.memory``): a call re-sending its history translates
+        # only the messages it added.
+        self.translations = TranslationMemory()
+
     def prepare(self, body: dict[str, Any]) -> MessagesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
         streaming, the usage chunk. Raises ``InvalidRequestError`` (``messages.request``)."""
-        translation = translate_request(body)
+        translation = translate_request(body, memory=self.translations)
         return MessagesPrepared(
             body,
             with_capture_fields(translation.chat_body),
