@@ -101,3 +101,24 @@ def test_messages_export_writes_a_real_vllm_reply_with_only_the_fields_it_has(
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": reply["content"]},
     ]
+
+
+def test_batches_list_refuses_a_status_no_batch_can_have(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """A misspelt status (``redy``) listed nothing and exited 0, as if the pool held no such
+    batch; it is refused naming the statuses, like ``export trajectories --status``."""
+    db = ["--database-url", pool_settings.resolved_database_url(), "--data-dir", str(tmp_path)]
+    refused = CliRunner().invoke(app, ["batches", "list", "--status", "redy", *db])
+    assert refused.exit_code == 2, refused.output
+    assert "redy" in refused.output and "consumed" in refused.output
+    assert CliRunner().invoke(app, ["batches", "list", "--status", "leased", *db]).exit_code == 0
+    assert CliRunner().invoke(app, ["batches", "list", "--limit", "0", *db]).exit_code == 2
+
+
+def test_get_batches_refuses_a_status_no_batch_can_have(gateway: BackgroundServer) -> None:
+    with httpx.Client(base_url=gateway.url) as api:
+        refused = api.get("/api/batches", params={"status": "redy"})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "status"
+        assert api.get("/api/batches", params={"status": "ready"}).json() == []

@@ -608,6 +608,10 @@ def test_c13_same_idempotency_key_is_replayed_not_sampled_again(
     assert again.json() == first.json()
     assert again.headers["x-trajgate-replayed"] == "true"
     assert again.headers["x-trajgate-call-id"] == first.headers["x-trajgate-call-id"]
+    # A client replays because it lost the first answer: the replay names the same steps (to
+    # attach rewards to) and version; it named neither.
+    for name in ("x-trajgate-step-id", "x-trajgate-policy-version"):
+        assert again.headers[name] == first.headers[name], name
     assert len(steps_of(pool_settings, "c13k")) == 1
     # The same key with another question: refused, not answered with the first one's reply.
     other = {**body, "messages": [{"role": "user", "content": "Something else entirely?"}]}

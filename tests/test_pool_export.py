@@ -9,16 +9,23 @@ from pathlib import Path
 
 import duckdb
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from datapool.db import make_engine
 from datapool.lifecycle.transitions import close_trajectory, create_trajectory
-from datapool.models import TrajectoryStatus
+from datapool.models import Reward, TrajectoryStatus
+from datapool.queries.rewards import reward_history
 from datapool.settings import PoolSettings
 from datapool.steps.records import CallRecord, ChoiceRecord
 from datapool.steps.store import PoolStore
 from trajgate.cli import app
+
+
+def _records(store: PoolStore) -> list[Reward]:
+    return reward_history(store.sessions, trajectory_id="i1", target_id=None, limit=100)
 
 
 def _call(prompt: list[int], response: list[int]) -> CallRecord:
@@ -132,3 +139,50 @@ def test_a_postgres_url_without_a_driver_means_psycopg() -> None:
         assert PoolSettings(database_url=written).resolved_database_url() == (
             "postgresql+psycopg://u@h:5432/db"
         )
+
+
+_GOOD_ROW = {"target": "trajectory", "target_id": "i1", "name": "judge", "value": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("row", "said"),
+    [
+        ({**_GOOD_ROW, "value": True}, "value"),  # float(True) recorded 1.0
+        ({**_GOOD_ROW, "value": "0.7"}, "value"),  # the API refuses a string number too
+        ({**_GOOD_ROW, "value": [1]}, "value"),  # was a TypeError traceback
+        ({**_GOOD_ROW, "author": 5}, "author"),  # was a TypeError traceback
+        ({**_GOOD_ROW, "target_id": 5}, "target_id"),
+        ({**_GOOD_ROW, "sorce": "human"}, "sorce"),  # a misspelt column recorded source 'model'
+        ([1, 2], "object"),
+    ],
+)
+def test_rewards_import_refuses_a_row_of_the_wrong_type_naming_it_and_imports_nothing(
+    pool_settings: PoolSettings, tmp_path: Path, row: object, said: str
+) -> None:
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    store.record_call("i1", _call([1], [2]))
+    path = tmp_path / "rewards.jsonl"
+    path.write_text(json.dumps(_GOOD_ROW) + "\n" + json.dumps(row) + "\n")
+    result = CliRunner().invoke(app, ["rewards", "import", str(path), *_cli_pool(pool_settings)])
+    assert result.exit_code == 1, result.output
+    assert "nothing imported" in result.stderr and "row 2" in result.stderr
+    assert said in result.stderr
+    assert isinstance(result.exception, SystemExit)  # one line, never a traceback
+    assert _records(store) == []
+
+
+def test_rewards_import_reads_a_parquet_file_strictly_too(
+    pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    store.record_call("i1", _call([1], [2]))
+    path = tmp_path / "rewards.parquet"
+    table = {key: [value] for key, value in _GOOD_ROW.items()}
+    pq.write_table(pa.table({**table, "source": [None], "value": [2]}), path)
+    ok = CliRunner().invoke(app, ["rewards", "import", str(path), *_cli_pool(pool_settings)])
+    assert ok.exit_code == 0, ok.output
+    [record] = _records(store)
+    assert (record.value, record.source) == (2.0, "model")
+    pq.write_table(pa.table({**table, "value": [True]}), path)
+    bad = CliRunner().invoke(app, ["rewards", "import", str(path), *_cli_pool(pool_settings)])
+    assert bad.exit_code == 1 and "row 1" in bad.stderr and "value" in bad.stderr

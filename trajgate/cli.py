@@ -1251,13 +1251,17 @@ def batches_create(
 @batches_app.command("list")
 def batches_list(
     status: Annotated[str | None, typer.Option(help="Only batches with this status.")] = None,
-    limit: Annotated[int, typer.Option(help="Most batches to list, newest first.")] = 100,
+    limit: Annotated[int, typer.Option(min=1, help="Most batches to list, newest first.")] = 100,
     database_url: DatabaseUrlOpt = None,
     data_dir: DataDirOpt = None,
 ) -> None:
     """List batches (one JSON object per line)."""
-    from datapool.batches.build import list_batches
+    from datapool.batches.build import BATCH_STATUSES, list_batches
 
+    if status is not None and status not in BATCH_STATUSES:
+        raise typer.BadParameter(
+            f"expected one of {list(BATCH_STATUSES)}, got {status!r}", param_hint="--status"
+        )
     _pool, store = _pool_store(database_url, data_dir)
     for batch in list_batches(store, status, limit):
         typer.echo(

@@ -17,7 +17,7 @@ import json
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -248,7 +248,14 @@ def get_batch(store: PoolStore, batch_id: str) -> Batch:
     return batch
 
 
+# Every status a batch row can hold (``batches.status``): a filter naming another matches nothing,
+# so the edges (``GET /api/batches``, ``trajgate batches list``) refuse it.
+BatchStatusName = Literal["building", "ready", "leased", "consumed", "failed"]
+BATCH_STATUSES: tuple[str, ...] = get_args(BatchStatusName)
+
+
 def list_batches(store: PoolStore, status: str | None = None, limit: int = 100) -> list[Batch]:
+    """At most ``limit`` batches, newest first, of ``status`` (one of ``BATCH_STATUSES``) or any."""
     query = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit)
     if status is not None:
         query = query.where(Batch.status == status)

@@ -229,12 +229,21 @@ def current_rewards_query(target_kind: str, name: str) -> Any:
     )
 
 
+REWARD_FILE_COLUMNS = ("target", "target_id", "name", "value", "source", "author")
+
+
 def read_reward_file(path: Path) -> list[RewardIn]:
     """Rewards from JSONL (one object per line) or Parquet (one row each), columns: ``target``
-    ('step'/'trajectory'), ``target_id``, ``name``, ``value``, optional ``source`` (default
-    'model'), ``author``."""
+    ('step'/'trajectory'/'lineage'), ``target_id``, ``name``, ``value``, optional ``source``
+    (default 'model'), ``author``.
+
+    Read as strictly as ``POST /api/rewards``: raises ``InvalidPoolRequestError`` naming the row
+    and column for a row that is not an object, a column it does not know (a misspelt
+    ``sorce`` would record the default source), a ``value`` that is not a number (``true`` or
+    ``"0.7"`` is not read as one), or a text column that is not a string.
+    """
     if path.suffix == ".parquet":
-        rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
+        rows: list[Any] = pq.read_table(path).to_pylist()
     elif path.suffix in (".jsonl", ".ndjson"):
         rows = []
         for n, line in enumerate(path.read_text().splitlines(), start=1):
@@ -248,22 +257,42 @@ def read_reward_file(path: Path) -> list[RewardIn]:
         raise InvalidPoolRequestError(
             f"reward file must end in .jsonl, .ndjson or .parquet, got {path.name!r}"
         )
-    rewards = []
-    for n, row in enumerate(rows, start=1):
-        missing = {"target", "target_id", "name", "value"} - set(row)
-        if missing:
-            raise InvalidPoolRequestError(f"{path} row {n}: missing {sorted(missing)}")
-        rewards.append(
-            RewardIn(
-                target_kind=str(row["target"]),
-                target_id=str(row["target_id"]),
-                name=str(row["name"]),
-                value=None if row["value"] is None else float(row["value"]),
-                source=str(row.get("source") or RewardSource.MODEL.value),
-                author=row.get("author"),
-            )
+    return [_reward_of_row(row, f"{path} row {n}") for n, row in enumerate(rows, start=1)]
+
+
+def _reward_of_row(row: Any, where: str) -> RewardIn:
+    """One row of a reward file as a ``RewardIn``; ``where`` names the row in an error."""
+    if not isinstance(row, dict):
+        raise InvalidPoolRequestError(f"{where}: must be an object, got {type(row).__name__}")
+    unknown = sorted(set(row) - set(REWARD_FILE_COLUMNS))
+    if unknown:
+        raise InvalidPoolRequestError(
+            f"{where}: unknown column(s) {unknown}; expected {list(REWARD_FILE_COLUMNS)}"
         )
-    return rewards
+    missing = {"target", "target_id", "name", "value"} - set(row)
+    if missing:
+        raise InvalidPoolRequestError(f"{where}: missing {sorted(missing)}")
+    value = row["value"]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise InvalidPoolRequestError(
+            f"{where}: value must be a number, got {type(value).__name__} {value!r}",
+            param="value",
+        )
+    for column in ("target", "target_id", "name", "source", "author"):
+        text = row.get(column)
+        if not (isinstance(text, str) or (text is None and column in ("source", "author"))):
+            raise InvalidPoolRequestError(
+                f"{where}: {column} must be a string, got {type(text).__name__} {text!r}",
+                param=column,
+            )
+    return RewardIn(
+        target_kind=row["target"],
+        target_id=row["target_id"],
+        name=row["name"],
+        value=None if value is None else float(value),
+        source=row.get("source") or RewardSource.MODEL.value,
+        author=row.get("author"),
+    )
 
 
 # ---- reward functions ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, bindparam, insert, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,6 +23,7 @@ from datapool.steps.records import AttemptRecord
 
 __all__ = [
     "AttemptRecord",
+    "Replay",
     "attempt_rows",
     "find_exchange",
     "find_replay",
@@ -61,11 +62,22 @@ def record_attempts(sessions: sessionmaker[Session], attempts: list[AttemptRecor
         session.execute(insert(CallAttempt), attempt_rows(attempts, utc_now()))
 
 
+class Replay(NamedTuple):
+    """The stored answer of an earlier call with an Idempotency-Key, and what names it."""
+
+    call_id: str
+    response_body: dict[str, Any]
+    request_hash: str | None  # its step's (None for a step stored without one)
+    step_ids: list[str]  # its steps, by choice index: what x-trajgate-step-id named
+    policy_version: int | None  # the version its steps are stamped with (None: unknown)
+
+
 def find_replay(
     sessions: sessionmaker[Session], trajectory_id: str, idempotency_key: str
-) -> tuple[str, dict[str, Any], str | None] | None:
-    """``(call_id, response_body, request_hash)`` of the successful call with this key, if
-    any; ``request_hash`` is its step's (None for a step stored without one)."""
+) -> Replay | None:
+    """The successful call of ``trajectory_id`` with this key, if any: its answer, request hash,
+    step ids and policy version (a replay names the steps the first answer named, so a client
+    whose first answer was lost can still attach rewards to them)."""
     with sessions() as session:
         row = session.execute(
             select(CallAttempt.call_id, CallAttempt.response_body)
@@ -80,12 +92,18 @@ def find_replay(
         ).first()
         if row is None:
             return None
-        digest = session.scalar(
-            select(Step.request_hash)
+        steps = session.execute(
+            select(Step.id, Step.request_hash, Step.policy_version)
             .where(Step.trajectory_id == trajectory_id, Step.call_id == row[0])
-            .limit(1)
-        )
-    return row[0], row[1], digest
+            .order_by(Step.choice_index)
+        ).all()
+    return Replay(
+        call_id=row[0],
+        response_body=row[1],
+        request_hash=steps[0][1] if steps else None,
+        step_ids=[step[0] for step in steps],
+        policy_version=steps[0][2] if steps else None,
+    )
 
 
 # Built once: the statement is the same for every call, only its parameters change.

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from datapool.batches import build as batches
 from datapool.batches import leases
+from datapool.batches.build import BatchStatusName
 from datapool.batches.settings import BatchSettings
 from datapool.curation import bulk_labels, labels, readiness
 from datapool.curation import rules as curation
@@ -506,7 +507,7 @@ async def create_batch(
 @router.get("/batches", response_model=list[BatchPublic])
 async def list_batches(
     store: StoreDep,
-    status: str | None = None,
+    status: BatchStatusName | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[BatchPublic]:
     """Batches, newest first."""

@@ -135,21 +135,23 @@ async def replayed_answer(
     )
     if replay is None:
         return None
-    stored_hash = replay[2]
-    if stored_hash is not None and stored_hash != request_hash(dialect_name, body):
+    if replay.request_hash is not None and replay.request_hash != request_hash(dialect_name, body):
         raise UnprocessableError(
-            f"Idempotency-Key {idempotency_key!r} was used by call {replay[0]} of trajectory "
+            f"Idempotency-Key {idempotency_key!r} was used by call {replay.call_id} of trajectory "
             f"{attribution.trajectory_id!r} with another request body; a key names one request: "
             "send a new key for a new request",
             param="Idempotency-Key",
             code="idempotency_key_reused",
         )
     state.metrics.replays.inc()
-    return JSONResponse(
-        replay[1],
-        headers={
-            "x-trajgate-trajectory-id": attribution.trajectory_id,
-            "x-trajgate-call-id": replay[0],
-            "x-trajgate-replayed": "true",
-        },
-    )
+    # The first answer's headers too: a client replays because it lost that answer, and the
+    # step ids are how it attaches rewards to the steps.
+    headers = {
+        "x-trajgate-trajectory-id": attribution.trajectory_id,
+        "x-trajgate-call-id": replay.call_id,
+        "x-trajgate-step-id": ",".join(replay.step_ids),
+        "x-trajgate-replayed": "true",
+    }
+    if replay.policy_version is not None:
+        headers["x-trajgate-policy-version"] = str(replay.policy_version)
+    return JSONResponse(replay.response_body, headers=headers)
