@@ -752,7 +752,7 @@ def test_an_exact_unary_answer_is_vllms_own_chat_answer_for_the_spliced_prompt(
 def test_derender_is_given_the_ids_the_chat_endpoint_writes_text_for() -> None:
     # The engine leaves the token that stopped sampling out of the text; derender decodes every
     # id it gets, so that token is hidden from it, except where the chat endpoint keeps it too.
-    from gateway.proxy.continuation.engine import _as_detokenized
+    from gateway.engine.exact import _as_detokenized
 
     choices = [
         {"index": 0, "token_ids": [5, 6, 2], "finish_reason": "stop", "stop_reason": None},
@@ -772,7 +772,7 @@ def test_derender_is_given_the_ids_the_chat_endpoint_writes_text_for() -> None:
 
 
 def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_sent() -> None:
-    from gateway.proxy.continuation.engine import Continuation
+    from gateway.engine.exact import Continuation
 
     sent = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
     sent.confirm([1, 2, 3])
@@ -823,8 +823,8 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
 ) -> None:
     # The render is the one exchange exact mode adds before sampling: it leaves while the
     # gateway asks the pool about re-sends (every call does), and the call uses it.
+    from gateway.engine import exact as engine
     from gateway.proxy import preparation
-    from gateway.proxy.continuation import engine
 
     events: list[str] = []
     render, find_resend = engine._render, preparation.find_resend
@@ -865,7 +865,7 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
 
 def test_the_forwarded_body_is_the_rendered_body_with_the_prompt_ids_added() -> None:
     from gateway.capture import dumps
-    from gateway.proxy.continuation.engine import forwarding
+    from gateway.engine.exact import forwarding
 
     body = {"model": MODEL, "messages": [SYSTEM, USER], "tools": [WEATHER], "stream": True}
     forwarded = json.loads(forwarding(dumps(body), [1, 2, 3]))
@@ -903,7 +903,7 @@ def _stream_parts(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_restate_max_tokens_gives_generate_the_limit_chat_would_apply(
     body: dict[str, Any], rendered: dict[str, Any], restated: dict[str, Any]
 ) -> None:
-    from gateway.proxy.continuation.engine import _restate_max_tokens
+    from gateway.engine.exact import _restate_max_tokens
 
     _restate_max_tokens(rendered, body)
     assert rendered == restated

@@ -23,17 +23,17 @@ from datapool.steps.calls import find_exchange, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.capture import request_hash
 from gateway.dialects import Dialect, EarlierCall, Prepared, check_limits, with_sampling_defaults
-from gateway.errors import PermissionDeniedError
-from gateway.proxy.attempts import upstream_timeout
-from gateway.proxy.attribution import Attribution
-from gateway.proxy.call import Call
-from gateway.proxy.continuation.engine import (
+from gateway.engine.exact import (
     CONTINUATION_MODES,
     Continuation,
     RenderAhead,
     continues_exactly,
     render_ahead,
 )
+from gateway.errors import PermissionDeniedError
+from gateway.proxy.attempts import upstream_timeout
+from gateway.proxy.attribution import Attribution
+from gateway.proxy.call import Call
 from gateway.proxy.continuation.history import (
     HistoryKeys,
     find_extension,
