@@ -31,6 +31,7 @@ from datapool.steps.canonical import Message, as_rendered
 from datapool.steps.payloads import pack_ids
 from datapool.steps.store import PoolStore
 from gateway.dialects.chat_completions.serving import canonical_of_chat
+from gateway.engine.paths import RENDER_PATH
 from gateway.proxy.continuation.history import (
     Turn,
     candidate_keys,
@@ -41,7 +42,7 @@ from gateway.proxy.continuation.history import (
 )
 from gateway.proxy.continuation.prompt import exact_prompt
 from gateway.server import BackgroundServer
-from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
+from gateway.upstream.replicas import Replica, probe_exact
 from trajgate import vllm_server
 
 
@@ -772,7 +773,7 @@ def test_derender_is_given_the_ids_the_chat_endpoint_writes_text_for() -> None:
 
 
 def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_sent() -> None:
-    from gateway.engine.exact import Continuation
+    from gateway.proxy.continuation.plan import Continuation
 
     sent = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
     sent.confirm([1, 2, 3])

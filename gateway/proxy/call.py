@@ -22,9 +22,9 @@ from datapool.steps.payloads import pack_ids
 from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.capture import IDS_INCOMPLETE
 from gateway.dialects import Dialect, Prepared
-from gateway.engine.exact import Continuation
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.continuation.history import HistoryKeys, Turn
+from gateway.proxy.continuation.plan import Continuation
 from gateway.proxy.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica
