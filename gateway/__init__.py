@@ -24,12 +24,17 @@ Modules:
   (``first_event``, ``relay_stream``, ``record_stream``).
 - ``attribution``: which trajectory, group and channel a call belongs to (``attribute``), checked
   before any upstream call.
-- ``upstreams``: the vLLM replicas: choosing one per call, health checks, the token-ID probe
-  (``UpstreamPool``, ``Replica``, ``InFlight``, ``probe_token_ids``).
+- ``engine/``: the engine room, the only code that speaks vLLM: every endpoint path
+  (``paths``), the exact continuation's exchanges (``exact``), the weight and adapter
+  exchanges (``admin``), the model list (``models``), the probes (``probe``), ``/tokenize``
+  (``tokenize``), each with an overall deadline and one error for an unreadable answer
+  (``errors``).
+- ``upstreams``: the vLLM replicas: choosing one per call, health checks and what the probes
+  found (``UpstreamPool``, ``Replica``, ``InFlight``).
 - ``policy``: ``PolicyRegistry``, which policy version the alias serves and which one produced a
   step.
 - ``weight_update``: the pause around a full-weight reload (``WeightGate``: hold new calls, drain
-  or abort the calls in flight, release them on the new version; ``reload_replicas``).
+  or abort the calls in flight, release them on the new version).
 - ``auth``: agents' API keys (``KeyRing``, looked up off the event loop) and the admin token
   (``check_admin_token``).
 - ``guard``: ``EdgeGuard``, the raw ASGI middleware every request passes before a route reads its

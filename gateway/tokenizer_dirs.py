@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from datapool.tokenizer_copies import TokenizerCopies
-from gateway.upstream.replicas import MODELS_PATH
+from gateway.engine.models import model_entries
 
 log = logging.getLogger("trajgate.tokenizer_dirs")
 
@@ -57,22 +57,20 @@ class TokenizerDirs:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def learn(self, client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
-        """Ask every replica for its models, unless the last answer is under ``refresh_s`` old.
-        A replica that does not answer keeps what was learnt from it before."""
+        """Ask every replica for its models (``gateway.engine.models.model_entries``, each
+        within ``timeout_s``), unless the last answer is under ``refresh_s`` old. A replica
+        that does not answer keeps what was learnt from it before."""
         async with self._lock:
             now = time.monotonic()
             if self.learnt_at is not None and now - self.learnt_at < self.refresh_s:
                 return
             for url in urls:
-                try:
-                    response = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
-                    listed = response.json()["data"]
-                except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                    log.info("no model list from %s for the token view: %s", url, exc)
+                listed = await model_entries(client, url, timeout_s)
+                if listed is None:
+                    log.info("no model list from %s for the token view", url)
                     continue
-                if isinstance(listed, list):
-                    # off the event loop: a first copy into the pool reads a few megabytes
-                    await asyncio.to_thread(self._add, listed)
+                # off the event loop: a first copy into the pool reads a few megabytes
+                await asyncio.to_thread(self._add, listed)
             self.learnt_at = time.monotonic()
 
     def _add(self, listed: list[Any]) -> None:

@@ -14,7 +14,7 @@ from datapool.db import make_engine
 from datapool.settings import PoolSettings
 from datapool.steps.store import PoolStore, StoredStep
 from gateway.app import create_app
-from gateway.proxy.continuation.engine import RenderAhead
+from gateway.engine.exact import RenderAhead
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 

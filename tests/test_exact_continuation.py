@@ -37,6 +37,7 @@ from datapool.steps.canonical import Message, as_rendered
 from datapool.steps.payloads import pack_ids
 from datapool.steps.store import PoolStore
 from gateway.dialects.chat_completions.serving import canonical_of_chat
+from gateway.engine.paths import RENDER_PATH
 from gateway.proxy.continuation.history import (
     Turn,
     candidate_keys,
@@ -47,7 +48,7 @@ from gateway.proxy.continuation.history import (
 )
 from gateway.proxy.continuation.prompt import exact_prompt
 from gateway.server import BackgroundServer
-from gateway.upstream.replicas import RENDER_PATH, Replica, probe_exact
+from gateway.upstream.replicas import Replica, probe_exact
 from trajgate import vllm_server
 
 
@@ -758,7 +759,7 @@ def test_an_exact_unary_answer_is_vllms_own_chat_answer_for_the_spliced_prompt(
 def test_derender_is_given_the_ids_the_chat_endpoint_writes_text_for() -> None:
     # The engine leaves the token that stopped sampling out of the text; derender decodes every
     # id it gets, so that token is hidden from it, except where the chat endpoint keeps it too.
-    from gateway.proxy.continuation.engine import _as_detokenized
+    from gateway.engine.exact import _as_detokenized
 
     choices = [
         {"index": 0, "token_ids": [5, 6, 2], "finish_reason": "stop", "stop_reason": None},
@@ -778,7 +779,7 @@ def test_derender_is_given_the_ids_the_chat_endpoint_writes_text_for() -> None:
 
 
 def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_sent() -> None:
-    from gateway.proxy.continuation.engine import Continuation
+    from gateway.proxy.continuation.plan import Continuation
 
     sent = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
     sent.confirm([1, 2, 3])
@@ -831,8 +832,8 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
     # gateway asks the pool about re-sends (every call does), and the call uses it. Each one
     # has ended by the time its call is answered (the call's lifetime ends it: one the call
     # took is done, one it did not is cancelled).
+    from gateway.engine import exact as engine
     from gateway.proxy import preparation
-    from gateway.proxy.continuation import engine
 
     events: list[str] = []
     sent: list[engine.RenderAhead] = []
@@ -884,7 +885,7 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
 
 def test_the_forwarded_body_is_the_rendered_body_with_the_prompt_ids_added() -> None:
     from gateway.capture import dumps
-    from gateway.proxy.continuation.engine import forwarding
+    from gateway.engine.exact import forwarding
 
     body = {"model": MODEL, "messages": [SYSTEM, USER], "tools": [WEATHER], "stream": True}
     forwarded = json.loads(forwarding(dumps(body), [1, 2, 3]))
@@ -922,7 +923,7 @@ def _stream_parts(url: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_restate_max_tokens_gives_generate_the_limit_chat_would_apply(
     body: dict[str, Any], rendered: dict[str, Any], restated: dict[str, Any]
 ) -> None:
-    from gateway.proxy.continuation.engine import _restate_max_tokens
+    from gateway.engine.exact import _restate_max_tokens
 
     _restate_max_tokens(rendered, body)
     assert rendered == restated

@@ -29,8 +29,8 @@ from sqlalchemy.exc import OperationalError
 
 from datapool.settings import PoolSettings
 from gateway.proxy import preparation
-from gateway.proxy.continuation import engine
-from gateway.proxy.continuation.engine import RenderAhead, render_ahead
+from gateway.engine import exact as engine
+from gateway.engine.exact import RenderAhead, render_ahead
 from gateway.proxy.lifetime import CallLifetime
 from gateway.server import BackgroundServer
 from gateway.upstream.replicas import Replica

@@ -11,9 +11,10 @@ import asyncio
 
 import pytest
 
+from gateway.engine.admin import ReloadError
 from gateway.errors import ServiceUnavailableError
 from gateway.upstream.replicas import UpstreamPool
-from gateway.upstream.weight_update import CallAborted, ReloadError, Ticket, WeightGate
+from gateway.upstream.weight_update import CallAborted, Ticket, WeightGate
 
 
 async def _aborted_while_waiting() -> str:

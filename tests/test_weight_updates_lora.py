@@ -27,7 +27,7 @@ from gateway_helpers import gateway_with, sse_chunks, steps_of
 from tests_support import free_port
 
 from datapool.settings import PoolSettings
-from gateway.upstream.adapters import LOAD_PATH
+from gateway.engine.paths import LOAD_LORA_ADAPTER_PATH as LOAD_PATH
 from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 from trajgate.vllm_server import VLLMServer
 
@@ -310,8 +310,7 @@ ENGINE_DEAD = {
 async def test_a_refused_adapter_is_told_from_a_failing_replica_by_vllms_answer(
     status: int, answer: dict[str, Any], code: str | None
 ) -> None:
-    from gateway.upstream.adapters import AdapterRefusedError, load_adapter
-    from gateway.upstream.weight_update import ReloadError
+    from gateway.engine.admin import AdapterRefusedError, ReloadError, load_adapter
 
     def vllm(request: httpx.Request) -> httpx.Response:
         return httpx.Response(status, json=answer)

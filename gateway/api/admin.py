@@ -18,6 +18,18 @@ from starlette.concurrency import run_in_threadpool
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute, StrictBody
 from gateway.auth import check_admin_token
+from gateway.engine.admin import (
+    AdapterRefusedError,
+    ReloadError,
+    listed_adapters,
+    load_adapter,
+    pause_replicas,
+    reload_kept_replicas,
+    reload_replicas,
+    resume_replicas,
+    unload_adapters,
+)
+from gateway.engine.models import served_models
 from gateway.errors import (
     ConflictError,
     InvalidRequestError,
@@ -30,22 +42,10 @@ from gateway.state import GatewayState
 from gateway.upstream.adapters import (
     ADAPTER_PREFIX_PATTERN,
     DEFAULT_ADAPTER_PREFIX,
-    AdapterRefusedError,
     adapter_name,
-    listed_adapters,
-    load_adapter,
     stale_adapters,
-    unload_adapters,
 )
-from gateway.upstream.replicas import served_models
-from gateway.upstream.weight_update import (
-    ReloadError,
-    pause_replicas,
-    reload_kept_replicas,
-    reload_label,
-    reload_replicas,
-    resume_replicas,
-)
+from gateway.upstream.weight_update import reload_label
 
 
 def _admin_state(request: Request) -> GatewayState:

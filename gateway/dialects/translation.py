@@ -36,6 +36,7 @@ from gateway.dialects.base import (
 )
 from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
+from gateway.engine.paths import CHAT_PATH
 from gateway.errors import InvalidRequestError
 
 # Where the chat answers keep their fields: the capture reads the upstream chat answer.
@@ -200,7 +201,7 @@ def client_asked(logprobs: bool) -> ClientAsked:
 class TranslatingDialect(Dialect):
     """A dialect whose upstream is vLLM's chat completions: the capture reads the chat answer."""
 
-    upstream_path = "/v1/chat/completions"
+    upstream_path = CHAT_PATH
 
     def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
         """The record of the chat body sent: the engine's conversation, whatever the client's

@@ -28,12 +28,15 @@ Modules:
   ``X-Trajgate-Lineage*`` headers name (``lineage_of``); a malformed own header is a 400.
 - ``continuation/``: exact continuation: whether a call's history extends an earlier turn
   (``history``), the engine prompt built from that turn's own ids plus the template's rendering
-  of only the new messages (``prompt``), and the call through vLLM's render, generate and
-  derender endpoints (``engine``).
+  of only the new messages (``prompt``), and the call's plan (``plan.Continuation``), which it
+  hands to the engine room's exact exchange (``gateway.engine.exact``) and which keeps what
+  the engine reported.
 
 Never: reads a client's dialect (``gateway.dialects`` does), talks to a replica's sockets
-(``gateway.upstream`` does) or writes SQL (``datapool`` does).
+(``gateway.upstream`` does), writes a vLLM endpoint path (``gateway.engine`` does) or writes SQL
+(``datapool`` does).
 
-Imports: ``gateway.dialects``, ``gateway.upstream``, ``gateway.state`` and the leaves below them;
-never ``gateway.app``, ``gateway.api`` or ``gateway.inspector``. This file imports nothing.
+Imports: ``gateway.dialects``, ``gateway.engine``, ``gateway.upstream``, ``gateway.state`` and
+the leaves below them; never ``gateway.app``, ``gateway.api`` or ``gateway.inspector``. This
+file imports nothing.
 """

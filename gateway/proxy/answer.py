@@ -20,10 +20,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from datapool.steps.calls import find_replay
 from gateway.body_budget import hold_answers
 from gateway.capture import UNREADABLE, dumps, loads_object, request_hash
+from gateway.engine.exact import PARSED_ANSWER
 from gateway.errors import UnprocessableError, UpstreamError
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
-from gateway.proxy.continuation.engine import PARSED_ANSWER
 from gateway.proxy.preparation import pool_lookup
 from gateway.proxy.streaming import first_event, relay_stream
 from gateway.state import GatewayState

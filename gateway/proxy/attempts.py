@@ -17,9 +17,9 @@ import anyio
 import httpx
 
 from gateway.capture import dumps
+from gateway.engine.exact import continues_exactly, send_exact
 from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from gateway.proxy.call import Call, fail_call
-from gateway.proxy.continuation.engine import continues_exactly, send_exact
 from gateway.state import GatewayState
 from gateway.upstream.answer_limit import AnswerTooLargeError
 from gateway.upstream.replicas import InFlight, NoHealthyUpstreamError, Replica, ReplicaResponse

@@ -25,8 +25,8 @@ from datapool.steps.records import CallRecord, ChoiceRecord
 from gateway.capture import IDS_INCOMPLETE
 from gateway.dialects import Dialect, Prepared
 from gateway.proxy.attribution import Attribution
-from gateway.proxy.continuation.engine import Continuation
 from gateway.proxy.continuation.history import HistoryKeys, Turn
+from gateway.proxy.continuation.plan import Continuation
 from gateway.proxy.sampling import sampling_flags
 from gateway.state import GatewayState
 from gateway.upstream.replicas import Replica

@@ -43,7 +43,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from datapool.steps.writer import PoolWriter
-from gateway.proxy.continuation.engine import RenderAhead
+from gateway.engine.exact import RenderAhead
 from gateway.upstream.replicas import ReplicaResponse
 from gateway.upstream.weight_update import Ticket
 

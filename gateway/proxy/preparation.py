@@ -24,28 +24,24 @@ from datapool.steps.calls import find_exchange, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.capture import request_hash
 from gateway.dialects import Dialect, EarlierCall, Prepared, check_limits, with_sampling_defaults
+from gateway.engine.exact import RenderAhead, continues_exactly, render_ahead
+from gateway.engine.paths import CHAT_PATH
 from gateway.errors import PermissionDeniedError
 from gateway.proxy.attempts import upstream_timeout
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.call import Call
-from gateway.proxy.continuation.engine import (
-    CONTINUATION_MODES,
-    Continuation,
-    RenderAhead,
-    continues_exactly,
-    render_ahead,
-)
 from gateway.proxy.continuation.history import (
     HistoryKeys,
     find_extension,
     render_key,
     stored_turn,
 )
+from gateway.proxy.continuation.plan import CONTINUATION_MODES, Continuation
 from gateway.proxy.continuation.walk import walk_history
 from gateway.proxy.lifetime import CallLifetime
 from gateway.proxy.sampling import apply_policy, sampling_record
 from gateway.state import GatewayState
-from gateway.upstream.replicas import CHAT_PATH, NoHealthyUpstreamError
+from gateway.upstream.replicas import NoHealthyUpstreamError
 
 T = TypeVar("T")
 

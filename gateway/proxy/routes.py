@@ -22,11 +22,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway.body_budget import hold_answers
-from gateway.capture import UNREADABLE, dumps, loads_object
+from gateway.capture import dumps
 from gateway.dialects import Dialect, EngineRefused, Prepared, SideRoute
+from gateway.engine.errors import UnreadableAnswerError
+from gateway.engine.models import models_answer
+from gateway.engine.paths import TOKENIZE_PATH
+from gateway.engine.tokenize import Refused, tokenize
 from gateway.errors import UpstreamError
 from gateway.proxy.answer import answer_call, replayed_answer
-from gateway.proxy.attempts import JSON_CONTENT, open_upstream
+from gateway.proxy.attempts import open_upstream
 from gateway.proxy.attribution import (
     Attribution,
     attribute,
@@ -103,17 +107,16 @@ class ReplicaEngine:
     async def tokenize(self, payload: dict[str, Any]) -> dict[str, Any]:
         url = self.replica.url
         try:
-            response = await self.client.post(
-                f"{url}/tokenize", content=dumps(payload), headers=JSON_CONTENT
-            )
+            answer = await tokenize(self.client, url, payload)
+        except UnreadableAnswerError as exc:
+            raise UpstreamError(
+                f"upstream {url} answered {TOKENIZE_PATH} unreadably: {exc.__cause__!r}"
+            ) from exc
         except httpx.HTTPError as exc:
             raise UpstreamError(f"upstream {url} unreachable: {exc!r}") from exc
-        if response.status_code != 200:
-            raise EngineRefused(response.status_code, response.content)
-        try:
-            return loads_object(response.content)
-        except UNREADABLE as exc:
-            raise UpstreamError(f"upstream {url} answered /tokenize unreadably: {exc!r}") from exc
+        if isinstance(answer, Refused):
+            raise EngineRefused(answer.status_code, answer.content)
+        return answer
 
 
 async def answer_side_route(
@@ -158,7 +161,7 @@ async def list_models(request: Request, state: StateDep) -> Response:
         await attribute(state, request, None)
     replica = state.upstreams.pick("models")
     try:
-        upstream = await state.client.get(f"{replica.url}/v1/models")
+        upstream = await models_answer(state.client, replica.url)
     except httpx.HTTPError as exc:
         raise UpstreamError(f"upstream {replica.url} unreachable: {exc!r}") from exc
     return Response(

@@ -29,12 +29,13 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
+from gateway.engine.admin import ReloadError, resume_replicas
+from gateway.engine.probe import healthy, probe_exact_endpoints, probe_token_ids
 from gateway.errors import ServiceUnavailableError
-from gateway.upstream.weight_update import ReloadError, WeightGate, resume_replicas
+from gateway.upstream.weight_update import WeightGate
 
 log = logging.getLogger("trajgate.upstreams")
 
@@ -57,8 +58,8 @@ class Replica:
     # Whether the replica returns token ids when asked (probed once it is healthy): None until
     # known. A replica that answers without them is never routed to (case C06).
     returns_token_ids: bool | None = None
-    # Whether it serves the endpoints exact continuation needs (gateway.proxy.continuation.engine;
-    # probed once it is healthy): None until known. False: its calls use the template.
+    # Whether it serves the endpoints exact continuation needs (gateway.engine.exact; probed
+    # once it is healthy): None until known. False: its calls use the template.
     serves_exact: bool | None = None
     end_token: int | None = None  # the template's end-of-turn token (``probe_exact``)
     # Whether its chat endpoint samples from forwarded prompt ids (``probe_exact``): exact
@@ -276,18 +277,12 @@ class UpstreamPool:
                     return  # still paused: unhealthy, tried again next round
                 replica.paused = False
                 log.warning("upstream %s resumed", replica.url)
-            try:
-                async with asyncio.timeout(timeout_s):
-                    response = await client.get(f"{replica.url}/health", timeout=timeout_s)
-                ok = response.status_code == 200
-            except (httpx.HTTPError, TimeoutError):
-                ok = False
-            if ok:
+            if await healthy(client, replica.url, timeout_s):
                 self.mark_success(replica)
                 if replica.returns_token_ids is None:
                     try:
                         async with asyncio.timeout(2 * timeout_s):  # two exchanges
-                            returns = await probe_token_ids(client, replica, timeout_s)
+                            returns = await probe_token_ids(client, replica.url, timeout_s)
                         replica.returns_token_ids = returns
                     except TimeoutError:
                         pass  # unknown: asked again next round
@@ -354,165 +349,15 @@ def _rendezvous(key: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
 
 
-# A tool offered to the template by the probe: is it rendered under ``tool_choice: "none"``?
-_PROBE_TOOL = {
-    "type": "function",
-    "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}},
-}
-# vLLM's list of the models it serves now (a LoRA adapter appears once loaded).
-MODELS_PATH = "/v1/models"
-# The endpoints of exact continuation (vLLM's --enable-scale-out; gateway.proxy.continuation).
-CHAT_PATH = "/v1/chat/completions"
-RENDER_PATH = "/v1/chat/completions/render"
-GENERATE_PATH = "/inference/v1/generate"
-DERENDER_PATH = "/v1/chat/completions/derender"
-
-
 async def probe_exact(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> bool | None:
-    """Whether the replica serves the render, generate and derender endpoints (an empty body
-    is refused as invalid, 400/422, where a route exists; 404 where none does), and its
-    template's end-of-turn token (``replica.end_token``, ``end_of_turn``). Also whether its chat
-    endpoint samples from forwarded prompt ids (``replica.forwards_prompt_ids``: one token
-    sampled from ids the messages sent would not render, and reported as the prompt), and
-    whether its template leaves the tools out under ``tool_choice: "none"``
-    (``replica.excludes_tools_for_none``). None when the probe could not run (unknown: tried
-    again at the next health check)."""
-    try:
-        for path in (RENDER_PATH, GENERATE_PATH, DERENDER_PATH):
-            answer = await client.post(f"{replica.url}{path}", json={}, timeout=timeout_s)
-            if answer.status_code in (404, 405):
-                log.warning(
-                    "upstream %s has no %s (start vLLM with --enable-scale-out, as `trajgate "
-                    "vllm start` does): its calls use continuation 'template'",
-                    replica.url,
-                    path,
-                )
-                return False
-        models = (await client.get(f"{replica.url}{MODELS_PATH}", timeout=timeout_s)).json()
-        model = models["data"][0]["id"]
-        rendered = []
-        for text in ("y", "z"):
-            body = {
-                "model": model,
-                "messages": [
-                    {"role": "user", "content": "x"},
-                    {"role": "assistant", "content": text},
-                ],
-                "add_generation_prompt": False,
-            }
-            answer = await client.post(f"{replica.url}{RENDER_PATH}", json=body, timeout=timeout_s)
-            rendered.append(answer.json()["token_ids"])
-        forwarded = rendered[0]  # x, then the assistant's y: not what [x] renders
-        with_tools = []
-        for choice in ({}, {"tool_choice": "none"}):
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": "x"}],
-                "tools": [_PROBE_TOOL],
-                **choice,
-            }
-            answer = await client.post(f"{replica.url}{RENDER_PATH}", json=body, timeout=timeout_s)
-            with_tools.append(answer.json()["token_ids"])
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 1,
-            "return_token_ids": True,
-            "kv_transfer_params": {"prompt_token_ids": forwarded},
-        }
-        answer = await client.post(f"{replica.url}{CHAT_PATH}", json=body, timeout=timeout_s)
-        sampled_from = answer.json().get("prompt_token_ids") if answer.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return None
-    replica.forwards_prompt_ids = sampled_from == forwarded
-    replica.excludes_tools_for_none = with_tools[0] != with_tools[1]
-    if not replica.forwards_prompt_ids:
-        log.warning(
-            "upstream %s: its chat endpoint does not sample from forwarded prompt ids "
-            "(kv_transfer_params.prompt_token_ids, vLLM >= 0.32): its streamed calls and its "
-            "unary calls with stop strings use continuation 'template'",
-            replica.url,
-        )
-    replica.end_token = end_of_turn(rendered[0], rendered[1])
-    if replica.end_token is None:
-        log.warning(
-            "upstream %s: its template closes no assistant turn with one token: its calls use "
-            "continuation 'template'",
-            replica.url,
-        )
-        return False
-    return True
-
-
-async def served_models(
-    client: httpx.AsyncClient, urls: list[str], timeout_s: float
-) -> set[str] | None:
-    """The model names the replicas at ``urls`` serve now: the union of their ``MODELS_PATH``
-    lists (an adapter loaded into one replica is served by that one), each asked within
-    ``timeout_s``. None when no replica answered a list: unknown, so nothing may be refused on
-    it."""
-
-    async def listed(url: str) -> list[str] | None:
-        entries = await model_entries(client, url, timeout_s)
-        return None if entries is None else [e["id"] for e in entries]
-
-    answers = [names for names in await asyncio.gather(*map(listed, urls)) if names is not None]
-    return {name for names in answers for name in names} if answers else None
-
-
-async def model_entries(
-    client: httpx.AsyncClient, url: str, timeout_s: float
-) -> list[dict[str, Any]] | None:
-    """The entries of the replica at ``url``'s ``MODELS_PATH`` list that have a string ``id``,
-    asked within ``timeout_s``; None when it answered no such list (an error, a timeout, a
-    non-200 or a body of another shape)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            answer = await client.get(f"{url}{MODELS_PATH}", timeout=timeout_s)
-        entries = answer.json()["data"]
-    except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError):
-        return None
-    if answer.status_code != 200 or not isinstance(entries, list):
-        return None
-    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
-
-
-def end_of_turn(with_y: list[int], with_z: list[int]) -> int | None:
-    """The token the template closes an assistant turn with, from its renderings of the same
-    conversation ending in an assistant message "y" and "z": after the content they differ in,
-    both end with the same closing tokens (end-of-turn, then any separator), whose first is it.
-    None when the two renderings share no closing tokens."""
-    common = 0
-    while common < min(len(with_y), len(with_z)) and with_y[-1 - common] == with_z[-1 - common]:
-        common += 1
-    return with_y[-common] if common else None
-
-
-async def probe_token_ids(
-    client: httpx.AsyncClient, replica: Replica, timeout_s: float
-) -> bool | None:
-    """Ask the replica for one token with ``return_token_ids`` (case C06).
-
-    Returns True when the answer carries ``token_ids``, False when a well-formed answer has
-    none (an old server, or a proxy that rebuilt the response and dropped the field), None when
-    the probe itself could not run (no model listed, an error): unknown, so not refused.
-    """
-    try:
-        models = (await client.get(f"{replica.url}{MODELS_PATH}", timeout=timeout_s)).json()
-        model = models["data"][0]["id"]
-        answer = await client.post(
-            f"{replica.url}/v1/completions",
-            json={"model": model, "prompt": "a", "max_tokens": 1, "return_token_ids": True},
-            timeout=timeout_s,
-        )
-        choice = answer.json()["choices"][0]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return None
-    if not isinstance(choice, dict) or "text" not in choice:
-        return None
-    returns_ids = isinstance(choice.get("token_ids"), list)
-    if not returns_ids:
-        log.error(
-            "upstream %s returns no token ids: not routed to (capture would lose them)", replica.url
-        )
-    return returns_ids
+    """Whether ``replica`` serves exact continuation (``gateway.engine.probe``'s
+    ``probe_exact_endpoints``, each exchange within ``timeout_s``), keeping what the probe found
+    on it (``end_token``, ``forwards_prompt_ids``, ``excludes_tools_for_none``) when its routes
+    exist. None when the probe could not run (unknown: tried again at the next health check)."""
+    found = await probe_exact_endpoints(client, replica.url, timeout_s)
+    if found is None or not found.routes:
+        return None if found is None else False
+    replica.forwards_prompt_ids = found.forwards_prompt_ids
+    replica.excludes_tools_for_none = found.excludes_tools_for_none
+    replica.end_token = found.end_token
+    return found.serves_exact

@@ -3,8 +3,10 @@
 Owns: the gate every model-serving call passes before its policy version is resolved
 (``WeightGate.admit``), the ``Ticket`` an admitted call holds until its upstream stopped
 sampling, the pause around a reload (``WeightGate.pause``, two modes), which policy version
-sampled which of a call's tokens (``Ticket.version_spans``), and the reload of every replica
-(``reload_replicas``, ``pause_replicas`` / ``resume_replicas``).
+sampled which of a call's tokens (``Ticket.version_spans``), and the engine's label of a kept
+reload (``reload_label``). The exchanges with the replicas (``reload_replicas``,
+``pause_replicas`` / ``resume_replicas``, ``reload_kept_replicas``) are the engine room's
+(``gateway.engine.admin``).
 
 Why: vLLM reloads full weights in place, between two engine steps, while requests run. A call
 sampling across the reload gets tokens (and behaviour logprobs) from two policies, so either no
@@ -76,8 +78,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
-
 from datapool.models import StepOutcome
 from gateway.errors import ServiceUnavailableError
 from gateway.settings import UpdateMode
@@ -89,12 +89,6 @@ ABORTED_FOR_WEIGHT_UPDATE = StepOutcome.ABORTED_FOR_WEIGHT_UPDATE
 # Seconds the aborted calls get to notice the abort and give their tickets back (they do so
 # before recording their step, so this is only a guard against a call stuck elsewhere).
 ABORT_GRACE_S = 10.0
-# Seconds a replica's prefix-cache reset is retried before it is forced (see reload_replicas).
-RESET_RETRY_S = 5.0
-# Tries of a replica's /resume (RESUME_BACKOFF_S apart) before it is left to the health checks,
-# which retry it each round (``UpstreamPool.check_health``): a frozen replica stalls its calls.
-RESUME_TRIES = 3
-RESUME_BACKOFF_S = 0.2
 # ``keep``: a stream's read must have waited this long with nothing arriving to count its
 # tokens, and the split waits at most SETTLE_S in all for the streams to get there.
 QUIET_S = 0.05
@@ -466,184 +460,8 @@ class WeightGate:
         return unknown
 
 
-async def reload_replicas(
-    client: httpx.AsyncClient,
-    urls: list[str],
-    weights_location: str,
-    timeout_s: float,
-    reload_timeout_s: float,
-) -> None:
-    """Reload full weights from ``weights_location`` (a checkpoint directory every replica can
-    read) into each replica in place, then reset its prefix cache (KV cached under the old
-    weights must never serve the new ones: a prompt prefix computed by v0 would leak into a
-    step stamped v1).
-
-    vLLM endpoints (0.32, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc {"method":
-    "reload_weights", "kwargs": {"weights_path"}}`` and ``POST /reset_prefix_cache``, which
-    answers ``{"success": false}`` while a request still holds KV blocks (an aborted call
-    whose disconnect vLLM has not processed yet): retried for ``RESET_RETRY_S``, then forced
-    with ``reset_running_requests=true`` (what still runs then is no call of this gateway).
-    Each exchange ends within ``timeout_s``, the reload within ``reload_timeout_s``.
-
-    Raises:
-        ReloadError: a replica refused or could not be reached, or its prefix cache could not
-            be reset; names the replica, those that accepted the reload and those whose
-            weights are unknown.
-    """
-    reloaded: list[str] = []
-    for url in urls:
-        await _reload_weights(client, url, weights_location, reload_timeout_s, reloaded)
-        deadline = time.monotonic() + RESET_RETRY_S
-        while not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=False):
-            if time.monotonic() > deadline:
-                if not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=True):
-                    raise ReloadError(url, reloaded, "its prefix cache could not be reset")
-                break
-            await asyncio.sleep(0.05)
-
-
-async def pause_replicas(client: httpx.AsyncClient, urls: list[str], timeout_s: float) -> None:
-    """``POST /pause?mode=keep`` on each replica: vLLM freezes its requests, answering once its
-    engine finished the step in flight (vLLM 0.32, dev mode). Raises ``ReloadError``."""
-    for url in urls:
-        await post_to_replica(client, url, "/pause?mode=keep", {}, timeout_s, [])
-
-
-async def resume_replicas(
-    client: httpx.AsyncClient, urls: list[str], timeout_s: float, tries: int = RESUME_TRIES
-) -> list[str]:
-    """``POST /resume`` on every replica, each tried ``tries`` times (``RESUME_BACKOFF_S``
-    apart) even when another failed (a frozen replica stalls every call on it); returns the
-    replicas still not resumed (logged)."""
-    paused: list[str] = []
-    for url in urls:
-        for attempt in range(tries):
-            try:
-                await post_to_replica(client, url, "/resume", {}, timeout_s, [])
-                break
-            except ReloadError as exc:
-                if attempt + 1 == tries:
-                    log.error("upstream %s did not resume after a weight update: %s", url, exc)
-                    paused.append(url)
-                else:
-                    await asyncio.sleep(RESUME_BACKOFF_S)
-    return paused
-
-
-async def reload_kept_replicas(
-    client: httpx.AsyncClient,
-    urls: list[str],
-    weights_location: str,
-    label: str,
-    timeout_s: float,
-    reload_timeout_s: float,
-) -> None:
-    """The reload of a ``keep`` update on paused replicas: ``reload_weights`` (within
-    ``reload_timeout_s``), the prefix cache reset with the frozen requests preempted
-    (recomputed under the new weights on resume), then the engine's weight version label set
-    to ``label`` (``reload_label``; each within ``timeout_s``). Raises ``ReloadError``."""
-    reloaded: list[str] = []
-    for url in urls:
-        await _reload_weights(client, url, weights_location, reload_timeout_s, reloaded)
-        if not await _reset_prefix_cache(client, url, timeout_s, reloaded, force=True):
-            raise ReloadError(url, reloaded, "its prefix cache could not be reset")
-        label_body = {"new_version": label}
-        await post_to_replica(
-            client, url, "/update_weight_version", label_body, timeout_s, reloaded
-        )
-
-
 def reload_label(version: int) -> str:
     """The engine's weight version label of a kept reload to ``version``: the version and a
     random suffix (``"4:9f2c61d0a4b7"``), so that no label set before, by this gateway or
     another, or before a restart, equals it (``Ticket.engine_spans``)."""
     return f"{version}:{secrets.token_hex(6)}"
-
-
-async def _reload_weights(
-    client: httpx.AsyncClient,
-    url: str,
-    weights_location: str,
-    timeout_s: float,
-    reloaded: list[str],
-) -> None:
-    """``reload_weights`` on ``url``, added to ``reloaded`` once it accepted; raises
-    ``ReloadError`` (``partial`` when the reload may have begun: see ``post_to_replica``)."""
-    reload = {"method": "reload_weights", "kwargs": {"weights_path": weights_location}}
-    await post_to_replica(
-        client, url, "/collective_rpc", reload, timeout_s, reloaded, reloading=True
-    )
-    reloaded.append(url)
-
-
-async def _reset_prefix_cache(
-    client: httpx.AsyncClient, url: str, timeout_s: float, reloaded: list[str], *, force: bool
-) -> bool:
-    path = "/reset_prefix_cache?reset_running_requests=true" if force else "/reset_prefix_cache"
-    answer = await post_to_replica(client, url, path, {}, timeout_s, reloaded)
-    try:
-        return bool(answer.json().get("success", True))
-    except (ValueError, AttributeError):
-        return True  # an older vLLM answers 200 without a body: nothing to retry on
-
-
-async def post_to_replica(
-    client: httpx.AsyncClient,
-    url: str,
-    path: str,
-    body: dict[str, Any],
-    timeout_s: float,
-    reloaded: list[str],
-    *,
-    reloading: bool = False,
-) -> httpx.Response:
-    """POST ``body`` to the replica and read its whole answer within ``timeout_s`` in all
-    (a per-read timeout alone lets a peer that trickles a byte a second hold it forever);
-    raises ``ReloadError`` naming the replicas that accepted the reload (``reloaded``).
-    ``reloading``: the request is a reload, so a failure once it was sent (an answer of 5xx,
-    a timeout, a cut connection) may have left the replica's weights part loaded
-    (``ReloadError.partial``); one never sent (no connection) or refused as a request (4xx: no
-    such route, a bad body) changed nothing."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            response = await client.post(f"{url}{path}", json=body, timeout=timeout_s)
-    except TimeoutError as exc:
-        detail = f"no whole answer to {path} within {timeout_s} s"
-        raise ReloadError(url, reloaded, detail, partial=reloading) from exc
-    except httpx.HTTPError as exc:
-        unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
-        raise ReloadError(url, reloaded, repr(exc), partial=reloading and not unsent) from exc
-    if response.status_code >= 400:
-        detail = f"{response.status_code}: {response.text[:500]}"
-        raise ReloadError(url, reloaded, detail, partial=reloading and response.status_code >= 500)
-    return response
-
-
-class ReloadError(RuntimeError):
-    """A replica failed a step of a weight update.
-
-    ``reloaded``: the replicas that accepted the reload (``reload_weights`` answered 2xx), this
-    one included when it failed after that (its prefix cache reset or its label);
-    ``partial``: this replica's reload itself failed once sent, so its weights may be part
-    loaded; ``weights_unknown``: the replicas that may no longer hold the active version's
-    weights (both).
-    """
-
-    def __init__(
-        self, url: str, reloaded: list[str], detail: str, *, partial: bool = False
-    ) -> None:
-        message = (
-            f"replica {url} failed the weight update ({detail}); replicas that accepted the "
-            f"reload: {reloaded or 'none'}"
-        )
-        if partial:
-            message += f"; {url}'s reload failed part way: its weights are unknown"
-        super().__init__(message)
-        self.url = url
-        self.detail = detail
-        self.reloaded = list(reloaded)
-        self.partial = partial
-
-    @property
-    def weights_unknown(self) -> list[str]:
-        return [*self.reloaded, self.url] if self.partial else self.reloaded

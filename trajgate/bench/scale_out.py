@@ -29,11 +29,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.engine.paths import DERENDER_PATH as DERENDER_PATH
+from gateway.engine.paths import GENERATE_PATH as GENERATE_PATH
+from gateway.engine.paths import RENDER_PATH as RENDER_PATH
 from trajgate.bench.book import SYSTEM_FINGERPRINT, ResponseBook, _dumps, _Shape, _text
 
-RENDER_PATH = "/v1/chat/completions/render"
-GENERATE_PATH = "/inference/v1/generate"
-DERENDER_PATH = "/v1/chat/completions/derender"
+# The paths it serves: the gateway's own constants, so the emulator answers where it asks.
 PATHS = (RENDER_PATH, GENERATE_PATH, DERENDER_PATH)
 
 

@@ -2,7 +2,7 @@
 
 Owns: ``POST /pause``, ``/resume``, ``/collective_rpc`` (``reload_weights``),
 ``/reset_prefix_cache`` and ``/update_weight_version``, what a full-weight update of the
-gateway sends (``gateway.upstream.weight_update``); the engine's weight version label, which
+gateway sends (``gateway.engine.admin``); the engine's weight version label, which
 ``/inference/v1/generate`` reports as ``weight_versions`` (``trajgate.bench.scale_out``); the
 paths asked, in order (faults included: the emulator's ``EmulatorThread.fail`` answers a
 path told to fail before it gets here). Never: loads weights or freezes requests (``/pause``
@@ -14,11 +14,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PAUSE_PATH = "/pause"
-RESUME_PATH = "/resume"
-RELOAD_PATH = "/collective_rpc"
-RESET_PATH = "/reset_prefix_cache"
-LABEL_PATH = "/update_weight_version"
+from gateway.engine.paths import (
+    COLLECTIVE_RPC_PATH,
+    RESET_PREFIX_CACHE_PATH,
+    UPDATE_WEIGHT_VERSION_PATH,
+)
+from gateway.engine.paths import PAUSE_PATH as PAUSE_PATH
+from gateway.engine.paths import RESUME_PATH as RESUME_PATH
+
+# The paths it serves: the gateway's own constants, so the emulator answers where it asks.
+RELOAD_PATH = COLLECTIVE_RPC_PATH
+RESET_PATH = RESET_PREFIX_CACHE_PATH
+LABEL_PATH = UPDATE_WEIGHT_VERSION_PATH
 PATHS = (PAUSE_PATH, RESUME_PATH, RELOAD_PATH, RESET_PATH, LABEL_PATH)
 
 

@@ -54,6 +54,7 @@ import httpx
 from datapool import db
 from datapool.settings import PoolSettings
 from gateway.app import create_app
+from gateway.engine.paths import RESET_PREFIX_CACHE_PATH
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
 
@@ -134,7 +135,7 @@ def _round(
     after: int,
 ) -> tuple[float, float, dict[str, Any] | None]:
     """One round: (its wall s, the agents' mean wall s, the update's report or None)."""
-    httpx.post(f"{vllm_url}/reset_prefix_cache", timeout=60).raise_for_status()
+    httpx.post(f"{vllm_url}{RESET_PREFIX_CACHE_PATH}", timeout=60).raise_for_status()
     crew = [
         Agent(f"{gateway_url}/t/bench-{time.time_ns()}-{i}/v1/chat/completions", i, tokens)
         for i in range(agents)

@@ -18,6 +18,7 @@ from datapool.steps.canonical import CanonicalCall, Message, Tool
 from gateway.capture import token_ids
 from gateway.dialects.chat_completions import protocol
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
+from gateway.engine.paths import CHAT_PATH
 from gateway.errors import InvalidRequestError
 
 # The engine body's fields that are no sampling parameter: the conversation, the tools, the
@@ -74,7 +75,7 @@ class ChatCompletions(ChoicesDialect):
     answer_shape = protocol.ANSWER
     chunk_shape = protocol.CHUNK
     client_paths = ("/chat/completions",)
-    upstream_path = "/v1/chat/completions"
+    upstream_path = CHAT_PATH
     history_field = "messages"
 
     def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:

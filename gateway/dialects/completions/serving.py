@@ -21,6 +21,7 @@ from gateway.dialects.base import Prepared
 from gateway.dialects.chat_completions.serving import sampling_of
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
 from gateway.dialects.completions import protocol
+from gateway.engine.paths import COMPLETIONS_PATH
 from gateway.errors import InvalidRequestError
 
 
@@ -29,7 +30,7 @@ class Completions(ChoicesDialect):
     answer_shape = protocol.ANSWER
     chunk_shape = protocol.CHUNK
     client_paths = ("/completions",)
-    upstream_path = "/v1/completions"
+    upstream_path = COMPLETIONS_PATH
 
     def canonical(self, upstream_body: Mapping[str, Any]) -> CanonicalCall:
         """A prompt and its sampling parameters: no messages, no tools."""

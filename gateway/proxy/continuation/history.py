@@ -6,7 +6,7 @@ the key of the turn it becomes once answered; ``find_extension``, which
 picks the latest of them that a turn in memory or in the pool answers and checks the echo;
 and ``TurnMemory``, a bounded memory per trajectory of its recent turns (each ok choice of a
 call: its key, the response message the gateway returned, ``S = P + R``, its token sequence).
-Never: tokenizes, renders or talks to an engine (``gateway.proxy.continuation.engine`` does),
+Never: tokenizes, renders or talks to an engine (``gateway.engine.exact`` does),
 reads SQL (the pool finds a stored turn by its key: ``PoolStore.find_turn``), and never
 guesses: a history the client changed in any way is no extension (the call is rendered by the
 template and the pool records the break, as for any call).

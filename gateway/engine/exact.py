@@ -1,7 +1,8 @@
 """Asking vLLM for an exact continuation: render, then sample from our ids.
 
 Owns: ``send_exact``, which answers a chat completions body as vLLM's ``/v1/chat/completions``
-would, for the prompt ``gateway.proxy.continuation.prompt`` builds. vLLM renders the body
+would, for the prompt the proxy's exact prefix builds (``ExactPlan.exact_prefix``: the turn's
+own ids, ``gateway.proxy.continuation.prompt``). vLLM renders the body
 (``/v1/chat/completions/render``: the template's ids and vLLM's own sampling parameters for
 it); the gateway splices the turn's own ids in; then:
 
@@ -32,37 +33,83 @@ the turn the call extends in the pool. ``send_exact`` uses it when the call goes
 replica with that body; otherwise (another replica, a body that changed) it renders anew, and
 a call that extends no turn discards it.
 
+Each exchange (render, generate, derender, the unary forwarded chat call) has one overall
+deadline, the unary limit's longest (``errors.limit_s``): past it ``ExchangeTimeoutError``, a
+timeout as httpx's own. A stream's exchanges have none of their own: the caller's first-byte
+limit bounds them. A 200 answer that is not what vLLM sends is ``UnreadableAnswerError``.
+
+What the engine reads of the gateway is typed here, not imported: the replica
+(``ExactReplica``) and the call's plan (``ExactPlan``, which hands over the exact prefix and
+takes back what built the prompt), so the engine room never imports the proxy or the replicas.
+
 Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does), and a
-chat endpoint that honours forwarded prompt ids (vLLM 0.32 does);
-``gateway.upstream.replicas.probe_exact`` tells whether a replica has them.
+chat endpoint that honours forwarded prompt ids (vLLM 0.32 does); ``gateway.engine.probe``
+tells whether a replica has them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import httpx
 
-from datapool.steps.canonical import CanonicalCall
-from gateway.capture import UNREADABLE, CheckedIds, dumps, loads_object, token_ids
-from gateway.proxy.continuation.history import Extension
-from gateway.proxy.continuation.prompt import turn_prefix
-from gateway.upstream.replicas import (
-    CHAT_PATH,
-    DERENDER_PATH,
-    GENERATE_PATH,
-    RENDER_PATH,
-    Replica,
-)
+from gateway.capture import CheckedIds, dumps, token_ids
+from gateway.engine.errors import UnreadableAnswerError, answer_object, deadline, limit_s
+from gateway.engine.paths import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER_PATH
 
-log = logging.getLogger("trajgate.continuation")
-
-ContinuationMode = Literal["exact", "template"]
-CONTINUATION_MODES: tuple[ContinuationMode, ...] = ("exact", "template")
 JSON_HEADERS = {"content-type": "application/json"}
+
+
+class ExactReplica(Protocol):
+    """The replica an exact continuation goes to (``gateway.upstream.replicas.Replica``)."""
+
+    @property
+    def end_token(self) -> int | None:
+        """The template's end-of-turn token (``gateway.engine.probe``); None: unknown."""
+
+    @property
+    def forwards_prompt_ids(self) -> bool:
+        """Whether its chat endpoint samples from forwarded prompt ids."""
+
+    def endpoint(self, path: str) -> httpx.URL:
+        """The replica's URL of ``path`` (one of ``gateway.engine.paths``)."""
+
+
+class SplicedPrompt(Protocol):
+    """An exact prompt: ``token_ids`` ``[P']`` and the ``suffix_tokens`` the template rendered."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def suffix_tokens(self) -> int: ...
+
+
+class ExactPrefix(Protocol):
+    """The turn a call extends, closed as the template closes a turn
+    (``gateway.proxy.continuation.prompt.TurnPrefix``)."""
+
+    def splice(self, rendered: list[int]) -> SplicedPrompt | None:
+        """The exact prompt for the template's rendering ``rendered`` (``[F]``), or None when
+        it has no boundary (the template's own ids are then the prompt)."""
+
+
+class ExactPlan(Protocol):
+    """What ``send_exact`` reads of a call and writes back to it
+    (``gateway.proxy.continuation.plan.Continuation``): it hands the exact prefix and the render
+    sent ahead; it takes what built the prompt (``built``, ``suffix_tokens``), the prompt sent
+    (``prompt_token_ids``) and the engine's ``weight_versions`` spans by choice index."""
+
+    built: Literal["exact", "template"]
+    suffix_tokens: int | None
+    prompt_token_ids: list[int] | None
+    weight_versions: dict[int, list[Any]]
+    ahead: RenderAhead | None
+
+    def exact_prefix(self, end_token: int) -> ExactPrefix | None:
+        """The prefix to splice for the template's ``end_token`` (None: none can be closed)."""
 
 
 @dataclass
@@ -70,7 +117,7 @@ class RenderAhead:
     """A render sent before the call knew whether it would use it (``render_ahead``): to
     ``replica`` for ``body`` (the very object, the call's upstream body)."""
 
-    replica: Replica
+    replica: ExactReplica
     body: dict[str, Any]
     content: bytes  # ``body`` as JSON, as sent
     task: asyncio.Future[httpx.Response]
@@ -85,72 +132,35 @@ class RenderAhead:
 
 
 def render_ahead(
-    client: httpx.AsyncClient, replica: Replica, body: dict[str, Any], timeout: httpx.Timeout | None
+    client: httpx.AsyncClient,
+    replica: ExactReplica,
+    body: dict[str, Any],
+    timeout: httpx.Timeout | None,
 ) -> RenderAhead:
     """Send ``body``'s render to ``replica`` now, in a task; ``timeout`` as ``send_exact``
-    takes it. The caller hands it to ``Continuation.ahead`` or discards it."""
-    limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+    takes it. The caller hands it to ``ExactPlan.ahead`` or discards it."""
     content = dumps(body)
-    task = asyncio.ensure_future(_render(client, replica, content, limits))
+    task = asyncio.ensure_future(_render(client, replica, content, timeout))
     return RenderAhead(replica, body, content, task)
 
 
 async def _render(
-    client: httpx.AsyncClient, replica: Replica, content: bytes, limits: Any
+    client: httpx.AsyncClient,
+    replica: ExactReplica,
+    content: bytes,
+    timeout: httpx.Timeout | None,
 ) -> httpx.Response:
-    return await client.post(
-        replica.endpoint(RENDER_PATH), content=content, headers=JSON_HEADERS, timeout=limits
-    )
+    limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+    async with deadline(limit_s(timeout), RENDER_PATH):
+        return await client.post(
+            replica.endpoint(RENDER_PATH), content=content, headers=JSON_HEADERS, timeout=limits
+        )
 
 
 # Where an exact unary answer keeps its own JSON object in its ``httpx.Response.extensions``:
 # the capture reads that object instead of parsing the bytes it was just written to (at turn
 # 200 of a coding-agent session 20k prompt ids: a parse, and a check of ids already checked).
 PARSED_ANSWER = "trajgate.parsed_answer"
-
-
-@dataclass
-class Continuation:
-    """How one call's prompt is built. ``mode``: the channel's setting; ``extension``: the turn
-    it extends (None: none, so the template renders it); ``built``: what built the prompt
-    (``exact`` or ``template``), stored on the step; ``suffix_tokens``: in exact mode, how many
-    tokens the template rendered for the new messages and the generation prompt; on an exact
-    channel's chat path, ``render_key`` and ``canonical``: the call's ``history.render_key``
-    and canonical record, from which each choice's ``turn_key`` is computed (None elsewhere);
-    ``weight_versions``: by choice index, the engine's ``weight_versions`` spans as a unary
-    ``/inference/v1/generate`` reported them (``[{"version", "start", "end"}, ...]``), read by
-    ``gateway.upstream.weight_update.Ticket.version_spans``; ``prompt_token_ids``: the prompt
-    sent to the engine (``confirm`` checks the engine used it); ``ahead``: the render sent
-    ahead for it, until ``send_exact`` takes it (``discard`` cancels one never taken)."""
-
-    mode: ContinuationMode
-    extension: Extension | None = None
-    built: ContinuationMode = "template"
-    suffix_tokens: int | None = None
-    render_key: str | None = None
-    canonical: CanonicalCall | None = None
-    weight_versions: dict[int, list[Any]] = field(default_factory=dict)
-    prompt_token_ids: list[int] | None = None
-    ahead: RenderAhead | None = None
-
-    def discard(self) -> None:
-        """Drop the render sent ahead, if ``send_exact`` did not take it."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            ahead.discard()
-
-    def confirm(self, engine_prompt: list[int] | None) -> None:
-        """Keep ``built`` = ``exact`` only when the engine reports the prompt it was sent:
-        vLLM renders the messages instead of taking forwarded ids for some bodies (``echo``,
-        non-text content), and such a call was then the template's."""
-        if (
-            self.built != "exact"
-            or engine_prompt is self.prompt_token_ids
-            or engine_prompt == self.prompt_token_ids
-        ):
-            return
-        log.warning("the engine did not sample from the exact prompt sent: recorded as template")
-        self.built, self.suffix_tokens = "template", None
 
 
 def _error_response(answer: httpx.Response, content: bytes) -> httpx.Response:
@@ -163,36 +173,38 @@ def _error_response(answer: httpx.Response, content: bytes) -> httpx.Response:
 
 async def send_exact(
     client: httpx.AsyncClient,
-    replica: Replica,
+    replica: ExactReplica,
     body: dict[str, Any],
-    continuation: Continuation,
+    continuation: ExactPlan,
     timeout: httpx.Timeout | None,
 ) -> httpx.Response:
     """The chat answer to ``body`` (an upstream chat completions body) on ``replica`` with its
-    prompt built from ``continuation.extension`` (``replica.end_token``, the template's
-    end-of-turn token, learnt by ``gateway.upstream.replicas.probe_exact``, must be known);
+    prompt built from ``continuation.exact_prefix`` (``replica.end_token``, the template's
+    end-of-turn token, learnt by ``gateway.engine.probe``, must be known);
     ``continuation.built``, ``suffix_tokens`` and
     ``prompt_token_ids`` are set on the way (``template`` when the rendering has no boundary:
-    then the template's own ids are the prompt). ``timeout``: the limits of a unary call;
-    None for a stream (the client's defaults: its read timeout is the silence allowed between
-    chunks). A stream is returned open, as vLLM's chat endpoint answered it; a non-200 answer
-    of any endpoint is returned as it came. Raises ``httpx.HTTPError`` as the HTTP client does,
-    and ``httpx.DecodingError`` for a 200 answer of render, generate or derender that is not
-    the JSON object it should be.
+    then the template's own ids are the prompt). ``timeout``: the limits of a unary call, and
+    each exchange's overall deadline (``limit_s``); None for a stream (the client's defaults:
+    its read timeout is the silence allowed between chunks). A stream is returned open, as
+    vLLM's chat endpoint answered it; a non-200 answer of any endpoint is returned as it came.
+    Raises ``httpx.HTTPError`` as the HTTP client does, ``ExchangeTimeoutError`` (an
+    ``httpx.TimeoutException``) past an exchange's deadline, and ``UnreadableAnswerError`` (an
+    ``httpx.DecodingError``) for a 200 answer of render, generate or derender that is not the
+    JSON object it should be.
     """
-    extension, end_token = continuation.extension, replica.end_token
-    assert extension is not None and end_token is not None, "send_exact continues a turn"
+    end_token = replica.end_token
+    assert end_token is not None, "send_exact continues a turn on a probed replica"
     assert "kv_transfer_params" not in body, "plan_continuation continues no such body"
     limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-    prefix = turn_prefix(extension.turn.sequence, end_token)  # while a render sent ahead is out
+    prefix = continuation.exact_prefix(end_token)  # while a render sent ahead is out
     ahead, content = _taken_ahead(continuation, replica, body)
-    render = await (ahead.task if ahead is not None else _render(client, replica, content, limits))
+    render = await (ahead.task if ahead is not None else _render(client, replica, content, timeout))
     if render.status_code != 200:
         return _error_response(render, render.content)
-    request = _answer_of(render, "render")
+    request = answer_object(render, "render")
     rendered = _read(token_ids, request.get("token_ids"), "render's token_ids")
     if not rendered or not isinstance(request.get("sampling_params"), dict):
-        raise httpx.DecodingError(
+        raise UnreadableAnswerError(
             f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
         )
     built = None if prefix is None else prefix.splice(rendered)
@@ -213,20 +225,27 @@ async def send_exact(
             headers=JSON_HEADERS,
             timeout=limits,
         )
-        answer = await client.send(chat, stream=True)
-        if not stream:
-            await answer.aread()
+        if stream:
+            return await client.send(chat, stream=True)
+        async with deadline(limit_s(timeout), CHAT_PATH):
+            answer = await client.send(chat, stream=True)
+            try:
+                await answer.aread()
+            except BaseException:
+                await answer.aclose()
+                raise
         return answer
     _restate_max_tokens(request["sampling_params"], body)
-    answer = await client.post(
-        replica.endpoint(GENERATE_PATH),
-        content=dumps(request),
-        headers=JSON_HEADERS,
-        timeout=timeout,
-    )
+    async with deadline(limit_s(timeout), GENERATE_PATH):
+        answer = await client.post(
+            replica.endpoint(GENERATE_PATH),
+            content=dumps(request),
+            headers=JSON_HEADERS,
+            timeout=timeout,
+        )
     if answer.status_code != 200:
         return _error_response(answer, answer.content)
-    generated = _answer_of(answer, "generate")
+    generated = answer_object(answer, "generate")
     sampled = _sampled(generated)
     _keep_weight_versions(continuation, generated["choices"])
     return await _unary(client, replica, body, prompt, generated, sampled, timeout)
@@ -243,18 +262,18 @@ class _Sampled:
 
 
 def _sampled(generated: dict[str, Any]) -> dict[int, _Sampled]:
-    """generate's choices by index. Raises ``httpx.DecodingError`` (an unreadable answer,
+    """generate's choices by index. Raises ``UnreadableAnswerError`` (an unreadable answer,
     ``upstream_error``) unless ``choices`` is a non-empty list of objects, each with its own
     integer ``index``, a non-empty list of int32 ``token_ids``, logprobs (when sent) one number
     per token, a string or null ``finish_reason`` and ``stop_reason`` an integer, string or
     null: vLLM's ``GenerateTokensChoice``."""
     choices = generated.get("choices")
     if not isinstance(choices, list) or not choices:
-        raise httpx.DecodingError(f"generate answered no choices list: {choices!r:.80}")
+        raise UnreadableAnswerError(f"generate answered no choices list: {choices!r:.80}")
     sampled: dict[int, _Sampled] = {}
     for choice in choices:
         if not isinstance(choice, dict) or type(choice.get("index")) is not int:
-            raise httpx.DecodingError(f"generate answered a choice without index: {choice!r:.80}")
+            raise UnreadableAnswerError(f"generate answered a choice without index: {choice!r:.80}")
         ids = _read(token_ids, choice.get("token_ids"), "generate's token_ids")
         logprobs = _read(_logprobs_of, choice.get("logprobs"), "generate's logprobs")
         finish, stop = choice.get("finish_reason"), choice.get("stop_reason")
@@ -266,7 +285,7 @@ def _sampled(generated: dict[str, Any]) -> dict[int, _Sampled]:
             or not isinstance(stop, int | str | None)
             or isinstance(stop, bool)
         ):
-            raise httpx.DecodingError(f"generate answered an unreadable choice: {choice!r:.120}")
+            raise UnreadableAnswerError(f"generate answered an unreadable choice: {choice!r:.120}")
         sampled[choice["index"]] = _Sampled(ids, logprobs, finish, stop)
     return sampled
 
@@ -285,25 +304,15 @@ def _logprobs_of(value: Any) -> list[float] | None:
 
 
 def _read(reader: Any, value: Any, what: str) -> Any:
-    """``reader(value)``, its ``ValueError`` an unreadable answer (``httpx.DecodingError``)."""
+    """``reader(value)``, its ``ValueError`` an unreadable answer (``UnreadableAnswerError``)."""
     try:
         return reader(value)
     except ValueError as exc:
-        raise httpx.DecodingError(f"vLLM's {what} are unreadable: {exc}") from exc
-
-
-def _answer_of(response: httpx.Response, endpoint: str) -> dict[str, Any]:
-    """A 200 answer's JSON object. Raises ``httpx.DecodingError`` for one the gateway cannot
-    read (not UTF-8 JSON, not an object): the replica answered, unreadably
-    (``attempts.failed_attempt`` records it as ``upstream_error``)."""
-    try:
-        return loads_object(response.content)
-    except UNREADABLE as exc:
-        raise httpx.DecodingError(f"vLLM's {endpoint} answered unreadably: {exc!r}") from exc
+        raise UnreadableAnswerError(f"vLLM's {what} are unreadable: {exc}") from exc
 
 
 def _taken_ahead(
-    continuation: Continuation, replica: Replica, body: dict[str, Any]
+    continuation: ExactPlan, replica: ExactReplica, body: dict[str, Any]
 ) -> tuple[RenderAhead | None, bytes]:
     """The render sent ahead for this call, when it went to ``replica`` for this body (the
     very object, or one of the same JSON: a re-send's body prepared again), taken off
@@ -352,7 +361,7 @@ def _restate_max_tokens(params: dict[str, Any], body: dict[str, Any]) -> None:
         params.setdefault("max_tokens", SAMPLING_PARAMS_DEFAULT_MAX_TOKENS)
 
 
-def _keep_weight_versions(continuation: Continuation, choices: Any) -> None:
+def _keep_weight_versions(continuation: ExactPlan, choices: Any) -> None:
     """Keep the ``weight_versions`` of each generate choice that carries them (vLLM sets them
     on a choice's final output only)."""
     for choice in choices if isinstance(choices, list) else []:
@@ -365,7 +374,7 @@ def _keep_weight_versions(continuation: Continuation, choices: Any) -> None:
 
 async def _unary(
     client: httpx.AsyncClient,
-    replica: Replica,
+    replica: ExactReplica,
     body: dict[str, Any],
     prompt: list[int],
     generated: dict[str, Any],
@@ -374,29 +383,29 @@ async def _unary(
 ) -> httpx.Response:
     """The chat answer: derender's text, tool calls and token strings, with generate's ids,
     logprobs, finish and stop reasons (derender's own are only a re-telling of them). Raises
-    ``httpx.DecodingError`` when derender answers other choices than generate sampled (their
+    ``UnreadableAnswerError`` when derender answers other choices than generate sampled (their
     number, an index, or a finish reason differs) or other logprob entries than tokens: text
     that may not be of these tokens is no answer to record."""
-    derender = await client.post(
-        replica.endpoint(DERENDER_PATH),
-        content=dumps(
-            {
-                "model": body.get("model"),
-                "generate_response": _as_detokenized(generated, body),
-                "chat_request": body,
-                "prompt_token_ids": prompt,
-                "prompt_tokens": len(prompt),
-            }
-        ),
-        headers=JSON_HEADERS,
-        timeout=timeout,
-    )
+    request = {
+        "model": body.get("model"),
+        "generate_response": _as_detokenized(generated, body),
+        "chat_request": body,
+        "prompt_token_ids": prompt,
+        "prompt_tokens": len(prompt),
+    }
+    async with deadline(limit_s(timeout), DERENDER_PATH):
+        derender = await client.post(
+            replica.endpoint(DERENDER_PATH),
+            content=dumps(request),
+            headers=JSON_HEADERS,
+            timeout=timeout,
+        )
     if derender.status_code != 200:
         return _error_response(derender, derender.content)
-    answer = _answer_of(derender, "derender")
+    answer = answer_object(derender, "derender")
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != len(sampled):
-        raise httpx.DecodingError(
+        raise UnreadableAnswerError(
             f"derender answered {choices!r:.80} for the {len(sampled)} choices generate sampled"
         )
     # What the chat endpoint adds for ``return_token_ids`` (the gateway always asks): the
@@ -426,12 +435,12 @@ async def _unary(
 
 
 def _derendered(choice: Any, sampled: dict[int, _Sampled]) -> _Sampled:
-    """The generate choice derender's ``choice`` tells. Raises ``httpx.DecodingError`` when it
+    """The generate choice derender's ``choice`` tells. Raises ``UnreadableAnswerError`` when it
     names no sampled choice, another finish reason, or other logprob entries than tokens."""
     index = choice.get("index") if isinstance(choice, dict) else None
     own = sampled.get(index) if type(index) is int else None
     if own is None or choice.get("finish_reason") != own.finish_reason:
-        raise httpx.DecodingError(
+        raise UnreadableAnswerError(
             f"derender answered a choice generate did not sample: {choice!r:.120}"
         )
     logprobs = choice.get("logprobs")
@@ -441,13 +450,13 @@ def _derendered(choice: Any, sampled: dict[int, _Sampled]) -> _Sampled:
         and len(content) == len(own.logprobs)
         and all(isinstance(entry, dict) for entry in content)
     ):
-        raise httpx.DecodingError(
+        raise UnreadableAnswerError(
             f"derender answered {logprobs!r:.80} for the {len(own.logprobs)} tokens sampled"
         )
     return own
 
 
-def continues_exactly(replica: Replica, body: dict[str, Any]) -> bool:
+def continues_exactly(replica: ExactReplica, body: dict[str, Any]) -> bool:
     """Whether ``replica`` serves an exact continuation of ``body``: its end token is known
     (probed), and it samples from forwarded prompt ids where ``body`` needs them."""
     return replica.end_token is not None and (

@@ -1,0 +1,24 @@
+"""The engine room: the only code that speaks vLLM.
+
+Modules, one per exchange:
+
+- ``paths``: every vLLM endpoint path, written nowhere else (``tests/test_engine_room.py``).
+- ``errors``: what an exchange raises besides httpx's own (``UnreadableAnswerError``, an
+  ``httpx.DecodingError``; ``ExchangeTimeoutError``, an ``httpx.TimeoutException``), and the
+  overall deadline of one exchange (``deadline``).
+- ``exact``: an exact continuation's render, generate, derender and forwarded chat call
+  (``send_exact``, ``render_ahead``, ``continues_exactly``).
+- ``admin``: pause, resume, reload, prefix-cache reset and weight label of full-weight updates,
+  LoRA load, list and unload (``ReloadError``, ``AdapterRefusedError``).
+- ``models``: the model list (``model_entries``, ``served_models``, ``models_answer``).
+- ``probe``: the health check, the token-id probe and the exact-continuation probe
+  (``healthy``, ``probe_token_ids``, ``probe_exact_endpoints``), found as values.
+- ``tokenize``: ``/tokenize``, for the dialects' side routes (``tokenize``).
+
+Never: chooses a replica, holds a call, decides a policy version or reads a client's dialect;
+the replicas (``gateway.upstream``) and the proxy (``gateway.proxy``) hand it what it needs,
+typed here as protocols (``exact.ExactReplica``, ``exact.ExactPlan``).
+
+Imports: ``gateway.capture`` and httpx; never ``gateway.upstream``, ``gateway.proxy``,
+``gateway.dialects`` or ``gateway.state`` (``.importlinter``). This file imports nothing.
+"""
