@@ -28,9 +28,9 @@ from gateway_helpers import (
 from sqlalchemy.exc import OperationalError
 
 from datapool.settings import PoolSettings
-from gateway.proxy import preparation
 from gateway.engine import exact as engine
 from gateway.engine.exact import RenderAhead, render_ahead
+from gateway.proxy import preparation
 from gateway.proxy.lifetime import CallLifetime
 from gateway.server import BackgroundServer
 from gateway.upstream.replicas import Replica
