@@ -779,13 +779,15 @@ def test_derender_is_given_the_ids_the_chat_endpoint_writes_text_for() -> None:
 
 
 def test_a_call_is_recorded_exact_only_when_the_engine_sampled_from_the_prompt_sent() -> None:
+    from gateway.engine.exact import ExactAnswer
     from gateway.proxy.continuation.plan import Continuation
 
-    sent = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
+    answer = ExactAnswer(httpx.Response(200), "exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
+    sent = Continuation("exact", answer=answer)
     sent.confirm([1, 2, 3])
     assert (sent.built, sent.suffix_tokens) == ("exact", 2)
     # vLLM rendered the messages instead (echo, non-text content): the template's prompt.
-    rendered = Continuation("exact", built="exact", suffix_tokens=2, prompt_token_ids=[1, 2, 3])
+    rendered = Continuation("exact", answer=answer)
     rendered.confirm([1, 2, 4])
     assert (rendered.built, rendered.suffix_tokens) == ("template", None)
 

@@ -17,7 +17,8 @@ Modules, one per exchange:
 
 Never: chooses a replica, holds a call, decides a policy version or reads a client's dialect;
 the replicas (``gateway.upstream``) and the proxy (``gateway.proxy``) hand it what it needs,
-typed here as protocols (``exact.ExactReplica``, ``exact.ExactPlan``).
+typed here as protocols (``exact.ExactReplica``, ``exact.ExactPrefix``), and gets back what
+it learnt as values (``exact.ExactAnswer``).
 
 Imports: ``gateway.capture`` and httpx; never ``gateway.upstream``, ``gateway.proxy``,
 ``gateway.dialects`` or ``gateway.state`` (``.importlinter``). This file imports nothing.

@@ -1,8 +1,8 @@
 """Asking vLLM for an exact continuation: render, then sample from our ids.
 
 Owns: ``send_exact``, which answers a chat completions body as vLLM's ``/v1/chat/completions``
-would, for the prompt the proxy's exact prefix builds (``ExactPlan.exact_prefix``: the turn's
-own ids, ``gateway.proxy.continuation.prompt``). vLLM renders the body
+would, for the prompt the proxy's exact prefix builds (``ExactPrefix``: the turn's own ids,
+``gateway.proxy.continuation.prompt``). vLLM renders the body
 (``/v1/chat/completions/render``: the template's ids and vLLM's own sampling parameters for
 it); the gateway splices the turn's own ids in; then:
 
@@ -39,8 +39,10 @@ timeout as httpx's own. A stream's exchanges have none of their own: the caller'
 limit bounds them. A 200 answer that is not what vLLM sends is ``UnreadableAnswerError``.
 
 What the engine reads of the gateway is typed here, not imported: the replica
-(``ExactReplica``) and the call's plan (``ExactPlan``, which hands over the exact prefix and
-takes back what built the prompt), so the engine room never imports the proxy or the replicas.
+(``ExactReplica``) and the exact prefix of the turn a call extends (``ExactPrefix``), so the
+engine room never imports the proxy or the replicas. What it learnt comes back as a value
+(``ExactAnswer``: the answer, what built the prompt, the prompt sent and the engine's weight
+version spans), which the proxy keeps with its call.
 
 Endpoints needed: vLLM started with ``--enable-scale-out`` (``trajgate vllm start`` does), and a
 chat endpoint that honours forwarded prompt ids (vLLM 0.32 does); ``gateway.engine.probe``
@@ -50,7 +52,8 @@ tells whether a replica has them.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -96,20 +99,28 @@ class ExactPrefix(Protocol):
         it has no boundary (the template's own ids are then the prompt)."""
 
 
-class ExactPlan(Protocol):
-    """What ``send_exact`` reads of a call and writes back to it
-    (``gateway.proxy.continuation.plan.Continuation``): it hands the exact prefix and the render
-    sent ahead; it takes what built the prompt (``built``, ``suffix_tokens``), the prompt sent
-    (``prompt_token_ids``) and the engine's ``weight_versions`` spans by choice index."""
+Built = Literal["exact", "template"]
 
-    built: Literal["exact", "template"]
-    suffix_tokens: int | None
-    prompt_token_ids: list[int] | None
-    weight_versions: dict[int, list[Any]]
-    ahead: RenderAhead | None
 
-    def exact_prefix(self, end_token: int) -> ExactPrefix | None:
-        """The prefix to splice for the template's ``end_token`` (None: none can be closed)."""
+@dataclass(frozen=True)
+class ExactAnswer:
+    """What ``send_exact`` got for one attempt, as a value the proxy keeps with its call.
+
+    ``response``: the chat answer (or the non-200 answer of the exchange that refused), as
+    ``send_exact`` documents it. ``built``: what built the prompt, ``exact`` (the turn's own ids
+    spliced into the template's rendering) or ``template`` (the template's own ids, or nothing
+    built: a render that did not answer 200); ``suffix_tokens``: when ``exact``, how many
+    tokens the template rendered for the new messages and the generation prompt, else None;
+    ``prompt_token_ids``: the prompt sent to the engine (``[P]``), None when no render answered
+    200; ``weight_versions``: by choice index, the engine's ``weight_versions`` spans of each
+    generate choice that carried them (``[{"version", "start", "end"}, ...]`` over that
+    choice's ``[T]`` output tokens), empty for an answer of the chat endpoint."""
+
+    response: httpx.Response
+    built: Built = "template"
+    suffix_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    weight_versions: Mapping[int, list[Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,7 +149,7 @@ def render_ahead(
     timeout: httpx.Timeout | None,
 ) -> RenderAhead:
     """Send ``body``'s render to ``replica`` now, in a task; ``timeout`` as ``send_exact``
-    takes it. The caller hands it to ``ExactPlan.ahead`` or discards it."""
+    takes it. The caller hands it to ``send_exact`` or discards it."""
     content = dumps(body)
     task = asyncio.ensure_future(_render(client, replica, content, timeout))
     return RenderAhead(replica, body, content, task)
@@ -175,47 +186,49 @@ async def send_exact(
     client: httpx.AsyncClient,
     replica: ExactReplica,
     body: dict[str, Any],
-    continuation: ExactPlan,
+    prefix: ExactPrefix | None,
+    ahead: RenderAhead | None,
     timeout: httpx.Timeout | None,
-) -> httpx.Response:
+) -> ExactAnswer:
     """The chat answer to ``body`` (an upstream chat completions body) on ``replica`` with its
-    prompt built from ``continuation.exact_prefix`` (``replica.end_token``, the template's
-    end-of-turn token, learnt by ``gateway.engine.probe``, must be known);
-    ``continuation.built``, ``suffix_tokens`` and
-    ``prompt_token_ids`` are set on the way (``template`` when the rendering has no boundary:
-    then the template's own ids are the prompt). ``timeout``: the limits of a unary call, and
-    each exchange's overall deadline (``limit_s``); None for a stream (the client's defaults:
-    its read timeout is the silence allowed between chunks). A stream is returned open, as
-    vLLM's chat endpoint answered it; a non-200 answer of any endpoint is returned as it came.
-    Raises ``httpx.HTTPError`` as the HTTP client does, ``ExchangeTimeoutError`` (an
-    ``httpx.TimeoutException``) past an exchange's deadline, and ``UnreadableAnswerError`` (an
-    ``httpx.DecodingError``) for a 200 answer of render, generate or derender that is not the
-    JSON object it should be.
+    prompt built from ``prefix``, the turn the call extends closed with ``replica.end_token``
+    (the template's end-of-turn token, learnt by ``gateway.engine.probe``, must be known; None:
+    no turn to splice, the template's own ids are the prompt), with what built the prompt,
+    the prompt sent and the engine's weight version spans (``ExactAnswer``). ``ahead``: the
+    render sent ahead for this call (``render_ahead``), used when it went to ``replica`` for
+    this body, discarded otherwise; ``send_exact`` owns it from here. ``timeout``: the limits
+    of a unary call, and each exchange's overall deadline (``limit_s``); None for a stream (the
+    client's defaults: its read timeout is the silence allowed between chunks). A stream is
+    returned open, as vLLM's chat endpoint answered it; a non-200 answer of any endpoint is
+    returned as it came. Raises ``httpx.HTTPError`` as the HTTP client does,
+    ``ExchangeTimeoutError`` (an ``httpx.TimeoutException``) past an exchange's deadline, and
+    ``UnreadableAnswerError`` (an ``httpx.DecodingError``) for a 200 answer of render, generate
+    or derender that is not the JSON object it should be.
     """
-    end_token = replica.end_token
-    assert end_token is not None, "send_exact continues a turn on a probed replica"
+    assert replica.end_token is not None, "send_exact continues a turn on a probed replica"
     assert "kv_transfer_params" not in body, "plan_continuation continues no such body"
     limits = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-    prefix = continuation.exact_prefix(end_token)  # while a render sent ahead is out
-    ahead, content = _taken_ahead(continuation, replica, body)
+    ahead, content = _taken_ahead(ahead, replica, body)
     render = await (ahead.task if ahead is not None else _render(client, replica, content, timeout))
     if render.status_code != 200:
-        return _error_response(render, render.content)
+        return ExactAnswer(_error_response(render, render.content))
     request = answer_object(render, "render")
     rendered = _read(token_ids, request.get("token_ids"), "render's token_ids")
     if not rendered or not isinstance(request.get("sampling_params"), dict):
         raise UnreadableAnswerError(
             f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
         )
-    built = None if prefix is None else prefix.splice(rendered)
-    if built is not None:
-        request["token_ids"] = built.token_ids
-        continuation.built, continuation.suffix_tokens = "exact", built.suffix_tokens
-    else:
-        continuation.built, continuation.suffix_tokens = "template", None
+    spliced = None if prefix is None else prefix.splice(rendered)
+    if spliced is not None:
+        request["token_ids"] = spliced.token_ids
     # Read by token_ids (the render's) or spliced from such ids and a captured turn's.
     prompt: list[int] = CheckedIds(request["token_ids"])
-    continuation.prompt_token_ids = prompt
+
+    def answered(response: httpx.Response, versions: Mapping[int, list[Any]]) -> ExactAnswer:
+        if spliced is None:
+            return ExactAnswer(response, "template", None, prompt, versions)
+        return ExactAnswer(response, "exact", spliced.suffix_tokens, prompt, versions)
+
     stream = body.get("stream") is True
     if samples_from_forwarded_ids(body):
         chat = client.build_request(
@@ -226,7 +239,7 @@ async def send_exact(
             timeout=limits,
         )
         if stream:
-            return await client.send(chat, stream=True)
+            return answered(await client.send(chat, stream=True), {})
         async with deadline(limit_s(timeout), CHAT_PATH):
             answer = await client.send(chat, stream=True)
             try:
@@ -234,7 +247,7 @@ async def send_exact(
             except BaseException:
                 await answer.aclose()
                 raise
-        return answer
+        return answered(answer, {})
     _restate_max_tokens(request["sampling_params"], body)
     async with deadline(limit_s(timeout), GENERATE_PATH):
         answer = await client.post(
@@ -244,11 +257,12 @@ async def send_exact(
             timeout=timeout,
         )
     if answer.status_code != 200:
-        return _error_response(answer, answer.content)
+        return answered(_error_response(answer, answer.content), {})
     generated = answer_object(answer, "generate")
     sampled = _sampled(generated)
-    _keep_weight_versions(continuation, generated["choices"])
-    return await _unary(client, replica, body, prompt, generated, sampled, timeout)
+    versions = _weight_versions(generated["choices"])
+    chat_answer = await _unary(client, replica, body, prompt, generated, sampled, timeout)
+    return answered(chat_answer, versions)
 
 
 @dataclass(frozen=True)
@@ -312,13 +326,11 @@ def _read(reader: Any, value: Any, what: str) -> Any:
 
 
 def _taken_ahead(
-    continuation: ExactPlan, replica: ExactReplica, body: dict[str, Any]
+    ahead: RenderAhead | None, replica: ExactReplica, body: dict[str, Any]
 ) -> tuple[RenderAhead | None, bytes]:
-    """The render sent ahead for this call, when it went to ``replica`` for this body (the
-    very object, or one of the same JSON: a re-send's body prepared again), taken off
-    ``continuation`` (one that did not is discarded), and the body's JSON, dumped at most
-    once."""
-    ahead, continuation.ahead = continuation.ahead, None
+    """``ahead``, the render sent ahead for this call, when it went to ``replica`` for this body
+    (the very object, or one of the same JSON: a re-send's body prepared again; one that did
+    not is discarded), and the body's JSON, dumped at most once."""
     if ahead is None:
         return None, dumps(body)
     content = ahead.content if ahead.body is body else dumps(body)
@@ -361,15 +373,17 @@ def _restate_max_tokens(params: dict[str, Any], body: dict[str, Any]) -> None:
         params.setdefault("max_tokens", SAMPLING_PARAMS_DEFAULT_MAX_TOKENS)
 
 
-def _keep_weight_versions(continuation: ExactPlan, choices: Any) -> None:
-    """Keep the ``weight_versions`` of each generate choice that carries them (vLLM sets them
-    on a choice's final output only)."""
+def _weight_versions(choices: Any) -> dict[int, list[Any]]:
+    """The ``weight_versions`` of each generate choice that carries them, by choice index
+    (vLLM sets them on a choice's final output only)."""
+    versions: dict[int, list[Any]] = {}
     for choice in choices if isinstance(choices, list) else []:
         if not isinstance(choice, dict) or not isinstance(choice.get("weight_versions"), list):
             continue
         index = choice.get("index", 0)
         if type(index) is int:
-            continuation.weight_versions[index] = choice["weight_versions"]
+            versions[index] = choice["weight_versions"]
+    return versions
 
 
 async def _unary(

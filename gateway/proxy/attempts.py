@@ -5,7 +5,8 @@ Owns: picking the replica, the first-byte (streams) and total (unary) time limit
 connection errors and 502/503/504 answers (never after a timeout: tokens may already have been
 generated; never an answer past ``upstream_max_answer_bytes``: another replica would sample as
 long), what a failed attempt is recorded as (``upstream_unreachable``, ``upstream_error``,
-``upstream_timeout``), and the upstream request with its limits. Never: answers the client
+``upstream_timeout``), the upstream request with its limits, and an exact attempt's answer kept
+on the call (``exact_attempt``: ``Continuation.answer``). Never: answers the client
 (``gateway.proxy.answer``) or reads an answer beyond a unary answer's bytes.
 """
 
@@ -79,13 +80,7 @@ async def try_replica(
                     state.client, replica, settings.upstream_connect_timeout_s
                 )
             if extends and continues_exactly(replica, call.upstream_body):
-                response = await send_exact(
-                    state.client,
-                    replica,
-                    call.upstream_body,
-                    call.continuation,
-                    None if stream else upstream_timeout(state),
-                )
+                response = await exact_attempt(state, call, replica)
             else:
                 response = await state.client.send(
                     upstream_request(state, call, replica), stream=True
@@ -126,6 +121,24 @@ async def try_replica(
         return None
     state.upstreams.mark_success(replica)
     return response
+
+
+async def exact_attempt(state: GatewayState, call: Call, replica: Replica) -> httpx.Response:
+    """The exact continuation of ``call`` on ``replica`` (probed: its end token is known): the
+    turn it extends closed with that token and the render sent ahead, if no earlier attempt
+    took it, go to ``send_exact``; its answer (what built the prompt, the prompt sent, the
+    engine's weight version spans) is kept on ``call.continuation`` as ``answer``, and its
+    response returned. Raises as ``send_exact`` does."""
+    continuation = call.continuation
+    end_token = replica.end_token
+    assert end_token is not None, "an exact continuation goes to a probed replica"
+    prefix = continuation.exact_prefix(end_token)  # while a render sent ahead is out
+    timeout = None if call.prepared.stream else upstream_timeout(state)
+    answer = await send_exact(
+        state.client, replica, call.upstream_body, prefix, continuation.take_ahead(), timeout
+    )
+    continuation.answer = answer
+    return answer.response
 
 
 async def failed_attempt(

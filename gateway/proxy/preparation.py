@@ -113,7 +113,7 @@ async def new_call(
         tool_strict_level=tool_strict_level,
     )
     if continuation.extension is not None:
-        continuation.ahead = lifetime.ahead  # for ``send_exact`` to take
+        continuation.ahead = lifetime.ahead  # for the first exact attempt to take
     else:
         # Dropped now, not when the call ends: a call that extends no turn is the template's,
         # and would otherwise keep a render nothing reads for as long as it samples.
