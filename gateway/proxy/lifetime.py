@@ -15,7 +15,8 @@ replica in flight      the open upstream response (``ReplicaResponse``), whose c
                        early
 render sent ahead      an exact continuation's render (``RenderAhead``), sent while the call
                        is still prepared (``gateway.proxy.preparation.render_ahead_of``);
-                       ``send_exact`` takes it from ``Continuation.ahead``, and ending the
+                       the attempt loop takes it (``Continuation.take_ahead``) and hands
+                       it to ``gateway.engine.exact.send_exact``; ending the
                        lifetime cancels one no attempt took (refused, re-sent elsewhere,
                        failed upstream, cancelled), so none is left running
 =====================  =====================================================================
