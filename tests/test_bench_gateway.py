@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +24,7 @@ from trajgate.bench.gateway import (
     BenchSettings,
     Caller,
     percentile,
+    process_cpu_s,
     request_body,
     run_benchmark,
 )
@@ -200,6 +204,26 @@ def test_emulator_with_messages_prompts_extends_a_turn_that_carries_its_answer()
     p1_rewritten = turn1_rewritten["prompt_token_ids"]
     assert len(p1_rewritten) == 12 and p1_rewritten[:4] == p0 and p1_rewritten[8:] == p1[6:]
     assert p1_rewritten[4:6] != r0
+
+
+def _burn_cpu(seconds: float) -> None:
+    started = time.thread_time()
+    while time.thread_time() - started < seconds:
+        pass
+
+
+def test_process_cpu_is_read_finer_than_a_clock_tick() -> None:
+    """2 ms of CPU shows in a process's and a thread's reading: /proc's stat counts 10 ms
+    ticks, in which a few short calls can read as no CPU at all (a bench run once reported
+    0.0 ms of gateway CPU per call)."""
+    pid, thread = os.getpid(), threading.get_native_id()
+    for _ in range(5):
+        before = process_cpu_s(pid), process_cpu_s(pid, thread)
+        _burn_cpu(0.002)
+        after = process_cpu_s(pid), process_cpu_s(pid, thread)
+        assert None not in before + after
+        assert all(0 < b - a < 1.0 for a, b in zip(before, after, strict=True))  # type: ignore[operator]
+    assert process_cpu_s(None) is None
 
 
 def test_percentile_takes_the_nearest_rank() -> None:
