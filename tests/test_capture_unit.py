@@ -21,12 +21,12 @@ from gateway.capture import (
     TOOL_CALL_TRUNCATED,
     TRUNCATED,
     integrity_flags,
-    token_ids,
 )
 from gateway.dialects import DIALECTS, ClientAsked
 from gateway.dialects.chat_completions.serving import ChatCompletions
 from gateway.dialects.choices import strip_for_client
 from gateway.dialects.completions.serving import Completions
+from gateway.engine.wire import token_ids
 from gateway.errors import UpstreamTimeoutError
 from gateway.proxy.routes import dialect_router
 from gateway.upstream.replicas import InFlight, Replica
@@ -306,7 +306,7 @@ def test_every_dialect_path_is_served_by_url_and_by_header() -> None:
     ],
 )
 def test_loads_gives_what_json_loads_gives(text: bytes) -> None:
-    from gateway.capture import loads
+    from gateway.engine.wire import loads
 
     parsed, expected = loads(text), json.loads(text)
     assert repr(parsed) == repr(expected)  # repr: an int and an equal float differ, NaN != NaN

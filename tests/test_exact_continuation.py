@@ -886,8 +886,8 @@ def test_an_exact_call_sends_its_render_before_the_pool_lookups_and_renders_once
 
 
 def test_the_forwarded_body_is_the_rendered_body_with_the_prompt_ids_added() -> None:
-    from gateway.capture import dumps
     from gateway.engine.exact import forwarding
+    from gateway.engine.wire import dumps
 
     body = {"model": MODEL, "messages": [SYSTEM, USER], "tools": [WEATHER], "stream": True}
     forwarded = json.loads(forwarding(dumps(body), [1, 2, 3]))

@@ -248,7 +248,7 @@ class DialectStream(ABC):
     @abstractmethod
     def feed(self, data: bytes) -> list[bytes]:
         """Take one upstream ``data`` payload; return the events to flush to the client now.
-        Raises one of ``gateway.capture.UNREADABLE`` for a payload it cannot read (not UTF-8,
+        Raises one of ``gateway.engine.wire.UNREADABLE`` for a payload it cannot read (not UTF-8,
         not a JSON object, a field of the wrong kind): the proxy then ends the stream in error."""
 
     @abstractmethod
@@ -328,7 +328,8 @@ class Dialect(ABC):
     @abstractmethod
     def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
         """The capture of a unary upstream answer (its parsed JSON object). Raises one of
-        ``gateway.capture.UNREADABLE`` for an answer it cannot read (a field of the wrong kind)."""
+        ``gateway.engine.wire.UNREADABLE`` for an answer it cannot read (a field of the wrong
+        kind)."""
 
     @abstractmethod
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:

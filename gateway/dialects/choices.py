@@ -29,7 +29,7 @@ Streams hold output back in two places, both only at the very end:
 
 Otherwise each chunk is handed back for flushing as soon as it is fed in, never re-ordered or
 merged (case C10). A chunk the client sees unchanged is sent as the very bytes vLLM sent; a
-chunk with fields removed is re-serialised (``gateway.capture.dumps``, byte for byte what
+chunk with fields removed is re-serialised (``gateway.engine.wire.dumps``, byte for byte what
 vLLM's pydantic ``model_dump_json`` writes for the same values).
 
 Case codes (Cnn) are defined in docs/capture-cases.md.
@@ -47,15 +47,9 @@ from gateway.capture import (
     ABORTED,
     TOOL_CALL_TRUNCATED,
     UNFINISHED,
-    Shape,
     check_against_usage,
-    check_shape,
-    choice_index,
-    dumps,
     integrity_flags,
-    loads_object,
     quality_flags,
-    token_ids,
 )
 from gateway.dialects.base import (
     Captured,
@@ -65,6 +59,7 @@ from gateway.dialects.base import (
     Prepared,
     sse_event,
 )
+from gateway.engine.wire import Shape, check_shape, choice_index, dumps, loads_object, token_ids
 from gateway.errors import (
     InvalidRequestError,
     TrajgateError,
@@ -179,8 +174,9 @@ class ChoicesDialect(Dialect):
         A choice gets ``ids_missing`` when vLLM sent no IDs or logprobs (e.g. a reasoning parser
         with ``include_reasoning: false``, case C07), and ``ids_incomplete`` when
         ``len(ids) != len(logprobs)`` or all choices' IDs do not add up to
-        ``usage.completion_tokens``. Raises ``ValueError`` (one of ``gateway.capture.UNREADABLE``)
-        for an answer without choices or with a field of the wrong kind (``answer_shape``).
+        ``usage.completion_tokens``. Raises ``ValueError`` (one of
+        ``gateway.engine.wire.UNREADABLE``) for an answer without choices or with a field of the
+        wrong kind (``answer_shape``).
         """
         check_shape(answer, self.answer_shape, "answer")
         body = prepared.client_body
@@ -290,7 +286,7 @@ class ChoicesCapture:
 
     def add(self, chunk: dict[str, Any]) -> None:
         """Accumulate one chunk (a usage chunk, or choices with their deltas and token ids).
-        Raises ``ValueError`` (one of ``gateway.capture.UNREADABLE``) for a field of the wrong
+        Raises ``ValueError`` (one of ``gateway.engine.wire.UNREADABLE``) for a field of the wrong
         kind (the dialect's ``chunk_shape``), before anything of the chunk is kept."""
         dialect = self.dialect
         check_shape(chunk, dialect.chunk_shape, "chunk")

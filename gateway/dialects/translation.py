@@ -25,7 +25,6 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from datapool.steps.canonical import CanonicalCall, Message
-from gateway.capture import loads_object
 from gateway.dialects.base import (
     Captured,
     ClientAsked,
@@ -37,6 +36,7 @@ from gateway.dialects.base import (
 from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
 from gateway.engine.paths import CHAT_PATH
+from gateway.engine.wire import loads_object
 from gateway.errors import InvalidRequestError
 
 # Where the chat answers keep their fields: the capture reads the upstream chat answer.

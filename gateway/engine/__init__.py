@@ -14,12 +14,16 @@ Modules, one per exchange:
 - ``probe``: the health check, the token-id probe and the exact-continuation probe
   (``healthy``, ``probe_token_ids``, ``probe_exact_endpoints``), found as values.
 - ``tokenize``: ``/tokenize``, for the dialects' side routes (``tokenize``).
+- ``wire``: JSON as the engine writes and reads it (``dumps``, ``loads``, ``loads_object``),
+  what an unreadable answer raises (``UNREADABLE``), the shape check (``check_shape``), token
+  ids (``token_ids``) and choice indices (``choice_index``).
+- ``answers``: the shapes of vLLM's chat and completion answers and stream chunks.
 
 Never: chooses a replica, holds a call, decides a policy version or reads a client's dialect;
 the replicas (``gateway.upstream``) and the proxy (``gateway.proxy``) hand it what it needs,
 typed here as protocols (``exact.ExactReplica``, ``exact.ExactPrefix``), and gets back what
 it learnt as values (``exact.ExactAnswer``).
 
-Imports: ``gateway.capture`` and httpx; never ``gateway.upstream``, ``gateway.proxy``,
+Imports: httpx and orjson; never ``gateway.upstream``, ``gateway.proxy``,
 ``gateway.dialects`` or ``gateway.state`` (``.importlinter``). This file imports nothing.
 """

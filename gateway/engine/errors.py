@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from gateway.capture import UNREADABLE, loads_object
+from gateway.engine.wire import UNREADABLE, loads_object
 
 
 class UnreadableAnswerError(httpx.DecodingError):

@@ -58,9 +58,9 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from gateway.capture import CheckedIds, dumps, token_ids
 from gateway.engine.errors import UnreadableAnswerError, answer_object, deadline, limit_s
 from gateway.engine.paths import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER_PATH
+from gateway.engine.wire import CheckedIds, dumps, token_ids
 
 JSON_HEADERS = {"content-type": "application/json"}
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from gateway.capture import dumps
 from gateway.engine.errors import answer_object
 from gateway.engine.paths import TOKENIZE_PATH
+from gateway.engine.wire import dumps
 
 JSON_HEADERS = {"content-type": "application/json"}
 

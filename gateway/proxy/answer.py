@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from datapool.steps.calls import find_replay
 from gateway.body_budget import hold_answers
-from gateway.capture import UNREADABLE, dumps, loads_object, request_hash
+from gateway.capture import request_hash
 from gateway.engine.exact import PARSED_ANSWER
+from gateway.engine.wire import UNREADABLE, dumps, loads_object
 from gateway.errors import UnprocessableError, UpstreamError
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.call import Call, commit, fail_call, failed_choice
@@ -74,7 +75,7 @@ async def upstream_refused(state: GatewayState, call: Call, upstream: ReplicaRes
 
 async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaResponse) -> Response:
     """Capture a 200 answer, commit its steps, answer the client. A body the capture cannot
-    read (not UTF-8, not a JSON object, a field of the wrong kind: ``capture.UNREADABLE``) is
+    read (not UTF-8, not a JSON object, a field of the wrong kind: ``wire.UNREADABLE``) is
     recorded as an ``upstream_error`` step and answered 502."""
     replica = upstream.replica
     dialect = call.dialect

@@ -17,8 +17,8 @@ import asyncio
 import anyio
 import httpx
 
-from gateway.capture import dumps
 from gateway.engine.exact import continues_exactly, send_exact
+from gateway.engine.wire import dumps
 from gateway.errors import ServiceUnavailableError, UpstreamError, UpstreamTimeoutError
 from gateway.proxy.call import Call, fail_call
 from gateway.state import GatewayState
@@ -179,7 +179,7 @@ def upstream_request(state: GatewayState, call: Call, replica: Replica) -> httpx
     return state.client.build_request(
         "POST",
         replica.endpoint(call.dialect.upstream_path),
-        # orjson (``capture.dumps``) rather than httpx's json.dumps: the same JSON values, at
+        # orjson (``wire.dumps``) rather than httpx's json.dumps: the same JSON values, at
         # a fraction of the CPU for a long conversation
         content=dumps(call.upstream_body),
         headers=JSON_CONTENT,

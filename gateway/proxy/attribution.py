@@ -23,7 +23,7 @@ from fastapi import Request
 
 from datapool.steps.records import LineageRecord
 from gateway.auth import KeyGrant, api_key
-from gateway.capture import _DIGITS_AS_ZERO, _LONG_INT, _NINETEEN_DIGITS
+from gateway.engine.wire import may_hold_long_int
 from gateway.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -113,9 +113,9 @@ def _orjson_exactly(data: bytes | bytearray) -> Any:
     few ms. orjson refuses what the strict parse refuses (invalid UTF-8 or JSON, ``NaN``,
     ``Infinity``, a number past a double, a lone surrogate) and parses floats to the same
     doubles, but turns an integer past 64 bits into a float: a body with a run of 19 digits
-    (``capture.loads``'s test) goes to ``json``, as does anything orjson refuses (for the
+    (``wire.loads``'s test) goes to ``json``, as does anything orjson refuses (for the
     strict parse's own error)."""
-    if _NINETEEN_DIGITS in data.translate(_DIGITS_AS_ZERO) and _LONG_INT.search(data):
+    if may_hold_long_int(data):
         return _NOT_PARSED
     try:
         return orjson.loads(data)

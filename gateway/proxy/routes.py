@@ -22,12 +22,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from gateway.body_budget import hold_answers
-from gateway.capture import dumps
 from gateway.dialects import Dialect, EngineRefused, Prepared, SideRoute
 from gateway.engine.errors import UnreadableAnswerError
 from gateway.engine.models import models_answer
 from gateway.engine.paths import TOKENIZE_PATH
 from gateway.engine.tokenize import Refused, tokenize
+from gateway.engine.wire import dumps
 from gateway.errors import UpstreamError
 from gateway.proxy.answer import answer_call, replayed_answer
 from gateway.proxy.attempts import open_upstream

@@ -29,8 +29,8 @@ import anyio
 import httpx
 
 from datapool.models import StepOutcome
-from gateway.capture import UNREADABLE
 from gateway.dialects import DialectStream
+from gateway.engine.wire import UNREADABLE
 from gateway.errors import EventTooLargeError, TrajgateError, UpstreamError, UpstreamTimeoutError
 from gateway.proxy.call import Call, commit, fail_call
 from gateway.settings import GatewaySettings
@@ -216,7 +216,7 @@ async def relay_stream(
     partial step with finish reason ``client_disconnect``; a time limit ends the stream with the
     dialect's error event and records ``upstream_timeout``; so does an abort by a full-weight
     update (``gateway.upstream.weight_update``), recorded ``aborted_for_weight_update``, and a
-    broken upstream stream or an event the dialect cannot read (``gateway.capture.UNREADABLE``),
+    broken upstream stream or an event the dialect cannot read (``gateway.engine.wire.UNREADABLE``),
     recorded ``upstream_error``.
     Either way the step is never left open, and the response (with its in-flight count) is closed.
     """

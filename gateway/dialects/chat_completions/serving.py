@@ -15,10 +15,10 @@ from dataclasses import replace
 from typing import Any
 
 from datapool.steps.canonical import CanonicalCall, Message, Tool
-from gateway.capture import token_ids
-from gateway.dialects.chat_completions import protocol
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
+from gateway.engine import answers
 from gateway.engine.paths import CHAT_PATH
+from gateway.engine.wire import token_ids
 from gateway.errors import InvalidRequestError
 
 # The engine body's fields that are no sampling parameter: the conversation, the tools, the
@@ -72,8 +72,8 @@ def _message(message: Mapping[str, Any]) -> Message:
 
 class ChatCompletions(ChoicesDialect):
     name = "chat.completions"
-    answer_shape = protocol.ANSWER
-    chunk_shape = protocol.CHUNK
+    answer_shape = answers.CHAT_ANSWER
+    chunk_shape = answers.CHAT_CHUNK
     client_paths = ("/chat/completions",)
     upstream_path = CHAT_PATH
     history_field = "messages"

@@ -16,19 +16,19 @@ from dataclasses import replace
 from typing import Any
 
 from datapool.steps.canonical import CanonicalCall
-from gateway.capture import token_ids
 from gateway.dialects.base import Prepared
 from gateway.dialects.chat_completions.serving import sampling_of
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
-from gateway.dialects.completions import protocol
+from gateway.engine import answers
 from gateway.engine.paths import COMPLETIONS_PATH
+from gateway.engine.wire import token_ids
 from gateway.errors import InvalidRequestError
 
 
 class Completions(ChoicesDialect):
     name = "completions"
-    answer_shape = protocol.ANSWER
-    chunk_shape = protocol.CHUNK
+    answer_shape = answers.COMPLETION_ANSWER
+    chunk_shape = answers.COMPLETION_CHUNK
     client_paths = ("/completions",)
     upstream_path = COMPLETIONS_PATH
 

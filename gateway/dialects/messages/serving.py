@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.capture import dumps
 from gateway.dialects.base import Engine, Prepared, SideRoute, frame
 from gateway.dialects.messages.memory import TranslationMemory
 from gateway.dialects.messages.render import (
@@ -51,6 +50,7 @@ from gateway.dialects.translation import (
     client_asked,
     with_capture_fields,
 )
+from gateway.engine.wire import dumps
 from gateway.errors import TrajgateError, UpstreamError, stream_error_status
 
 

@@ -36,7 +36,6 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.capture import dumps
 from gateway.dialects.base import Prepared, frame, with_model
 from gateway.dialects.responses.render import render_response
 from gateway.dialects.responses.request import (
@@ -56,6 +55,7 @@ from gateway.dialects.translation import (
     client_param,
     with_capture_fields,
 )
+from gateway.engine.wire import dumps
 from gateway.errors import TrajgateError, read_upstream_error, upstream_envelope
 
 
