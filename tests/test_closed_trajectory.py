@@ -265,3 +265,46 @@ def test_known_closed_holds_65536_by_default_and_refuses_a_bound_below_one() -> 
     assert known.status_of("t0") is None and known.status_of("t65536") == "complete"
     with pytest.raises(ValueError, match="max_ids=0"):
         KnownClosed(0)
+
+
+def test_a_call_naming_its_channel_finds_a_trajectory_closed_elsewhere_before_sampling(
+    pool_settings: PoolSettings, emulator: EmulatorThread
+) -> None:
+    """A call that names a channel has its trajectory read anyway (its channel is checked):
+    the read's status is enough to refuse it up front, even when closed by another process."""
+    upstream = WatchedUpstream()
+    with (
+        serve(pool_settings, emulator, upstream) as gateway,
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+    ):
+        assert call(client, "chat", "named").status_code == 200
+        close_elsewhere(pool_settings, "named")
+        path, body = CALLS["chat"]
+        refused = client.post(f"/t/named{path}", json=body, headers={"X-Trajgate-Channel": "train"})
+        assert_refused_in_envelope(refused, "chat")
+        assert upstream.posts == ["/v1/chat/completions"]  # the first call's only
+        assert rejected_calls(client, "named") == 1
+
+
+def test_a_replay_of_a_call_the_pool_kept_is_still_answered_after_close(
+    pool_settings: PoolSettings, emulator: EmulatorThread
+) -> None:
+    """An Idempotency-Key replay is no new call: its step is in the pool, so it is answered
+    (from the pool, not the engine) and not counted as refused."""
+    upstream = WatchedUpstream()
+    with (
+        serve(pool_settings, emulator, upstream) as gateway,
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+    ):
+        path, body = CALLS["chat"]
+        key = {"Idempotency-Key": "turn-1"}
+        first = client.post(f"/t/kept{path}", json=body, headers=key)
+        assert first.status_code == 200, first.text
+        assert client.post("/api/trajectories/kept/complete").is_success
+        replay = client.post(f"/t/kept{path}", json=body, headers=key)
+        assert replay.status_code == 200, replay.text
+        assert replay.headers["x-trajgate-replayed"] == "true"
+        assert replay.json() == first.json()
+        assert_refused_in_envelope(client.post(f"/t/kept{path}", json=body), "chat")
+        assert upstream.posts == ["/v1/chat/completions"]
+        assert rejected_calls(client, "kept") == 1  # the call without the key only
