@@ -8,6 +8,7 @@ writes down what reaches the upstream, on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -308,3 +309,26 @@ def test_a_replay_of_a_call_the_pool_kept_is_still_answered_after_close(
         assert_refused_in_envelope(client.post(f"/t/kept{path}", json=body), "chat")
         assert upstream.posts == ["/v1/chat/completions"]
         assert rejected_calls(client, "kept") == 1  # the call without the key only
+
+
+def test_a_trajectory_the_idle_timeout_completed_is_refused_before_sampling(
+    pool_settings: PoolSettings, emulator: EmulatorThread
+) -> None:
+    pool = pool_settings.model_copy(
+        update={"trajectory_idle_timeout_s": 0.3, "compaction_interval_s": 0.1}
+    )
+    upstream = WatchedUpstream()
+    with (
+        serve(pool, emulator, upstream) as gateway,
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+    ):
+        assert call(client, "chat", "idle").status_code == 200
+        deadline = time.monotonic() + 30
+        detail = client.get("/api/trajectories/idle").json()
+        while detail["status"] == "open" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            detail = client.get("/api/trajectories/idle").json()
+        assert (detail["status"], detail["completion_reason"]) == ("complete", "idle_timeout")
+        assert_refused_in_envelope(call(client, "messages", "idle"), "messages")
+        assert upstream.posts == ["/v1/chat/completions"]  # the first call's only
+        assert rejected_calls(client, "idle") == 1
