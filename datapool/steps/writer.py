@@ -120,7 +120,8 @@ class PoolWriter:
         # The same calls in a file, so a restart after a crash knows which trajectories it cut
         # (``datapool.steps.crashes``); opened by ``start``.
         self._journal: CallJournal | None = None
-        # Closed through this process, or refused at commit as closed (``check_open``).
+        # Closed through this process, refused at commit as closed, or read closed by a call
+        # (``check_open``).
         self.known_closed = KnownClosed(self.settings.known_closed_trajectories)
 
     def start(self) -> PoolWriter:
