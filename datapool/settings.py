@@ -161,6 +161,16 @@ class PoolSettings(ConfigFileSettings):
             "recently used trajectories are dropped past it (and read back on their next call)."
         ),
     )
+    known_closed_trajectories: int = Field(
+        default=65536,
+        gt=0,
+        description=(
+            "Closed trajectories the writer remembers (LRU, about 150 bytes each: 10 MB at "
+            "the default), so a call to one is refused with 409 before it reaches the engine; "
+            "a trajectory closed by another gateway process, or evicted, is still refused, "
+            "but only at commit time, after sampling."
+        ),
+    )
     reward_functions: list[str] = Field(
         default_factory=list,
         description=(

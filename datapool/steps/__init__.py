@@ -8,7 +8,9 @@ the parent step, and the rows are written in one transaction.
 - ``records``: what the gateway hands over for one call (``CallRecord``, ``ChoiceRecord``,
   ``AttemptRecord``, ``PendingCall``); plain data, no SQL.
 - ``writer``: ``PoolWriter``, durable group commit off the request's hot path (``record``,
-  ``check_accepting``, ``upkeep``).
+  ``check_accepting``, ``check_open``, ``upkeep``).
+- ``closed``: the trajectories this process knows are closed (``KnownClosed``), so a late call
+  is refused before it is sampled.
 - ``store``: ``PoolStore``, writes calls (``record_call``, ``record_calls``) and reads steps back
   whole (``get_step``, ``steps_of``, ``get_trajectory``; ``StoredStep``).
 - ``transaction``: the SQL of one write transaction (``WriteBatch``, ``lock_trajectories``,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from datapool.db import make_sessionmaker
@@ -224,6 +224,18 @@ class PoolStore:
         tokens.call_count = call_count
         self._lineage.put(trajectory_id, tokens)
         return tokens
+
+    def count_rejected(self, trajectory_id: str) -> None:
+        """Count one call of ``trajectory_id`` refused before it was sampled (it was known
+        closed: ``PoolWriter.check_open``) in ``rejected_calls``, by one ``UPDATE ... SET
+        rejected_calls = rejected_calls + 1``: no read, so concurrent refusals and commits all
+        count. Raises what the database raised."""
+        with self.engine.begin() as connection:
+            connection.execute(
+                update(Trajectory)
+                .where(Trajectory.id == trajectory_id)
+                .values(rejected_calls=Trajectory.rejected_calls + 1)
+            )
 
     def forget_lineage(self, trajectory_id: str) -> None:
         """Drop a closed trajectory's sequences from the writer's memory."""

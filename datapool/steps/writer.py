@@ -2,7 +2,8 @@
 
 Owns: ``PoolWriter.record`` (await it; it returns the step ids once their transaction has
 committed, so a delivered response's step survives ``kill -9``), batching of concurrent calls into
-one transaction, the refuse/serve policy when the database fails, the counters that say so, and
+one transaction, the refuse/serve policy when the database fails, the counters that say so, the
+trajectories known closed (``check_open``: a call to one is refused before it is sampled), and
 the writer's background upkeep (compaction of payloads into Parquet, idle-timeout completion,
 marking trajectories that were in flight in a crashed writer ``incomplete``).
 Never: answers before the commit; holds an acknowledged step only in memory.
@@ -27,10 +28,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from datapool.errors import PoolUnavailableError, TrajectoryClosedError
+from datapool.models import TrajectoryStatus
 from datapool.settings import PoolSettings
+from datapool.steps.closed import KnownClosed
 from datapool.steps.crashes import CallJournal, mark_interrupted, release_writer
-from datapool.steps.faults import fault_reason
+from datapool.steps.faults import fault_reason, is_storage_fault
 from datapool.steps.payloads import CompactionRaceError
 from datapool.steps.records import CallRecord
 from datapool.steps.store import CallResult, PendingCall, PoolStore
@@ -52,7 +57,7 @@ class WriterStats:
 
     committed_calls: int = 0
     committed_batches: int = 0
-    rejected_calls: int = 0  # trajectory closed (409)
+    rejected_calls: int = 0  # trajectory closed (409), refused up front or at commit
     failed_calls: int = 0  # commit failed: refused (503) or served unrecorded
     # Database operations (batch commits, lookups) that met a storage fault, by
     # ``datapool.steps.faults.FaultReason``.
@@ -115,6 +120,9 @@ class PoolWriter:
         # The same calls in a file, so a restart after a crash knows which trajectories it cut
         # (``datapool.steps.crashes``); opened by ``start``.
         self._journal: CallJournal | None = None
+        # Closed through this process, refused at commit as closed, or read closed by a call
+        # (``check_open``).
+        self.known_closed = KnownClosed(self.settings.known_closed_trajectories)
 
     def start(self) -> PoolWriter:
         """Flag the trajectories whose calls dead writers on this host cut, open this writer's
@@ -208,6 +216,38 @@ class PoolWriter:
                 retry_after_s=wait_s,
             )
 
+    async def check_open(self, trajectory_id: str) -> None:
+        """Raise ``TrajectoryClosedError`` (409) when ``trajectory_id`` is known closed
+        (``known_closed``), after counting the refusal in its ``rejected_calls`` (one UPDATE, on
+        the event loop's executor, not on the loop) and in ``stats.rejected_calls``.
+
+        For a trajectory not known closed this is one dict lookup and no SQL: the cache is
+        exact for what this process closed or saw refused, and a trajectory closed elsewhere
+        (another gateway, ``lifecycle.close_trajectory`` called directly) is refused at commit
+        (``PoolStore.record_calls``), which adds it here for the calls after. A failed count
+        leaves the refusal as it is (logged; a storage fault is reported like any lookup's).
+        """
+        status = self.known_closed.status_of(trajectory_id)
+        if status is None:
+            return
+        self.stats.rejected_calls += 1
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.store.count_rejected, trajectory_id)
+        except SQLAlchemyError as exc:
+            if is_storage_fault(exc):
+                self.report_fault(exc, "count of a refused call")
+            else:
+                log.error("could not count a refused call of %s: %r", trajectory_id, exc)
+        raise TrajectoryClosedError(trajectory_id, status)
+
+    def trajectory_closed(self, trajectory_id: str, status: str) -> None:
+        """``trajectory_id`` was closed as ``status`` through this process (the pool API, the
+        idle timeout): later calls to it are refused up front, and its token sequences are
+        dropped from the writer's memory."""
+        self.known_closed.add(trajectory_id, status)
+        self.store.forget_lineage(trajectory_id)
+
     @property
     def writable(self) -> bool:
         """False from a failed commit until the next good one."""
@@ -272,6 +312,7 @@ class PoolWriter:
         for item, result in zip(batch, results, strict=True):
             if isinstance(result, TrajectoryClosedError):
                 self.stats.rejected_calls += 1
+                self.known_closed.add(result.trajectory_id, result.status)
             elif not isinstance(result, Exception):
                 self.stats.committed_calls += 1
             item.loop.call_soon_threadsafe(_resolve, item.future, result)
@@ -355,7 +396,7 @@ class PoolWriter:
                 self.settings.trajectory_idle_timeout_s,
                 in_flight=self.trajectories_in_flight(),
             ):
-                self.store.forget_lineage(trajectory_id)
+                self.trajectory_closed(trajectory_id, TrajectoryStatus.COMPLETE.value)
         while self.store.payloads.pending_steps() >= self.settings.compaction_min_steps:
             try:
                 file = self.store.payloads.compact(

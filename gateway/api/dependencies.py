@@ -1,7 +1,8 @@
 """The dependency aliases the ``/api`` routes (and the inspector's) declare to get the pool.
 
-Owns: ``StoreDep`` (the app's ``PoolStore``), ``SessionsDep`` (its session factory, to hand to
-``datapool`` functions) and ``BatchSettingsDep``. Never: opens a session or runs a query; route
+Owns: ``StoreDep`` (the app's ``PoolStore``), ``WriterDep`` (its ``PoolWriter``, told what
+the routes close), ``SessionsDep`` (its session factory, to hand to ``datapool`` functions) and
+``BatchSettingsDep``. Never: opens a session or runs a query; route
 functions pass what they get here to ``datapool`` functions.
 """
 
@@ -14,11 +15,17 @@ from fastapi import Depends, Request
 from datapool.batches.settings import BatchSettings
 from datapool.db import Sessions
 from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
 from gateway.state import StateDep
 
 
 def pool_store(state: StateDep) -> PoolStore:
     return state.store
+
+
+def pool_writer(state: StateDep) -> PoolWriter:
+    assert state.writer is not None, "the lifespan starts the pool writer"
+    return state.writer
 
 
 def pool_sessions(state: StateDep) -> Sessions:
@@ -34,5 +41,6 @@ def batch_settings(request: Request) -> BatchSettings:
 
 
 StoreDep = Annotated[PoolStore, Depends(pool_store)]
+WriterDep = Annotated[PoolWriter, Depends(pool_writer)]
 SessionsDep = Annotated[Sessions, Depends(pool_sessions)]
 BatchSettingsDep = Annotated[BatchSettings, Depends(batch_settings)]

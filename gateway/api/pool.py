@@ -35,9 +35,9 @@ from datapool.queries import groups, steps, trajectories
 from datapool.queries.rewards import reward_history
 from datapool.queries.summary import pool_counts
 from datapool.rewards import values as rewards
-from datapool.steps.store import PoolStore
+from datapool.steps.writer import PoolWriter
 from gateway.api.bodies import PoolRoute, StrictBody, check_tags
-from gateway.api.dependencies import SessionsDep, StoreDep
+from gateway.api.dependencies import SessionsDep, StoreDep, WriterDep
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.proxy.attribution import CHANNEL_PATTERN, GROUP_ID_PATTERN, TRAJECTORY_ID_PATTERN
 from gateway.settings import GatewaySettings
@@ -427,7 +427,7 @@ async def get_trajectory(trajectory_id: str, sessions: SessionsDep) -> Trajector
 async def complete_trajectory(
     trajectory_id: str,
     sessions: SessionsDep,
-    store: StoreDep,
+    writer: WriterDep,
     request: Request,
     body: CompleteRequest | None = None,
 ) -> TrajectoryDetail:
@@ -441,7 +441,7 @@ async def complete_trajectory(
     body = body or CompleteRequest()
     detail = await _close(
         sessions,
-        store,
+        writer,
         trajectory_id,
         TrajectoryStatus.COMPLETE,
         final_reward=body.reward,
@@ -455,34 +455,37 @@ async def complete_trajectory(
 
 async def _close(
     sessions: Sessions,
-    store: PoolStore,
+    writer: PoolWriter,
     trajectory_id: str,
     status: TrajectoryStatus,
     **final: Any,
 ) -> TrajectoryDetail:
-    """Close the trajectory (``final``: its final reward, for completion), drop its cached
-    lineage, and return what it now is."""
-    await run_in_threadpool(
-        lambda: lifecycle.close_trajectory(sessions, trajectory_id, status, **final)
-    )
-    store.forget_lineage(trajectory_id)
+    """Close the trajectory (``final``: its final reward, for completion), tell the writer
+    (its later calls are refused before they reach the engine; its cached lineage is
+    dropped), and return what it now is."""
+
+    def close() -> None:
+        lifecycle.close_trajectory(sessions, trajectory_id, status, **final)
+        writer.trajectory_closed(trajectory_id, status.value)
+
+    await run_in_threadpool(close)
     return await run_in_threadpool(_detail, sessions, trajectory_id)
 
 
 @router.post("/trajectories/{trajectory_id}/abandon", response_model=TrajectoryDetail)
 async def abandon_trajectory(
-    trajectory_id: str, sessions: SessionsDep, store: StoreDep
+    trajectory_id: str, sessions: SessionsDep, writer: WriterDep
 ) -> TrajectoryDetail:
     """Mark an open trajectory abandoned (the agent gave up); later calls get 409."""
-    return await _close(sessions, store, trajectory_id, TrajectoryStatus.ABANDONED)
+    return await _close(sessions, writer, trajectory_id, TrajectoryStatus.ABANDONED)
 
 
 @router.post("/trajectories/{trajectory_id}/fail", response_model=TrajectoryDetail)
 async def fail_trajectory(
-    trajectory_id: str, sessions: SessionsDep, store: StoreDep
+    trajectory_id: str, sessions: SessionsDep, writer: WriterDep
 ) -> TrajectoryDetail:
     """Mark an open trajectory failed (the environment broke); later calls get 409."""
-    return await _close(sessions, store, trajectory_id, TrajectoryStatus.FAILED)
+    return await _close(sessions, writer, trajectory_id, TrajectoryStatus.FAILED)
 
 
 # ---- groups --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import SQLAlchemyError
 
 from datapool.lifecycle.transitions import ensure_trajectory
+from datapool.models import TrajectoryStatus
 from datapool.steps.calls import find_exchange, find_resend
 from datapool.steps.faults import is_storage_fault
 from gateway.capture import request_hash
@@ -268,6 +269,9 @@ async def settle_channel(state: GatewayState, attribution: Attribution) -> Attri
         )
     if trajectory is None:
         return attribution
+    if trajectory.status != TrajectoryStatus.OPEN and state.writer is not None:
+        # Read anyway: a closed one is refused before sampling (``PoolWriter.check_open``).
+        state.writer.known_closed.add(trajectory.id, trajectory.status)
     named, own = attribution.channel, trajectory.channel
     if named is not None and named != own:
         if attribution.key_channel is not None:

@@ -221,7 +221,10 @@ async def forward_call(
     ``lifetime``, which closes them however the call ends.
 
     A full-weight update that aborts the call while it waits for its upstream records it as
-    ``aborted_for_weight_update`` and answers 503 (``weight_update.aborted_error``).
+    ``aborted_for_weight_update`` and answers 503 (``weight_update.aborted_error``). A call to
+    a trajectory known closed is refused (409 ``trajectory_closed``, counted) before anything
+    reaches the engine (``PoolWriter.check_open``); a replay is still answered, since its step
+    is already in the pool.
     """
     idempotency_key = check_idempotency_key(request.headers.get("idempotency-key"))
     if idempotency_key:
@@ -230,6 +233,8 @@ async def forward_call(
         )
         if replay is not None:
             return replay
+    assert state.writer is not None, "the lifespan starts the pool writer"
+    await state.writer.check_open(attribution.trajectory_id)
     call = await new_call(state, dialect, prepared, attribution, idempotency_key, lifetime)
     call.ticket = ticket = lifetime.ticket
     try:
