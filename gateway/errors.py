@@ -44,7 +44,8 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``previous_response_not_found`` (400, the translating dialects; ``unknown_parameter`` also for a
 query parameter an ``/api`` or ``/admin`` route does not declare, ``gateway.api.bodies``);
-``model_not_served`` (400, ``POST /admin/policy-versions``); ``lora_not_enabled``,
+``invalid_cursor`` (400, ``GET /api/trajectories``); ``model_not_served`` (400,
+``POST /admin/policy-versions``); ``lora_not_enabled``,
 ``lora_adapter_not_found``, ``lora_adapter_refused`` (400, a replica refused a LoRA update's
 adapter, ``gateway.upstream.adapters``); ``host_not_allowed`` (400,
 ``gateway.guard``); ``invalid_api_key``,

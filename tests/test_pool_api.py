@@ -231,6 +231,27 @@ def test_forged_cursor_is_refused_with_400(
     forged = base64.urlsafe_b64encode(json.dumps([instant, trajectory_id]).encode()).decode()
     error = assert_envelope(api.get("/api/trajectories", params={"cursor": forged}), 400)
     assert "is not one this API returned" in error["message"]
+    assert (error["code"], error["param"]) == ("invalid_cursor", "cursor")
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "garbage",
+        "",  # a client that sent next_cursor null as "" would read page 1 again, forever
+        "e30=",  # base64 of {}
+        "bm90IGpzb24=",  # base64 of "not json"
+        "WyIyMDI2LTAxLTAxVDAwOjAwOjAwKzAwOjAwIl0=",  # base64 of one item, no id
+        "été",  # not base64's alphabet
+    ],
+)
+def test_a_garbled_or_empty_cursor_is_a_400_invalid_cursor_not_the_first_page(
+    api: httpx.Client, cursor: str
+) -> None:
+    api.post("/api/trajectories", json={"id": "page-only"})
+    error = assert_envelope(api.get("/api/trajectories", params={"cursor": cursor}), 400)
+    assert (error["code"], error["param"]) == ("invalid_cursor", "cursor")
+    assert error["message"].startswith(f"cursor {cursor!r} is not one this API returned")
 
 
 def test_reward_functions_run_on_completion_and_failures_are_recorded(

@@ -300,16 +300,22 @@ def _encode_cursor(created_at: datetime, trajectory_id: str) -> str:
 
 
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """The ``(created_at, id)`` a cursor holds; 400 for anything this API would not have written
-    (an instant UTC cannot hold, an id a trajectory cannot have, NUL included: PostgreSQL refuses
-    NUL in text, so it must never reach the query)."""
+    """The ``(created_at, id)`` a cursor holds; 400 ``invalid_cursor`` for anything this API
+    would not have written (an empty or garbled one, an instant UTC cannot hold, an id a
+    trajectory cannot have, NUL included: PostgreSQL refuses NUL in text, so it must never reach
+    the query), never the first page read as if no cursor had been sent."""
     try:
         created, trajectory_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
         if not isinstance(trajectory_id, str) or not TRAJECTORY_ID_PATTERN.fullmatch(trajectory_id):
             raise ValueError("not a trajectory id")
         return in_utc_range(datetime.fromisoformat(created)), trajectory_id
     except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"cursor {cursor[:40]!r} is not one this API returned") from exc
+        raise InvalidRequestError(
+            f"cursor {cursor[:40]!r} is not one this API returned; pass a page's next_cursor "
+            "as it came, or no cursor for the first page",
+            param="cursor",
+            code="invalid_cursor",
+        ) from exc
 
 
 # ---- trajectories --------------------------------------------------------------------------
@@ -360,7 +366,7 @@ async def list_trajectories(
             created_after=created_after,
             created_before=created_before,
             q=q,
-            after=_decode_cursor(cursor) if cursor else None,
+            after=None if cursor is None else _decode_cursor(cursor),
             limit=limit,
         )
     )
