@@ -61,7 +61,11 @@ class TrajectoryPublic(BaseModel):
     completed_at: datetime | None
     last_step_at: datetime | None
     completion_reason: str | None
-    call_count: int = Field(description="Logical calls recorded (steps have one per choice).")
+    call_count: int = Field(
+        description="Calls answered and recorded, one step_index each (a call's choices share "
+        "it): a re-send (step flag resend) counts, since it was sampled again, though it shares "
+        "the call_id of the call it re-sent."
+    )
     rejected_calls: int = Field(description="Calls refused with 409 after the trajectory closed.")
     rewards: dict[str, float] = Field(
         description="Current value per reward name; a name absent here is unrewarded (not 0)."
@@ -75,6 +79,11 @@ class TrajectoryPage(BaseModel):
 
 class StepSummary(BaseModel):
     id: str
+    call_id: str | None = Field(
+        default=None,
+        description="The logical call (the X-Trajgate-Call-Id answered): a re-send, flagged "
+        "resend, has the call_id of the earlier step it re-sent; null before call ids.",
+    )
     step_index: int
     choice_index: int
     parent_step_id: str | None
