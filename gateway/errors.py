@@ -42,10 +42,12 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
           └── EventTooLargeError        502     upstream_error         upstream_error
 
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
-``previous_response_not_found`` (400, the translating dialects); ``model_not_served`` (400,
-``POST /admin/policy-versions``); ``lora_not_enabled``, ``lora_adapter_not_found``,
-``lora_adapter_refused`` (400, a replica refused a LoRA update's adapter,
-``gateway.upstream.adapters``); ``host_not_allowed`` (400,
+``previous_response_not_found`` (400, the translating dialects; ``unknown_parameter`` also for a
+query parameter an ``/api`` or ``/admin`` route does not declare, ``gateway.api.bodies``);
+``invalid_cursor`` (400, ``GET /api/trajectories``); ``model_not_served`` (400,
+``POST /admin/policy-versions``); ``lora_not_enabled``,
+``lora_adapter_not_found``, ``lora_adapter_refused`` (400, a replica refused a LoRA update's
+adapter, ``gateway.upstream.adapters``); ``host_not_allowed`` (400,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
 ``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,

@@ -253,6 +253,28 @@ def test_train_refuses_a_bad_flag_in_one_line_before_loading_anything(
     assert says in " ".join(result.stderr.split()), result.stderr
 
 
+def test_batches_create_names_each_problem_of_a_bad_spec_on_its_own_line(
+    tmp_path: Path, sqlite_pool: PoolSettings
+) -> None:
+    """Not pydantic's dump (type=, input_type=, a link per error) wrapped in a usage box: one
+    line per problem (in the spec's field order), its field's path first, nothing materialised."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        '{"reward_names": "final", "gamma": 2, "filters": {"statuss": ["complete"]}, "bogus": 1}'
+    )
+    url = sqlite_pool.resolved_database_url()
+    result = _cli("batches", "create", "--spec", str(spec), "--database-url", url, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: --spec {spec}: filters.statuss: Extra inputs are not permitted (got ['complete'])",
+        f"error: --spec {spec}: reward_names: Input should be a valid list (got 'final')",
+        f"error: --spec {spec}: gamma: Input should be less than or equal to 1 (got 2)",
+        f"error: --spec {spec}: bogus: Extra inputs are not permitted (got 1)",
+    ]
+    listed = _cli("batches", "list", "--database-url", url, cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stdout == "", listed.stderr
+
+
 @pytest.mark.parametrize("command", [["export", "trajectories"], ["batches", "export", "b-1"]])
 def test_an_export_to_a_folder_that_does_not_exist_is_refused_before_reading_the_pool(
     tmp_path: Path, sqlite_pool: PoolSettings, command: list[str]

@@ -11,6 +11,7 @@ official SDK's ``Response`` model and every event with its ``ResponseStreamEvent
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -288,7 +289,36 @@ def test_previous_response_id_replays_the_earlier_conversation_without_its_instr
 def test_unknown_previous_response_id_is_a_400_naming_it() -> None:
     error = refusal({"input": "q", "previous_response_id": "resp_gone"})
     assert error.status_code == 400 and error.param == "previous_response_id"
-    assert "resp_gone" in error.message and "unknown" in error.message
+    assert error.code == "previous_response_not_found"
+    # OpenAI's message, then why.
+    assert error.message.startswith("Previous response with id 'resp_gone' not found. (no call")
+
+
+def test_a_response_created_with_store_false_cannot_be_continued() -> None:
+    """OpenAI keeps no ``store: false`` response, so naming one is its 400 not found; the
+    gateway holds the call (captured for training) but refuses it the same way."""
+    earlier = EarlierResponse(
+        request={"model": "tiny", "input": "first", "store": False},
+        upstream_request={"messages": [{"role": "user", "content": "first"}]},
+        response_message={"role": "assistant", "content": "answer"},
+    )
+    body = {"model": "tiny", "input": "second", "previous_response_id": "resp_1"}
+    with pytest.raises(InvalidRequestError) as caught:
+        translate_request(body, earlier)
+    error = caught.value
+    assert (error.status_code, error.param, error.code) == (
+        400,
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+    assert error.message.startswith("Previous response with id 'resp_1' not found. (it was")
+    assert "store: false" in error.message
+    # store: true or left out (OpenAI's default is true) continues as before.
+    for store in ({"store": True}, {}):
+        stored = replace(earlier, request={"model": "tiny", "input": "first", **store})
+        assert (
+            len(chat_messages({"input": "second", "previous_response_id": "resp_1"}, stored)) == 3
+        )
 
 
 @pytest.mark.parametrize(

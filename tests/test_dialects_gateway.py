@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_helpers import gateway_with, sse_payloads, steps_of
+from gateway_helpers import chat_response, gateway_with, sse_payloads, steps_of
 from sqlalchemy import select
 from tests_support import free_port
 
@@ -241,6 +241,49 @@ def test_previous_response_id_of_another_trajectory_is_not_found(
     assert other.status_code == 400
     assert other.json()["error"]["code"] == "previous_response_not_found"
     assert steps_of(sqlite_pool, "resp-b") == []
+
+
+def test_a_store_false_response_is_not_found_as_previous_response_before_vllm_is_asked(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """OpenAI keeps no ``store: false`` response, so chaining one is its 400 "Previous response
+    with id '...' not found."; the gateway captured the call for training but refuses the chain
+    the same way, before the upstream is asked and before anything is recorded. A fake
+    upstream, because only it can tell that no request arrived."""
+    posts: list[str] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":  # the start-up probes
+            return httpx.Response(200, json={"object": "list", "data": []})
+        posts.append(request.url.path)
+        return httpx.Response(200, json=chat_response([7, 8], [-0.5, -0.25], completion_tokens=2))
+
+    url_of = "{}/t/resp-unstored/v1/responses".format
+    with gateway_with(sqlite_pool, free_port(), transport=httpx.MockTransport(upstream)) as server:
+        unstored = _post(url_of(server.url), {"model": "tiny", "input": "x", "store": False})
+        stored = _post(url_of(server.url), {"model": "tiny", "input": "y"})
+        assert unstored.status_code == stored.status_code == 200, (unstored.text, stored.text)
+        assert unstored.json()["store"] is False and stored.json()["store"] is True
+        asked = list(posts)  # the two calls and the start-up's exact-continuation probes
+        for stream in (False, True):
+            body = {"model": "tiny", "input": "z", "stream": stream}
+            refused = _post(
+                url_of(server.url), {**body, "previous_response_id": unstored.json()["id"]}
+            )
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"] == {
+                "message": f"Previous response with id '{unstored.json()['id']}' not found. (it "
+                "was created with store: false, so it cannot be continued; send its "
+                "conversation as input instead)",
+                "type": "invalid_request_error",
+                "param": "previous_response_id",
+                "code": "previous_response_not_found",
+            }
+        assert posts == asked and len(steps_of(sqlite_pool, "resp-unstored")) == 2
+        # A stored one (store left out: OpenAI's default is true) still continues.
+        chained = {"model": "tiny", "input": "z", "previous_response_id": stored.json()["id"]}
+        assert _post(url_of(server.url), chained).status_code == 200
+    assert len(posts) > len(asked)
 
 
 # ---- attribution -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ its inputs allow, derived from the route's schema:
   parameter given a word), or outside its bounds (``maximum`` + 1, ``minimum`` - 1, a string one
   character over ``maxLength``), and an over-long unknown id (201 characters, one over the
   gateway's id bound) for a string path parameter;
-- each required query parameter left out;
+- each required query parameter left out, and on the pool's routes (``/api``, ``/admin``) a query
+  parameter the route does not declare (``?limt=5``);
 - a body that is not JSON, a JSON body of the wrong type (an array), an empty object when fields
   are required, and each bounded top-level field out of bounds in an otherwise valid body. The
   OpenAI routes read their body themselves, so every POST gets the first three.
@@ -277,6 +278,8 @@ def bad_requests(route: Route, schemas: dict[str, Any]) -> list[BadRequest]:
             left_out = case(f"{where} left out", param=name)
             del left_out.params[name]
             cases.append(left_out)
+    if route.path.startswith(("/api/", "/admin/")):  # gateway.api.bodies.PoolRoute's routes
+        cases.append(case("an unknown query parameter", query={"limt": "5"}, param="limt"))
     body = route.operation.get("requestBody", {}).get("content", {}).get("application/json", {})
     schema = _resolve(body.get("schema", {}), schemas)
     if body or route.method == "POST":  # the OpenAI routes read their JSON body themselves
@@ -444,6 +447,32 @@ def test_an_unknown_path_gets_404_not_found_in_the_envelope(walked: Walked) -> N
             "code": "not_found",
         }
     }
+
+
+@pytest.mark.parametrize(
+    ("url", "unknown", "expected"),
+    [
+        ("/api/trajectories?limt=5&statuss=x", "'limt', 'statuss'", "limit"),
+        # The inspector's list reads its filters as one model: its fields are the names.
+        ("/api/inspector/trajectories?status=complete&cursor=x", "'cursor'", "offset"),
+        ("/api/batches?limit=2&limt=2", "'limt'", "limit, status"),
+    ],
+)
+def test_an_unknown_query_parameter_is_named_in_a_400_not_ignored(
+    walked: Walked, url: str, unknown: str, expected: str
+) -> None:
+    """A misspelt filter would otherwise answer as if it were not there: every row, the default
+    page size. The declared names come along, so the fix is in the message."""
+    response = walked.client.get(url)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unknown_parameter" and error["param"] == unknown.split("'")[1]
+    assert error["message"].startswith(
+        f"unknown query parameter{'s' if ',' in unknown else ''} {unknown}; expected: "
+    )
+    assert expected in error["message"]
+    declared = walked.client.get(url.split("?")[0], params={"limit": 2})
+    assert declared.status_code == 200, declared.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

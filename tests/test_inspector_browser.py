@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 import pytest
+from gateway_helpers import emulated_gateway
 from inspector_helpers import CHROMIUM, CHROMIUM_ARGS, SCRIPT_PAYLOAD, populate, run_episode
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from test_lineages import spawn_a_sub_agent_and_a_side_call
@@ -431,3 +432,23 @@ def test_the_trajectory_view_nests_a_sub_agent_under_its_spawning_step_and_marks
     # The title call between two planner turns is no break of the planner's chain.
     expect(page.locator(".flag", has_text="prefix_break")).to_have_count(0)
     shot(page, "lineage-nesting", backend_of(pool_settings))
+
+
+@pytest.mark.parametrize("offset", ["abc", "-5", "1e3"])
+def test_a_garbled_token_view_offset_is_the_apis_error_not_the_first_window(
+    sqlite_pool: PoolSettings, page: Page, offset: str
+) -> None:
+    """``/inspector/steps/<id>?offset=`` is the token view's page cursor: one the API would
+    refuse was read as 0 (``Number("abc") || 0``) and the first window shown as if asked for.
+    An emulated upstream: the view's own tokens are not what is tested here."""
+    with emulated_gateway(sqlite_pool, prompt_tokens=6, response_tokens=3) as gateway:
+        chat = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
+        answered = httpx.post(f"{gateway.url}/t/tokens-offset/v1/chat/completions", json=chat)
+        step_id = answered.headers["x-trajgate-step-id"]
+        page.goto(f"{gateway.url}/inspector/steps/{step_id}?offset={offset}")
+        message = page.get_by_test_id("message")
+        expect(message).to_contain_text(f"got '{offset}'")  # the API's 400, param offset
+        expect(message).to_have_class("status error")
+        page.goto(f"{gateway.url}/inspector/steps/{step_id}?offset=2")  # 6 + 3 positions
+        expect(page.get_by_test_id("token-window")).to_have_text("showing tokens 2–9 of 9")
+        expect(page.get_by_test_id("message")).to_have_text("")

@@ -8,13 +8,17 @@ import base64
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from tests_support import free_port
 
+from datapool.db import make_engine
+from datapool.queries.export import export_trajectories
 from datapool.settings import PoolSettings
+from datapool.steps.store import PoolStore
 from gateway.app import create_app
 from gateway.server import BackgroundServer
 from gateway.settings import GatewaySettings
@@ -66,6 +70,35 @@ def test_call_after_completion_is_refused_with_409_and_counted(api: httpx.Client
     detail = api.get("/api/trajectories/done-1").json()
     assert detail["rejected_calls"] == 1
     assert len(detail["steps"]) == 1  # the refused call left no step
+
+
+def test_a_resend_reads_the_same_in_the_pool_api_the_inspector_and_the_export(
+    api: httpx.Client, pool_settings: PoolSettings, tmp_path: Path
+) -> None:
+    """The same body again within the re-send window: sampled again, flagged ``resend`` and
+    linked to the first call by its call id. Each surface carries both halves, so a reader can
+    tell which call a re-send repeated, and counts it as a call (``call_count`` 2: two step
+    indices) whose call id is the first's."""
+    first, again = chat(api, "resent-1"), chat(api, "resent-1")
+    call_id = first.headers["x-trajgate-call-id"]
+    assert again.headers["x-trajgate-call-id"] == call_id
+    expected = [(0, call_id, []), (1, call_id, ["resend"])]
+
+    detail = api.get("/api/trajectories/resent-1").json()
+    assert detail["call_count"] == 2
+    assert [(s["step_index"], s["call_id"], s["flags"]) for s in detail["steps"]] == expected
+    step = api.get(f"/api/steps/{detail['steps'][1]['id']}").json()
+    assert (step["call_id"], step["flags"]) == (call_id, ["resend"])
+
+    view = api.get("/api/inspector/trajectories/resent-1").json()
+    assert view["call_count"] == 2
+    assert [(s["step_index"], s["call_id"], s["flags"]) for s in view["steps"]] == expected
+
+    store = PoolStore(make_engine(pool_settings.resolved_database_url()), pool_settings)
+    out = tmp_path / "steps.jsonl"
+    assert export_trajectories(store, ["resent-1"], out, "jsonl") == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["step_index"], r["call_id"], r["flags"]) for r in rows] == expected
 
 
 def test_reward_backfill_by_step_id_and_unknown_target_is_404(api: httpx.Client) -> None:
@@ -231,6 +264,27 @@ def test_forged_cursor_is_refused_with_400(
     forged = base64.urlsafe_b64encode(json.dumps([instant, trajectory_id]).encode()).decode()
     error = assert_envelope(api.get("/api/trajectories", params={"cursor": forged}), 400)
     assert "is not one this API returned" in error["message"]
+    assert (error["code"], error["param"]) == ("invalid_cursor", "cursor")
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "garbage",
+        "",  # a client that sent next_cursor null as "" would read page 1 again, forever
+        "e30=",  # base64 of {}
+        "bm90IGpzb24=",  # base64 of "not json"
+        "WyIyMDI2LTAxLTAxVDAwOjAwOjAwKzAwOjAwIl0=",  # base64 of one item, no id
+        "été",  # not base64's alphabet
+    ],
+)
+def test_a_garbled_or_empty_cursor_is_a_400_invalid_cursor_not_the_first_page(
+    api: httpx.Client, cursor: str
+) -> None:
+    api.post("/api/trajectories", json={"id": "page-only"})
+    error = assert_envelope(api.get("/api/trajectories", params={"cursor": cursor}), 400)
+    assert (error["code"], error["param"]) == ("invalid_cursor", "cursor")
+    assert error["message"].startswith(f"cursor {cursor!r} is not one this API returned")
 
 
 def test_reward_functions_run_on_completion_and_failures_are_recorded(

@@ -1242,7 +1242,14 @@ def batches_create(
     try:
         batch_spec = BatchSpec(**fields)
     except ValidationError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--spec") from exc
+        # One line per problem, as _settings does, not pydantic's dump inside a usage box.
+        where = f"--spec {spec}" if spec is not None else "batch spec"
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"]) or "spec"
+            typer.echo(
+                f"error: {where}: {field}: {error['msg']}{_shown_input(field, error)}", err=True
+            )
+        raise typer.Exit(2) from exc
     _pool, store = _pool_store(database_url, data_dir)
     batch = _pool_command(lambda: materialise(store, batch_spec))
     typer.echo(json.dumps({"id": batch.id, "uri": batch.uri, **batch.manifest["counts"]}))

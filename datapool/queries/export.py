@@ -7,7 +7,8 @@ drop what must not be trained on.
 
 One row per step:
 
-    trajectory_id, step_id, parent_step_id: string; step_index, choice_index: int32
+    trajectory_id, step_id, call_id, parent_step_id: string; step_index, choice_index: int32
+        (call_id: the logical call; a re-send, flagged ``resend``, has its earlier step's)
     lineage_id, lineage_parent_id, lineage_kind: string (the step's conversation, ``steps``)
     group_id, channel, trajectory_status: string; trajectory_flags: list<string>
     policy_version: int32 (null); model, finish_reason, outcome: string
@@ -47,6 +48,7 @@ SCHEMA = pa.schema(
     [
         ("trajectory_id", pa.string()),
         ("step_id", pa.string()),
+        ("call_id", pa.string()),
         ("parent_step_id", pa.string()),
         ("lineage_id", pa.string()),
         ("lineage_parent_id", pa.string()),
@@ -121,6 +123,7 @@ def _rows(store: PoolStore, trajectory_ids: list[str]) -> Iterator[dict[str, Any
             yield {
                 "trajectory_id": trajectory_id,
                 "step_id": step.id,
+                "call_id": step.call_id,
                 "parent_step_id": step.parent_step_id,
                 "lineage_id": step.lineage_id,
                 "lineage_parent_id": step.lineage_parent_id,

@@ -371,6 +371,7 @@ def describe(session: Session, page: Sequence[Trajectory]) -> list[dict[str, Any
 
 STEP_COLUMNS = (
     "id",
+    "call_id",
     "step_index",
     "choice_index",
     "parent_step_id",

@@ -3,8 +3,10 @@
 Owns: ``PoolRoute``, the route class of those routers, which reads a JSON body with the
 gateway's strict parser (``gateway.proxy.attribution.parse_json``, NUL refused), refuses an
 object that names a key twice (JSON parsers keep the last one silently, so ``{"consumer": "a",
-"consumer": "b"}`` would act for ``b`` whatever the sender meant) and refuses a NUL character
-in a query or path parameter; ``StrictBody``, the base of every request body there, which refuses
+"consumer": "b"}`` would act for ``b`` whatever the sender meant), refuses a query parameter
+the route does not declare (``?limt=5`` is a 400 ``unknown_parameter`` naming ``limt``, never a
+page read with the default limit) and a NUL character in a query or path parameter;
+``StrictBody``, the base of every request body there, which refuses
 a field the body's schema does not name (``{"rewrd": 1}`` is a 400 naming ``rewrd``, never a
 request read without it) and a value of another JSON type (no ``"4"`` or ``true`` read as 4 or
 1, no number read as a string). Every integer field and parameter there is bounded by
@@ -24,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import HTTPException, Request, Response
+from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
@@ -93,8 +96,34 @@ class _StrictJSONRequest(Request):
         return self._json
 
 
-def _check_parameters(request: Request) -> None:
-    """Raise ``InvalidRequestError`` naming the first query or path parameter holding NUL."""
+def _query_names(dependant: Dependant) -> frozenset[str]:
+    """The query parameters a route declares: its own, its dependencies', and the fields of a
+    model it reads from the query (``Annotated[Model, Query()]``), each by the name a client
+    sends (its alias when it has one)."""
+    names: set[str] = set()
+    for field in dependant.query_params:
+        model = field.field_info.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            names |= {info.alias or name for name, info in model.model_fields.items()}
+        else:
+            names.add(field.alias)
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return frozenset(names)
+
+
+def _check_parameters(request: Request, query_names: frozenset[str]) -> None:
+    """Raise ``InvalidRequestError`` naming the query parameters the route does not declare
+    (``query_names``), or the first query or path parameter holding NUL."""
+    unknown = sorted(set(request.query_params) - query_names)
+    if unknown:
+        expected = ", ".join(sorted(query_names)) or "none"
+        raise InvalidRequestError(
+            f"unknown query parameter{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; expected: {expected}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
     for name, value in [*request.query_params.multi_items(), *request.path_params.items()]:
         if "\x00" in str(value):
             raise InvalidRequestError(
@@ -103,13 +132,15 @@ def _check_parameters(request: Request) -> None:
 
 
 class PoolRoute(APIRoute):
-    """An ``APIRoute`` whose JSON body and parameters keep to what the pool stores."""
+    """An ``APIRoute`` whose JSON body and parameters keep to what the pool stores, and whose
+    query names only parameters it declares."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        query_names = _query_names(self.dependant)
 
         async def strict(request: Request) -> Response:
-            _check_parameters(request)
+            _check_parameters(request, query_names)
             return await handler(_StrictJSONRequest(request.scope, request.receive))
 
         return strict

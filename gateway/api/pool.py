@@ -61,7 +61,11 @@ class TrajectoryPublic(BaseModel):
     completed_at: datetime | None
     last_step_at: datetime | None
     completion_reason: str | None
-    call_count: int = Field(description="Logical calls recorded (steps have one per choice).")
+    call_count: int = Field(
+        description="Calls answered and recorded, one step_index each (a call's choices share "
+        "it): a re-send (step flag resend) counts, since it was sampled again, though it shares "
+        "the call_id of the call it re-sent."
+    )
     rejected_calls: int = Field(description="Calls refused with 409 after the trajectory closed.")
     rewards: dict[str, float] = Field(
         description="Current value per reward name; a name absent here is unrewarded (not 0)."
@@ -75,6 +79,11 @@ class TrajectoryPage(BaseModel):
 
 class StepSummary(BaseModel):
     id: str
+    call_id: str | None = Field(
+        default=None,
+        description="The logical call (the X-Trajgate-Call-Id answered): a re-send, flagged "
+        "resend, has the call_id of the earlier step it re-sent; null before call ids.",
+    )
     step_index: int
     choice_index: int
     parent_step_id: str | None
@@ -300,16 +309,22 @@ def _encode_cursor(created_at: datetime, trajectory_id: str) -> str:
 
 
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    """The ``(created_at, id)`` a cursor holds; 400 for anything this API would not have written
-    (an instant UTC cannot hold, an id a trajectory cannot have, NUL included: PostgreSQL refuses
-    NUL in text, so it must never reach the query)."""
+    """The ``(created_at, id)`` a cursor holds; 400 ``invalid_cursor`` for anything this API
+    would not have written (an empty or garbled one, an instant UTC cannot hold, an id a
+    trajectory cannot have, NUL included: PostgreSQL refuses NUL in text, so it must never reach
+    the query), never the first page read as if no cursor had been sent."""
     try:
         created, trajectory_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
         if not isinstance(trajectory_id, str) or not TRAJECTORY_ID_PATTERN.fullmatch(trajectory_id):
             raise ValueError("not a trajectory id")
         return in_utc_range(datetime.fromisoformat(created)), trajectory_id
     except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"cursor {cursor[:40]!r} is not one this API returned") from exc
+        raise InvalidRequestError(
+            f"cursor {cursor[:40]!r} is not one this API returned; pass a page's next_cursor "
+            "as it came, or no cursor for the first page",
+            param="cursor",
+            code="invalid_cursor",
+        ) from exc
 
 
 # ---- trajectories --------------------------------------------------------------------------
@@ -360,7 +375,7 @@ async def list_trajectories(
             created_after=created_after,
             created_before=created_before,
             q=q,
-            after=_decode_cursor(cursor) if cursor else None,
+            after=None if cursor is None else _decode_cursor(cursor),
             limit=limit,
         )
     )

@@ -47,7 +47,7 @@ from datapool.models import StepOutcome
 from datapool.settings import PoolSettings
 from datapool.steps.prefix import Candidate, Lineage, choose_parent
 from datapool.steps.store import PoolStore, StoredStep
-from trajgate.bench.gateway import free_port
+from trajgate.bench.gateway import free_port, process_cpu_s
 from trajgate.bench.ring import HashRing, routing_key
 
 TRAJGATE = str(Path(sys.executable).with_name("trajgate"))
@@ -454,13 +454,10 @@ def _process_tree(pids: list[int]) -> set[int]:
 
 def process_tree_cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of ``pids`` and all their live descendants (a ``trajgate serve
-    --workers N`` parent and its workers)."""
-    ticks = 0
-    for pid in _process_tree(pids):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    --workers N`` parent and its workers): the sum of ``process_cpu_s`` over the tree, so each
+    process counts to the scheduler's nanosecond, not in /proc's 10 ms ticks. A process that
+    exits between listing and reading counts 0."""
+    return sum(process_cpu_s(pid) or 0.0 for pid in _process_tree(pids))
 
 
 def bench_gateways(

@@ -190,15 +190,22 @@ def continued(
 ) -> Translation:
     """``translation`` of ``body`` with the history of the earlier response its
     ``previous_response_id`` names put after the ``instructions`` (the same object when it
-    names none). Raises ``InvalidRequestError`` (``previous_response_not_found``) when it names
-    one and ``earlier`` is None."""
+    names none). Raises ``InvalidRequestError`` (400 ``previous_response_not_found``, OpenAI's
+    message first) when it names one and ``earlier`` is None, or ``earlier`` was created with
+    ``store: false``: OpenAI keeps no such response to continue from, so a conversation that
+    chains one here would fail there (the pool still captures it as training data)."""
     earlier_id = previous_response_id(body)
     if earlier_id is None:
         return translation
-    if earlier is None:
+    if earlier is None or earlier.request.get("store") is False:
+        why = (
+            "it was created with store: false, so it cannot be continued; send its "
+            "conversation as input instead"
+            if earlier is not None
+            else "no call of this trajectory answered with that id"
+        )
         raise InvalidRequestError(
-            f"previous_response_id '{earlier_id}' is unknown: no response with that id is "
-            "in the pool",
+            f"Previous response with id '{earlier_id}' not found. ({why})",
             param="previous_response_id",
             code="previous_response_not_found",
         )

@@ -207,7 +207,9 @@ document.addEventListener("alpine:init", () => {
       this.say("");
       if (parts[0] === "trajectories" && parts[1]) return this.showTrajectory(parts[1]);
       if (parts[0] === "steps" && parts[1]) {
-        return this.showTokens(parts[1], Number(new URLSearchParams(location.search).get("offset")) || 0);
+        // ?offset= goes to the API as written: a garbled one is its 400, never window 0 instead.
+        const offset = new URLSearchParams(location.search).get("offset");
+        return this.showTokens(parts[1], offset === null || offset === "" ? 0 : offset);
       }
       if (parts[0] === "groups" && parts[1]) return this.showGroup(parts[1]);
       if (parts[0] === "curation") return this.showCuration();
@@ -578,7 +580,7 @@ document.addEventListener("alpine:init", () => {
       } catch (err) { this.fail(err); }
     },
     tokenPage(stepId, offset, limit = TOKEN_PAGE) {
-      return this.api(`/api/steps/${encodeURIComponent(stepId)}/tokens?offset=${offset}&limit=${limit}`);
+      return this.api(`/api/steps/${encodeURIComponent(stepId)}/tokens?offset=${encodeURIComponent(offset)}&limit=${limit}`);
     },
     tokenTotal() {
       return this.tok ? this.tok.prompt_token_count + this.tok.response_token_count : 0;
