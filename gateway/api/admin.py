@@ -463,7 +463,7 @@ async def _publish_adapter(body: WeightUpdateCreate, state: GatewayState) -> Wei
         unloaded: list[str] = []
         for url, listed in (await listed_adapters(state.client, urls, timeout_s)).items():
             stale = stale_adapters(listed, registered, settings.lora_adapters_kept, name)
-            for gone in await unload_adapters(state.client, url, stale, timeout_s):
+            for gone in (await unload_adapters(state.client, url, stale, timeout_s)).unloaded:
                 if gone not in unloaded:
                     unloaded.append(gone)
     return WeightUpdatePublic(
