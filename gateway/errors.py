@@ -43,9 +43,9 @@ the same unstreamed (``error_response``) and as the last event of a stream (``ss
 
 Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``previous_response_not_found`` (400, the translating dialects); ``model_not_served`` (400,
-``POST /admin/policy-versions``); ``lora_not_enabled``, ``lora_adapter_not_found``,
-``lora_adapter_refused`` (400, a replica refused a LoRA update's adapter,
-``gateway.upstream.adapters``); ``host_not_allowed`` (400,
+``POST /admin/policy-versions`` and a full-weight ``POST /admin/weight-updates``);
+``lora_not_enabled``, ``lora_adapter_not_found``, ``lora_adapter_refused`` (400, a replica
+refused a LoRA update's adapter, ``gateway.upstream.adapters``); ``host_not_allowed`` (400,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
 ``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
