@@ -11,13 +11,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute, StrictBody
-from gateway.auth import check_admin_token
+from gateway.api.dependencies import AdminDep
 from gateway.engine.admin import (
     AdapterRefusedError,
     ReloadError,
@@ -47,14 +47,6 @@ from gateway.upstream.adapters import (
 )
 from gateway.upstream.weight_update import reload_label
 
-
-def _admin_state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    check_admin_token(request, state.settings.admin_token)
-    return state
-
-
-AdminDep = Annotated[GatewayState, Depends(_admin_state)]
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=PoolRoute)
 
 

@@ -9,7 +9,8 @@ says (``ReloadError``: which replicas accepted the reload and whose weights are 
 ``AdapterRefusedError``: an adapter refused as sent, not a failing replica).
 
 Never: decides when to pause, which version a call is stamped with, or which adapters to keep
-(``gateway.upstream.weight_update``, ``gateway.upstream.adapters``, ``gateway.api.admin``).
+(``gateway.upstream.weight_update``, ``gateway.upstream.adapters``, ``gateway.api.admin``,
+``gateway.api.lora``).
 
 vLLM endpoints (0.32): full weights in dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST
 /pause?mode=keep``, ``/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}``,
