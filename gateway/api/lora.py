@@ -89,8 +89,8 @@ async def release_adapters(body: AdapterReleaseCreate, state: AdminDep) -> Adapt
             version, name = serving[0]
             raise ConflictError(
                 f"adapter {name} serves the active policy version {version}: releasing it would "
-                f"fail every call for the alias; send include_active: true to release it anyway "
-                f"(the end of a run), or publish or activate another version first; nothing "
+                "fail every call for the alias; send include_active: true to release it anyway "
+                "(the end of a run), or publish or activate another version first; nothing "
                 "was released",
                 code="lora_adapter_active",
             )
@@ -105,7 +105,7 @@ async def release_adapters(body: AdapterReleaseCreate, state: AdminDep) -> Adapt
     if failed:
         raise UpstreamError(
             f"a replica failed an unload ({'; '.join(failed)}); released so far, per replica: "
-            f"{released}; the others may still be loaded: release again",
+            f"{released}; the adapters that failed may still be loaded: release again",
             code="lora_release_failed",
         )
     return AdapterReleasePublic(adapter_prefix=body.adapter_prefix, released=released)
