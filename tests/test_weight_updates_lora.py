@@ -2,7 +2,7 @@
 each version is a new adapter in every replica, registered and activated only once every replica
 loaded it, the old ones unloaded past ``lora_adapters_kept``; nothing paused, a call in flight
 finishes on the adapter it started with; bad input is 400 and changes nothing. And their release
-(``POST /admin/adapter-releases``): the adapters
+(``POST /admin/adapter-releases``, the trainer's ``WeightSync.release_adapters``): the adapters
 its prefix names unloaded from every replica, the active one only when asked (409 otherwise), a
 replica that fails an unload named in a 502 that says what was released, never across a weight
 update in flight.
@@ -36,6 +36,7 @@ from datapool.settings import PoolSettings
 from gateway.engine.paths import LOAD_LORA_ADAPTER_PATH as LOAD_PATH
 from gateway.engine.paths import MODELS_PATH
 from gateway.engine.paths import UNLOAD_LORA_ADAPTER_PATH as UNLOAD_PATH
+from trainer_bridge.sync import WeightSync, WeightSyncError
 from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
 from trajgate.bench.weight_endpoints import RELOAD_PATH
 from trajgate.vllm_server import VLLMServer
@@ -382,6 +383,27 @@ def test_a_release_unloads_the_adapters_its_prefix_names_and_the_active_one_only
         (2, f"{prefix}-v2", False),
         (3, f"{other}-v3", True),
     ]
+
+
+def test_the_trainers_release_goes_through_the_gateway_and_keeps_the_active_adapter_unless_asked(
+    vllm: VLLMServer, sqlite_pool: PoolSettings, adapter_dirs: list[Path]
+) -> None:
+    prefix = f"trainer-{secrets.token_hex(4)}"
+    with gateway_over(sqlite_pool, [vllm.url], vllm, prefix) as api:
+        sync = WeightSync(str(api.base_url), adapter_prefix=prefix)
+        for version, path in ((1, adapter_dirs[0]), (2, adapter_dirs[1])):
+            sync.publish(version, path, "lora")
+        with pytest.raises(WeightSyncError) as refused:
+            sync.release_adapters()
+        served_after_refusal = _served_starting(vllm, prefix)
+        released = sync.release_adapters(include_active=True)
+        served_after_release = _served_starting(vllm, prefix)
+        sync.close()
+
+    assert "-> 409" in str(refused.value) and "lora_adapter_active" in str(refused.value)
+    assert served_after_refusal == {f"{prefix}-v1", f"{prefix}-v2"}
+    assert released == {vllm.url: [f"{prefix}-v1", f"{prefix}-v2"]}
+    assert served_after_release == set()
 
 
 def test_a_replica_failing_an_unload_is_502_naming_it_and_what_the_others_released(
