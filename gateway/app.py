@@ -35,7 +35,7 @@ from datapool.steps.faults import fault_reason, is_storage_fault
 from datapool.steps.store import PoolStore
 from datapool.steps.writer import PoolWriter
 from datapool.tokenizer_copies import TokenizerCopies
-from gateway.api import admin
+from gateway.api import admin, lora
 from gateway.api import batches as batches_api
 from gateway.api import pool as pool_api
 from gateway.auth import KeyRing, check_admin_token
@@ -141,6 +141,7 @@ def create_app(
     app.include_router(proxy.dialect_router(dialects))
     app.include_router(proxy.router)
     app.include_router(admin.router)
+    app.include_router(lora.router)
     # The pool API manages data: behind the admin token whenever one is set (always beyond
     # loopback, where the settings refuse to start without one).
     app.include_router(pool_api.router, prefix="/api", dependencies=[Depends(_require_admin)])

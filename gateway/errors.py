@@ -45,13 +45,14 @@ Finer codes named where raised: ``invalid_value``, ``unknown_parameter``,
 ``previous_response_not_found`` (400, the translating dialects; ``unknown_parameter`` also for a
 query parameter an ``/api`` or ``/admin`` route does not declare, ``gateway.api.bodies``);
 ``invalid_cursor`` (400, ``GET /api/trajectories``); ``model_not_served`` (400,
-``POST /admin/policy-versions``); ``lora_not_enabled``,
-``lora_adapter_not_found``, ``lora_adapter_refused`` (400, a replica refused a LoRA update's
-adapter, ``gateway.upstream.adapters``); ``host_not_allowed`` (400,
+``POST /admin/policy-versions`` and a full-weight ``POST /admin/weight-updates``);
+``lora_not_enabled``, ``lora_adapter_not_found``, ``lora_adapter_refused`` (400, a replica
+refused a LoRA update's adapter, ``gateway.upstream.adapters``); ``host_not_allowed`` (400,
 ``gateway.guard``); ``invalid_api_key``,
 ``missing_api_key``, ``invalid_admin_token`` (401); ``cross_site`` (403); ``unknown_target``,
 ``batch_not_found`` (404); ``trajectory_closed``, ``nothing_ready``, ``lease_lost``,
-``ack_conflict``, ``policy_version_conflict``, ``trajectory_exists`` (409);
+``ack_conflict``, ``policy_version_conflict``, ``trajectory_exists``, ``lora_adapter_active``
+(409, ``gateway.api.lora``);
 ``idempotency_key_reused`` (422, an ``Idempotency-Key`` sent again with another body,
 ``gateway.proxy.answer``); ``payload_missing``
 (500); ``pool_<fault reason>`` (503, e.g. ``pool_disk_full``, with Retry-After),
@@ -59,7 +60,9 @@ adapter, ``gateway.upstream.adapters``); ``host_not_allowed`` (400,
 sampling when a full-weight update's drain limit ran out, ``gateway.upstream.weight_update``);
 ``replica_weights_unknown`` (503, every replica the call could use took part in a full-weight
 update that failed, ``gateway.upstream.replicas``); ``weight_update_failed`` (502, a replica
-failed a step of a full-weight or LoRA update, ``gateway.api.admin``);
+failed a step of a full-weight or LoRA update, ``gateway.api.admin``); ``lora_release_failed``
+(502, a replica failed an adapter release's unload or none answered its model list,
+``gateway.api.lora``);
 ``upstream_unreachable`` (504 when the connection timed out, else 502 ``upstream_error``).
 
 The pool's own errors (``datapool.errors.PoolError``) map onto this tree with ``from_pool_error``:

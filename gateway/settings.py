@@ -274,7 +274,8 @@ class GatewaySettings(ConfigFileSettings):
         gt=0,
         description=(
             "Full-weight update: the overall deadline (seconds) of each pause, prefix cache "
-            "reset, label and resume exchange with a replica, however its bytes trickle in; "
+            "reset, label and resume exchange with a replica, however its bytes trickle in (and "
+            "of each LoRA list and unload, in publishes and adapter releases); "
             "the reload itself gets upstream_total_timeout_s. Past it the replica has failed "
             "that step (502 weight_update_failed, or a resume retried). Bounds how long calls "
             "are held by a replica that does not answer its pause."

@@ -28,9 +28,6 @@ EXEMPT_MODULES = {
     "trajgate/bench/emulator.py",
     # It starts vLLM and waits for it to serve, before any gateway exists.
     "trajgate/vllm_server.py",
-    # The trainer bridge never imports the gateway (the layers contract): its end-of-run
-    # teardown unloads the adapters it published from vLLM directly (its module docstring).
-    "trainer_bridge/sync.py",
 }
 # Strings equal to a vLLM path that name the gateway's own route instead (the gateway serves
 # vLLM's API under vLLM's paths), and why.

@@ -188,12 +188,7 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     tmp_path: Path,
 ) -> None:
     prefix = f"test-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
-    sync = WeightSync(
-        [vllm.url],
-        gateway.url,
-        base_model_name=vllm.served_model_name,
-        adapter_prefix=prefix,
-    )
+    sync = WeightSync(gateway.url, base_model_name=vllm.served_model_name, adapter_prefix=prefix)
     sync.register(0, vllm.served_model_name, str(tiny_model_dir))
     body = {
         "model": "policy",
@@ -232,7 +227,8 @@ def test_lora_hot_load_changes_sampling_and_the_next_steps_carry_the_new_version
     gap = (trainer_logprobs - new_batch.behaviour_logprobs).abs()[mask]
     print(f"logprob gap with LoRA v1: mean {float(gap.mean()):.2e}, max {float(gap.max()):.2e}")
     assert float(gap.mean()) < LORA_GAP_TOLERANCE
-    sync.unload_all()  # its directory is about to be deleted with tmp_path
+    # Its directory goes with tmp_path: released through the gateway, active as it is.
+    assert sync.release_adapters(include_active=True) == {vllm.url: [published.model_name]}
     sync.close()
 
 
@@ -308,7 +304,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
 
     prefix = f"loop-{secrets.token_hex(4)}"  # the shared vLLM may serve other runs' adapters
     api = httpx.Client(base_url=gateway.url, timeout=120)
-    WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
+    WeightSync(gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
     # One group of 4 rollouts of the same task, rewarded 1, 0, 0.5, 0.25 through the API.
     sampled_tokens = 0
     for member, reward in enumerate([1.0, 0.0, 0.5, 0.25]):
@@ -375,7 +371,7 @@ def test_train_loop_leases_trains_acks_and_publishes_the_next_version(
     assert (consumed["consumer"], consumed["policy_version_trained"]) == ("loop-test", 1)
     after = api.post("/t/loop-after/v1/chat/completions", json=body)
     assert after.headers["x-trajgate-policy-version"] == "1"
-    WeightSync([vllm.url], gateway.url).unload(f"{prefix}-v1")
+    WeightSync(gateway.url, adapter_prefix=prefix).release_adapters(include_active=True)
 
 
 def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
@@ -393,7 +389,7 @@ def test_train_loop_gives_the_batch_back_when_its_update_cannot_be_published(
     from trainer_bridge.loop import LoopSettings, PublishFailedError, run_loop
 
     api = httpx.Client(base_url=gateway.url, timeout=120)
-    WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
+    WeightSync(gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
     for member, reward in enumerate([1.0, 0.0]):
         trajectory = f"unpublished-{member}"
         api.post("/api/trajectories", json={"id": trajectory, "group_id": "unpublished-g"})

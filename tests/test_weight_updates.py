@@ -156,7 +156,7 @@ def test_full_weight_updates_under_load_never_mix_versions_in_a_step(
         ) as gateway,
     ):
         api = httpx.Client(base_url=gateway.url, timeout=600)
-        sync = WeightSync([vllm.url], gateway.url, base_model_name=vllm.served_model_name)
+        sync = WeightSync(gateway.url, base_model_name=vllm.served_model_name)
         sync.register(0, vllm.served_model_name, str(tiny_model_dir))
         stop = threading.Event()
         agents = [Agent(gateway.url, f"agent{i}", stop) for i in range(2)]
@@ -308,7 +308,7 @@ def test_train_loop_publishes_full_weights_through_the_pause_and_records_its_len
         gateway_with(sqlite_pool, free_port(), upstream_url=vllm.url) as gateway,
     ):
         api = httpx.Client(base_url=gateway.url, timeout=300)
-        WeightSync([vllm.url], gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
+        WeightSync(gateway.url).register(0, vllm.served_model_name, str(tiny_model_dir))
         for member, reward in enumerate([1.0, 0.0]):
             trajectory = f"full-{member}"
             api.post("/api/trajectories", json={"id": trajectory, "group_id": "full-g"})

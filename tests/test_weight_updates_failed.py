@@ -204,3 +204,23 @@ def test_a_drained_update_whose_cache_reset_fails_after_the_reload_refuses_the_r
         published = _publish(api, 2, "drain")
         assert published.status_code == 201, published.text
         assert _chat(api, "after-drain").headers["x-trajgate-policy-version"] == "2"
+
+
+def test_a_full_weight_update_naming_a_model_no_replica_serves_is_400_before_anything_pauses(
+    sqlite_pool: PoolSettings,
+) -> None:
+    # The emulator lists only "emulated": a reload under another name would pause every call,
+    # reload, and activate a version whose model no replica serves.
+    with replicas_behind_gateway(sqlite_pool, 1) as ([engine], api):
+        body = {"version": 2, "model_name": "tiny", "weights_location": "/ckpt/v2"}
+        refused = api.post("/admin/weight-updates", json=body)
+        versions = _active(api)
+        served = _chat(api, "after-refusal")
+
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_served", "model_name")
+    assert "'tiny' is not served" in error["message"] and "['emulated']" in error["message"]
+    assert engine.book.weights.asked == []  # no pause, reload or resume sent
+    assert versions == [(1, True)]  # version 2 neither claimed nor activated
+    assert served.status_code == 200 and served.headers["x-trajgate-policy-version"] == "1"

@@ -1,7 +1,11 @@
 """LoRA updates through the gateway (``POST /admin/weight-updates``, ``weight_format: "lora"``):
 each version is a new adapter in every replica, registered and activated only once every replica
 loaded it, the old ones unloaded past ``lora_adapters_kept``; nothing paused, a call in flight
-finishes on the adapter it started with; bad input is 400 and changes nothing.
+finishes on the adapter it started with; bad input is 400 and changes nothing. And their release
+(``POST /admin/adapter-releases``, the trainer's ``WeightSync.release_adapters``): the adapters
+its prefix names unloaded from every replica, the active one only when asked (409 otherwise), a
+replica that fails an unload named in a 502 that says what was released, never across a weight
+update in flight.
 
 The real vLLM is the shared one (``--enable-lora``, runtime LoRA updates on, as the LoRA tests of
 tests/test_trainer_bridge.py use it): adapters are loaded under a prefix of their own per test
@@ -15,6 +19,8 @@ with vLLM 0.32's bodies, the edge we do not own.
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -28,7 +34,11 @@ from tests_support import free_port
 
 from datapool.settings import PoolSettings
 from gateway.engine.paths import LOAD_LORA_ADAPTER_PATH as LOAD_PATH
+from gateway.engine.paths import MODELS_PATH
+from gateway.engine.paths import UNLOAD_LORA_ADAPTER_PATH as UNLOAD_PATH
+from trainer_bridge.sync import WeightSync, WeightSyncError
 from trajgate.bench.emulator import EmulatorSettings, EmulatorThread
+from trajgate.bench.weight_endpoints import RELOAD_PATH
 from trajgate.vllm_server import VLLMServer
 
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -59,8 +69,8 @@ def gateway_over(
     pool: PoolSettings, upstream_urls: list[str], vllm: VLLMServer, prefix: str, **settings: Any
 ) -> Iterator[httpx.Client]:
     """A gateway in front of ``upstream_urls`` with version 0 (the base model) active; every
-    adapter named ``<prefix>-v*`` is unloaded from the real vLLM on exit (their directories are
-    temporary)."""
+    adapter whose name starts with ``prefix`` is unloaded from the real vLLM on exit (their
+    directories are temporary)."""
     with ExitStack() as stack:
         gateway = stack.enter_context(
             gateway_with(pool, free_port(), upstream_url=",".join(upstream_urls), **settings)
@@ -74,8 +84,8 @@ def gateway_over(
 
 def _unload_prefixed(vllm: VLLMServer, prefix: str) -> None:
     for name in _adapters_served(vllm):
-        if name.startswith(f"{prefix}-v"):
-            httpx.post(f"{vllm.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+        if name.startswith(prefix):
+            httpx.post(f"{vllm.url}{UNLOAD_PATH}", json={"lora_name": name}, timeout=60)
 
 
 def _adapters_served(vllm: VLLMServer) -> set[str]:
@@ -91,6 +101,14 @@ def _publish_lora(api: httpx.Client, version: int, path: Path | str, prefix: str
         "adapter_prefix": prefix,
     }
     return api.post("/admin/weight-updates", json=body)
+
+
+def _release(api: httpx.Client, adapter_prefix: str, **body: Any) -> httpx.Response:
+    return api.post("/admin/adapter-releases", json={"adapter_prefix": adapter_prefix, **body})
+
+
+def _served_starting(vllm: VLLMServer, prefix: str) -> set[str]:
+    return {name for name in _adapters_served(vllm) if name.startswith(prefix)}
 
 
 def _versions(api: httpx.Client) -> list[tuple[int, str, bool]]:
@@ -320,3 +338,211 @@ async def test_a_refused_adapter_is_told_from_a_failing_replica_by_vllms_answer(
             await load_adapter(client, ["http://replica"], "a-v1", "/x", 5.0, in_place=False)
     failure = raised.value
     assert (failure.code if isinstance(failure, AdapterRefusedError) else None) == code
+
+
+def test_a_release_unloads_the_adapters_its_prefix_names_and_the_active_one_only_when_asked(
+    vllm: VLLMServer, sqlite_pool: PoolSettings, adapter_dirs: list[Path]
+) -> None:
+    """Run ``prefix`` published versions 1 and 2, another run (``<prefix>-other``) version 3,
+    now active. Releasing ``<prefix>-v`` unloads 1 and 2 and leaves the other run's adapter;
+    releasing ``<prefix>-other-v`` is 409 while its adapter serves the alias, and unloads it with
+    ``include_active``. The registry forgets no version."""
+    prefix = f"release-{secrets.token_hex(4)}"
+    other = f"{prefix}-other"
+    with gateway_over(sqlite_pool, [vllm.url], vllm, prefix, lora_adapters_kept=3) as api:
+        for version, path, run in ((1, adapter_dirs[0], prefix), (2, adapter_dirs[1], prefix)):
+            assert _publish_lora(api, version, path, run).status_code == 201
+        assert _publish_lora(api, 3, adapter_dirs[0], other).status_code == 201
+        ours = _release(api, f"{prefix}-v")
+        served_after_ours = _served_starting(vllm, prefix)
+        refused = _release(api, f"{other}-v")
+        served_after_refusal = _served_starting(vllm, prefix)
+        chat = {"model": "policy", "messages": PROMPT, "max_tokens": 4, "temperature": 0}
+        still_served = api.post("/t/release/v1/chat/completions", json=chat)
+        forced = _release(api, f"{other}-v", include_active=True)
+        served_after_forced = _served_starting(vllm, prefix)
+        versions = _versions(api)
+
+    assert ours.status_code == 200, ours.text
+    released = {vllm.url: [f"{prefix}-v1", f"{prefix}-v2"]}
+    assert ours.json() == {"adapter_prefix": f"{prefix}-v", "released": released}
+    assert served_after_ours == {f"{other}-v3"}
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "lora_adapter_active"
+    assert f"adapter {other}-v3 serves the active policy version 3" in error["message"]
+    assert served_after_refusal == {f"{other}-v3"}  # nothing released
+    assert still_served.status_code == 200, still_served.text
+    assert still_served.headers["x-trajgate-policy-version"] == "3"
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["released"] == {vllm.url: [f"{other}-v3"]}
+    assert served_after_forced == set()
+    assert versions == [
+        (0, vllm.served_model_name, False),
+        (1, f"{prefix}-v1", False),
+        (2, f"{prefix}-v2", False),
+        (3, f"{other}-v3", True),
+    ]
+
+
+def test_the_trainers_release_goes_through_the_gateway_and_keeps_the_active_adapter_unless_asked(
+    vllm: VLLMServer, sqlite_pool: PoolSettings, adapter_dirs: list[Path]
+) -> None:
+    prefix = f"trainer-{secrets.token_hex(4)}"
+    with gateway_over(sqlite_pool, [vllm.url], vllm, prefix) as api:
+        sync = WeightSync(str(api.base_url), adapter_prefix=prefix)
+        for version, path in ((1, adapter_dirs[0]), (2, adapter_dirs[1])):
+            sync.publish(version, path, "lora")
+        with pytest.raises(WeightSyncError) as refused:
+            sync.release_adapters()
+        served_after_refusal = _served_starting(vllm, prefix)
+        released = sync.release_adapters(include_active=True)
+        served_after_release = _served_starting(vllm, prefix)
+        sync.close()
+
+    assert "-> 409" in str(refused.value) and "lora_adapter_active" in str(refused.value)
+    assert served_after_refusal == {f"{prefix}-v1", f"{prefix}-v2"}
+    assert released == {vllm.url: [f"{prefix}-v1", f"{prefix}-v2"]}
+    assert served_after_release == set()
+
+
+def test_a_replica_failing_an_unload_is_502_naming_it_and_what_the_others_released(
+    vllm: VLLMServer, sqlite_pool: PoolSettings, adapter_dirs: list[Path]
+) -> None:
+    """vLLM (first) serves the adapter, the emulator (second) fails every unload with a 500:
+    vLLM still releases it, and the 502 names the emulator, the adapter and what was released.
+    The emulator has no LoRA route, so the adapter is loaded into vLLM directly (as an operator
+    would), not published."""
+    prefix = f"failing-{secrets.token_hex(4)}"
+    name = f"{prefix}-v1"
+    emulator = EmulatorThread(EmulatorSettings(port=free_port())).start()
+    try:
+        with gateway_over(sqlite_pool, [vllm.url, emulator.url], vllm, prefix) as api:
+            load = {"lora_name": name, "lora_path": str(adapter_dirs[0])}
+            httpx.post(f"{vllm.url}{LOAD_PATH}", json=load, timeout=120).raise_for_status()
+            emulator.fail(UNLOAD_PATH, 500)
+            failed = _release(api, f"{prefix}-v")
+            served_after_failure = _served_starting(vllm, prefix)
+            emulator.fail(UNLOAD_PATH, None)
+            again = _release(api, f"{prefix}-v")
+    finally:
+        emulator.stop()
+
+    assert failed.status_code == 502, failed.text
+    error = failed.json()["error"]
+    assert error["code"] == "lora_release_failed"
+    assert f"replica {emulator.url}, adapter {name}: 500" in error["message"]
+    assert f"{{'{vllm.url}': ['{name}'], '{emulator.url}': []}}" in error["message"]
+    assert served_after_failure == set()
+    # Released again: vLLM lists nothing of the prefix any more, so nothing is selected.
+    assert again.status_code == 200, again.text
+    assert again.json()["released"] == {vllm.url: [], emulator.url: []}
+
+
+def test_a_release_no_replica_answers_a_model_list_for_is_502_and_releases_nothing(
+    sqlite_pool: PoolSettings,
+) -> None:
+    emulator = EmulatorThread(EmulatorSettings(port=free_port())).start()
+    try:
+        with gateway_with(sqlite_pool, free_port(), upstream_url=emulator.url) as gateway:
+            emulator.fail(MODELS_PATH, 500)
+            failed = httpx.post(
+                f"{gateway.url}/admin/adapter-releases", json={"adapter_prefix": "p-v"}, timeout=30
+            )
+    finally:
+        emulator.stop()
+    assert failed.status_code == 502, failed.text
+    error = failed.json()["error"]
+    assert error["code"] == "lora_release_failed"
+    assert (
+        "answered its model list" in error["message"] and "nothing was released" in error["message"]
+    )
+
+
+def test_a_release_waits_for_a_weight_update_in_flight(sqlite_pool: PoolSettings) -> None:
+    """The emulator's reload hangs until the update's 2 s reload deadline: a release sent
+    meanwhile answers only after the update ended (ungated, it answered in milliseconds: the
+    emulator lists no adapter)."""
+    emulator = EmulatorThread(EmulatorSettings(port=free_port())).start()
+    try:
+        with gateway_with(
+            sqlite_pool, free_port(), upstream_url=emulator.url, upstream_total_timeout_s=2
+        ) as gateway:
+            registered = httpx.post(
+                f"{gateway.url}/admin/policy-versions",
+                json={"version": 0, "model_name": "emulated"},
+                timeout=30,
+            )
+            assert registered.status_code == 201, registered.text
+            emulator.fail(RELOAD_PATH, "hang")
+            update = {"version": 1, "model_name": "emulated", "weights_location": "/ckpt/v1"}
+            answers: dict[str, httpx.Response] = {}
+
+            def publish() -> None:
+                url = f"{gateway.url}/admin/weight-updates"
+                answers["update"] = httpx.post(url, json=update, timeout=30)
+
+            publisher = threading.Thread(target=publish)
+            publisher.start()
+            deadline = time.monotonic() + 10
+            while RELOAD_PATH not in emulator.book.weights.asked:
+                assert time.monotonic() < deadline, "the update never reached its reload"
+                time.sleep(0.01)
+            started = time.monotonic()
+            released = httpx.post(
+                f"{gateway.url}/admin/adapter-releases", json={"adapter_prefix": "p-v"}, timeout=30
+            )
+            waited_s = time.monotonic() - started
+            publisher.join()
+    finally:
+        emulator.stop()
+    assert answers["update"].status_code == 502  # its reload timed out
+    assert released.status_code == 200, released.text
+    assert released.json()["released"] == {emulator.url: []}
+    # It was sent within a few ms of the reload, whose deadline is 2 s after: it waited ~2 s.
+    assert waited_s > 1.0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "adapter_prefix"),
+        ({"adapter_prefix": ""}, "adapter_prefix"),
+        ({"adapter_prefix": 7}, "adapter_prefix"),
+        ({"adapter_prefix": "p-v", "include_active": "yes"}, "include_active"),
+        ({"adapter_prefix": "p-v", "adapter": "p-v1"}, "adapter"),
+    ],
+    ids=["missing-prefix", "empty-prefix", "prefix-not-a-string", "flag-not-a-bool", "unknown"],
+)
+def test_a_release_with_a_bad_body_is_400_naming_the_field_and_asks_no_replica(
+    sqlite_pool: PoolSettings, body: dict[str, Any], param: str
+) -> None:
+    asked: list[str] = []
+
+    def replica(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, json={"object": "list", "data": []})
+
+    with gateway_with(sqlite_pool, free_port(), transport=httpx.MockTransport(replica)) as gateway:
+        asked.clear()  # the gateway's start-up probes
+        refused = httpx.post(f"{gateway.url}/admin/adapter-releases", json=body, timeout=30)
+    assert refused.status_code == 400, refused.text
+    assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+    assert refused.json()["error"]["param"] == param
+    assert MODELS_PATH not in asked and UNLOAD_PATH not in asked
+
+
+def test_a_release_needs_the_admin_token_as_every_admin_route(sqlite_pool: PoolSettings) -> None:
+    upstream = f"http://127.0.0.1:{free_port()}"  # nothing listens: nothing may be asked
+    with gateway_with(
+        sqlite_pool, free_port(), upstream_url=upstream, admin_token="s3cret-token-for-tests"
+    ) as gateway:
+        url = f"{gateway.url}/admin/adapter-releases"
+        anonymous = httpx.post(url, json={"adapter_prefix": "p-v"}, timeout=30)
+        wrong = httpx.post(
+            url,
+            json={"adapter_prefix": "p-v"},
+            headers={"Authorization": "Bearer wrong"},
+            timeout=30,
+        )
+    assert (anonymous.status_code, wrong.status_code) == (401, 401)

@@ -17,7 +17,8 @@ Shape legend: ``B`` batch rows, ``T`` tokens per row.
 - ``trainer``: ``PolicyTrainer``, one RL update with LoRA (peft) or full weights, and saving
   weights vLLM can load (``TrainBatch``, ``UpdateMetrics``).
 - ``sync``: ``WeightSync`` publishes new weights (LoRA or full) through the gateway, which loads
-  them into every vLLM replica and activates them as the next policy version.
+  them into every vLLM replica and activates them as the next policy version, and releases a
+  run's adapters through it at the end (``release_adapters``); it never speaks to vLLM.
 - ``loop``: the trainer against running services: lease → train → ack → publish (``run_loop``).
 - ``sharding``: FSDP2 over the ranks (``shard_model``) and gathering sharded weights into the
   files vLLM loads (``save_full_safetensors``, ``gather_trainable``).

@@ -218,8 +218,7 @@ def run(settings: DistributedSettings, trainer_settings: TrainerSettings) -> Ran
         lineage = load(path, trainer.model, trainer.optimizer)
         trainer.steps = lineage.steps
     sync = (
-        WeightSync(
-            [],  # the gateway loads the weights into the replicas it routes to
+        WeightSync(  # the gateway loads the weights into the replicas it routes to
             settings.gateway_url or settings.pool_url,
             admin_token=settings.admin_token,
             adapter_prefix=settings.adapter_prefix,

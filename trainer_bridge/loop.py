@@ -123,8 +123,7 @@ def run_loop(
         if loop.first_version is not None
         else active_version(loop.gateway_url, loop.admin_token)
     )
-    sync = WeightSync(
-        [],  # the gateway loads the weights; a training run leaves its last adapters served
+    sync = WeightSync(  # a training run leaves its last adapters served
         loop.gateway_url,
         admin_token=loop.admin_token,
         adapter_prefix=loop.adapter_prefix,

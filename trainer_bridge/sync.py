@@ -1,6 +1,7 @@
-"""Publishing new weights: one request to the gateway, which drives every vLLM replica.
+"""Publishing new weights and releasing adapters: requests to the gateway, which drives every
+vLLM replica; the trainer never speaks to vLLM.
 
-Owns: what the trainer sends to publish a version, and the end-of-run cleanup of its adapters.
+Owns: what the trainer sends to publish a version, and the end-of-run release of its adapters.
 
 Both formats go through ``POST /admin/weight-updates`` of the gateway, which loads the weights
 into every replica it routes to, registers and activates the version, and answers once calls
@@ -16,12 +17,13 @@ docs/gateway.md, "Full-weight updates" and "LoRA updates"):
   (``gateway.upstream.weight_update``). A full reload must not go to vLLM directly: calls in
   flight would sample across it.
 
-One direct exchange with vLLM is left, ``unload``/``unload_all``: the end of a run (the demo,
-a test) unloads the adapters it published before their directories are deleted (vLLM reloads
-an evicted adapter from its directory, and one whose directory is gone kills the engine). That
-is teardown, not a publish: no version changes, so it needs none of the gateway's ordering.
+The end of a run (the demo, a test) releases the adapters it published before their
+directories are deleted (vLLM reloads an evicted adapter from its directory, and one whose
+directory is gone kills the engine): ``release_adapters``, one ``POST /admin/adapter-releases``
+of the gateway (``gateway.api.lora``), which unloads every adapter named
+``<adapter_prefix>-v...`` from every replica, between its weight updates.
 
-Never: trains.
+Never: trains; speaks to vLLM.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ WeightFormat = Literal["lora", "full"]
 
 
 class WeightSyncError(RuntimeError):
-    """vLLM or the gateway refused a step of the sync; the message names which and why."""
+    """The gateway refused a step of the sync, or a replica behind it failed one; the message
+    is the gateway's answer (its status and error envelope)."""
 
 
 @dataclass(frozen=True)
@@ -50,11 +53,10 @@ class PublishedPolicy:
 
 
 class WeightSync:
-    """Publishes weights through a gateway; ``vllm_urls`` serve only ``unload`` (teardown)."""
+    """Publishes weights and releases adapters through the gateway at ``gateway_url``."""
 
     def __init__(
         self,
-        vllm_urls: list[str],
         gateway_url: str,
         *,
         admin_token: str | None = None,
@@ -62,12 +64,9 @@ class WeightSync:
         base_model_name: str = "tiny",
         timeout_s: float = 120.0,
     ) -> None:
-        self.vllm_urls = [url.rstrip("/") for url in vllm_urls]
         self.gateway_url = gateway_url.rstrip("/")
         self.adapter_prefix = adapter_prefix
         self.base_model_name = base_model_name
-        # The adapters this sync published that the gateway has not unloaded (``unload_all``).
-        self.loaded_adapters: list[str] = []
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.client = httpx.Client(timeout=timeout_s, headers=headers)
 
@@ -126,12 +125,6 @@ class WeightSync:
         if not isinstance(model_name, str):
             raise WeightSyncError(f"the gateway's answer names no model_name: {answer}")
         if fmt == "lora":
-            unloaded = answer.get("unloaded_adapters")
-            gone = set(unloaded) if isinstance(unloaded, list) else set()
-            self.loaded_adapters = [
-                name for name in self.loaded_adapters if name not in gone and name != model_name
-            ]
-            self.loaded_adapters.append(model_name)
             return PublishedPolicy(version, model_name, location)
         pause_ms = answer.get("pause_ms")
         return PublishedPolicy(
@@ -141,28 +134,32 @@ class WeightSync:
             float(pause_ms) if isinstance(pause_ms, int | float) else None,
         )
 
-    def unload(self, model_name: str) -> None:
-        """Unload an adapter from every replica in ``vllm_urls`` (teardown: see the module
-        docstring); one already gone (vLLM's 404) is left as it is.
+    def release_adapters(self, *, include_active: bool = False) -> dict[str, list[str]]:
+        """Unload this run's adapters (``<adapter_prefix>-v...``) from every replica through the
+        gateway (end of a run or a test, before their directories are deleted); returns, per
+        replica URL, the adapters it no longer serves.
+
+        ``include_active``: also the adapter of the active policy version, which the alias
+        serves (calls for the alias then fail until the next publish); otherwise a release that
+        selects it is refused and nothing is released.
 
         Raises:
-            WeightSyncError: a replica refused otherwise.
+            WeightSyncError: the gateway refused (409 ``lora_adapter_active``: the active
+                version's adapter was selected without ``include_active``) or a replica failed
+                (502 ``lora_release_failed``: the message says what was released; release
+                again).
         """
-        for url in self.vllm_urls:
-            response = self.client.post(
-                f"{url}/v1/unload_lora_adapter", json={"lora_name": model_name}
-            )
-            if response.status_code >= 400 and response.status_code != 404:
-                raise WeightSyncError(
-                    f"POST {url}/v1/unload_lora_adapter -> {response.status_code}: "
-                    f"{response.text[:500]}"
-                )
-
-    def unload_all(self) -> None:
-        """Unload every adapter this sync published that is still loaded (end of a run or a
-        test, before their directories are deleted)."""
-        while self.loaded_adapters:
-            self.unload(self.loaded_adapters.pop())
+        body: dict[str, object] = {
+            "adapter_prefix": f"{self.adapter_prefix}-v",
+            "include_active": include_active,
+        }
+        answer = self._post(f"{self.gateway_url}/admin/adapter-releases", body)
+        released = answer.get("released")
+        if not isinstance(released, dict) or not all(
+            isinstance(names, list) for names in released.values()
+        ):
+            raise WeightSyncError(f"the gateway's answer lists no released adapters: {answer}")
+        return {str(url): [str(name) for name in names] for url, names in released.items()}
 
     def close(self) -> None:
         self.client.close()

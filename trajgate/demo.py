@@ -262,7 +262,6 @@ class DemoRun:
         self.api = httpx.Client(base_url=self.gateway.url, timeout=300)
         self.pool = PoolClient(self.gateway.url)
         self.sync = WeightSync(
-            [self.vllm.url],
             self.gateway.url,
             adapter_prefix=f"demo-{self.stamp}",
             base_model_name=self.vllm.served_model_name,
@@ -284,7 +283,9 @@ class DemoRun:
     def stop(self) -> None:
         """Stop what ``start`` started, also when it failed part way (only what exists)."""
         if hasattr(self, "sync"):
-            self.sync.unload_all()
+            # vLLM must forget the run's adapters before their directories go (its own, active
+            # included: the demo's gateway stops with it).
+            self.sync.release_adapters(include_active=True)
             self.sync.close()
         if hasattr(self, "pool"):
             self.pool.close()

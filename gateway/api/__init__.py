@@ -6,8 +6,10 @@
 - ``batches``: ``/api`` labels, curation rules, readiness, batches, leases, rows (Arrow stream)
   and the batches a step went into.
 - ``admin``: ``/admin`` policy versions and agents' API keys, behind the admin token.
+- ``lora``: ``/admin/adapter-releases``, unloading a run's LoRA adapters from every replica,
+  behind the admin token.
 - ``dependencies``: the dependency aliases routes declare to get the pool (``StoreDep``,
-  ``SessionsDep``, ``BatchSettingsDep``).
+  ``SessionsDep``, ``BatchSettingsDep``) and the admin token checked (``AdminDep``).
 
 Each module also holds its request and response schemas (``...Create``, ``...Public``). Route
 functions read like prose: they validate, call ``datapool`` functions and shape the answer.

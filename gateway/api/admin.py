@@ -11,13 +11,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, get_args
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from datapool.models import INTEGER_MAX
 from gateway.api.bodies import PoolRoute, StrictBody
-from gateway.auth import check_admin_token
+from gateway.api.dependencies import AdminDep
 from gateway.engine.admin import (
     AdapterRefusedError,
     ReloadError,
@@ -47,14 +47,6 @@ from gateway.upstream.adapters import (
 )
 from gateway.upstream.weight_update import reload_label
 
-
-def _admin_state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    check_admin_token(request, state.settings.admin_token)
-    return state
-
-
-AdminDep = Annotated[GatewayState, Depends(_admin_state)]
 router = APIRouter(prefix="/admin", tags=["admin"], route_class=PoolRoute)
 
 
@@ -215,23 +207,31 @@ async def register_policy_version(
     is registered with another model name or weights location (nothing changes); 400
     ``model_not_served`` naming the served models when no replica lists ``model_name`` (load
     the adapter or weights into vLLM first; not checked when no replica answers its list)."""
+    # Registered anyway, every call for the alias would reach vLLM and fail as a 404.
+    await _check_served(
+        state, body.model_name, "load the adapter or weights into vLLM, then register it"
+    )
+    row, _ = await run_in_threadpool(
+        state.policy.register, body.version, body.model_name, body.weights_location, body.activate
+    )
+    return _public(row)
+
+
+async def _check_served(state: GatewayState, model_name: str, fix: str) -> None:
+    """Raise 400 ``model_not_served`` (naming the served models and ``fix``) when no replica
+    lists ``model_name`` in its model list; unchecked when no replica answers one."""
     served = await served_models(
         state.client,
         [replica.url for replica in state.upstreams.replicas],
         state.settings.upstream_connect_timeout_s,
     )
-    if served is not None and body.model_name not in served:
-        # Registered anyway, every call for the alias would reach vLLM and fail as a 404.
+    if served is not None and model_name not in served:
         raise InvalidRequestError(
-            f"model_name {body.model_name!r} is not served by vLLM; the replicas serve "
-            f"{sorted(served)} (load the adapter or weights into vLLM, then register it)",
+            f"model_name {model_name!r} is not served by vLLM; the replicas serve "
+            f"{sorted(served)} ({fix})",
             param="model_name",
             code="model_not_served",
         )
-    row, _ = await run_in_threadpool(
-        state.policy.register, body.version, body.model_name, body.weights_location, body.activate
-    )
-    return _public(row)
 
 
 @router.post("/policy-versions/{version}/activate")
@@ -254,6 +254,8 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     ``weight_update_drain_timeout_s``), then reloads every replica in place, resets its prefix
     cache and registers ``version``. Then the held calls are released (stamped with
     ``version``). 400 when ``model_name`` is missing or ``adapter_prefix`` sent (LoRA only);
+    400 ``model_not_served`` when no replica lists ``model_name`` (nothing paused or
+    registered; not checked when no replica answers its list);
     409 ``policy_version_conflict`` when ``version`` is registered with another
     model name or weights location (nothing paused; an identical re-send reloads the same
     weights again); 409 when this gateway runs several worker processes (the pause
@@ -293,6 +295,15 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
             "(never paused).",
             code="weight_update_needs_one_worker",
         )
+    # The reload replaces the weights under the name the replicas serve: a name they do not
+    # serve would pause every call, reload, and activate a version whose model every call for
+    # the alias asks vLLM for in vain (404). Checked before the claim: nothing paused or stored.
+    await _check_served(
+        state,
+        model_name,
+        "full weights replace a served model's in place: name the base model the replicas "
+        "serve, or publish an adapter with weight_format 'lora'",
+    )
     # The version is claimed in the database before anything pauses: of two publishes of one
     # version with different weights (in turn, at once, or through gateways sharing the
     # database) exactly one inserts the row; the other is refused here, nothing paused.
@@ -463,7 +474,7 @@ async def _publish_adapter(body: WeightUpdateCreate, state: GatewayState) -> Wei
         unloaded: list[str] = []
         for url, listed in (await listed_adapters(state.client, urls, timeout_s)).items():
             stale = stale_adapters(listed, registered, settings.lora_adapters_kept, name)
-            for gone in await unload_adapters(state.client, url, stale, timeout_s):
+            for gone in (await unload_adapters(state.client, url, stale, timeout_s)).unloaded:
                 if gone not in unloaded:
                     unloaded.append(gone)
     return WeightUpdatePublic(

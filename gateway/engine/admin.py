@@ -9,7 +9,8 @@ says (``ReloadError``: which replicas accepted the reload and whose weights are 
 ``AdapterRefusedError``: an adapter refused as sent, not a failing replica).
 
 Never: decides when to pause, which version a call is stamped with, or which adapters to keep
-(``gateway.upstream.weight_update``, ``gateway.upstream.adapters``, ``gateway.api.admin``).
+(``gateway.upstream.weight_update``, ``gateway.upstream.adapters``, ``gateway.api.admin``,
+``gateway.api.lora``).
 
 vLLM endpoints (0.32): full weights in dev mode (``VLLM_SERVER_DEV_MODE=1``): ``POST
 /pause?mode=keep``, ``/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}``,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -310,13 +312,25 @@ async def listed_adapters(
     return {url: names for url, names in zip(urls, answers, strict=True) if names is not None}
 
 
+@dataclass(frozen=True)
+class Unloads:
+    """What ``unload_adapters`` did on one replica: ``unloaded``, the names it no longer serves
+    (unloaded now, or already gone: vLLM's 404), in the order asked; ``failed``, each name it
+    may still serve, with why (``post_to_replica``'s detail: ``"<status>: <body>"`` for an
+    answer, the error otherwise)."""
+
+    unloaded: list[str]
+    failed: dict[str, str]
+
+
 async def unload_adapters(
     client: httpx.AsyncClient, url: str, names: list[str], timeout_s: float
-) -> list[str]:
-    """Unload ``names`` from the replica at ``url``, each within ``timeout_s``; returns those
-    unloaded (one already gone, vLLM's 404, counts). A failure is logged, not raised: the
-    version is served either way, and the next update tries again."""
-    unloaded = []
+) -> Unloads:
+    """Unload ``names`` from the replica at ``url``, each within ``timeout_s``, every name tried
+    whatever the others did. A failure is logged and returned, not raised: whether it fails the
+    request is the caller's (a publish serves its version either way and tries again at the next
+    update; a release answers 502)."""
+    unloads = Unloads([], {})
     for name in names:
         try:
             await post_to_replica(
@@ -325,6 +339,7 @@ async def unload_adapters(
         except ReloadError as exc:
             if not exc.detail.startswith("404"):
                 log.warning("upstream %s did not unload adapter %s: %s", url, name, exc.detail)
+                unloads.failed[name] = exc.detail
                 continue
-        unloaded.append(name)
-    return unloaded
+        unloads.unloaded.append(name)
+    return unloads
