@@ -1,0 +1,187 @@
+"""The OpenAI Chat Completions wire shapes the dialects write to vLLM and read back, as types.
+
+Follows OpenAI's Chat Completions API as vLLM 0.32 serves it (``ChatCompletionRequest``,
+``ChatCompletionResponse``, ``ChatCompletionStreamResponse``), with vLLM's additions the gateway
+uses: a message's ``reasoning``, ``token_ids`` and ``prompt_token_ids`` on answers and chunks.
+
+Owns: the chat messages, content parts, tool calls and tools a translation writes
+(``ChatMessage``, ``ChatToolCall``, ``ChatTool``), and the answer and chunk fields the dialects
+read from vLLM (``ChatAnswer``, ``ChatChunk``): the same fields, with the same JSON types, as
+``gateway.engine.answers.CHAT_ANSWER`` and ``CHAT_CHUNK``, whose runtime check
+(``gateway.engine.wire.check_shape``) is what makes reading an answer as ``ChatAnswer`` honest.
+
+Never: checks anything at runtime. These are ``TypedDict``s: plain dicts at runtime, types for
+mypy only, so reading through them costs nothing; a value becomes one where it has just been
+checked (a ``cast`` there says which check ran).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NotRequired, TypedDict
+
+ChatRole = Literal["system", "user", "assistant", "tool"]
+
+
+class ChatTextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatImageURL(TypedDict):
+    url: str
+    detail: NotRequired[str]
+
+
+class ChatImagePart(TypedDict):
+    type: Literal["image_url"]
+    image_url: ChatImageURL
+
+
+ChatContentPart = ChatTextPart | ChatImagePart
+
+
+class ChatFunctionCall(TypedDict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ChatToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: ChatFunctionCall
+
+
+class ChatMessage(TypedDict):
+    """One message of a chat body's ``messages``, as a translation writes it."""
+
+    role: ChatRole
+    content: str | list[ChatContentPart] | None
+    tool_calls: NotRequired[list[ChatToolCall]]
+    tool_call_id: NotRequired[str]  # role "tool": the call it answers
+    reasoning: NotRequired[str]  # role "assistant": vLLM hands it to the chat template
+
+
+class ChatFunction(TypedDict):
+    name: str
+    parameters: NotRequired[object]  # a JSON Schema, passed on unread
+    description: NotRequired[object]  # a string from Messages (checked); Responses' unread
+    strict: NotRequired[object]
+
+
+class ChatTool(TypedDict):
+    type: Literal["function"]
+    function: ChatFunction
+
+
+class ChatNamedFunction(TypedDict):
+    name: str
+
+
+class ChatNamedToolChoice(TypedDict):
+    type: Literal["function"]
+    function: ChatNamedFunction
+
+
+class ChatToolChoice(TypedDict, total=False):
+    """The chat fields a client's tool choice becomes."""
+
+    tool_choice: Literal["auto", "required", "none"] | ChatNamedToolChoice
+    parallel_tool_calls: bool
+
+
+class ChatJSONSchema(TypedDict):
+    name: str
+    schema: NotRequired[object]
+    description: NotRequired[object]
+    strict: NotRequired[object]
+
+
+class ChatResponseFormat(TypedDict):
+    type: Literal["json_schema", "json_object"]
+    json_schema: NotRequired[ChatJSONSchema]
+
+
+# -- what vLLM answers (every field may be absent or null: ``check_shape`` lets both pass) ----
+
+
+class AnswerFunctionCall(TypedDict, total=False):
+    name: str | None
+    arguments: str | None
+
+
+class AnswerToolCall(TypedDict, total=False):
+    """A tool call of an answer's message, or a piece of one in a chunk's delta (by ``index``)."""
+
+    id: str | None
+    type: str | None
+    index: int | None
+    function: AnswerFunctionCall | None
+
+
+class AnswerMessage(TypedDict, total=False):
+    """An answer choice's ``message``, or a chunk choice's ``delta``."""
+
+    role: str | None
+    content: str | None
+    reasoning: str | None
+    reasoning_content: str | None  # the older name of ``reasoning``
+    refusal: str | None
+    tool_calls: list[AnswerToolCall] | None
+
+
+class TopLogprob(TypedDict, total=False):
+    token: str | None
+    logprob: float | None
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob, total=False):
+    top_logprobs: list[TopLogprob] | None
+
+
+class ChatLogprobs(TypedDict, total=False):
+    content: list[TokenLogprob] | None
+
+
+class Usage(TypedDict, total=False):
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    total_tokens: int | None
+
+
+class _Choice(TypedDict, total=False):
+    index: int | None
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None  # the matched stop string, or the stop token's id
+    token_ids: list[int] | None  # checked apart (``gateway.engine.wire.token_ids``)
+
+
+class AnswerChoice(_Choice, total=False):
+    message: AnswerMessage | None
+
+
+class ChunkChoice(_Choice, total=False):
+    delta: AnswerMessage | None
+
+
+class _Answer(TypedDict, total=False):
+    id: str | None
+    object: str | None
+    created: int | None
+    model: str | None
+    system_fingerprint: str | None
+    usage: Usage | None
+    prompt_token_ids: list[int] | None  # checked apart, as ``token_ids``
+
+
+class ChatAnswer(_Answer, total=False):
+    """vLLM's unary chat answer."""
+
+    choices: list[AnswerChoice] | None
+
+
+class ChatChunk(_Answer, total=False):
+    """One chunk of vLLM's chat stream (the usage chunk has ``usage`` and no choices)."""
+
+    choices: list[ChunkChoice] | None
