@@ -17,7 +17,7 @@ checked (a ``cast`` there says which check ran).
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
+from typing import Generic, Literal, NotRequired, TypedDict, TypeVar
 
 ChatRole = Literal["system", "user", "assistant", "tool"]
 
@@ -143,45 +143,82 @@ class ChatLogprobs(TypedDict, total=False):
     content: list[TokenLogprob] | None
 
 
+ChoiceT = TypeVar("ChoiceT")
+
+
+class PromptTokensDetails(TypedDict, total=False):
+    cached_tokens: int | None
+
+
+class CompletionTokensDetails(TypedDict, total=False):
+    reasoning_tokens: int | None
+
+
 class Usage(TypedDict, total=False):
     prompt_tokens: int | None
     completion_tokens: int | None
     total_tokens: int | None
+    prompt_tokens_details: PromptTokensDetails | None
+    completion_tokens_details: CompletionTokensDetails | None
 
 
-class _Choice(TypedDict, total=False):
+class ChoiceFields(TypedDict, total=False):
+    """What every choice of a chat or completions answer or chunk carries."""
+
     index: int | None
-    logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None  # the matched stop string, or the stop token's id
     token_ids: list[int] | None  # checked apart (``gateway.engine.wire.token_ids``)
 
 
-class AnswerChoice(_Choice, total=False):
+class AnswerChoice(ChoiceFields, total=False):
+    logprobs: ChatLogprobs | None
     message: AnswerMessage | None
 
 
-class ChunkChoice(_Choice, total=False):
+class ChunkChoice(ChoiceFields, total=False):
+    logprobs: ChatLogprobs | None
     delta: AnswerMessage | None
 
 
-class _Answer(TypedDict, total=False):
+class CompletionLogprobs(TypedDict, total=False):
+    tokens: list[str] | None
+    token_logprobs: list[float] | None
+    text_offset: list[int] | None
+    top_logprobs: list[object] | None
+
+
+class CompletionChoice(ChoiceFields, total=False):
+    """A choice of vLLM's completions answer, or of a chunk (the same shape)."""
+
+    text: str | None
+    logprobs: CompletionLogprobs | None
+    prompt_token_ids: list[int] | None  # checked apart, as ``token_ids``
+
+
+class Answer(TypedDict, Generic[ChoiceT], total=False):
+    """vLLM's unary answer or one stream chunk, of chat (``ChatAnswer``, ``ChatChunk``) or
+    completions (``CompletionAnswer``: an answer and a chunk have one shape); a usage chunk
+    has ``usage`` and no choices."""
+
     id: str | None
     object: str | None
     created: int | None
     model: str | None
     system_fingerprint: str | None
     usage: Usage | None
-    prompt_token_ids: list[int] | None  # checked apart, as ``token_ids``
+    prompt_token_ids: list[int] | None  # chat only (checked apart, as ``token_ids``)
+    choices: list[ChoiceT] | None
 
 
-class ChatAnswer(_Answer, total=False):
-    """vLLM's unary chat answer."""
+ChatAnswer = Answer[AnswerChoice]
+ChatChunk = Answer[ChunkChoice]
+CompletionAnswer = Answer[CompletionChoice]
 
-    choices: list[AnswerChoice] | None
 
+class StreamedToolCall(TypedDict):
+    """A tool call of a streamed message as its pieces are joined (by the call's ``index``)."""
 
-class ChatChunk(_Answer, total=False):
-    """One chunk of vLLM's chat stream (the usage chunk has ``usage`` and no choices)."""
-
-    choices: list[ChunkChoice] | None
+    id: str | None
+    type: str
+    function: ChatFunctionCall
