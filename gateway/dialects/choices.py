@@ -521,8 +521,9 @@ class ChoicesStream(DialectStream, Generic[AnswerChoiceT, ChunkChoiceT]):
         return dumps(client)
 
 
-def _is_terminal(choices: list[dict[str, Any]] | None) -> bool:
-    """Whether a chunk's ``choices`` finish one (its ``finish_reason`` is set)."""
+def _is_terminal(choices: list[ChoiceFields] | None) -> bool:
+    """Whether a chunk's ``choices`` finish one (its ``finish_reason`` is set); the chunk's
+    shape checked by the capture's ``add``."""
     if not choices:
         return False
     return any(c.get("finish_reason") is not None for c in choices)

@@ -52,12 +52,6 @@ from gateway.dialects.wire import AnswerToolCall, ChatChunk, Usage
 BlockKind = Literal["thinking", "text", "tool_use"]
 
 
-def _as_json(events: list[StreamEvent]) -> list[dict[str, Any]]:
-    """Typed events handed on as the JSON objects ``TranslatedStream`` frames; a cast: nothing
-    is copied."""
-    return cast("list[dict[str, Any]]", events)
-
-
 class MessagesEvents:
     """The events of one streamed message: ``feed`` per chat chunk, then ``closing``.
 
@@ -109,7 +103,8 @@ class MessagesEvents:
                 self.finish_reason = finish_reason
                 self.stop_reason = choice.get("stop_reason")
                 events += self._close()
-        return _as_json(events)
+        # Handed on as the JSON objects ``TranslatedStream`` frames (a cast: nothing copied).
+        return cast("list[dict[str, Any]]", events)
 
     def closing(self) -> list[dict[str, Any]]:
         """Closes what is open (an empty text block when none was), then ``message_delta``
@@ -128,17 +123,15 @@ class MessagesEvents:
         stop_reason, stop_sequence = stop_of(
             self.finish_reason, self.stop_reason, bool(self._calls)
         )
-        return _as_json(
-            [
-                *events,
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                    "usage": usage_object(self.input_tokens, self.output_tokens),
-                },
-                {"type": "message_stop"},
-            ]
-        )
+        events += [
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": usage_object(self.input_tokens, self.output_tokens),
+            },
+            {"type": "message_stop"},
+        ]
+        return cast("list[dict[str, Any]]", events)
 
     def error(self, kind: str, message: str) -> dict[str, Any]:
         """The ``error`` event that ends a stream (``kind``: an Anthropic error type)."""
