@@ -146,3 +146,20 @@ class OutputFunctionCall(TypedDict):
 
 
 OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(TypedDict):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(TypedDict):
+    reasoning_tokens: int
+
+
+class ResponseUsage(TypedDict):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
