@@ -190,7 +190,7 @@ class ChoicesDialect(Dialect, Generic[AnswerChoiceT, ChunkChoiceT]):
         wrong kind (``answer_shape``).
         """
         check_shape(unread, self.answer_shape, "answer")
-        answer = cast(Answer[AnswerChoiceT], unread)  # the shape just checked
+        answer = cast("Answer[AnswerChoiceT]", unread)  # the shape just checked
         body = prepared.client_body
         prompt_ids = self.prompt_ids(answer)
         answer_choices = answer.get("choices")
@@ -311,7 +311,7 @@ class ChoicesCapture(Generic[AnswerChoiceT, ChunkChoiceT]):
         kind (the dialect's ``chunk_shape``), before anything of the chunk is kept."""
         dialect = self.dialect
         check_shape(unread, dialect.chunk_shape, "chunk")
-        chunk = cast(Answer[ChunkChoiceT], unread)  # the shape just checked
+        chunk = cast("Answer[ChunkChoiceT]", unread)  # the shape just checked
         self.model = chunk.get("model", self.model)
         prompt_ids = dialect.prompt_ids(chunk)
         if prompt_ids is not None:

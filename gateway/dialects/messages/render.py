@@ -195,7 +195,7 @@ def render_message(unread: dict[str, Any], body: dict[str, Any], message_id: str
     """The ``message`` for a unary chat answer (vLLM's JSON; its first choice: the Messages
     API has no ``n``); ``body`` is the client's Messages body."""
     # Checked against ``CHAT_ANSWER`` by ``read_answer``, which the proxy runs first.
-    answer = cast(ChatAnswer, unread)
+    answer = cast("ChatAnswer", unread)
     choice = (answer.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     usage = answer.get("usage") or {}

@@ -78,7 +78,7 @@ class MessagesEvents:
         back; ``message_start`` and ``ping`` first with the first chunk)."""
         # Checked against ``CHAT_CHUNK`` (and its ids read) by the capture, which
         # ``TranslatedStream.feed`` runs on the chunk first.
-        chunk = cast(ChatChunk, unread)
+        chunk = cast("ChatChunk", unread)
         self.model = str(chunk.get("model") or self.model)
         events = [] if self.started else self._start(chunk.get("prompt_token_ids"))
         usage = chunk.get("usage")

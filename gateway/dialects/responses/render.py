@@ -275,7 +275,7 @@ def render_response(
     Responses API has no ``n``). ``body`` is the client's Responses body, ``chat_body`` the chat
     body sent upstream."""
     # Checked against ``CHAT_ANSWER`` by ``read_answer``, which the proxy runs first.
-    answer = cast(ChatAnswer, unread)
+    answer = cast("ChatAnswer", unread)
     choice = (answer.get("choices") or [{}])[0]
     finish_reason = choice.get("finish_reason")
     status, reason = status_of(finish_reason)
