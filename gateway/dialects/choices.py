@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from datapool.models import StepOutcome
 from datapool.steps.records import ChoiceRecord
@@ -59,6 +59,7 @@ from gateway.dialects.base import (
     Prepared,
     sse_event,
 )
+from gateway.dialects.wire import Answer, ChoiceFields, StreamedToolCall, Usage
 from gateway.engine.wire import Shape, check_shape, choice_index, dumps, loads_object, token_ids
 from gateway.errors import (
     InvalidRequestError,
@@ -81,7 +82,7 @@ class ChoiceState:
     role: str | None = None
     text_parts: list[str] = field(default_factory=list)
     reasoning_parts: list[str] = field(default_factory=list)
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tool_calls: dict[int, StreamedToolCall] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: str | None = None
     # The last chunk that carried token ids showed the client nothing (``delta: {}``): a tool
@@ -89,8 +90,18 @@ class ChoiceState:
     held_back: bool = False
 
 
-class ChoicesDialect(Dialect):
-    """A dialect whose upstream answers carry ``choices``; subclasses name the differences."""
+# The choice of a unary answer and of a stream chunk (``gateway.dialects.wire``): chat's differ
+# (``message``, ``delta``), completions' are one.
+AnswerChoiceT = TypeVar("AnswerChoiceT", bound=ChoiceFields)
+ChunkChoiceT = TypeVar("ChunkChoiceT", bound=ChoiceFields)
+
+
+class ChoicesDialect(Dialect, Generic[AnswerChoiceT, ChunkChoiceT]):
+    """A dialect whose upstream answers carry ``choices``; subclasses name the differences.
+
+    An answer or chunk is read through its wire type (``Answer[AnswerChoiceT]``,
+    ``Answer[ChunkChoiceT]``) once ``check_shape`` has checked it against ``answer_shape`` or
+    ``chunk_shape``, the same fields."""
 
     # The JSON type of every field read from a unary answer and a stream chunk (the dialect's
     # ``protocol`` module): a value of another kind makes the answer unreadable.
@@ -108,23 +119,23 @@ class ChoicesDialect(Dialect):
         """Whether the client asked for logprobs, and the ``logprobs`` value sent upstream."""
 
     @abstractmethod
-    def prompt_ids(self, answer: dict[str, Any]) -> list[int] | None:
+    def prompt_ids(self, answer: Answer[AnswerChoiceT] | Answer[ChunkChoiceT]) -> list[int] | None:
         """The prompt IDs ``[P]`` an answer or chunk carries, or None."""
 
     @abstractmethod
-    def choice_logprobs(self, logprobs: dict[str, Any] | None) -> list[float] | None:
+    def choice_logprobs(self, choice: AnswerChoiceT | ChunkChoiceT) -> list[float] | None:
         """Per-token behaviour logprobs ``[T]`` of one choice (or chunk), or None when absent."""
 
     @abstractmethod
-    def answer_message(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+    def answer_message(self, choice: AnswerChoiceT) -> dict[str, Any] | None:
         """The response message of one choice of a unary answer."""
 
     @abstractmethod
-    def delta_text(self, choice: dict[str, Any]) -> str:
+    def delta_text(self, choice: ChunkChoiceT) -> str:
         """The text one choice of a chunk adds."""
 
     @abstractmethod
-    def add_delta(self, state: ChoiceState, choice: dict[str, Any]) -> None:
+    def add_delta(self, state: ChoiceState, choice: ChunkChoiceT) -> None:
         """Accumulate the message parts one choice of a chunk adds."""
 
     @abstractmethod
@@ -168,7 +179,7 @@ class ChoicesDialect(Dialect):
         )
         return Prepared(body, upstream, asked, n_choices=int(body.get("n") or 1))
 
-    def read_answer(self, prepared: Prepared, answer: dict[str, Any]) -> Captured:
+    def read_answer(self, prepared: Prepared, unread: dict[str, Any]) -> Captured:
         """Prompt IDs ``[P]`` and, per choice, sampled IDs ``[T]`` and logprobs ``[T]``.
 
         A choice gets ``ids_missing`` when vLLM sent no IDs or logprobs (e.g. a reasoning parser
@@ -178,7 +189,8 @@ class ChoicesDialect(Dialect):
         ``gateway.engine.wire.UNREADABLE``) for an answer without choices or with a field of the
         wrong kind (``answer_shape``).
         """
-        check_shape(answer, self.answer_shape, "answer")
+        check_shape(unread, self.answer_shape, "answer")
+        answer = cast("Answer[AnswerChoiceT]", unread)  # the shape just checked
         body = prepared.client_body
         prompt_ids = self.prompt_ids(answer)
         answer_choices = answer.get("choices")
@@ -191,28 +203,30 @@ class ChoicesDialect(Dialect):
         choices: list[ChoiceRecord] = []
         indices: set[int] = set()
         for position, choice in enumerate(answer_choices):
-            index = choice_index(choice.get("index", position), prepared.n_choices)
+            fields: ChoiceFields = choice  # what every dialect's choice has
+            index = choice_index(fields.get("index", position), prepared.n_choices)
             if index in indices:
                 raise ValueError(f"expected each choice index once, got {index} twice")
             indices.add(index)
-            ids = token_ids(choice.get("token_ids"))
-            logprobs = self.choice_logprobs(choice.get("logprobs"))
+            ids = token_ids(fields.get("token_ids"))
+            logprobs = self.choice_logprobs(choice)
             message = self.answer_message(choice)
-            stop_reason = choice.get("stop_reason")
+            stop_reason = fields.get("stop_reason")
+            finish_reason = fields.get("finish_reason")
             choices.append(
                 ChoiceRecord(
                     choice_index=index,
                     response_token_ids=ids,
                     response_logprobs=logprobs,
                     response_message=message,
-                    finish_reason=choice.get("finish_reason"),
+                    finish_reason=finish_reason,
                     flags=integrity_flags(ids, logprobs, prompt_ids)
-                    + unfinished_flags(choice.get("finish_reason"))
-                    + quality_flags(body, choice.get("finish_reason"), message),
+                    + unfinished_flags(finish_reason)
+                    + quality_flags(body, finish_reason, message),
                     stop_reason=None if stop_reason is None else str(stop_reason),
                 )
             )
-        usage = answer.get("usage") or {}
+        usage: Usage = answer.get("usage") or {}
         check_against_usage(choices, usage.get("completion_tokens"))
         model = answer.get("model")
         fingerprint = answer.get("system_fingerprint")
@@ -236,7 +250,9 @@ class ChoicesDialect(Dialect):
             return content
         return dumps(upstream_envelope(error, error.param))
 
-    def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> ChoicesStream:
+    def open_stream(
+        self, prepared: Prepared, system_fingerprint: str | None
+    ) -> ChoicesStream[AnswerChoiceT, ChunkChoiceT]:
         return ChoicesStream(self, prepared, system_fingerprint)
 
 
@@ -267,41 +283,48 @@ def strip_for_client(response: dict[str, Any], asked: ClientAsked) -> dict[str, 
     return stripped
 
 
-class ChoicesCapture:
+class ChoicesCapture(Generic[AnswerChoiceT, ChunkChoiceT]):
     """The capture of a stream of ``choices`` chunks: feed parsed chunks in order with ``add``.
 
     ``dialect`` says where the fields are; ``body`` is the client's (for quality flags);
     ``n_choices`` the request's ``n``.
     """
 
-    def __init__(self, dialect: ChoicesDialect, body: dict[str, Any], n_choices: int) -> None:
+    def __init__(
+        self,
+        dialect: ChoicesDialect[AnswerChoiceT, ChunkChoiceT],
+        body: dict[str, Any],
+        n_choices: int,
+    ) -> None:
         self.dialect = dialect
         self.body = body
         self.n_choices = n_choices
         self.prompt_ids: list[int] | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.model: str | None = None
         self.first_token_seen = False
         self.states: dict[int, ChoiceState] = {}
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, unread: dict[str, Any]) -> None:
         """Accumulate one chunk (a usage chunk, or choices with their deltas and token ids).
         Raises ``ValueError`` (one of ``gateway.engine.wire.UNREADABLE``) for a field of the wrong
         kind (the dialect's ``chunk_shape``), before anything of the chunk is kept."""
         dialect = self.dialect
-        check_shape(chunk, dialect.chunk_shape, "chunk")
+        check_shape(unread, dialect.chunk_shape, "chunk")
+        chunk = cast("Answer[ChunkChoiceT]", unread)  # the shape just checked
         self.model = chunk.get("model", self.model)
         prompt_ids = dialect.prompt_ids(chunk)
         if prompt_ids is not None:
             self.prompt_ids = prompt_ids
         states = self.states
         for choice in chunk.get("choices") or []:
-            index = choice_index(choice.get("index", 0), self.n_choices)
+            fields: ChoiceFields = choice  # what every dialect's choice has
+            index = choice_index(fields.get("index", 0), self.n_choices)
             state = states.get(index)
             if state is None:  # not setdefault: that builds a state per chunk to throw away
                 state = states[index] = ChoiceState()
-            ids = token_ids(choice.get("token_ids"))
-            logprobs = dialect.choice_logprobs(choice.get("logprobs"))
+            ids = token_ids(fields.get("token_ids"))
+            logprobs = dialect.choice_logprobs(choice)
             carries_tokens = bool(ids) or bool(dialect.delta_text(choice))
             if ids is not None:
                 state.ids.extend(ids)
@@ -313,12 +336,14 @@ class ChoicesCapture:
             elif carries_tokens:
                 state.logprobs_gap = True
             dialect.add_delta(state, choice)
-            if choice.get("finish_reason") is not None:
-                state.finish_reason = choice["finish_reason"]
-                stop = choice.get("stop_reason")
+            finish_reason = fields.get("finish_reason")
+            if finish_reason is not None:
+                state.finish_reason = finish_reason
+                stop = fields.get("stop_reason")
                 state.stop_reason = None if stop is None else str(stop)
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.usage = chunk["usage"]
+        usage = chunk.get("usage")
+        if usage is not None and not chunk.get("choices"):
+            self.usage = usage
 
     def captured(
         self,
@@ -417,12 +442,15 @@ def unfinished_flags(finish_reason: Any) -> list[str]:
     return [UNFINISHED] if finish_reason is None else []
 
 
-class ChoicesStream(DialectStream):
+class ChoicesStream(DialectStream, Generic[AnswerChoiceT, ChunkChoiceT]):
     """Relays vLLM's own chunks to the client, hiding what it did not ask for (module docstring:
     what is held back and why)."""
 
     def __init__(
-        self, dialect: ChoicesDialect, prepared: Prepared, system_fingerprint: str | None
+        self,
+        dialect: ChoicesDialect[AnswerChoiceT, ChunkChoiceT],
+        prepared: Prepared,
+        system_fingerprint: str | None,
     ) -> None:
         self.capture = ChoicesCapture(dialect, prepared.client_body, prepared.n_choices)
         self.asked = prepared.asked
@@ -493,8 +521,9 @@ class ChoicesStream(DialectStream):
         return dumps(client)
 
 
-def _is_terminal(choices: list[dict[str, Any]] | None) -> bool:
-    """Whether a chunk's ``choices`` finish one (its ``finish_reason`` is set)."""
+def _is_terminal(choices: list[ChoiceFields] | None) -> bool:
+    """Whether a chunk's ``choices`` finish one (its ``finish_reason`` is set); the chunk's
+    shape checked by the capture's ``add``."""
     if not choices:
         return False
     return any(c.get("finish_reason") is not None for c in choices)

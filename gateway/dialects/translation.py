@@ -35,6 +35,7 @@ from gateway.dialects.base import (
 )
 from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
+from gateway.dialects.wire import ChatNamedToolChoice, ChatTool
 from gateway.engine.paths import CHAT_PATH
 from gateway.engine.wire import loads_object
 from gateway.errors import InvalidRequestError
@@ -130,19 +131,19 @@ def translate_tools(
     tools: Any,
     param_of: Callable[[int], str],
     errors: FieldErrors,
-    translate: Callable[[dict[str, Any], str], dict[str, Any] | str],
-) -> tuple[list[dict[str, Any]], list[str]]:
+    translate: Callable[[Any, str], ChatTool | str],
+) -> tuple[list[ChatTool], list[str]]:
     """The chat tools for a client ``tools`` list, and the names of the tools chat cannot offer.
 
     ``param_of(position)`` is the path of one tool in the client's notation; ``translate(tool,
-    param)`` returns the chat tool, or the tool's name when chat cannot offer it (it is then
-    left out of the upstream body). Raises ``InvalidRequestError`` for a list or tool of the
-    wrong type.
+    param)`` returns the chat tool for a tool checked to be an object, or the tool's name when
+    chat cannot offer it (it is then left out of the upstream body). Raises
+    ``InvalidRequestError`` for a list or tool of the wrong type.
     """
     if tools is None:
         return [], []
     errors.expect(tools, list, "tools", "a list")
-    chat_tools: list[dict[str, Any]] = []
+    chat_tools: list[ChatTool] = []
     omitted: list[str] = []
     for position, tool in enumerate(tools):
         param = param_of(position)
@@ -155,7 +156,7 @@ def translate_tools(
     return chat_tools, omitted
 
 
-def named_tool_choice(name: str) -> dict[str, Any]:
+def named_tool_choice(name: str) -> ChatNamedToolChoice:
     """The chat ``tool_choice`` that forces the function ``name``."""
     return {"type": "function", "function": {"name": name}}
 

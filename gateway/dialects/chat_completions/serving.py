@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from datapool.steps.canonical import CanonicalCall, Message, Tool
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
+from gateway.dialects.wire import AnswerChoice, ChatAnswer, ChatChunk, ChunkChoice
 from gateway.engine import answers
 from gateway.engine.paths import CHAT_PATH
 from gateway.engine.wire import token_ids
@@ -70,7 +71,7 @@ def _message(message: Mapping[str, Any]) -> Message:
     return parsed
 
 
-class ChatCompletions(ChoicesDialect):
+class ChatCompletions(ChoicesDialect[AnswerChoice, ChunkChoice]):
     name = "chat.completions"
     answer_shape = answers.CHAT_ANSWER
     chunk_shape = answers.CHAT_CHUNK
@@ -101,23 +102,27 @@ class ChatCompletions(ChoicesDialect):
     def upstream_logprobs(self, body: dict[str, Any]) -> tuple[bool, Any]:
         return body.get("logprobs") is True, True
 
-    def prompt_ids(self, answer: dict[str, Any]) -> list[int] | None:
+    def prompt_ids(self, answer: ChatAnswer | ChatChunk) -> list[int] | None:
         return token_ids(answer.get("prompt_token_ids"))
 
-    def choice_logprobs(self, logprobs: dict[str, Any] | None) -> list[float] | None:
+    def choice_logprobs(self, choice: AnswerChoice | ChunkChoice) -> list[float] | None:
+        logprobs = choice.get("logprobs")
         if not logprobs:
             return None
         content = logprobs.get("content")
-        return None if content is None else [float(entry["logprob"]) for entry in content]
+        if content is None:
+            return None
+        # A null logprob (the shape lets it pass) raises TypeError: the answer is unreadable.
+        return [float(entry["logprob"]) for entry in content]  # type: ignore[arg-type]
 
-    def answer_message(self, choice: dict[str, Any]) -> dict[str, Any] | None:
-        message: dict[str, Any] | None = choice.get("message")
-        return message
+    def answer_message(self, choice: AnswerChoice) -> dict[str, Any] | None:
+        # The message as vLLM sent it, every field: the step stores it as a JSON object.
+        return cast("dict[str, Any] | None", choice.get("message"))
 
-    def delta_text(self, choice: dict[str, Any]) -> str:
+    def delta_text(self, choice: ChunkChoice) -> str:
         return str((choice.get("delta") or {}).get("content") or "")
 
-    def add_delta(self, state: ChoiceState, choice: dict[str, Any]) -> None:
+    def add_delta(self, state: ChoiceState, choice: ChunkChoice) -> None:
         delta = choice.get("delta")
         if not delta:
             # Sampled tokens the client was not shown: a parser is holding their text back.
@@ -126,25 +131,29 @@ class ChatCompletions(ChoicesDialect):
             return
         state.held_back = False
         state.role = delta.get("role", state.role)
-        if delta.get("content"):
-            state.text_parts.append(delta["content"])
+        content = delta.get("content")
+        if content:
+            state.text_parts.append(content)
         reasoning = delta.get("reasoning") or delta.get("reasoning_content")
         if reasoning:
             state.reasoning_parts.append(reasoning)
         for call_delta in delta.get("tool_calls") or []:
             slot = state.tool_calls.setdefault(
-                int(call_delta.get("index", 0)),
+                # A null index (the shape lets it pass) raises TypeError: the chunk is unreadable.
+                int(call_delta.get("index", 0)),  # type: ignore[arg-type]
                 {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
             )
-            if call_delta.get("id"):
-                slot["id"] = call_delta["id"]
-            if call_delta.get("type"):
-                slot["type"] = call_delta["type"]
+            call_id, kind = call_delta.get("id"), call_delta.get("type")
+            if call_id:
+                slot["id"] = call_id
+            if kind:
+                slot["type"] = kind
             function = call_delta.get("function") or {}
-            if function.get("name"):
-                slot["function"]["name"] += function["name"]
-            if function.get("arguments"):
-                slot["function"]["arguments"] += function["arguments"]
+            name, arguments = function.get("name"), function.get("arguments")
+            if name:
+                slot["function"]["name"] += name
+            if arguments:
+                slot["function"]["arguments"] += arguments
 
     def stream_message(self, state: ChoiceState) -> dict[str, Any]:
         text = "".join(state.text_parts)

@@ -19,13 +19,14 @@ from datapool.steps.canonical import CanonicalCall
 from gateway.dialects.base import Prepared
 from gateway.dialects.chat_completions.serving import sampling_of
 from gateway.dialects.choices import ChoicesDialect, ChoiceState
+from gateway.dialects.wire import CompletionAnswer, CompletionChoice
 from gateway.engine import answers
 from gateway.engine.paths import COMPLETIONS_PATH
 from gateway.engine.wire import token_ids
 from gateway.errors import InvalidRequestError
 
 
-class Completions(ChoicesDialect):
+class Completions(ChoicesDialect[CompletionChoice, CompletionChoice]):
     name = "completions"
     answer_shape = answers.COMPLETION_ANSWER
     chunk_shape = answers.COMPLETION_CHUNK
@@ -74,26 +75,27 @@ class Completions(ChoicesDialect):
         asked = isinstance(client_logprobs, int) and not isinstance(client_logprobs, bool)
         return asked, client_logprobs if asked else 1
 
-    def prompt_ids(self, answer: dict[str, Any]) -> list[int] | None:
+    def prompt_ids(self, answer: CompletionAnswer) -> list[int] | None:
         for choice in answer.get("choices") or ():
             ids = token_ids(choice.get("prompt_token_ids"))
             if ids is not None:
                 return ids
         return None
 
-    def choice_logprobs(self, logprobs: dict[str, Any] | None) -> list[float] | None:
+    def choice_logprobs(self, choice: CompletionChoice) -> list[float] | None:
+        logprobs = choice.get("logprobs")
         if not logprobs:
             return None
         values = logprobs.get("token_logprobs")
         return None if values is None else [float(value) for value in values]
 
-    def answer_message(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+    def answer_message(self, choice: CompletionChoice) -> dict[str, Any] | None:
         return {"text": choice.get("text")}
 
-    def delta_text(self, choice: dict[str, Any]) -> str:
+    def delta_text(self, choice: CompletionChoice) -> str:
         return str(choice.get("text") or "")
 
-    def add_delta(self, state: ChoiceState, choice: dict[str, Any]) -> None:
+    def add_delta(self, state: ChoiceState, choice: CompletionChoice) -> None:
         state.text_parts.append(str(choice.get("text") or ""))
 
     def stream_message(self, state: ChoiceState) -> dict[str, Any]:

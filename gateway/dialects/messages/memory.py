@@ -39,6 +39,8 @@ from typing import Any
 
 import orjson
 
+from gateway.dialects.wire import ChatMessage
+
 KEY_BYTES = 512  # the text's head that groups entries: the task's first message, usually
 ENTRIES_PER_KEY = 8  # rollouts of one task kept side by side
 MEMORY_BYTES = 64 * 2**20  # all entries, counted as twice their text (the chat holds the same)
@@ -51,7 +53,7 @@ class Kept:
     ``chat[ends[i - 1]:ends[i]]``: a user turn with tool results becomes several)."""
 
     text: bytes
-    chat: tuple[dict[str, Any], ...]
+    chat: tuple[ChatMessage, ...]
     ends: tuple[int, ...]  # [N]: after message i, how many chat messages it and those before gave
 
     @property

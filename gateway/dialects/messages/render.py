@@ -35,9 +35,18 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from gateway.dialects.messages.request import tool_use_id
+from gateway.dialects.messages.wire import (
+    ErrorBody,
+    Message,
+    OutputBlock,
+    StopReason,
+    ToolUseBlock,
+    Usage,
+)
+from gateway.dialects.wire import AnswerMessage, AnswerToolCall, ChatAnswer
 from gateway.errors import TrajgateError, read_upstream_error
 
 # HTTP status → Anthropic error type (the SDK's ErrorObject union; the rest fall to the class).
@@ -63,9 +72,15 @@ def error_type(status_code: int) -> str:
     return _ERROR_TYPES.get(status_code, default)
 
 
-def error_body(kind: str, message: str) -> dict[str, Any]:
+def error_body(kind: str, message: str) -> ErrorBody:
     """``{"type": "error", "error": {"type": kind, "message": message}}``."""
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def as_json(value: ErrorBody | Message) -> dict[str, Any]:
+    """A typed body handed on as the JSON object the dialect interface carries
+    (``Dialect.client_answer``, ``render_error``); a cast: nothing is copied."""
+    return cast("dict[str, Any]", value)
 
 
 def anthropic_envelope(error: TrajgateError) -> dict[str, Any]:
@@ -75,19 +90,20 @@ def anthropic_envelope(error: TrajgateError) -> dict[str, Any]:
     message = error.message
     if error.param and not message.startswith(error.param):
         message = f"{error.param}: {message}"
-    return error_body(error_type(error.status_code), f"{message} [{error.code}]")
+    return as_json(error_body(error_type(error.status_code), f"{message} [{error.code}]"))
 
 
 def upstream_error(status_code: int, content: bytes) -> dict[str, Any]:
     """vLLM's error body (``gateway.errors.read_upstream_error``) in Anthropic's envelope, the
     message as vLLM wrote it; the type is Anthropic's for the status (the envelope has no
     field for a ``param`` or a ``code``)."""
-    return error_body(error_type(status_code), read_upstream_error(status_code, content).message)
+    message = read_upstream_error(status_code, content).message
+    return as_json(error_body(error_type(status_code), message))
 
 
 def stop_of(
-    finish_reason: str | None, stop_reason: Any, has_tool_calls: bool
-) -> tuple[str, str | None]:
+    finish_reason: str | None, stop_reason: object, has_tool_calls: bool
+) -> tuple[StopReason, str | None]:
     """``(stop_reason, stop_sequence)`` for a chat finish (module docstring)."""
     if finish_reason == "length":
         return "max_tokens", None
@@ -100,7 +116,7 @@ def stop_of(
     return "end_turn", None
 
 
-def usage_object(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage_object(input_tokens: int, output_tokens: int) -> Usage:
     """Anthropic usage: every prompt token counts as input (the cache fields are 0: vLLM's
     prefix cache is not billed input)."""
     return {
@@ -115,7 +131,7 @@ def signature(thinking: str) -> str:
     return "sha256:" + hashlib.sha256(thinking.encode()).hexdigest()
 
 
-def tool_input(arguments: str) -> dict[str, Any]:
+def tool_input(arguments: str) -> dict[str, object]:
     """A tool call's ``input``: its arguments parsed when they are a JSON object, else ``{}``
     (module docstring)."""
     try:
@@ -125,7 +141,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def tool_use_block(call: dict[str, Any], position: int, message_id: str) -> dict[str, Any]:
+def tool_use_block(call: AnswerToolCall, position: int, message_id: str) -> ToolUseBlock:
     """The ``tool_use`` block of a chat tool call; a call without an id (never seen from vLLM)
     is named after the message and its position."""
     function = call.get("function") or {}
@@ -138,17 +154,18 @@ def tool_use_block(call: dict[str, Any], position: int, message_id: str) -> dict
     }
 
 
-def content_blocks(message: dict[str, Any], message_id: str) -> list[dict[str, Any]]:
+def content_blocks(message: AnswerMessage, message_id: str) -> list[OutputBlock]:
     """The content blocks of one chat message (``content``, ``reasoning`` or
     ``reasoning_content``, ``tool_calls``), in the order of the module docstring."""
-    blocks: list[dict[str, Any]] = []
+    blocks: list[OutputBlock] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
         blocks.append(
             {"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)}
         )
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
+    text = message.get("content")
+    if text:
+        blocks.append({"type": "text", "text": text})
     for position, call in enumerate(message.get("tool_calls") or []):
         blocks.append(tool_use_block(call, position, message_id))
     return blocks or [{"type": "text", "text": ""}]
@@ -158,10 +175,10 @@ def message_object(
     *,
     message_id: str,
     model: str,
-    content: list[dict[str, Any]],
-    stop: tuple[str | None, str | None],
-    usage: dict[str, Any],
-) -> dict[str, Any]:
+    content: list[OutputBlock],
+    stop: tuple[StopReason | None, str | None],
+    usage: Usage,
+) -> Message:
     return {
         "id": message_id,
         "type": "message",
@@ -174,20 +191,26 @@ def message_object(
     }
 
 
-def render_message(answer: dict[str, Any], body: dict[str, Any], message_id: str) -> dict[str, Any]:
-    """The ``message`` for a unary chat ``answer`` (vLLM's JSON; its first choice: the Messages
+def render_message(unread: dict[str, Any], body: dict[str, Any], message_id: str) -> dict[str, Any]:
+    """The ``message`` for a unary chat answer (vLLM's JSON; its first choice: the Messages
     API has no ``n``); ``body`` is the client's Messages body."""
+    # Checked against ``CHAT_ANSWER`` by ``read_answer``, which the proxy runs first.
+    answer = cast("ChatAnswer", unread)
     choice = (answer.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     usage = answer.get("usage") or {}
-    return message_object(
-        message_id=message_id,
-        model=str(answer.get("model") or body.get("model")),
-        content=content_blocks(message, message_id),
-        stop=stop_of(
-            choice.get("finish_reason"),
-            choice.get("stop_reason"),
-            bool(message.get("tool_calls")),
-        ),
-        usage=usage_object(usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0),
+    return as_json(
+        message_object(
+            message_id=message_id,
+            model=str(answer.get("model") or body.get("model")),
+            content=content_blocks(message, message_id),
+            stop=stop_of(
+                choice.get("finish_reason"),
+                choice.get("stop_reason"),
+                bool(message.get("tool_calls")),
+            ),
+            usage=usage_object(
+                usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
+            ),
+        )
     )

@@ -54,10 +54,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gateway.dialects.messages.memory import Kept, TranslationMemory, messages_text
 from gateway.dialects.messages.protocol import MessagesRequest
+from gateway.dialects.messages.wire import (
+    ContentBlock,
+    OutputFormat,
+    TextBlock,
+    ToolChoiceParam,
+    ToolParam,
+    ToolResultBlock,
+    ToolUseBlock,
+)
 from gateway.dialects.translation import (
     Field,
     FieldErrors,
@@ -65,6 +74,16 @@ from gateway.dialects.translation import (
     copy_fields,
     named_tool_choice,
     translate_tools,
+)
+from gateway.dialects.wire import (
+    ChatContentPart,
+    ChatFunction,
+    ChatMessage,
+    ChatResponseFormat,
+    ChatTextPart,
+    ChatTool,
+    ChatToolCall,
+    ChatToolChoice,
 )
 
 # Fields translated into the chat body; every other top-level field is accepted and ignored.
@@ -89,6 +108,12 @@ MESSAGE_ROLES = ("user", "assistant", "system")
 USER_BLOCKS = ("text", "tool_result")
 ASSISTANT_BLOCKS = ("text", "thinking", "redacted_thinking", "tool_use")
 TOOL_CHOICE_TYPES = ("auto", "any", "tool", "none")
+# A tool choice type but ``tool`` → the chat ``tool_choice`` it becomes.
+_CHAT_TOOL_CHOICES: dict[str, Literal["auto", "required", "none"]] = {
+    "auto": "auto",
+    "any": "required",
+    "none": "none",
+}
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 # Blocks a text model cannot take: refused with a reason, not as unknown.
 _NOT_SERVED = {
@@ -147,7 +172,7 @@ def translate_request(
     Raises ``InvalidRequestError`` (400) naming the field (module docstring).
     """
     _expect(body.get("model"), str, "model", "a string")
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _system(body["system"])})
     raw_messages = body.get("messages")
@@ -188,13 +213,13 @@ def translate_request(
 
 def _translated_messages(
     raw_messages: list[Any], memory: TranslationMemory | None
-) -> list[dict[str, Any]]:
+) -> list[ChatMessage]:
     """The chat messages of the body's ``messages`` (a non-empty list), those a kept
     translation proves the same taken from it, the rest translated one by one; the result kept
     in ``memory`` (when given and orjson can write the messages)."""
     text = None if memory is None else messages_text(raw_messages)
     earlier, shared = (None, 0) if memory is None or text is None else memory.longest(text)
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     ends: list[int] = []
     if earlier is not None:
         messages += earlier.chat
@@ -225,29 +250,36 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return sampling
 
 
-def _system(system: Any) -> str | list[dict[str, Any]]:
+# The walk below takes each part of the body as it came (``Any``) and checks it before reading
+# it; a part whose checks have run is read through its type in ``wire`` (assigned, not cast:
+# nothing runs, the annotation records what the check established).
+
+
+def _system(system: Any) -> str | list[ChatContentPart]:
     if isinstance(system, str):
         return system
     _expect(system, list, "system", "a string or a list of text blocks")
     return [_text_part(block, f"system.{position}") for position, block in enumerate(system)]
 
 
-def _text_part(block: Any, param: str) -> dict[str, Any]:
+def _text_part(block: Any, param: str) -> ChatTextPart:
     """A chat text part for a ``text`` block (the only block type allowed where it is read)."""
     _expect(block, dict, param, "an object")
     if block.get("type") != "text":
         raise _fail(f"{param}.type", f"must be 'text', got {block.get('type')!r}")
     _expect(block.get("text"), str, f"{param}.text", "a string")
-    return {"type": "text", "text": block["text"]}
+    text: TextBlock = block  # its type and text checked just above
+    return {"type": "text", "text": text["text"]}
 
 
-def _blocks(message: dict[str, Any], param: str, allowed: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The message's content as blocks (a string is one text block), each type checked."""
+def _blocks(message: Any, param: str, allowed: tuple[str, ...]) -> list[ContentBlock]:
+    """The message's content as blocks (a string is one text block), each block's ``type``
+    checked against ``allowed``: its own fields are checked by the reader of that kind."""
     content = message.get("content")
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     _expect(content, list, f"{param}.content", "a string or a list of content blocks")
-    blocks: list[dict[str, Any]] = message["content"]
+    blocks: list[Any] = message["content"]
     if not blocks:
         raise _fail(f"{param}.content", "must hold at least one content block")
     for index, block in enumerate(blocks):
@@ -265,7 +297,7 @@ def _blocks(message: dict[str, Any], param: str, allowed: tuple[str, ...]) -> li
     return blocks
 
 
-def _message(message: Any, param: str) -> list[dict[str, Any]]:
+def _message(message: Any, param: str) -> list[ChatMessage]:
     """The chat messages one Messages message becomes (tool results split out of user turns)."""
     _expect(message, dict, param, "an object")
     role = message.get("role")
@@ -276,8 +308,8 @@ def _message(message: Any, param: str) -> list[dict[str, Any]]:
     if isinstance(message.get("content"), str):
         return [{"role": role, "content": message["content"]}]
     blocks = _blocks(message, param, USER_BLOCKS if role == "user" else ("text",))
-    results: list[dict[str, Any]] = []
-    texts: list[dict[str, Any]] = []
+    results: list[ChatMessage] = []
+    texts: list[ChatContentPart] = []
     for index, block in enumerate(blocks):
         where = f"{param}.content.{index}"
         if block["type"] == "tool_result":
@@ -287,23 +319,22 @@ def _message(message: Any, param: str) -> list[dict[str, Any]]:
     return results + ([{"role": role, "content": texts}] if texts else [])
 
 
-def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
+def _assistant(blocks: list[ContentBlock], param: str) -> ChatMessage:
     texts: list[str] = []
     reasoning: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[ChatToolCall] = []
     for index, block in enumerate(blocks):
         where = f"{param}.content.{index}"
-        kind = block["type"]
-        if kind == "text":
+        if block["type"] == "text":
             _expect(block.get("text"), str, f"{where}.text", "a string")
             texts.append(block["text"])
-        elif kind == "thinking":
+        elif block["type"] == "thinking":
             _expect(block.get("thinking"), str, f"{where}.thinking", "a string")
             reasoning.append(block["thinking"])
-        elif kind == "tool_use":
+        elif block["type"] == "tool_use":
             calls.append(_tool_use(block, where))
         # redacted_thinking: encrypted, nothing a template can read (module docstring)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    message: ChatMessage = {"role": "assistant", "content": "".join(texts) or None}
     if calls:
         message["tool_calls"] = calls
     if reasoning:
@@ -311,7 +342,7 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
     return message
 
 
-def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
+def _tool_use(block: ToolUseBlock, param: str) -> ChatToolCall:
     _expect(block.get("id"), str, f"{param}.id", "a string")
     _expect(block.get("name"), str, f"{param}.name", "a string")
     _expect(block.get("input"), dict, f"{param}.input", "an object")
@@ -322,13 +353,13 @@ def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
     }
 
 
-def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
+def _tool_result(block: ToolResultBlock, param: str) -> ChatMessage:
     _expect(block.get("tool_use_id"), str, f"{param}.tool_use_id", "a string")
     if block.get("is_error") is not None:
-        _expect(block["is_error"], bool, f"{param}.is_error", "a boolean")
+        _expect(block.get("is_error"), bool, f"{param}.is_error", "a boolean")
     content = block.get("content")
     if content is None:
-        text: str | list[dict[str, Any]] = ""
+        text: str | list[ChatContentPart] = ""
     elif isinstance(content, str):
         text = content
     else:
@@ -342,38 +373,41 @@ def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": chat_call_id(block["tool_use_id"]), "content": text}
 
 
-def _tool(tool: dict[str, Any], param: str) -> dict[str, Any] | str:
+def _tool(raw: Any, param: str) -> ChatTool | str:
     """The chat tool for a custom tool; the name of a server or deferred tool (left out)."""
-    _expect(tool.get("name"), str, f"{param}.name", "a string")
+    _expect(raw.get("name"), str, f"{param}.name", "a string")
+    tool: ToolParam = raw  # an object (``translate_tools``) with a string name, checked above
     if tool.get("type") not in (None, "custom") or tool.get("defer_loading") is True:
         return str(tool["name"])
     _expect(tool.get("input_schema"), dict, f"{param}.input_schema", "an object")
-    function: dict[str, Any] = {"name": tool["name"], "parameters": tool["input_schema"]}
-    if tool.get("description") is not None:
-        _expect(tool["description"], str, f"{param}.description", "a string")
-        function["description"] = tool["description"]
+    function: ChatFunction = {"name": tool["name"], "parameters": tool["input_schema"]}
+    description = tool.get("description")
+    if description is not None:
+        _expect(description, str, f"{param}.description", "a string")
+        function["description"] = description
     if tool.get("strict") is not None:
         function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
+def _tool_choice(raw: Any, has_tools: bool) -> ChatToolChoice:
     """The chat ``tool_choice`` (and ``parallel_tool_calls``); none when no tool is offered
     upstream and the choice allows no call anyway (``auto``, ``none``)."""
-    _expect(choice, dict, "tool_choice", "an object")
-    kind = choice.get("type")
+    _expect(raw, dict, "tool_choice", "an object")
+    kind = raw.get("type")
     if kind not in TOOL_CHOICE_TYPES:
         raise _fail(
             "tool_choice.type", f"must be one of {', '.join(TOOL_CHOICE_TYPES)}, got {kind!r}"
         )
-    chat: dict[str, Any] = {}
-    if kind == "tool":
+    choice: ToolChoiceParam = raw  # an object with a known type, checked above
+    chat: ChatToolChoice = {}
+    if choice["type"] == "tool":
         _expect(choice.get("name"), str, "tool_choice.name", "a string")
         chat["tool_choice"] = named_tool_choice(choice["name"])
     else:
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        chat["tool_choice"] = _CHAT_TOOL_CHOICES[choice["type"]]
     if not has_tools:
-        if kind in ("any", "tool"):
+        if choice["type"] in ("any", "tool"):
             raise _fail("tool_choice.type", f"{kind!r} needs at least one custom tool in 'tools'")
         return {}
     disable_parallel = choice.get("disable_parallel_tool_use")
@@ -399,7 +433,7 @@ def _thinking(thinking: Any) -> bool | None:
     return bool(kind != "disabled")
 
 
-def _response_format(output_config: Any) -> dict[str, Any] | None:
+def _response_format(output_config: Any) -> ChatResponseFormat | None:
     if output_config is None:
         return None
     _expect(output_config, dict, "output_config", "an object")
@@ -410,4 +444,5 @@ def _response_format(output_config: Any) -> dict[str, Any] | None:
     if fmt.get("type") != "json_schema":
         raise _fail("output_config.format.type", f"must be 'json_schema', got {fmt.get('type')!r}")
     _expect(fmt.get("schema"), dict, "output_config.format.schema", "an object")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    checked: OutputFormat = fmt  # an object of type json_schema with an object schema, above
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": checked["schema"]}}

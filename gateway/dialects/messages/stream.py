@@ -28,9 +28,10 @@ answer does (``gateway.dialects.messages.render``). A stream that cannot end nor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 from gateway.dialects.messages.render import (
+    as_json,
     error_body,
     message_object,
     signature,
@@ -38,6 +39,17 @@ from gateway.dialects.messages.render import (
     usage_object,
 )
 from gateway.dialects.messages.request import tool_use_id
+from gateway.dialects.messages.wire import (
+    BlockDelta,
+    OutputBlock,
+    StreamEvent,
+    TextDelta,
+    ThinkingDelta,
+    ToolUseBlock,
+)
+from gateway.dialects.wire import AnswerToolCall, ChatChunk, Usage
+
+BlockKind = Literal["thinking", "text", "tool_use"]
 
 
 class MessagesEvents:
@@ -52,22 +64,26 @@ class MessagesEvents:
         self.started = False
         self.input_tokens = 0
         self.output_tokens = 0  # sampled ids counted; the usage chunk's count replaces it
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.finish_reason: str | None = None
-        self.stop_reason: Any = None  # vLLM's: the matched stop string, or a stop token id
+        self.stop_reason: int | str | None = None  # vLLM's: the matched stop string or token id
         self._blocks = 0  # blocks opened so far: the next block's index
-        self._open: str | None = None  # "thinking" | "text" | "tool_use"
+        self._open: BlockKind | None = None
         self._thinking: list[str] = []  # the open thinking block's text (for its signature)
         self._calls: dict[int, int] = {}  # chat tool call index → block index
         self._arguments: dict[int, str] = {}  # chat tool call index → its arguments so far
 
-    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, unread: dict[str, Any]) -> list[dict[str, Any]]:
         """The events one ``chat.completion.chunk`` gives (none for a delta a parser held
         back; ``message_start`` and ``ping`` first with the first chunk)."""
+        # Checked against ``CHAT_CHUNK`` (and its ids read) by the capture, which
+        # ``TranslatedStream.feed`` runs on the chunk first.
+        chunk = cast("ChatChunk", unread)
         self.model = str(chunk.get("model") or self.model)
         events = [] if self.started else self._start(chunk.get("prompt_token_ids"))
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.usage = chunk["usage"]
+        usage = chunk.get("usage")
+        if usage is not None and not chunk.get("choices"):
+            self.usage = usage
         for choice in chunk.get("choices") or []:
             if choice.get("index", 0) != 0:
                 continue  # the Messages API has no n: only the first choice is asked for
@@ -77,15 +93,18 @@ class MessagesEvents:
             if reasoning:
                 events += self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
                 self._thinking.append(reasoning)
-            if delta.get("content"):
-                events += self._delta("text", {"type": "text_delta", "text": delta["content"]})
+            text = delta.get("content")
+            if text:
+                events += self._delta("text", {"type": "text_delta", "text": text})
             for call in delta.get("tool_calls") or []:
                 events += self._call_delta(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+            finish_reason = choice.get("finish_reason")
+            if finish_reason is not None:
+                self.finish_reason = finish_reason
                 self.stop_reason = choice.get("stop_reason")
                 events += self._close()
-        return events
+        # Handed on as the JSON objects ``TranslatedStream`` frames (a cast: nothing copied).
+        return cast("list[dict[str, Any]]", events)
 
     def closing(self) -> list[dict[str, Any]]:
         """Closes what is open (an empty text block when none was), then ``message_delta``
@@ -95,15 +114,16 @@ class MessagesEvents:
         if self._blocks == 0:
             events += self._open_block("text", {"type": "text", "text": ""}) + self._close()
         usage = self.usage or {}
-        if isinstance(usage.get("prompt_tokens"), int):
-            self.input_tokens = usage["prompt_tokens"]
-        if isinstance(usage.get("completion_tokens"), int):
-            self.output_tokens = usage["completion_tokens"]
+        prompt_tokens = usage.get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            self.input_tokens = prompt_tokens
+        completion_tokens = usage.get("completion_tokens")
+        if isinstance(completion_tokens, int):
+            self.output_tokens = completion_tokens
         stop_reason, stop_sequence = stop_of(
             self.finish_reason, self.stop_reason, bool(self._calls)
         )
-        return [
-            *events,
+        events += [
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
@@ -111,14 +131,15 @@ class MessagesEvents:
             },
             {"type": "message_stop"},
         ]
+        return cast("list[dict[str, Any]]", events)
 
     def error(self, kind: str, message: str) -> dict[str, Any]:
         """The ``error`` event that ends a stream (``kind``: an Anthropic error type)."""
-        return error_body(kind, message)
+        return as_json(error_body(kind, message))
 
     # -- blocks -----------------------------------------------------------------------------
 
-    def _start(self, prompt_ids: Any) -> list[dict[str, Any]]:
+    def _start(self, prompt_ids: list[int] | None) -> list[StreamEvent]:
         self.started = True
         self.input_tokens = len(prompt_ids) if isinstance(prompt_ids, list) else 0
         message = message_object(
@@ -130,11 +151,13 @@ class MessagesEvents:
         )
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
-    def _delta(self, kind: str, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def _delta(
+        self, kind: Literal["text", "thinking"], delta: TextDelta | ThinkingDelta
+    ) -> list[StreamEvent]:
         """A text or thinking delta, opening its block when another kind is open."""
-        events: list[dict[str, Any]] = []
+        events: list[StreamEvent] = []
         if self._open != kind:
-            block: dict[str, Any] = (
+            block: OutputBlock = (
                 {"type": "text", "text": ""}
                 if kind == "text"
                 else {"type": "thinking", "thinking": "", "signature": ""}
@@ -143,13 +166,15 @@ class MessagesEvents:
         index = self._blocks - 1
         return [*events, {"type": "content_block_delta", "index": index, "delta": delta}]
 
-    def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        position = int(call.get("index", 0))
+    def _call_delta(self, call: AnswerToolCall) -> list[StreamEvent]:
+        # An integer or absent (``CHAT_CHUNK``); a null index made the capture's add, run on
+        # the chunk first, refuse it as unreadable.
+        position = call.get("index") or 0
         function = call.get("function") or {}
-        events: list[dict[str, Any]] = []
+        events: list[StreamEvent] = []
         if position not in self._calls:
             suffix = self.message_id.removeprefix("msg_")
-            block: dict[str, Any] = {
+            block: ToolUseBlock = {
                 "type": "tool_use",
                 "id": tool_use_id(call.get("id") or f"{suffix}_{len(self._calls)}"),
                 "name": function.get("name") or "",
@@ -158,10 +183,11 @@ class MessagesEvents:
             events = self._close() + self._open_block("tool_use", block)
             self._calls[position] = self._blocks - 1
             self._arguments[position] = ""
-        if function.get("arguments"):
-            piece = self._forwarded_piece(position, function["arguments"])
+        arguments = function.get("arguments")
+        if arguments:
+            piece = self._forwarded_piece(position, arguments)
             if piece:
-                delta = {"type": "input_json_delta", "partial_json": piece}
+                delta: BlockDelta = {"type": "input_json_delta", "partial_json": piece}
                 events.append(
                     {"type": "content_block_delta", "index": self._calls[position], "delta": delta}
                 )
@@ -183,20 +209,21 @@ class MessagesEvents:
             return piece  # already forwarding
         return text
 
-    def _open_block(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
+    def _open_block(self, kind: BlockKind, block: OutputBlock) -> list[StreamEvent]:
         self._open = kind
         self._blocks += 1
         self._thinking = []
         return [{"type": "content_block_start", "index": self._blocks - 1, "content_block": block}]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self) -> list[StreamEvent]:
         """The stop of the open block (a thinking block's ``signature_delta`` first)."""
         if self._open is None:
             return []
         index = self._blocks - 1
-        events: list[dict[str, Any]] = []
+        events: list[StreamEvent] = []
         if self._open == "thinking":
-            delta = {"type": "signature_delta", "signature": signature("".join(self._thinking))}
+            thinking = "".join(self._thinking)
+            delta: BlockDelta = {"type": "signature_delta", "signature": signature(thinking)}
             events.append({"type": "content_block_delta", "index": index, "delta": delta})
         self._open = None
         return [*events, {"type": "content_block_stop", "index": index}]

@@ -23,9 +23,17 @@ delta its own chunk's entries.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from gateway.dialects.responses.request import ECHO_ONLY
+from gateway.dialects.responses.wire import FunctionTool, ResponseUsage
+from gateway.dialects.wire import AnswerMessage, AnswerToolCall, ChatAnswer, ChatLogprobs, Usage
+
+# vLLM's logprobs, tool call and usage as the unary path reads them (typed) and as the stream's
+# events (``responses.stream``) still hand them over (JSON objects).
+Logprobs = ChatLogprobs | dict[str, Any]
+ToolCall = AnswerToolCall | dict[str, Any]
+ChatUsage = Usage | dict[str, Any]
 
 # finish_reason → (response status, incomplete_details.reason)
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -97,9 +105,10 @@ def _is_function(tool: Any) -> bool:
     return isinstance(tool, dict) and tool.get("type") == "function"
 
 
-def echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+def echoed_tool(tool: FunctionTool) -> dict[str, Any]:
     """A function tool as a Response lists it (the spec's ``FunctionTool``: every field
-    present, ``null`` for one the client did not send)."""
+    present, ``null`` for one the client did not send); ``tool`` is one the translation
+    checked (``request._tool``: a string name)."""
     return {
         "type": "function",
         "name": tool["name"],
@@ -124,7 +133,7 @@ def response_object(
     echo: dict[str, Any],
     status: str,
     output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
+    usage: ResponseUsage | None,
     incomplete_reason: str | None = None,
 ) -> dict[str, Any]:
     """One ``response`` object (``created_at``, ``completed_at`` in Unix seconds;
@@ -144,7 +153,7 @@ def response_object(
     }
 
 
-def usage_object(usage: dict[str, Any] | None) -> dict[str, Any] | None:
+def usage_object(usage: ChatUsage | None) -> ResponseUsage | None:
     """Responses usage from chat usage: input/output/total tokens, cached prompt tokens and
     reasoning tokens as vLLM reported them (0 when it did not)."""
     if not usage:
@@ -165,7 +174,7 @@ def usage_object(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def text_logprobs(logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+def text_logprobs(logprobs: Logprobs | None) -> list[dict[str, Any]]:
     """Responses logprob entries ``[T]`` from a chat ``logprobs`` object (``content`` entries:
     token, logprob, bytes, top_logprobs), values unchanged."""
     entries = (logprobs or {}).get("content") or []
@@ -210,7 +219,7 @@ def message_item(item_id: str, parts: list[dict[str, Any]], status: str) -> dict
     }
 
 
-def function_call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+def function_call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
     """A ``function_call`` item from a chat tool call (``id``, ``function.name/arguments``)."""
     function = call.get("function") or {}
     return {
@@ -224,9 +233,9 @@ def function_call_item(item_id: str, call: dict[str, Any], status: str) -> dict[
 
 
 def output_items(
-    message: dict[str, Any],
+    message: AnswerMessage,
     finish_reason: str | None,
-    logprobs: dict[str, Any] | None,
+    logprobs: ChatLogprobs | None,
     *,
     response_id: str,
     logprobs_asked: bool,
@@ -254,7 +263,7 @@ def output_items(
 
 
 def render_response(
-    answer: dict[str, Any],
+    unread: dict[str, Any],
     body: dict[str, Any],
     chat_body: dict[str, Any],
     *,
@@ -265,6 +274,8 @@ def render_response(
     """The ``response`` object for a unary chat ``answer`` (vLLM's JSON; its first choice: the
     Responses API has no ``n``). ``body`` is the client's Responses body, ``chat_body`` the chat
     body sent upstream."""
+    # Checked against ``CHAT_ANSWER`` by ``read_answer``, which the proxy runs first.
+    answer = cast("ChatAnswer", unread)
     choice = (answer.get("choices") or [{}])[0]
     finish_reason = choice.get("finish_reason")
     status, reason = status_of(finish_reason)

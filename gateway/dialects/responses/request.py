@@ -40,6 +40,15 @@ from typing import Any
 
 from gateway.dialects.base import EarlierCall
 from gateway.dialects.responses.protocol import ResponsesRequest
+from gateway.dialects.responses.wire import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputImage,
+    InputText,
+    JSONSchemaFormat,
+    MessageItem,
+)
 from gateway.dialects.translation import (
     Field,
     FieldErrors,
@@ -48,6 +57,16 @@ from gateway.dialects.translation import (
     invalid_value,
     named_tool_choice,
     translate_tools,
+)
+from gateway.dialects.wire import (
+    ChatContentPart,
+    ChatFunction,
+    ChatImageURL,
+    ChatJSONSchema,
+    ChatMessage,
+    ChatResponseFormat,
+    ChatTool,
+    ChatToolCall,
 )
 from gateway.errors import InvalidRequestError
 
@@ -164,13 +183,14 @@ def previous_response_id(body: dict[str, Any]) -> str | None:
     return str(value)
 
 
-def history_messages(earlier: EarlierResponse) -> list[dict[str, Any]]:
+def history_messages(earlier: EarlierResponse) -> list[ChatMessage]:
     """The chat messages an earlier response leaves as history: its upstream messages without
     the ``instructions`` system message this module put first, then its answer."""
-    messages = list(earlier.upstream_request.get("messages") or [])
+    # The pool holds the chat body this module wrote for that call: its messages are chat's.
+    messages: list[ChatMessage] = list(earlier.upstream_request.get("messages") or [])
     if isinstance(earlier.request.get("instructions"), str) and messages:
         messages = messages[1:]
-    answer = {"role": "assistant", "content": earlier.response_message.get("content")}
+    answer: ChatMessage = {"role": "assistant", "content": earlier.response_message.get("content")}
     if earlier.response_message.get("tool_calls"):
         answer["tool_calls"] = earlier.response_message["tool_calls"]
     if earlier.response_message.get("reasoning"):
@@ -231,7 +251,7 @@ def translate_body(body: dict[str, Any]) -> Translation:
             code="unknown_parameter",
         )
     _expect(body.get("model"), str, "model", "a string")
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     instructions = body.get("instructions")
     if instructions is not None:
         _expect(instructions, str, "instructions", "a string")
@@ -294,13 +314,13 @@ def _include(include: Any) -> list[str]:
     return list(include)
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
+def input_messages(value: Any) -> list[ChatMessage]:
     """Chat messages for a Responses ``input``: a string (one user message) or a list of items
     (module docstring). Raises ``InvalidRequestError`` naming the item's field."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     _expect(value, list, "input", "a string or a list of items")
-    messages: list[dict[str, Any]] = []
+    messages: list[ChatMessage] = []
     reasoning: str | None = None
     for position, item in enumerate(value):
         param = f"input[{position}]"
@@ -325,7 +345,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
-                turn: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                turn: ChatMessage = {"role": "assistant", "content": None, "tool_calls": [call]}
                 if reasoning is not None:
                     turn["reasoning"] = reasoning
                     reasoning = None
@@ -343,35 +363,47 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
-    role = item.get("role")
+# The walk below takes each item and part as it came (``Any``) and checks it before reading it;
+# one whose checks have run is read through its type in ``wire`` (assigned, not cast: nothing
+# runs, the annotation records what the check established).
+
+
+def _message(raw: Any, param: str) -> ChatMessage:
+    role = raw.get("role")
     if role not in ROLES:
         raise invalid_value(
             f"'{param}.role' must be one of {', '.join(ROLES)}, got {role!r}", param + ".role"
         )
-    content = item.get("content")
+    content = raw.get("content")
     if isinstance(content, str):
-        chat_content: str | list[dict[str, Any]] = content
+        chat_content: str | list[ChatContentPart] = content
     else:
         _expect(content, list, f"{param}.content", "a string or a list of content parts")
-        parts: list[Any] = item["content"]
+        parts: list[Any] = content
         chat_content = [
             _content_part(part, f"{param}.content[{index}]") for index, part in enumerate(parts)
         ]
-    return {"role": "system" if role == "developer" else role, "content": chat_content}
+    item: MessageItem = raw  # an object with a known role, checked above
+    return {
+        "role": "system" if item["role"] == "developer" else item["role"],
+        "content": chat_content,
+    }
 
 
-def _content_part(part: Any, param: str) -> dict[str, Any]:
-    _expect(part, dict, param, "an object")
-    kind = part.get("type")
+def _content_part(raw: Any, param: str) -> ChatContentPart:
+    _expect(raw, dict, param, "an object")
+    kind = raw.get("type")
     if kind in ("input_text", "output_text"):
-        _expect(part.get("text"), str, f"{param}.text", "a string")
-        return {"type": "text", "text": part["text"]}
+        _expect(raw.get("text"), str, f"{param}.text", "a string")
+        text: InputText = raw  # a text part with a string text, checked above
+        return {"type": "text", "text": text["text"]}
     if kind == "input_image":
-        _expect(part.get("image_url"), str, f"{param}.image_url", "a string (URL or data URL)")
-        image = {"url": part["image_url"]}
-        if part.get("detail") is not None:
-            image["detail"] = part["detail"]
+        _expect(raw.get("image_url"), str, f"{param}.image_url", "a string (URL or data URL)")
+        part: InputImage = raw  # an image part with a string URL, checked above
+        image: ChatImageURL = {"url": part["image_url"]}
+        detail = part.get("detail")
+        if detail is not None:
+            image["detail"] = detail
         return {"type": "image_url", "image_url": image}
     raise invalid_value(
         f"unsupported content part type {kind!r}; supported: input_text, output_text, input_image",
@@ -379,7 +411,7 @@ def _content_part(part: Any, param: str) -> dict[str, Any]:
     )
 
 
-def _reasoning_text(item: dict[str, Any], param: str) -> str:
+def _reasoning_text(item: Any, param: str) -> str:
     """The reasoning text of a reasoning item: its ``reasoning_text`` parts joined, else its
     summary parts joined by blank lines (an item with only ``encrypted_content`` has none this
     gateway could read: "")."""
@@ -389,7 +421,7 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
     )
 
 
-def _texts(item: dict[str, Any], key: str, part_type: str, param: str) -> list[str]:
+def _texts(item: Any, key: str, part_type: str, param: str) -> list[str]:
     parts = item.get(key)
     if parts is None:
         return []
@@ -407,9 +439,10 @@ def _texts(item: dict[str, Any], key: str, part_type: str, param: str) -> list[s
     return texts
 
 
-def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
+def _function_call(raw: Any, param: str) -> ChatToolCall:
     for key in ("call_id", "name", "arguments"):
-        _expect(item.get(key), str, f"{param}.{key}", "a string")
+        _expect(raw.get(key), str, f"{param}.{key}", "a string")
+    item: FunctionCallItem = raw  # its three strings checked just above
     return {
         "id": item["call_id"],
         "type": "function",
@@ -417,28 +450,33 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
     }
 
 
-def _function_call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
-    _expect(item.get("call_id"), str, f"{param}.call_id", "a string")
-    output = item.get("output")
+def _function_call_output(raw: Any, param: str) -> ChatMessage:
+    _expect(raw.get("call_id"), str, f"{param}.call_id", "a string")
+    output = raw.get("output")
     if isinstance(output, str):
-        content: str | list[dict[str, Any]] = output
+        content: str | list[ChatContentPart] = output
     else:
         _expect(output, list, f"{param}.output", "a string or a list of content parts")
-        parts: list[Any] = item["output"]
+        parts: list[Any] = output
         content = [_content_part(part, f"{param}.output[{i}]") for i, part in enumerate(parts)]
+    item: FunctionCallOutputItem = raw  # its call id checked above, its output read above
     return {"role": "tool", "tool_call_id": item["call_id"], "content": content}
 
 
-def _tool(tool: dict[str, Any], param: str) -> dict[str, Any] | str:
+def _tool(raw: Any, param: str) -> ChatTool | str:
     """The chat tool for a function tool; the name of any other (hosted tools: left out)."""
-    _expect(tool.get("type"), str, f"{param}.type", "a string")
-    if tool["type"] != "function":
-        return str(tool.get("name") or tool["type"])
-    _expect(tool.get("name"), str, f"{param}.name", "a string")
-    function = {"name": tool["name"]}
-    for key in ("description", "parameters", "strict"):
-        if tool.get(key) is not None:
-            function[key] = tool[key]
+    _expect(raw.get("type"), str, f"{param}.type", "a string")
+    if raw["type"] != "function":
+        return str(raw.get("name") or raw["type"])
+    _expect(raw.get("name"), str, f"{param}.name", "a string")
+    tool: FunctionTool = raw  # a function tool with a string name, checked above
+    function: ChatFunction = {"name": tool["name"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    if tool.get("parameters") is not None:
+        function["parameters"] = tool["parameters"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
     return {"type": "function", "function": function}
 
 
@@ -462,7 +500,7 @@ def _tool_choice(choice: Any) -> Any:
     return named_tool_choice(choice["name"])
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
+def _response_format(text: Any) -> ChatResponseFormat | None:
     if text is None:
         return None
     _expect(text, dict, "text", "an object")
@@ -478,9 +516,12 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         _expect(fmt.get("name"), str, "text.format.name", "a string")
         _expect(fmt.get("schema"), dict, "text.format.schema", "an object")
-        schema = {
-            key: fmt[key] for key in ("name", "schema", "description", "strict") if key in fmt
-        }
+        checked: JSONSchemaFormat = fmt  # its name and schema checked just above
+        schema: ChatJSONSchema = {"name": checked["name"], "schema": checked["schema"]}
+        if "description" in checked:
+            schema["description"] = checked["description"]
+        if "strict" in checked:
+            schema["strict"] = checked["strict"]
         return {"type": "json_schema", "json_schema": schema}
     raise invalid_value(
         f"'text.format.type' must be text, json_object or json_schema, got {kind!r}",
