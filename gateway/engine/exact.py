@@ -170,9 +170,10 @@ async def _render(
         )
 
 
-# Where an exact unary answer keeps its own JSON object in its ``httpx.Response.extensions``:
-# the capture reads that object instead of parsing the bytes it was just written to (at turn
-# 200 of a coding-agent session 20k prompt ids: a parse, and a check of ids already checked).
+# Where an exact unary answer keeps its own JSON object in its ``httpx.Response.extensions``;
+# its body is left empty. The capture reads that object, and the proxy writes what the client
+# is sent of it (``gateway.proxy.answer``): at turn 200 of a coding-agent session its 20k
+# prompt ids were written to bytes that only a client asking for them would read.
 PARSED_ANSWER = "trajgate.parsed_answer"
 
 
@@ -493,9 +494,7 @@ async def _unary(
     if isinstance(usage, dict):  # every sampled token, the stop token _as_detokenized hid too
         usage["completion_tokens"] = completion_tokens
         usage["total_tokens"] = len(prompt) + completion_tokens
-    return httpx.Response(
-        200, content=dumps(answer), headers=JSON_HEADERS, extensions={PARSED_ANSWER: answer}
-    )
+    return httpx.Response(200, headers=JSON_HEADERS, extensions={PARSED_ANSWER: answer})
 
 
 def _derendered(choice: Any, sampled: dict[int, _Sampled]) -> _Sampled:
