@@ -59,7 +59,7 @@ from typing import Any, Literal, Protocol
 import httpx
 import orjson
 
-from gateway.capture import CheckedIds, dumps, token_ids
+from gateway.capture import UNREADABLE, CheckedIds, dumps, loads, loads_object, token_ids
 from gateway.engine.errors import UnreadableAnswerError, answer_object, deadline, limit_s
 from gateway.engine.paths import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER_PATH
 
@@ -99,6 +99,10 @@ class ExactPrefix(Protocol):
     def splice(self, rendered: list[int]) -> SplicedPrompt | None:
         """The exact prompt for the template's rendering ``rendered`` (``[F]``), or None when
         it has no boundary (the template's own ids are then the prompt)."""
+
+    def splice_text(self, rendered: bytes) -> SplicedPrompt | None:
+        """``splice`` of ``F`` given as the JSON text of its ids between the brackets, written
+        plainly (digits and commas only: ``_plain_render``)."""
 
 
 Built = Literal["exact", "template"]
@@ -215,17 +219,7 @@ async def send_exact(
     render = await (ahead.task if ahead is not None else _render(client, replica, content, timeout))
     if render.status_code != 200:
         return ExactAnswer(_error_response(render, render.content))
-    request = answer_object(render, "render")
-    rendered = request.get("token_ids")
-    if (
-        not isinstance(rendered, list)
-        or not rendered
-        or not isinstance(request.get("sampling_params"), dict)
-    ):
-        raise UnreadableAnswerError(
-            f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
-        )
-    spliced = None if prefix is None else prefix.splice(rendered)
+    request, rendered, spliced = _read_render(render, prefix)
     prompt = _prompt_of(rendered, spliced)
 
     def answered(response: httpx.Response, versions: Mapping[int, list[Any]]) -> ExactAnswer:
@@ -272,6 +266,38 @@ async def send_exact(
     return answered(chat_answer, versions)
 
 
+def _read_render(
+    render: httpx.Response, prefix: ExactPrefix | None
+) -> tuple[dict[str, Any], list[Any], SplicedPrompt | None]:
+    """render's 200 answer: its object (``GenerateRequest``), the template's ids ``[F]`` (left
+    unparsed, ``[]``, when the turn's ids were spliced into their text: ``_plain_render``) and
+    the exact prompt ``prefix`` makes of them (None: no prefix, or no boundary in ``F``). Raises
+    ``UnreadableAnswerError`` for an answer that is no JSON object, or has no ids, unreadable
+    ids or no ``sampling_params``; the ids are checked by ``_prompt_of``."""
+    spliced: SplicedPrompt | None = None
+    plain = None if prefix is None else _plain_render(render)
+    if prefix is not None and plain is not None:
+        request, text = plain
+        spliced = _read(prefix.splice_text, text, "render's token_ids")
+        rendered: Any = []
+        if spliced is None:
+            rendered = _read(loads, b"[" + text + b"]", "render's token_ids")
+    else:
+        request = answer_object(render, "render")
+        rendered = request.get("token_ids")
+    if (
+        not isinstance(rendered, list)
+        or (not rendered and spliced is None)
+        or not isinstance(request.get("sampling_params"), dict)
+    ):
+        raise UnreadableAnswerError(
+            f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
+        )
+    if prefix is not None and plain is None:
+        spliced = prefix.splice(rendered)
+    return request, rendered, spliced
+
+
 def _prompt_of(rendered: list[Any], spliced: SplicedPrompt | None) -> CheckedIds:
     """The prompt sent to the engine: ``spliced`` when the turn's ids were spliced in, else
     the template's ``rendered`` ids (``[F]``), every id the engine is handed checked as
@@ -291,6 +317,47 @@ def _prompt_of(rendered: list[Any], spliced: SplicedPrompt | None) -> CheckedIds
     ids = spliced.token_ids
     _read(token_ids, ids[len(ids) - spliced.suffix_tokens :], "render's token_ids")
     return CheckedIds(ids)
+
+
+# How render's JSON names its ids: found once in the answer's text, never inside a string (a
+# string writes each '"' as '\\"', so '":[' cannot follow a key's letters there).
+_RENDER_IDS = b'"token_ids":['
+_PLAIN_ID_TEXT = b"0123456789,"
+
+
+def _plain_render(render: httpx.Response) -> tuple[dict[str, Any], bytes] | None:
+    """render's answer as its JSON object with ``token_ids`` read as ``[]``, and the text of
+    its ids between the brackets, when they are written plainly: the answer names
+    ``token_ids`` once, at the top level, and its list is digits and commas only (JSON's
+    non-negative integers: no sign, exponent, fraction, space or other value; ``,,`` and a
+    comma at either end are refused too). None otherwise: the caller parses the answer whole,
+    as before, and refuses what is not vLLM's. So an exact prompt's splice counts the closes
+    in the text (``ExactPrefix.splice_text``) and parses only the suffix it keeps; the ids
+    before the boundary are replaced by the turn's own and never sent. Raises
+    ``UnreadableAnswerError`` when the rest of the answer is no JSON object."""
+    content = render.content
+    start = content.find(_RENDER_IDS)
+    if start < 0 or content.find(_RENDER_IDS, start + 1) >= 0:
+        return None
+    first = start + len(_RENDER_IDS)
+    end = content.find(b"]", first)
+    text = content[first:end]
+    if (
+        end < 0
+        or not text
+        or text.translate(None, _PLAIN_ID_TEXT)
+        or text.startswith(b",")
+        or text.endswith(b",")
+        or b",," in text
+    ):
+        return None
+    try:
+        request = loads_object(content[:first] + content[end:])
+    except UNREADABLE as exc:
+        raise UnreadableAnswerError(f"vLLM's render answered unreadably: {exc!r}") from exc
+    if request.get("token_ids") != []:  # the name was not the top level's
+        return None
+    return request, text
 
 
 @dataclass(frozen=True)
