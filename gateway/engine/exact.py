@@ -320,7 +320,7 @@ def _prompt_of(rendered: list[Any], spliced: SplicedPrompt | None) -> CheckedIds
 
 
 # How render's JSON names its ids: found once in the answer's text, never inside a string (a
-# string writes each '"' as '\\"', so '":[' cannot follow a key's letters there).
+# string writes each '"' as '\"', so '":[' cannot follow a key's letters there).
 _RENDER_IDS = b'"token_ids":['
 _PLAIN_ID_TEXT = b"0123456789,"
 
