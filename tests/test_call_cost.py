@@ -345,20 +345,21 @@ def test_request_hash_of_a_long_turn_takes_orjsons_path(monkeypatch: pytest.Monk
     assert written == []
 
 
-def test_an_exact_unary_call_checks_its_prompt_ids_once(
+def test_an_exact_unary_call_checks_only_the_prompt_ids_it_reads_anew(
     sqlite_pool: PoolSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # token_ids reads a list of ids in three passes in C (types, min, max). An exact unary
-    # call's prompt is the render's ids (read once) or spliced from them and a captured turn's,
-    # so reading the answer does not read them again: at turn t (t >= 1) one pass of min over
-    # the whole prompt (before: two, the second when the derendered answer's prompt was read).
-    # Turn 0 is the template's: the chat endpoint's answer carries the prompt, read once.
+    # token_ids reads a list of ids in three passes in C (types, min, max). Turn 0 is the
+    # template's: the chat endpoint's answer carries the prompt, read once (one pass of min
+    # over all of it). An exact unary call's prompt is the turn's own ids, checked when that
+    # turn was captured, and the render's suffix: at turn t (t >= 1) no pass over the whole
+    # prompt (before: one over the render's ids, and before that a second when the derendered
+    # answer's prompt was read), one over the suffix the render added.
     from gateway import capture
 
     passes: list[int] = []
 
     def counted_min(values: Any) -> Any:
-        if isinstance(values, list) and len(values) >= 8:  # a prompt: 8 ids at turn 0
+        if isinstance(values, list):
             passes.append(len(values))
         return min(values)
 
@@ -372,10 +373,17 @@ def test_an_exact_unary_call_checks_its_prompt_ids_once(
             passes.clear()
             reply = httpx.post(url, json=session_body("chat", turn, answer), timeout=30)
             assert reply.status_code == 200, reply.text
-            counts.append(len(passes))
-    assert counts == [1, 1, 1, 1]
+            counts.append(list(passes))
     steps = steps_of(sqlite_pool, "checked-once")
     assert [s.continuation for s in steps] == ["template", "exact", "exact", "exact"]
+    prompts = [len(s.prompt_token_ids or []) for s in steps]
+    assert counts[0].count(prompts[0]) == 1
+    for turn in (1, 2, 3):
+        parent = steps[turn - 1]
+        turn_ids = prompts[turn - 1] + len(parent.response_token_ids or [])
+        suffix = prompts[turn] - turn_ids  # the parent's answer stopped on the end token
+        assert max(counts[turn]) < prompts[turn], (turn, counts[turn], prompts[turn])
+        assert suffix in counts[turn], (turn, counts[turn], suffix)
 
 
 def test_the_writer_finds_an_echo_in_another_form_with_one_dump_of_the_history(

@@ -890,7 +890,7 @@ def test_the_forwarded_body_is_the_rendered_body_with_the_prompt_ids_added() -> 
     from gateway.engine.wire import dumps
 
     body = {"model": MODEL, "messages": [SYSTEM, USER], "tools": [WEATHER], "stream": True}
-    forwarded = json.loads(forwarding(dumps(body), [1, 2, 3]))
+    forwarded = json.loads(forwarding(dumps(body), dumps([1, 2, 3])))
     assert forwarded == {**body, "kv_transfer_params": {"prompt_token_ids": [1, 2, 3]}}
 
 

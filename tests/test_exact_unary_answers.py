@@ -200,3 +200,40 @@ def test_a_messages_call_on_the_exact_path_answers_a_bad_generate_with_502_and_a
     assert answer.json()["error"]["type"] == "api_error"
     first, failed = steps_of(pool_settings, "bad-messages")
     assert first.outcome == "ok" and failed.outcome == "upstream_error"
+
+
+def _render_id(position: int, value: Any) -> Rewrite:
+    def rewrite(answer: dict[str, Any]) -> Any:
+        answer["token_ids"][position] = value
+        return answer
+
+    return rewrite
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, True, 1.0, "7"], ids=repr)
+def test_a_bad_id_in_the_renders_suffix_is_502_with_one_step(
+    pool_settings: PoolSettings, emulated: Emulated, bad: Any
+) -> None:
+    # The last id of the rendering is the generation prompt's: after the boundary, so it is
+    # sent to the engine, and the check of the render's new part must refuse it.
+    faults = {"render": _render_id(-1, bad)}
+    answer = _second_turn(pool_settings, "bad-suffix", "chat/completions", emulated, faults)
+    assert answer.status_code == 502, answer.text
+    first, failed = steps_of(pool_settings, "bad-suffix")
+    assert first.outcome == "ok" and failed.outcome == "upstream_error"
+
+
+def test_a_bad_id_where_the_turns_own_ids_go_is_never_sent(
+    pool_settings: PoolSettings, emulated: Emulated
+) -> None:
+    # The first id of the rendering is the first message's, before the boundary: the turn's
+    # own ids replace it, so the prompt the engine samples from (and the step records) is the
+    # first call's prompt and answer, then the template's suffix, with no -1 in it.
+    faults = {"render": _render_id(0, -1)}
+    answer = _second_turn(pool_settings, "bad-prefix", "chat/completions", emulated, faults)
+    assert answer.status_code == 200, answer.text
+    first, second = steps_of(pool_settings, "bad-prefix")
+    assert second.continuation == "exact" and second.outcome == "ok"
+    turn = [*first.prompt_token_ids, *first.response_token_ids]
+    assert second.prompt_token_ids[: len(turn)] == turn
+    assert -1 not in second.prompt_token_ids

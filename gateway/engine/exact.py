@@ -57,10 +57,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import httpx
+import orjson
 
 from gateway.engine.errors import UnreadableAnswerError, answer_object, deadline, limit_s
 from gateway.engine.paths import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER_PATH
-from gateway.engine.wire import CheckedIds, dumps, token_ids
+from gateway.engine.wire import UNREADABLE, CheckedIds, dumps, loads, loads_object, token_ids
 
 JSON_HEADERS = {"content-type": "application/json"}
 
@@ -81,7 +82,8 @@ class ExactReplica(Protocol):
 
 
 class SplicedPrompt(Protocol):
-    """An exact prompt: ``token_ids`` ``[P']`` and the ``suffix_tokens`` the template rendered."""
+    """An exact prompt: ``token_ids`` ``[P']`` and the ``suffix_tokens`` the template rendered,
+    its last ``suffix_tokens`` ids (the rest is the turn's own, checked when it was captured)."""
 
     @property
     def token_ids(self) -> list[int]: ...
@@ -97,6 +99,10 @@ class ExactPrefix(Protocol):
     def splice(self, rendered: list[int]) -> SplicedPrompt | None:
         """The exact prompt for the template's rendering ``rendered`` (``[F]``), or None when
         it has no boundary (the template's own ids are then the prompt)."""
+
+    def splice_text(self, rendered: bytes) -> SplicedPrompt | None:
+        """``splice`` of ``F`` given as the JSON text of its ids between the brackets, written
+        plainly (digits and commas only: ``_plain_render``)."""
 
 
 Built = Literal["exact", "template"]
@@ -168,9 +174,10 @@ async def _render(
         )
 
 
-# Where an exact unary answer keeps its own JSON object in its ``httpx.Response.extensions``:
-# the capture reads that object instead of parsing the bytes it was just written to (at turn
-# 200 of a coding-agent session 20k prompt ids: a parse, and a check of ids already checked).
+# Where an exact unary answer keeps its own JSON object in its ``httpx.Response.extensions``;
+# its body is left empty. The capture reads that object, and the proxy writes what the client
+# is sent of it (``gateway.proxy.answer``): at turn 200 of a coding-agent session its 20k
+# prompt ids were written to bytes that only a client asking for them would read.
 PARSED_ANSWER = "trajgate.parsed_answer"
 
 
@@ -212,17 +219,8 @@ async def send_exact(
     render = await (ahead.task if ahead is not None else _render(client, replica, content, timeout))
     if render.status_code != 200:
         return ExactAnswer(_error_response(render, render.content))
-    request = answer_object(render, "render")
-    rendered = _read(token_ids, request.get("token_ids"), "render's token_ids")
-    if not rendered or not isinstance(request.get("sampling_params"), dict):
-        raise UnreadableAnswerError(
-            f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
-        )
-    spliced = None if prefix is None else prefix.splice(rendered)
-    if spliced is not None:
-        request["token_ids"] = spliced.token_ids
-    # Read by token_ids (the render's) or spliced from such ids and a captured turn's.
-    prompt: list[int] = CheckedIds(request["token_ids"])
+    request, rendered, spliced = _read_render(render, prefix)
+    prompt = _prompt_of(rendered, spliced)
 
     def answered(response: httpx.Response, versions: Mapping[int, list[Any]]) -> ExactAnswer:
         if spliced is None:
@@ -230,11 +228,12 @@ async def send_exact(
         return ExactAnswer(response, "exact", spliced.suffix_tokens, prompt, versions)
 
     stream = body.get("stream") is True
+    prompt_json = dumps(prompt)  # the ~20k ids written once, for every exchange that sends them
     if samples_from_forwarded_ids(body):
         chat = client.build_request(
             "POST",
             replica.endpoint(CHAT_PATH),
-            content=forwarding(content, prompt),
+            content=forwarding(content, prompt_json),
             headers=JSON_HEADERS,
             timeout=limits,
         )
@@ -249,10 +248,11 @@ async def send_exact(
                 raise
         return answered(answer, {})
     _restate_max_tokens(request["sampling_params"], body)
+    request["token_ids"] = orjson.Fragment(prompt_json)
     async with deadline(limit_s(timeout), GENERATE_PATH):
         answer = await client.post(
             replica.endpoint(GENERATE_PATH),
-            content=dumps(request),
+            content=_dumps_with(request, token_ids=prompt),
             headers=JSON_HEADERS,
             timeout=timeout,
         )
@@ -261,8 +261,125 @@ async def send_exact(
     generated = answer_object(answer, "generate")
     sampled = _sampled(generated)
     versions = _weight_versions(generated["choices"])
-    chat_answer = await _unary(client, replica, body, prompt, generated, sampled, timeout)
+    sent = _Sent(body, content, prompt, prompt_json)
+    chat_answer = await _unary(client, replica, sent, generated, sampled, timeout)
     return answered(chat_answer, versions)
+
+
+def _read_render(
+    render: httpx.Response, prefix: ExactPrefix | None
+) -> tuple[dict[str, Any], list[Any], SplicedPrompt | None]:
+    """render's 200 answer: its object (``GenerateRequest``), the template's ids ``[F]`` (left
+    unparsed, ``[]``, when the turn's ids were spliced into their text: ``_plain_render``) and
+    the exact prompt ``prefix`` makes of them (None: no prefix, or no boundary in ``F``). Raises
+    ``UnreadableAnswerError`` for an answer that is no JSON object, or has no ids, unreadable
+    ids or no ``sampling_params``; the ids are checked by ``_prompt_of``."""
+    spliced: SplicedPrompt | None = None
+    plain = None if prefix is None else _plain_render(render)
+    if prefix is not None and plain is not None:
+        request, text = plain
+        spliced = _read(prefix.splice_text, text, "render's token_ids")
+        rendered: Any = []
+        if spliced is None:
+            rendered = _read(loads, b"[" + text + b"]", "render's token_ids")
+    else:
+        request = answer_object(render, "render")
+        rendered = request.get("token_ids")
+    if (
+        not isinstance(rendered, list)
+        or (not rendered and spliced is None)
+        or not isinstance(request.get("sampling_params"), dict)
+    ):
+        raise UnreadableAnswerError(
+            f"vLLM's render answered without token ids and sampling_params: {render.content[:80]!r}"
+        )
+    if prefix is not None and plain is None:
+        spliced = prefix.splice(rendered)
+    return request, rendered, spliced
+
+
+def _prompt_of(rendered: list[Any], spliced: SplicedPrompt | None) -> CheckedIds:
+    """The prompt sent to the engine: ``spliced`` when the turn's ids were spliced in, else
+    the template's ``rendered`` ids (``[F]``), every id the engine is handed checked as
+    ``token_ids`` checks ids. Raises ``UnreadableAnswerError`` for one that is no int32 id.
+
+    Of a spliced prompt ``S' + F[j + 1:]`` only the render's part, ``F[j + 1:]`` (the last
+    ``suffix_tokens`` ids, the end token the template closes a turn with among them), is
+    read from this answer: ``S'`` is the turn's own ids, read and checked when its call was
+    captured (``gateway.proxy.continuation.prompt.turn_prefix``, int32 bytes of a checked
+    prompt and checked sampled ids), and ``F[: j + 1]`` is dropped, never sent. So the check
+    walks the new part, not the ~20k ids of a long session's whole rendering (1 ms a call at
+    turn 200). An id of the wrong kind in the dropped part can at worst move the boundary
+    (``list.index`` compares by value), and the prompt is still made only of checked ids;
+    the step records that prompt, the one the engine sampled from."""
+    if spliced is None:
+        return CheckedIds(_read(token_ids, rendered, "render's token_ids"))
+    ids = spliced.token_ids
+    _read(token_ids, ids[len(ids) - spliced.suffix_tokens :], "render's token_ids")
+    return CheckedIds(ids)
+
+
+# How render's JSON names its ids: found once in the answer's text, never inside a string (a
+# string writes each '"' as '\"', so '":[' cannot follow a key's letters there).
+_RENDER_IDS = b'"token_ids":['
+_PLAIN_ID_TEXT = b"0123456789,"
+
+
+def _plain_render(render: httpx.Response) -> tuple[dict[str, Any], bytes] | None:
+    """render's answer as its JSON object with ``token_ids`` read as ``[]``, and the text of
+    its ids between the brackets, when they are written plainly: the answer names
+    ``token_ids`` once, at the top level, and its list is digits and commas only (JSON's
+    non-negative integers: no sign, exponent, fraction, space or other value; ``,,`` and a
+    comma at either end are refused too). None otherwise: the caller parses the answer whole,
+    as before, and refuses what is not vLLM's. So an exact prompt's splice counts the closes
+    in the text (``ExactPrefix.splice_text``) and parses only the suffix it keeps; the ids
+    before the boundary are replaced by the turn's own and never sent. Raises
+    ``UnreadableAnswerError`` when the rest of the answer is no JSON object."""
+    content = render.content
+    start = content.find(_RENDER_IDS)
+    if start < 0 or content.find(_RENDER_IDS, start + 1) >= 0:
+        return None
+    first = start + len(_RENDER_IDS)
+    end = content.find(b"]", first)
+    text = content[first:end]
+    if (
+        end < 0
+        or not text
+        or text.translate(None, _PLAIN_ID_TEXT)
+        or text.startswith(b",")
+        or text.endswith(b",")
+        or b",," in text
+    ):
+        return None
+    try:
+        request = loads_object(content[:first] + content[end:])
+    except UNREADABLE as exc:
+        raise UnreadableAnswerError(f"vLLM's render answered unreadably: {exc!r}") from exc
+    if request.get("token_ids") != []:  # the name was not the top level's
+        return None
+    return request, text
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What an exact unary call sent: the chat ``body`` and its JSON ``content`` (as the
+    render got it), the ``prompt`` ids ``[P]`` and their JSON ``prompt_json`` (as generate got
+    them), so derender's request is written from these pieces, not serialised again."""
+
+    body: dict[str, Any]
+    content: bytes
+    prompt: list[int]
+    prompt_json: bytes
+
+
+def _dumps_with(value: dict[str, Any], **fragments: Any) -> bytes:
+    """``dumps(value)``, where ``value`` holds ``orjson.Fragment`` s (JSON written before) at
+    the keys named in ``fragments``; ``fragments`` gives each key's value, for the stdlib's
+    fallback (``capture.dumps``: an integer past 64 bits, a lone surrogate elsewhere)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return dumps({**value, **fragments})
 
 
 @dataclass(frozen=True)
@@ -340,13 +457,14 @@ def _taken_ahead(
     return None, content
 
 
-def forwarding(content: bytes, prompt: list[int]) -> bytes:
-    """The chat body ``content`` (JSON of an object, as sent to render) with ``prompt`` as the
-    prompt ids vLLM's chat endpoint samples from instead of rendering the messages
-    (``kv_transfer_params.prompt_token_ids``), written by appending the key to the JSON text
-    rather than serialising the conversation again. ``plan_continuation`` continues no body
-    that has ``kv_transfer_params`` of its own, so the key is new."""
-    return content[:-1] + b',"kv_transfer_params":{"prompt_token_ids":' + dumps(prompt) + b"}}"
+def forwarding(content: bytes, prompt_json: bytes) -> bytes:
+    """The chat body ``content`` (JSON of an object, as sent to render) with the prompt ids
+    ``prompt_json`` (JSON of a list) as the prompt vLLM's chat endpoint samples from instead
+    of rendering the messages (``kv_transfer_params.prompt_token_ids``), written by appending
+    the key to the JSON text rather than serialising the conversation again.
+    ``plan_continuation`` continues no body that has ``kv_transfer_params`` of its own, so the
+    key is new."""
+    return content[:-1] + b',"kv_transfer_params":{"prompt_token_ids":' + prompt_json + b"}}"
 
 
 # ``SamplingParams.max_tokens``' default in vLLM 0.32: its msgspec struct omits fields equal to
@@ -389,8 +507,7 @@ def _weight_versions(choices: Any) -> dict[int, list[Any]]:
 async def _unary(
     client: httpx.AsyncClient,
     replica: ExactReplica,
-    body: dict[str, Any],
-    prompt: list[int],
+    sent: _Sent,
     generated: dict[str, Any],
     sampled: dict[int, _Sampled],
     timeout: httpx.Timeout | None,
@@ -400,17 +517,18 @@ async def _unary(
     ``UnreadableAnswerError`` when derender answers other choices than generate sampled (their
     number, an index, or a finish reason differs) or other logprob entries than tokens: text
     that may not be of these tokens is no answer to record."""
+    body, prompt = sent.body, sent.prompt
     request = {
         "model": body.get("model"),
         "generate_response": _as_detokenized(generated, body),
-        "chat_request": body,
-        "prompt_token_ids": prompt,
+        "chat_request": orjson.Fragment(sent.content),
+        "prompt_token_ids": orjson.Fragment(sent.prompt_json),
         "prompt_tokens": len(prompt),
     }
     async with deadline(limit_s(timeout), DERENDER_PATH):
         derender = await client.post(
             replica.endpoint(DERENDER_PATH),
-            content=dumps(request),
+            content=_dumps_with(request, chat_request=body, prompt_token_ids=prompt),
             headers=JSON_HEADERS,
             timeout=timeout,
         )
@@ -443,9 +561,7 @@ async def _unary(
     if isinstance(usage, dict):  # every sampled token, the stop token _as_detokenized hid too
         usage["completion_tokens"] = completion_tokens
         usage["total_tokens"] = len(prompt) + completion_tokens
-    return httpx.Response(
-        200, content=dumps(answer), headers=JSON_HEADERS, extensions={PARSED_ANSWER: answer}
-    )
+    return httpx.Response(200, headers=JSON_HEADERS, extensions={PARSED_ANSWER: answer})
 
 
 def _derendered(choice: Any, sampled: dict[int, _Sampled]) -> _Sampled:

@@ -109,10 +109,11 @@ async def finish_unary(state: GatewayState, call: Call, upstream: ReplicaRespons
     step_ids = await commit(state, call, record)
     state.metrics.requests.labels(dialect.name, "200").inc()
     state.metrics.latency.labels(dialect.name, "false").observe(call.elapsed_ms() / 1000)
-    if client_answer is answer:  # nothing hidden: vLLM's own bytes, unparsed and unchanged
+    if client_answer is answer and answer is not parsed:  # nothing hidden: vLLM's own bytes
         return Response(content, media_type="application/json", headers=call.headers(step_ids))
-    # What vLLM's answer becomes with the hidden fields removed, written as vLLM writes JSON
-    # (orjson: 0.5 us against 15 us for JSONResponse with a 200-token answer).
+    # What vLLM's answer becomes with the hidden fields removed (or an exact answer, which
+    # comes as an object only), written as vLLM writes JSON (orjson: 0.5 us against 15 us
+    # for JSONResponse with a 200-token answer).
     return Response(
         dumps(client_answer), media_type="application/json", headers=call.headers(step_ids)
     )
