@@ -354,7 +354,7 @@ def test_an_exact_unary_call_checks_only_the_prompt_ids_it_reads_anew(
     # turn was captured, and the render's suffix: at turn t (t >= 1) no pass over the whole
     # prompt (before: one over the render's ids, and before that a second when the derendered
     # answer's prompt was read), one over the suffix the render added.
-    from gateway import capture
+    from gateway.engine import wire
 
     passes: list[int] = []
 
@@ -363,7 +363,7 @@ def test_an_exact_unary_call_checks_only_the_prompt_ids_it_reads_anew(
             passes.append(len(values))
         return min(values)
 
-    monkeypatch.setattr(capture, "min", counted_min, raising=False)
+    monkeypatch.setattr(wire, "min", counted_min, raising=False)
     answer = emulator_answer(2)
     emulator = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
     counts = []
