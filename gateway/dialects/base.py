@@ -187,9 +187,9 @@ def sse_event(data: bytes, event: str | None = None) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
 
 
-def frame(event: dict[str, Any]) -> bytes:
+def frame(event: Mapping[str, object]) -> bytes:
     """One named event as SSE: ``event: <type>\\ndata: <compact json>\\n\\n`` (the framing of
-    the Responses and Messages streams)."""
+    the Responses and Messages streams; ``event`` is any of their typed events)."""
     data = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
     return sse_event(data, str(event["type"]))
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,7 +35,7 @@ from gateway.dialects.base import (
 )
 from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
-from gateway.dialects.wire import ChatNamedToolChoice, ChatTool
+from gateway.dialects.wire import ChatChunk, ChatNamedToolChoice, ChatTool
 from gateway.engine.paths import CHAT_PATH
 from gateway.engine.wire import loads_object
 from gateway.errors import InvalidRequestError
@@ -228,22 +228,23 @@ class TranslatedStream(DialectStream):
     """One streamed translated call: captures the upstream chat chunks (ids, logprobs, message)
     and sends each one's events in the client's API at once (``events_of``). An error object
     inside vLLM's stream ends it with the dialect's error event (``upstream_failed``); events
-    after it are ignored."""
+    after it are ignored. The events are the dialect's typed events (read-only mappings here:
+    ``frame`` only serializes them)."""
 
     def __init__(self, prepared: TranslatedPrepared) -> None:
         self.capture = ChoicesCapture(CHAT, prepared.upstream_body, 1)
         self.error: dict[str, Any] | None = None
 
     @abstractmethod
-    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The client's events for one chat chunk."""
+    def events_of(self, chunk: ChatChunk) -> Sequence[Mapping[str, object]]:
+        """The client's events for one chat chunk (its shape checked by the capture)."""
 
     @abstractmethod
-    def closing_events(self) -> list[dict[str, Any]]:
+    def closing_events(self) -> Sequence[Mapping[str, object]]:
         """The client's events that end a complete stream."""
 
     @abstractmethod
-    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+    def upstream_failed(self, error: dict[str, Any]) -> Mapping[str, object]:
         """The client's event that ends the stream at vLLM's in-stream ``error`` object."""
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -254,9 +255,9 @@ class TranslatedStream(DialectStream):
             error = chunk["error"]
             self.error = error if isinstance(error, dict) else {"message": str(error)}
             return [frame(self.upstream_failed(self.error))]
-        self.capture.add(chunk)
+        self.capture.add(chunk)  # checks the chunk against ``CHAT_CHUNK`` first
         self.first_token_seen = self.capture.first_token_seen
-        return [frame(event) for event in self.events_of(chunk)]
+        return [frame(event) for event in self.events_of(cast("ChatChunk", chunk))]
 
     def closing(self) -> list[bytes]:
         if self.error is not None:
