@@ -343,7 +343,7 @@ class Dialect(ABC):
     def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> DialectStream:
         """The state of one streamed call; ``system_fingerprint`` is the replica's when known."""
 
-    def render_error(self, error: TrajgateError) -> dict[str, Any]:
+    def render_error(self, error: TrajgateError) -> Mapping[str, object]:
         """An error's body in the dialect's shape (an ``ErrorRenderer``; default: OpenAI's
         ``{"error": {"message", "type", "param", "code"}}``)."""
         return openai_envelope(error)

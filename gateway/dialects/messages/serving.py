@@ -125,7 +125,7 @@ class Messages(TranslatingDialect):
     def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> MessagesStream:
         return MessagesStream(_messages(prepared))
 
-    def render_error(self, error: TrajgateError) -> dict[str, Any]:
+    def render_error(self, error: TrajgateError) -> ErrorBody:
         return anthropic_envelope(error)
 
 
