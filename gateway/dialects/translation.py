@@ -1,12 +1,12 @@
 """What the translating dialects share: a client API re-told as a chat completions call.
 
 Owns: the field checks their request translations raise with (``FieldErrors``: a 400
-``invalid_value`` naming the field's path), the translation of the client's plain fields into
-chat fields by a table (``copy_fields``), the tool list walk (``translate_tools``), the prepared
-call (``TranslatedPrepared``: the chat body with the capture fields), the dialect half that
-captures the chat answer (``TranslatingDialect``), the stream half that captures chat chunks and
-hands them to the dialect's event writer (``TranslatedStream``), and vLLM's error bodies with
-their ``param`` named in the client's vocabulary (``client_param``). Used by
+``invalid_value`` naming the field's path), the translation of the client's plain sampling
+fields into chat's by a table (``copy_fields``), the tool list walk (``translate_tools``), the
+prepared call (``TranslatedPrepared``: the chat body with the capture fields), the dialect half
+that captures the chat answer (``TranslatingDialect``), the stream half that captures chat
+chunks and hands them to the dialect's event writer (``TranslatedStream``), and vLLM's error
+bodies with their ``param`` named in the client's vocabulary (``client_param``). Used by
 ``gateway.dialects.responses`` and ``gateway.dialects.messages``; each keeps its own vocabulary
 (field names, item and block types, event shapes, error envelope) in its own modules.
 
@@ -35,7 +35,14 @@ from gateway.dialects.base import (
 )
 from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
-from gateway.dialects.wire import ChatChunk, ChatNamedToolChoice, ChatTool
+from gateway.dialects.wire import (
+    ChatBody,
+    ChatChunk,
+    ChatNamedToolChoice,
+    ChatSampling,
+    ChatTool,
+    SamplingName,
+)
 from gateway.engine.paths import CHAT_PATH
 from gateway.engine.wire import loads_object
 from gateway.errors import InvalidRequestError
@@ -109,22 +116,20 @@ class Field:
     """A client field copied into the chat body: its chat name, the type it must have and how
     a message names that type."""
 
-    chat_name: str
-    kind: Kind
+    chat_name: SamplingName
+    kind: Kind  # the kind ``ChatSampling`` gives the chat field
     what: str
 
 
 def copy_fields(
-    body: dict[str, Any], fields: Mapping[str, Field], errors: FieldErrors
-) -> dict[str, Any]:
-    """The chat fields for the client fields of ``fields`` that ``body`` sets (``null`` counts
-    as unset), each checked with ``errors.expect``."""
-    chat: dict[str, Any] = {}
+    body: dict[str, Any], fields: Mapping[str, Field], errors: FieldErrors, chat: ChatSampling
+) -> None:
+    """Writes into ``chat`` the chat fields for the client fields of ``fields`` that ``body``
+    sets (``null`` counts as unset), each checked with ``errors.expect``."""
     for name, spec in fields.items():
         if body.get(name) is not None:
             errors.expect(body[name], spec.kind, name, spec.what)
             chat[spec.chat_name] = body[name]
-    return chat
 
 
 def translate_tools(
@@ -183,7 +188,7 @@ class TranslatedPrepared(Prepared):
         return Prepared(self.upstream_body, self.upstream_body, self.asked)
 
 
-def with_capture_fields(chat_body: dict[str, Any]) -> dict[str, Any]:
+def with_capture_fields(chat_body: ChatBody) -> dict[str, Any]:
     """A copy of a translated ``chat_body`` asking vLLM for ``return_token_ids``, ``logprobs``
     and, when streaming, the usage chunk (the client's API has no such fields)."""
     upstream = dict(chat_body)
