@@ -23,6 +23,7 @@ delta its own chunk's entries.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Literal, cast
 
 from gateway.dialects.responses.wire import (
@@ -83,7 +84,7 @@ API_DEFAULTS: dict[str, float | int] = {
 }
 
 
-def echo_fields(body: dict[str, Any], chat_body: dict[str, Any]) -> Echo:
+def echo_fields(body: dict[str, Any], chat_body: Mapping[str, object]) -> Echo:
     """The request fields a Response repeats, every one the Open Responses ``ResponseResource``
     requires: the client's, except sampling, which is what was sent upstream (so a gateway
     default the client omitted shows; ``API_DEFAULTS`` when nothing was). ``tools`` are the
@@ -288,7 +289,7 @@ def output_items(
 def render_response(
     unread: dict[str, Any],
     body: dict[str, Any],
-    chat_body: dict[str, Any],
+    chat_body: Mapping[str, object],
     *,
     response_id: str,
     created_at: int,

@@ -33,6 +33,7 @@ reasoning items back with their ``reasoning_text`` content, and function calls w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,7 +98,7 @@ class ResponsesEvents:
     def __init__(
         self,
         body: dict[str, Any],
-        chat_body: dict[str, Any],
+        chat_body: Mapping[str, object],
         *,
         response_id: str,
         created_at: int,
