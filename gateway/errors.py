@@ -76,9 +76,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -310,12 +310,25 @@ def from_validation_error(exc: RequestValidationError) -> InvalidRequestError:
     return InvalidRequestError(message, param=param)
 
 
-ErrorRenderer = Callable[[TrajgateError], dict[str, Any]]
+ErrorRenderer = Callable[[TrajgateError], Mapping[str, object]]
 """Renders an error as a dialect's JSON body (from ``status_code``, ``error_type``, ``code``,
-``message``, ``param``); ``openai_envelope`` is the default."""
+``message``, ``param``), typed as the dialect's envelope; ``openai_envelope`` is the default."""
 
 
-def openai_envelope(error: TrajgateError) -> dict[str, Any]:
+class ErrorObject(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorEnvelope(TypedDict):
+    """OpenAI's error body, the gateway's one envelope."""
+
+    error: ErrorObject
+
+
+def openai_envelope(error: TrajgateError) -> ErrorEnvelope:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {
         "error": {

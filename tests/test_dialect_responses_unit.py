@@ -20,9 +20,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.capture import TRUNCATED
-from gateway.dialects.responses.request import EarlierResponse, translate_request
+from gateway.dialects.responses.request import ECHO_ONLY, EarlierResponse, translate_request
 from gateway.dialects.responses.serving import Responses, ResponsesPrepared
 from gateway.dialects.responses.stream import ResponsesEvents, frame
+from gateway.dialects.responses.wire import Echo
 from gateway.errors import InvalidRequestError
 from gateway.proxy.sampling import constrained_by
 
@@ -446,6 +447,22 @@ def test_a_text_answer_cut_at_max_tokens_renders_as_an_incomplete_response() -> 
     assert response["usage"]["input_tokens"] == usage["prompt_tokens"]
     assert response["usage"]["output_tokens"] == usage["completion_tokens"] == 6
     assert response["max_output_tokens"] == 6 and response["id"] == prepared.response_id
+
+
+def test_a_response_repeats_the_echo_only_fields_it_lists_and_only_when_sent() -> None:
+    # Every ``ECHO_ONLY`` field but ``client_metadata`` and ``stream_options`` is a field of the
+    # typed ``Echo``; ``user`` and ``prompt_cache_retention`` are repeated only when sent.
+    echoed = Echo.__required_keys__ | Echo.__optional_keys__
+    assert set(ECHO_ONLY) - echoed == {"client_metadata", "stream_options"}
+    answer = RECORDED["text_unary"]["answer"]
+    sent = {"user": "u-1", "prompt_cache_retention": "24h", "client_metadata": {"a": "b"}}
+    response = DIALECT.client_answer(
+        DIALECT.prepare({"model": "tiny", "input": "say hi", **sent}), answer
+    )
+    assert (response["user"], response["prompt_cache_retention"]) == ("u-1", "24h")
+    assert "client_metadata" not in response
+    bare = DIALECT.client_answer(DIALECT.prepare({"model": "tiny", "input": "say hi"}), answer)
+    assert "user" not in bare and "prompt_cache_retention" not in bare
 
 
 def test_tool_calls_render_as_function_call_items_without_an_empty_message() -> None:

@@ -2,7 +2,9 @@
 runtime shape check (``gateway.engine.answers``) checks: the same fields, the same JSON types.
 
 A value is read through these ``TypedDict``s right after ``check_shape`` ran on it, so a field
-typed here but not checked there (or checked as another type) would be a type that lies.
+typed here but not checked there (or checked as another type) would be a type that lies. The
+same holds for the chat body's sampling fields (``ChatSampling``), written from the values the
+translations' field tables checked.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any, get_args, get_origin, get_type_hints, is_typeddict
 import pytest
 
 from gateway.dialects import wire
+from gateway.dialects.messages import request as messages_request
+from gateway.dialects.responses import request as responses_request
 from gateway.engine import answers
 from gateway.engine.wire import INTEGER, NUMBER, TEXT, Shape
 
@@ -90,3 +94,15 @@ def test_a_field_typed_but_unchecked_is_caught() -> None:
 
     with pytest.raises(AssertionError, match="typed but never checked"):
         _agrees(Extra, {"name": TEXT, "arguments": TEXT}, "function")
+
+
+@pytest.mark.parametrize("table", [messages_request.SAMPLING, responses_request.SAMPLING])
+def test_a_sampling_table_checks_each_field_as_chat_sampling_types_it(table: Any) -> None:
+    # ``copy_fields`` writes each value it checked against the table into a ``ChatSampling``
+    # under the table's chat name; an int is a float to the type (PEP 484's numeric tower).
+    fields = get_type_hints(wire.ChatSampling)
+    assert set(get_args(wire.SamplingName)) == set(fields) - {"stop"}
+    for spec in table.values():
+        kinds = spec.kind if isinstance(spec.kind, tuple) else (spec.kind,)
+        typed = fields[spec.chat_name]
+        assert all(kind is typed or (kind is int and typed is float) for kind in kinds), spec

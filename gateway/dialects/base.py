@@ -187,9 +187,9 @@ def sse_event(data: bytes, event: str | None = None) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
 
 
-def frame(event: dict[str, Any]) -> bytes:
+def frame(event: Mapping[str, object]) -> bytes:
     """One named event as SSE: ``event: <type>\\ndata: <compact json>\\n\\n`` (the framing of
-    the Responses and Messages streams)."""
+    the Responses and Messages streams; ``event`` is any of their typed events)."""
     data = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
     return sse_event(data, str(event["type"]))
 
@@ -343,7 +343,7 @@ class Dialect(ABC):
     def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> DialectStream:
         """The state of one streamed call; ``system_fingerprint`` is the replica's when known."""
 
-    def render_error(self, error: TrajgateError) -> dict[str, Any]:
+    def render_error(self, error: TrajgateError) -> Mapping[str, object]:
         """An error's body in the dialect's shape (an ``ErrorRenderer``; default: OpenAI's
         ``{"error": {"message", "type", "param", "code"}}``)."""
         return openai_envelope(error)

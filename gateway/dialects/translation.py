@@ -1,12 +1,12 @@
 """What the translating dialects share: a client API re-told as a chat completions call.
 
 Owns: the field checks their request translations raise with (``FieldErrors``: a 400
-``invalid_value`` naming the field's path), the translation of the client's plain fields into
-chat fields by a table (``copy_fields``), the tool list walk (``translate_tools``), the prepared
-call (``TranslatedPrepared``: the chat body with the capture fields), the dialect half that
-captures the chat answer (``TranslatingDialect``), the stream half that captures chat chunks and
-hands them to the dialect's event writer (``TranslatedStream``), and vLLM's error bodies with
-their ``param`` named in the client's vocabulary (``client_param``). Used by
+``invalid_value`` naming the field's path), the translation of the client's plain sampling
+fields into chat's by a table (``copy_fields``), the tool list walk (``translate_tools``), the
+prepared call (``TranslatedPrepared``: the chat body with the capture fields), the dialect half
+that captures the chat answer (``TranslatingDialect``), the stream half that captures chat
+chunks and hands them to the dialect's event writer (``TranslatedStream``), and vLLM's error
+bodies with their ``param`` named in the client's vocabulary (``client_param``). Used by
 ``gateway.dialects.responses`` and ``gateway.dialects.messages``; each keeps its own vocabulary
 (field names, item and block types, event shapes, error envelope) in its own modules.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -35,7 +35,14 @@ from gateway.dialects.base import (
 )
 from gateway.dialects.chat_completions.serving import ChatCompletions, canonical_of_chat
 from gateway.dialects.choices import ChoicesCapture
-from gateway.dialects.wire import ChatNamedToolChoice, ChatTool
+from gateway.dialects.wire import (
+    ChatBody,
+    ChatChunk,
+    ChatNamedToolChoice,
+    ChatSampling,
+    ChatTool,
+    SamplingName,
+)
 from gateway.engine.paths import CHAT_PATH
 from gateway.engine.wire import loads_object
 from gateway.errors import InvalidRequestError
@@ -109,22 +116,20 @@ class Field:
     """A client field copied into the chat body: its chat name, the type it must have and how
     a message names that type."""
 
-    chat_name: str
-    kind: Kind
+    chat_name: SamplingName
+    kind: Kind  # the kind ``ChatSampling`` gives the chat field
     what: str
 
 
 def copy_fields(
-    body: dict[str, Any], fields: Mapping[str, Field], errors: FieldErrors
-) -> dict[str, Any]:
-    """The chat fields for the client fields of ``fields`` that ``body`` sets (``null`` counts
-    as unset), each checked with ``errors.expect``."""
-    chat: dict[str, Any] = {}
+    body: dict[str, Any], fields: Mapping[str, Field], errors: FieldErrors, chat: ChatSampling
+) -> None:
+    """Writes into ``chat`` the chat fields for the client fields of ``fields`` that ``body``
+    sets (``null`` counts as unset), each checked with ``errors.expect``."""
     for name, spec in fields.items():
         if body.get(name) is not None:
             errors.expect(body[name], spec.kind, name, spec.what)
             chat[spec.chat_name] = body[name]
-    return chat
 
 
 def translate_tools(
@@ -183,7 +188,7 @@ class TranslatedPrepared(Prepared):
         return Prepared(self.upstream_body, self.upstream_body, self.asked)
 
 
-def with_capture_fields(chat_body: dict[str, Any]) -> dict[str, Any]:
+def with_capture_fields(chat_body: ChatBody) -> dict[str, Any]:
     """A copy of a translated ``chat_body`` asking vLLM for ``return_token_ids``, ``logprobs``
     and, when streaming, the usage chunk (the client's API has no such fields)."""
     upstream = dict(chat_body)
@@ -228,22 +233,23 @@ class TranslatedStream(DialectStream):
     """One streamed translated call: captures the upstream chat chunks (ids, logprobs, message)
     and sends each one's events in the client's API at once (``events_of``). An error object
     inside vLLM's stream ends it with the dialect's error event (``upstream_failed``); events
-    after it are ignored."""
+    after it are ignored. The events are the dialect's typed events (read-only mappings here:
+    ``frame`` only serializes them)."""
 
     def __init__(self, prepared: TranslatedPrepared) -> None:
         self.capture = ChoicesCapture(CHAT, prepared.upstream_body, 1)
         self.error: dict[str, Any] | None = None
 
     @abstractmethod
-    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        """The client's events for one chat chunk."""
+    def events_of(self, chunk: ChatChunk) -> Sequence[Mapping[str, object]]:
+        """The client's events for one chat chunk (its shape checked by the capture)."""
 
     @abstractmethod
-    def closing_events(self) -> list[dict[str, Any]]:
+    def closing_events(self) -> Sequence[Mapping[str, object]]:
         """The client's events that end a complete stream."""
 
     @abstractmethod
-    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+    def upstream_failed(self, error: dict[str, Any]) -> Mapping[str, object]:
         """The client's event that ends the stream at vLLM's in-stream ``error`` object."""
 
     def feed(self, data: bytes) -> list[bytes]:
@@ -254,9 +260,9 @@ class TranslatedStream(DialectStream):
             error = chunk["error"]
             self.error = error if isinstance(error, dict) else {"message": str(error)}
             return [frame(self.upstream_failed(self.error))]
-        self.capture.add(chunk)
+        self.capture.add(chunk)  # checks the chunk against ``CHAT_CHUNK`` first
         self.first_token_seen = self.capture.first_token_seen
-        return [frame(event) for event in self.events_of(chunk)]
+        return [frame(event) for event in self.events_of(cast("ChatChunk", chunk))]
 
     def closing(self) -> list[bytes]:
         if self.error is not None:

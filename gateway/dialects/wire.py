@@ -4,8 +4,8 @@ Follows OpenAI's Chat Completions API as vLLM 0.32 serves it (``ChatCompletionRe
 ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``), with vLLM's additions the gateway
 uses: a message's ``reasoning``, ``token_ids`` and ``prompt_token_ids`` on answers and chunks.
 
-Owns: the chat messages, content parts, tool calls and tools a translation writes
-(``ChatMessage``, ``ChatToolCall``, ``ChatTool``), and the answer and chunk fields the dialects
+Owns: the chat body a translation writes (``ChatBody``: its messages, content parts, tool calls,
+tools and sampling fields), and the answer and chunk fields the dialects
 read from vLLM (``ChatAnswer``, ``ChatChunk``): the same fields, with the same JSON types, as
 ``gateway.engine.answers.CHAT_ANSWER`` and ``CHAT_CHUNK``, whose runtime check
 (``gateway.engine.wire.check_shape``) is what makes reading an answer as ``ChatAnswer`` honest.
@@ -17,7 +17,7 @@ checked (a ``cast`` there says which check ran).
 
 from __future__ import annotations
 
-from typing import Generic, Literal, NotRequired, TypedDict, TypeVar
+from typing import Generic, Literal, NotRequired, Required, TypedDict, TypeVar
 
 ChatRole = Literal["system", "user", "assistant", "tool"]
 
@@ -99,6 +99,40 @@ class ChatJSONSchema(TypedDict):
 class ChatResponseFormat(TypedDict):
     type: Literal["json_schema", "json_object"]
     json_schema: NotRequired[ChatJSONSchema]
+
+
+SamplingName = Literal["max_tokens", "temperature", "top_p", "top_k", "top_logprobs"]
+
+
+class ChatSampling(TypedDict, total=False):
+    """The sampling fields a translation copies from the client's (``SamplingName``: by a
+    table, ``translation.copy_fields``, which checks each value's kind), and ``stop``."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    top_logprobs: int
+    stop: list[str]
+
+
+class ChatTemplateKwargs(TypedDict, total=False):
+    enable_thinking: bool
+
+
+class ChatBody(ChatSampling, ChatToolChoice, total=False):
+    """The chat body a translation writes (``Translation.chat_body``), before the capture
+    fields (``translation.with_capture_fields``) and the channel's sampling defaults."""
+
+    model: Required[str]
+    messages: Required[list[ChatMessage]]
+    tools: list[ChatTool]
+    response_format: ChatResponseFormat
+    reasoning_effort: str  # vLLM hands it to the chat template
+    chat_template_kwargs: ChatTemplateKwargs
+    continue_final_message: bool  # a prefill: the answer continues the last assistant turn
+    add_generation_prompt: bool
+    stream: bool
 
 
 # -- what vLLM answers (every field may be absent or null: ``check_shape`` lets both pass) ----

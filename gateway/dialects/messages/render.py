@@ -79,18 +79,18 @@ def error_body(kind: str, message: str) -> ErrorBody:
 
 def as_json(value: ErrorBody | Message) -> dict[str, Any]:
     """A typed body handed on as the JSON object the dialect interface carries
-    (``Dialect.client_answer``, ``render_error``); a cast: nothing is copied."""
+    (``Dialect.client_answer``, ``upstream_error_body``); a cast: nothing is copied."""
     return cast("dict[str, Any]", value)
 
 
-def anthropic_envelope(error: TrajgateError) -> dict[str, Any]:
+def anthropic_envelope(error: TrajgateError) -> ErrorBody:
     """A gateway error in Anthropic's envelope (an ``ErrorRenderer``). The message leads with
     the field (``param``) when it does not already; the gateway's ``code`` is kept in brackets
     since the envelope has no field for it."""
     message = error.message
     if error.param and not message.startswith(error.param):
         message = f"{error.param}: {message}"
-    return as_json(error_body(error_type(error.status_code), f"{message} [{error.code}]"))
+    return error_body(error_type(error.status_code), f"{message} [{error.code}]")
 
 
 def upstream_error(status_code: int, content: bytes) -> dict[str, Any]:

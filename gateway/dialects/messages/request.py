@@ -76,10 +76,13 @@ from gateway.dialects.translation import (
     translate_tools,
 )
 from gateway.dialects.wire import (
+    ChatBody,
     ChatContentPart,
     ChatFunction,
     ChatMessage,
+    ChatNamedToolChoice,
     ChatResponseFormat,
+    ChatSampling,
     ChatTextPart,
     ChatTool,
     ChatToolCall,
@@ -137,7 +140,7 @@ class Translation:
     (server tools, deferred tools); ``ignored_fields`` the top-level fields that changed nothing.
     """
 
-    chat_body: dict[str, Any]
+    chat_body: ChatBody
     omitted_tools: list[str] = field(default_factory=list)
     ignored_fields: list[str] = field(default_factory=list)
 
@@ -180,21 +183,21 @@ def translate_request(
     if not raw_messages:
         raise _fail("messages", "must hold at least one message")
     messages += _translated_messages(raw_messages, memory)
-    chat: dict[str, Any] = {"model": body["model"], "messages": messages}
+    chat: ChatBody = {"model": body["model"], "messages": messages}
     last = messages[-1]
     if last["role"] == "assistant" and last.get("content") and not last.get("tool_calls"):
         # A prefill: the answer continues the last assistant text (Anthropic's semantics).
         chat["continue_final_message"] = True
         chat["add_generation_prompt"] = False
     if not counting:
-        chat.update(_sampling(body))
+        _sampling(body, chat)
     tools, omitted = translate_tools(
         body.get("tools"), lambda position: f"tools.{position}", _FIELDS, _tool
     )
     if tools:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat.update(_tool_choice(body["tool_choice"], bool(tools)))
+        _tool_choice(body["tool_choice"], bool(tools), chat)
     enable_thinking = _thinking(body.get("thinking"))
     if enable_thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
@@ -232,22 +235,24 @@ def _translated_messages(
     return messages
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], chat: ChatSampling) -> None:
+    """Writes the chat sampling fields into ``chat``: ``max_tokens`` (required), ``SAMPLING``,
+    ``stop`` for ``stop_sequences``."""
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise _fail("max_tokens", "is required by the Messages API")
     _expect(max_tokens, int, "max_tokens", "an integer")
     if max_tokens < 1:
         raise _fail("max_tokens", f"must be at least 1, got {max_tokens}")
-    sampling: dict[str, Any] = {"max_tokens": max_tokens, **copy_fields(body, SAMPLING, _FIELDS)}
+    chat["max_tokens"] = max_tokens
+    copy_fields(body, SAMPLING, _FIELDS, chat)
     stops = body.get("stop_sequences")
     if stops is not None:
         _expect(stops, list, "stop_sequences", "a list of strings")
         for position, stop in enumerate(stops):
             _expect(stop, str, f"stop_sequences.{position}", "a string")
         if stops:
-            sampling["stop"] = list(stops)
-    return sampling
+            chat["stop"] = list(stops)
 
 
 # The walk below takes each part of the body as it came (``Any``) and checks it before reading
@@ -390,9 +395,9 @@ def _tool(raw: Any, param: str) -> ChatTool | str:
     return {"type": "function", "function": function}
 
 
-def _tool_choice(raw: Any, has_tools: bool) -> ChatToolChoice:
-    """The chat ``tool_choice`` (and ``parallel_tool_calls``); none when no tool is offered
-    upstream and the choice allows no call anyway (``auto``, ``none``)."""
+def _tool_choice(raw: Any, has_tools: bool, chat: ChatToolChoice) -> None:
+    """Writes the chat ``tool_choice`` (and ``parallel_tool_calls``) into ``chat``; none when no
+    tool is offered upstream and the choice allows no call anyway (``auto``, ``none``)."""
     _expect(raw, dict, "tool_choice", "an object")
     kind = raw.get("type")
     if kind not in TOOL_CHOICE_TYPES:
@@ -400,21 +405,22 @@ def _tool_choice(raw: Any, has_tools: bool) -> ChatToolChoice:
             "tool_choice.type", f"must be one of {', '.join(TOOL_CHOICE_TYPES)}, got {kind!r}"
         )
     choice: ToolChoiceParam = raw  # an object with a known type, checked above
-    chat: ChatToolChoice = {}
+    tool_choice: ChatNamedToolChoice | Literal["auto", "required", "none"]
     if choice["type"] == "tool":
         _expect(choice.get("name"), str, "tool_choice.name", "a string")
-        chat["tool_choice"] = named_tool_choice(choice["name"])
+        tool_choice = named_tool_choice(choice["name"])
     else:
-        chat["tool_choice"] = _CHAT_TOOL_CHOICES[choice["type"]]
+        tool_choice = _CHAT_TOOL_CHOICES[choice["type"]]
     if not has_tools:
         if choice["type"] in ("any", "tool"):
             raise _fail("tool_choice.type", f"{kind!r} needs at least one custom tool in 'tools'")
-        return {}
+        return
     disable_parallel = choice.get("disable_parallel_tool_use")
     if disable_parallel is not None:
         _expect(disable_parallel, bool, "tool_choice.disable_parallel_tool_use", "a boolean")
+    chat["tool_choice"] = tool_choice
+    if disable_parallel is not None:
         chat["parallel_tool_calls"] = not disable_parallel
-    return chat
 
 
 def _thinking(thinking: Any) -> bool | None:

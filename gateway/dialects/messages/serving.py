@@ -29,6 +29,7 @@ is the chat template's rendering, the very prompt a call with the same body woul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from gateway.dialects.messages.render import (
 )
 from gateway.dialects.messages.request import Translation, translate_request
 from gateway.dialects.messages.stream import MessagesEvents
+from gateway.dialects.messages.wire import ErrorBody, StreamEvent
 from gateway.dialects.translation import (
     TranslatedPrepared,
     TranslatedStream,
@@ -50,6 +52,7 @@ from gateway.dialects.translation import (
     client_asked,
     with_capture_fields,
 )
+from gateway.dialects.wire import ChatChunk
 from gateway.engine.wire import dumps
 from gateway.errors import TrajgateError, UpstreamError, stream_error_status
 
@@ -122,7 +125,7 @@ class Messages(TranslatingDialect):
     def open_stream(self, prepared: Prepared, system_fingerprint: str | None) -> MessagesStream:
         return MessagesStream(_messages(prepared))
 
-    def render_error(self, error: TrajgateError) -> dict[str, Any]:
+    def render_error(self, error: TrajgateError) -> ErrorBody:
         return anthropic_envelope(error)
 
 
@@ -140,13 +143,13 @@ class MessagesStream(TranslatedStream):
         super().__init__(prepared)
         self.events = MessagesEvents(prepared.client_body, message_id=prepared.message_id)
 
-    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    def events_of(self, chunk: ChatChunk) -> Sequence[StreamEvent]:
         return self.events.feed(chunk)
 
-    def closing_events(self) -> list[dict[str, Any]]:
+    def closing_events(self) -> Sequence[StreamEvent]:
         return self.events.closing()
 
-    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+    def upstream_failed(self, error: dict[str, Any]) -> ErrorBody:
         # An error inside vLLM's stream ends the message here (an ``error`` event); vLLM's
         # ``code`` is the HTTP status.
         status = stream_error_status(error)

@@ -28,10 +28,9 @@ answer does (``gateway.dialects.messages.render``). A stream that cannot end nor
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from gateway.dialects.messages.render import (
-    as_json,
     error_body,
     message_object,
     signature,
@@ -41,6 +40,7 @@ from gateway.dialects.messages.render import (
 from gateway.dialects.messages.request import tool_use_id
 from gateway.dialects.messages.wire import (
     BlockDelta,
+    ErrorBody,
     OutputBlock,
     StreamEvent,
     TextDelta,
@@ -73,12 +73,11 @@ class MessagesEvents:
         self._calls: dict[int, int] = {}  # chat tool call index → block index
         self._arguments: dict[int, str] = {}  # chat tool call index → its arguments so far
 
-    def feed(self, unread: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, chunk: ChatChunk) -> list[StreamEvent]:
         """The events one ``chat.completion.chunk`` gives (none for a delta a parser held
-        back; ``message_start`` and ``ping`` first with the first chunk)."""
-        # Checked against ``CHAT_CHUNK`` (and its ids read) by the capture, which
-        # ``TranslatedStream.feed`` runs on the chunk first.
-        chunk = cast("ChatChunk", unread)
+        back; ``message_start`` and ``ping`` first with the first chunk). ``chunk`` was checked
+        against ``CHAT_CHUNK`` (and its ids read) by the capture, which ``TranslatedStream.feed``
+        runs on the chunk first."""
         self.model = str(chunk.get("model") or self.model)
         events = [] if self.started else self._start(chunk.get("prompt_token_ids"))
         usage = chunk.get("usage")
@@ -103,10 +102,9 @@ class MessagesEvents:
                 self.finish_reason = finish_reason
                 self.stop_reason = choice.get("stop_reason")
                 events += self._close()
-        # Handed on as the JSON objects ``TranslatedStream`` frames (a cast: nothing copied).
-        return cast("list[dict[str, Any]]", events)
+        return events
 
-    def closing(self) -> list[dict[str, Any]]:
+    def closing(self) -> list[StreamEvent]:
         """Closes what is open (an empty text block when none was), then ``message_delta``
         with the stop reason and usage, and ``message_stop``."""
         events = [] if self.started else self._start(None)
@@ -131,11 +129,11 @@ class MessagesEvents:
             },
             {"type": "message_stop"},
         ]
-        return cast("list[dict[str, Any]]", events)
+        return events
 
-    def error(self, kind: str, message: str) -> dict[str, Any]:
+    def error(self, kind: str, message: str) -> ErrorBody:
         """The ``error`` event that ends a stream (``kind``: an Anthropic error type)."""
-        return as_json(error_body(kind, message))
+        return error_body(kind, message)
 
     # -- blocks -----------------------------------------------------------------------------
 

@@ -23,17 +23,34 @@ delta its own chunk's entries.
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any, Literal, cast
 
-from gateway.dialects.responses.request import ECHO_ONLY
-from gateway.dialects.responses.wire import FunctionTool, ResponseUsage
+from gateway.dialects.responses.wire import (
+    Echo,
+    EchoedReasoning,
+    EchoedTool,
+    FunctionTool,
+    Logprob,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputReasoning,
+    OutputText,
+    ResponseResource,
+    ResponseStatus,
+    ResponseUsage,
+    Status,
+)
 from gateway.dialects.wire import AnswerMessage, AnswerToolCall, ChatAnswer, ChatLogprobs, Usage
 
-# vLLM's logprobs, tool call and usage as the unary path reads them (typed) and as the stream's
-# events (``responses.stream``) still hand them over (JSON objects).
-Logprobs = ChatLogprobs | dict[str, Any]
-ToolCall = AnswerToolCall | dict[str, Any]
-ChatUsage = Usage | dict[str, Any]
+Ending = Literal["completed", "incomplete"]
+# The ``request.ECHO_ONLY`` fields a response repeats only when the client sent them (the others are
+# always in ``Echo``; ``client_metadata`` and ``stream_options`` are not repeated).
+_ECHOED_IF_SENT: tuple[Literal["user", "prompt_cache_retention"], ...] = (
+    "user",
+    "prompt_cache_retention",
+)
 
 # finish_reason → (response status, incomplete_details.reason)
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -45,7 +62,7 @@ def item_ids(response_id: str) -> tuple[str, str, str]:
     return f"rs_{suffix}", f"msg_{suffix}", f"fc_{suffix}"
 
 
-def status_of(finish_reason: str | None) -> tuple[str, str | None]:
+def status_of(finish_reason: str | None) -> tuple[Ending, str | None]:
     """The response status and incomplete reason for a chat ``finish_reason``: ``length`` is
     ``incomplete``/``max_output_tokens``, ``content_filter`` ``incomplete``/``content_filter``,
     None (the stream ended without one) ``incomplete``; any other ``completed``."""
@@ -67,7 +84,7 @@ API_DEFAULTS: dict[str, float | int] = {
 }
 
 
-def echo_fields(body: dict[str, Any], chat_body: dict[str, Any]) -> dict[str, Any]:
+def echo_fields(body: dict[str, Any], chat_body: Mapping[str, object]) -> Echo:
     """The request fields a Response repeats, every one the Open Responses ``ResponseResource``
     requires: the client's, except sampling, which is what was sent upstream (so a gateway
     default the client omitted shows; ``API_DEFAULTS`` when nothing was). ``tools`` are the
@@ -75,13 +92,20 @@ def echo_fields(body: dict[str, Any], chat_body: dict[str, Any]) -> dict[str, An
     ``strict`` (``null`` when not sent); the tools chat cannot offer were not available to the
     model and are not listed. ``background`` is false and ``service_tier`` ``default``: the
     gateway has neither."""
-    sampling = {name: chat_body.get(name, default) for name, default in API_DEFAULTS.items()}
-    echo: dict[str, Any] = {
+
+    def sampled(name: str) -> object:
+        return chat_body.get(name, API_DEFAULTS[name])
+
+    echo: Echo = {
         "instructions": body.get("instructions"),
         "tools": [echoed_tool(tool) for tool in body.get("tools") or [] if _is_function(tool)],
         "tool_choice": body.get("tool_choice", "auto"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        **sampling,
+        "temperature": sampled("temperature"),
+        "top_p": sampled("top_p"),
+        "presence_penalty": sampled("presence_penalty"),
+        "frequency_penalty": sampled("frequency_penalty"),
+        "top_logprobs": sampled("top_logprobs"),
         "max_output_tokens": chat_body.get("max_tokens"),
         "max_tool_calls": body.get("max_tool_calls"),
         "previous_response_id": body.get("previous_response_id"),
@@ -95,8 +119,8 @@ def echo_fields(body: dict[str, Any], chat_body: dict[str, Any]) -> dict[str, An
         "safety_identifier": body.get("safety_identifier"),
         "prompt_cache_key": body.get("prompt_cache_key"),
     }
-    for name in ECHO_ONLY:
-        if name in body and name not in echo and name not in ("client_metadata", "stream_options"):
+    for name in _ECHOED_IF_SENT:
+        if name in body:
             echo[name] = body[name]
     return echo
 
@@ -105,7 +129,7 @@ def _is_function(tool: Any) -> bool:
     return isinstance(tool, dict) and tool.get("type") == "function"
 
 
-def echoed_tool(tool: FunctionTool) -> dict[str, Any]:
+def echoed_tool(tool: FunctionTool) -> EchoedTool:
     """A function tool as a Response lists it (the spec's ``FunctionTool``: every field
     present, ``null`` for one the client did not send); ``tool`` is one the translation
     checked (``request._tool``: a string name)."""
@@ -118,7 +142,7 @@ def echoed_tool(tool: FunctionTool) -> dict[str, Any]:
     }
 
 
-def _echoed_reasoning(reasoning: Any) -> dict[str, Any] | None:
+def _echoed_reasoning(reasoning: Any) -> EchoedReasoning | None:
     """The spec's ``Reasoning``: both ``effort`` and ``summary`` (``null`` when not sent)."""
     if not isinstance(reasoning, dict):
         return None
@@ -130,12 +154,12 @@ def response_object(
     response_id: str,
     created_at: int,
     model: str,
-    echo: dict[str, Any],
-    status: str,
-    output: list[dict[str, Any]],
+    echo: Echo,
+    status: ResponseStatus,
+    output: list[OutputItem],
     usage: ResponseUsage | None,
     incomplete_reason: str | None = None,
-) -> dict[str, Any]:
+) -> ResponseResource:
     """One ``response`` object (``created_at``, ``completed_at`` in Unix seconds;
     ``completed_at`` is now for a ``completed`` response, null for any other status)."""
     return {
@@ -153,7 +177,7 @@ def response_object(
     }
 
 
-def usage_object(usage: ChatUsage | None) -> ResponseUsage | None:
+def usage_object(usage: Usage | None) -> ResponseUsage | None:
     """Responses usage from chat usage: input/output/total tokens, cached prompt tokens and
     reasoning tokens as vLLM reported them (0 when it did not)."""
     if not usage:
@@ -174,7 +198,7 @@ def usage_object(usage: ChatUsage | None) -> ResponseUsage | None:
     }
 
 
-def text_logprobs(logprobs: Logprobs | None) -> list[dict[str, Any]]:
+def text_logprobs(logprobs: ChatLogprobs | None) -> list[Logprob]:
     """Responses logprob entries ``[T]`` from a chat ``logprobs`` object (``content`` entries:
     token, logprob, bytes, top_logprobs), values unchanged."""
     entries = (logprobs or {}).get("content") or []
@@ -192,7 +216,7 @@ def text_logprobs(logprobs: Logprobs | None) -> list[dict[str, Any]]:
     ]
 
 
-def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def reasoning_item(item_id: str, text: str, status: Status) -> OutputReasoning:
     return {
         "id": item_id,
         "type": "reasoning",
@@ -202,14 +226,14 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def output_text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+def output_text_part(text: str, logprobs: list[Logprob] | None) -> OutputText:
+    part: OutputText = {"type": "output_text", "text": text, "annotations": []}
     if logprobs is not None:
         part["logprobs"] = logprobs
     return part
 
 
-def message_item(item_id: str, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
+def message_item(item_id: str, parts: list[OutputText], status: Status) -> OutputMessage:
     return {
         "id": item_id,
         "type": "message",
@@ -219,7 +243,7 @@ def message_item(item_id: str, parts: list[dict[str, Any]], status: str) -> dict
     }
 
 
-def function_call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+def function_call_item(item_id: str, call: AnswerToolCall, status: Status) -> OutputFunctionCall:
     """A ``function_call`` item from a chat tool call (``id``, ``function.name/arguments``)."""
     function = call.get("function") or {}
     return {
@@ -239,13 +263,13 @@ def output_items(
     *,
     response_id: str,
     logprobs_asked: bool,
-) -> list[dict[str, Any]]:
+) -> list[OutputItem]:
     """The output items of one chat message (``content``, ``reasoning`` or
     ``reasoning_content``, ``tool_calls``): reasoning, then the message, then the calls. A
     message item is given when there is text, or when there is nothing else."""
-    status = "incomplete" if status_of(finish_reason)[0] == "incomplete" else "completed"
+    status = status_of(finish_reason)[0]
     reasoning_id, message_id, call_prefix = item_ids(response_id)
-    items: list[dict[str, Any]] = []
+    items: list[OutputItem] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
         items.append(reasoning_item(reasoning_id, reasoning, status))
@@ -265,7 +289,7 @@ def output_items(
 def render_response(
     unread: dict[str, Any],
     body: dict[str, Any],
-    chat_body: dict[str, Any],
+    chat_body: Mapping[str, object],
     *,
     response_id: str,
     created_at: int,
@@ -279,7 +303,7 @@ def render_response(
     choice = (answer.get("choices") or [{}])[0]
     finish_reason = choice.get("finish_reason")
     status, reason = status_of(finish_reason)
-    return response_object(
+    response = response_object(
         response_id=response_id,
         created_at=created_at,
         model=str(answer.get("model") or body.get("model")),
@@ -295,3 +319,5 @@ def render_response(
         usage=usage_object(answer.get("usage")),
         incomplete_reason=reason,
     )
+    # Handed on as the JSON object the proxy sends (a cast: nothing copied).
+    return cast("dict[str, Any]", response)

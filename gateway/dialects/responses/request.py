@@ -59,6 +59,7 @@ from gateway.dialects.translation import (
     translate_tools,
 )
 from gateway.dialects.wire import (
+    ChatBody,
     ChatContentPart,
     ChatFunction,
     ChatImageURL,
@@ -162,7 +163,7 @@ class Translation:
     (after the ``instructions`` system message).
     """
 
-    chat_body: dict[str, Any]
+    chat_body: ChatBody
     logprobs_asked: bool
     omitted_tools: list[str] = field(default_factory=list)
     history_at: int = 0
@@ -259,8 +260,8 @@ def translate_body(body: dict[str, Any]) -> Translation:
     history_at = len(messages)
     previous_response_id(body)  # its type is checked here; the lookup comes later
     messages.extend(input_messages(body.get("input")))
-    chat: dict[str, Any] = {"model": body["model"], "messages": messages}
-    chat.update(copy_fields(body, SAMPLING, _FIELDS))
+    chat: ChatBody = {"model": body["model"], "messages": messages}
+    copy_fields(body, SAMPLING, _FIELDS, chat)
     tools, omitted = translate_tools(
         body.get("tools"), lambda position: f"tools[{position}]", _FIELDS, _tool
     )

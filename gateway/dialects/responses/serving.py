@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +48,7 @@ from gateway.dialects.responses.request import (
     translate_body,
 )
 from gateway.dialects.responses.stream import ResponsesEvents
+from gateway.dialects.responses.wire import ResponseEvent, StreamEvent
 from gateway.dialects.translation import (
     TranslatedPrepared,
     TranslatedStream,
@@ -55,6 +57,7 @@ from gateway.dialects.translation import (
     client_param,
     with_capture_fields,
 )
+from gateway.dialects.wire import ChatChunk
 from gateway.engine.wire import dumps
 from gateway.errors import TrajgateError, read_upstream_error, upstream_envelope
 
@@ -186,13 +189,13 @@ class ResponsesStream(TranslatedStream):
     def opening(self) -> list[bytes]:
         return [frame(event) for event in self.events.opening()]
 
-    def events_of(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    def events_of(self, chunk: ChatChunk) -> Sequence[StreamEvent]:
         return self.events.feed(chunk)
 
-    def closing_events(self) -> list[dict[str, Any]]:
+    def closing_events(self) -> Sequence[StreamEvent]:
         return self.events.closing()
 
-    def upstream_failed(self, error: dict[str, Any]) -> dict[str, Any]:
+    def upstream_failed(self, error: dict[str, Any]) -> ResponseEvent:
         # An error inside vLLM's stream ends the response here (response.failed).
         code = error.get("code") or error.get("type") or "upstream_error"
         return self.events.failed(str(code), str(error.get("message") or error))

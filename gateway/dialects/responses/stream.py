@@ -33,11 +33,13 @@ reasoning items back with their ``reasoning_text`` content, and function calls w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from gateway.dialects.base import frame
 from gateway.dialects.responses.render import (
+    Ending,
     echo_fields,
     function_call_item,
     item_ids,
@@ -49,8 +51,27 @@ from gateway.dialects.responses.render import (
     text_logprobs,
     usage_object,
 )
+from gateway.dialects.responses.wire import (
+    Logprob,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputReasoning,
+    OutputText,
+    PartAt,
+    ReasoningText,
+    ResponseEvent,
+    ResponseEventType,
+    ResponseResource,
+    ResponseStatus,
+    Status,
+    StreamEvent,
+)
+from gateway.dialects.wire import AnswerToolCall, ChatChunk, ChatLogprobs, ChatMessage, Usage
 
 __all__ = ["ResponsesEvents", "frame"]
+
+TextKind = Literal["reasoning", "message"]
 
 
 @dataclass
@@ -77,7 +98,7 @@ class ResponsesEvents:
     def __init__(
         self,
         body: dict[str, Any],
-        chat_body: dict[str, Any],
+        chat_body: Mapping[str, object],
         *,
         response_id: str,
         created_at: int,
@@ -90,11 +111,11 @@ class ResponsesEvents:
         self.logprobs_asked = logprobs_asked
         self.reasoning_id, self.message_id, self.call_prefix = item_ids(response_id)
         self.finish_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self._sequence = 0
-        self._output: list[dict[str, Any]] = []  # items in output order, final once done
-        self._open: str | None = None  # "reasoning" | "message": the open text item
-        self._open_at: dict[str, Any] = {}  # its item_id, output_index, content_index
+        self._output: list[OutputItem] = []  # items in output order, final once done
+        self._open: TextKind | None = None  # the open text item
+        self._open_at: PartAt = {"item_id": "", "output_index": 0, "content_index": 0}  # its place
         self._opened = {"reasoning": 0, "message": 0}  # items opened so far, per kind
         # Where the open item's text starts in the parts below (a second item of a kind).
         self._reasoning_item_text = 0
@@ -102,61 +123,66 @@ class ResponsesEvents:
         self._message_item_logprobs = 0
         self._reasoning: list[str] = []
         self._text: list[str] = []
-        self._text_logprobs: list[dict[str, Any]] = []
+        self._text_logprobs: list[Logprob] = []
         self._calls: dict[int, _Call] = {}
 
     # -- the three phases -------------------------------------------------------------------
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self) -> list[StreamEvent]:
         """``response.created`` and ``response.in_progress``."""
         snapshot = self._response("in_progress", None, with_usage=False)
         return [
-            self._event("response.created", response=snapshot),
-            self._event("response.in_progress", response=snapshot),
+            self._response_event("response.created", snapshot),
+            self._response_event("response.in_progress", snapshot),
         ]
 
-    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, chunk: ChatChunk) -> list[StreamEvent]:
         """The events one ``chat.completion.chunk`` gives (none for a usage-only chunk or a
-        delta a parser held back)."""
+        delta a parser held back); ``chunk`` checked against ``CHAT_CHUNK`` by the capture."""
         self.model = str(chunk.get("model") or self.model)
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.usage = chunk["usage"]
-        events: list[dict[str, Any]] = []
+        usage = chunk.get("usage")
+        if usage is not None and not chunk.get("choices"):
+            self.usage = usage
+        events: list[StreamEvent] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning") or delta.get("reasoning_content")
             if reasoning:
                 events += self._reasoning_delta(reasoning)
-            if delta.get("content"):
-                events += self._text_delta(delta["content"], choice.get("logprobs"))
+            content = delta.get("content")
+            if content:
+                events += self._text_delta(content, choice.get("logprobs"))
             for call in delta.get("tool_calls") or []:
                 events += self._call_delta(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+            finish_reason = choice.get("finish_reason")
+            if finish_reason is not None:
+                self.finish_reason = finish_reason
                 events += self._close_all()
         return events
 
-    def closing(self) -> list[dict[str, Any]]:
+    def closing(self) -> list[StreamEvent]:
         """Closes what is still open, then ``response.completed`` (or ``response.incomplete``)
         with the whole response and its usage."""
         events = self._close_all()
         status, reason = status_of(self.finish_reason)
-        kind = "response.completed" if status == "completed" else "response.incomplete"
-        return [*events, self._event(kind, response=self._response(status, reason))]
+        kind: ResponseEventType = (
+            "response.completed" if status == "completed" else "response.incomplete"
+        )
+        return [*events, self._response_event(kind, self._response(status, reason))]
 
-    def failed(self, code: str, message: str) -> dict[str, Any]:
+    def failed(self, code: str, message: str) -> ResponseEvent:
         """``response.failed``: the stream ends in an error after the status line said 200.
 
         ``response.error.code`` is ``server_error`` (the SDK accepts only OpenAI's fixed set of
         codes); the gateway's or vLLM's own ``code`` leads the message."""
         response = self._response("failed", None)
         response["error"] = {"code": "server_error", "message": f"{code}: {message}"}
-        return self._event("response.failed", response=response)
+        return self._response_event("response.failed", response)
 
     @property
-    def message(self) -> dict[str, Any]:
+    def message(self) -> ChatMessage:
         """The answer so far in the common form the pool stores."""
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._text) or None}
+        message: ChatMessage = {"role": "assistant", "content": "".join(self._text) or None}
         if self._calls:
             message["tool_calls"] = [
                 {
@@ -172,27 +198,43 @@ class ResponsesEvents:
 
     # -- items ------------------------------------------------------------------------------
 
-    def _reasoning_delta(self, delta: str) -> list[dict[str, Any]]:
+    def _reasoning_delta(self, delta: str) -> list[StreamEvent]:
         events = [] if self._open == "reasoning" else self._open_item("reasoning")
         self._reasoning.append(delta)
-        return [*events, self._event("response.reasoning_text.delta", **self._open_at, delta=delta)]
+        at = self._open_at
+        return [
+            *events,
+            {
+                "type": "response.reasoning_text.delta",
+                "sequence_number": self._next(),
+                **at,
+                "delta": delta,
+            },
+        ]
 
-    def _text_delta(self, delta: str, logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def _text_delta(self, delta: str, logprobs: ChatLogprobs | None) -> list[StreamEvent]:
         events = [] if self._open == "message" else self._open_item("message")
         entries = text_logprobs(logprobs) if self.logprobs_asked else []
         self._text.append(delta)
         self._text_logprobs += entries
+        at = self._open_at
         return [
             *events,
-            self._event(
-                "response.output_text.delta", **self._open_at, delta=delta, logprobs=entries
-            ),
+            {
+                "type": "response.output_text.delta",
+                "sequence_number": self._next(),
+                **at,
+                "delta": delta,
+                "logprobs": entries,
+            },
         ]
 
-    def _call_delta(self, call_delta: dict[str, Any]) -> list[dict[str, Any]]:
-        index = int(call_delta.get("index", 0))
+    def _call_delta(self, call_delta: AnswerToolCall) -> list[StreamEvent]:
+        # An integer or absent (``CHAT_CHUNK``); a null index made the capture's add, run on
+        # the chunk first, refuse it as unreadable.
+        index = call_delta.get("index") or 0
         function = call_delta.get("function") or {}
-        events: list[dict[str, Any]] = []
+        events: list[StreamEvent] = []
         call = self._calls.get(index)
         if call is None:
             events += self._close_all()
@@ -206,35 +248,38 @@ class ResponsesEvents:
             self._calls[index] = call
             item = self._call_item(call, "in_progress")
             self._output.append(item)
-            events.append(
-                self._event("response.output_item.added", output_index=call.output_index, item=item)
-            )
-        elif function.get("name"):
-            call.name += function["name"]
+            events.append(self._item_event("response.output_item.added", call.output_index, item))
+        else:
+            name = function.get("name")
+            if name:
+                call.name += name
         arguments = function.get("arguments")
         if arguments:
             call.arguments.append(arguments)
             events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=call.item_id,
-                    output_index=call.output_index,
-                    delta=arguments,
-                )
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "sequence_number": self._next(),
+                    "item_id": call.item_id,
+                    "output_index": call.output_index,
+                    "delta": arguments,
+                }
             )
         return events
 
-    def _open_item(self, kind: str) -> list[dict[str, Any]]:
+    def _open_item(self, kind: TextKind) -> list[StreamEvent]:
         """Close what is open, then open a reasoning or message item with its one part."""
         events = self._close_all()
         prefix = self.reasoning_id if kind == "reasoning" else self.message_id
         count = self._opened[kind]
         self._opened[kind] += 1
         item_id = prefix if count == 0 else f"{prefix}_{count}"  # a second one: interleaved
+        item: OutputItem
+        part: ReasoningText | OutputText
         if kind == "reasoning":
-            item = reasoning_item(item_id, "", "in_progress")
-            item["content"] = []
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+            reasoning = reasoning_item(item_id, "", "in_progress")
+            reasoning["content"] = []
+            item, part = reasoning, {"type": "reasoning_text", "text": ""}
             self._reasoning_item_text = len(self._reasoning)
         else:
             item = message_item(item_id, [], "in_progress")
@@ -242,30 +287,45 @@ class ResponsesEvents:
             self._message_item_text = len(self._text)
             self._message_item_logprobs = len(self._text_logprobs)
         self._open = kind
-        self._open_at = {"item_id": item_id, "output_index": len(self._output), "content_index": 0}
+        at: PartAt = {"item_id": item_id, "output_index": len(self._output), "content_index": 0}
+        self._open_at = at
         self._output.append(item)
         return [
             *events,
-            self._event(
-                "response.output_item.added", output_index=len(self._output) - 1, item=item
-            ),
-            self._event("response.content_part.added", **self._open_at, part=part),
+            self._item_event("response.output_item.added", len(self._output) - 1, item),
+            {
+                "type": "response.content_part.added",
+                "sequence_number": self._next(),
+                **at,
+                "part": part,
+            },
         ]
 
-    def _close_all(self) -> list[dict[str, Any]]:
+    def _close_all(self) -> list[StreamEvent]:
         """The done events of every open item, in output order. An item closed by the finishing
         chunk takes the response's status (``incomplete`` at ``length``), else ``completed``."""
         finished = self.finish_reason is not None
         incomplete = finished and status_of(self.finish_reason)[0] == "incomplete"
-        status = "incomplete" if incomplete else "completed"
-        events: list[dict[str, Any]] = []
+        status: Ending = "incomplete" if incomplete else "completed"
+        events: list[StreamEvent] = []
         at = self._open_at
+        item: OutputReasoning | OutputMessage | None = None
         if self._open == "reasoning":
             text = "".join(self._reasoning[self._reasoning_item_text :])
             item = reasoning_item(at["item_id"], text, status)
             events += [
-                self._event("response.reasoning_text.done", **at, text=text),
-                self._event("response.content_part.done", **at, part=item["content"][0]),
+                {
+                    "type": "response.reasoning_text.done",
+                    "sequence_number": self._next(),
+                    **at,
+                    "text": text,
+                },
+                {
+                    "type": "response.content_part.done",
+                    "sequence_number": self._next(),
+                    **at,
+                    "part": item["content"][0],
+                },
             ]
         elif self._open == "message":
             text = "".join(self._text[self._message_item_text :])
@@ -273,32 +333,44 @@ class ResponsesEvents:
             part = output_text_part(text, entries if self.logprobs_asked else None)
             item = message_item(at["item_id"], [part], status)
             events += [
-                self._event("response.output_text.done", **at, text=text, logprobs=entries),
-                self._event("response.content_part.done", **at, part=part),
+                {
+                    "type": "response.output_text.done",
+                    "sequence_number": self._next(),
+                    **at,
+                    "text": text,
+                    "logprobs": entries,
+                },
+                {
+                    "type": "response.content_part.done",
+                    "sequence_number": self._next(),
+                    **at,
+                    "part": part,
+                },
             ]
-        if self._open is not None:
+        if item is not None:
             self._output[at["output_index"]] = item
-            events.append(
-                self._event("response.output_item.done", output_index=at["output_index"], item=item)
-            )
+            events.append(self._item_event("response.output_item.done", at["output_index"], item))
         self._open = None
         for call in self._calls.values():
             if call.done:
                 continue
             call.done = True
-            location = {"item_id": call.item_id, "output_index": call.output_index}
-            item = self._call_item(call, status)
-            self._output[call.output_index] = item
+            call_item = self._call_item(call, status)
+            self._output[call.output_index] = call_item
             events += [
-                self._event(
-                    "response.function_call_arguments.done", **location, arguments=item["arguments"]
-                ),
-                self._event("response.output_item.done", output_index=call.output_index, item=item),
+                {
+                    "type": "response.function_call_arguments.done",
+                    "sequence_number": self._next(),
+                    "item_id": call.item_id,
+                    "output_index": call.output_index,
+                    "arguments": call_item["arguments"],
+                },
+                self._item_event("response.output_item.done", call.output_index, call_item),
             ]
         return events
 
-    def _call_item(self, call: _Call, status: str) -> dict[str, Any]:
-        chat_call = {
+    def _call_item(self, call: _Call, status: Status) -> OutputFunctionCall:
+        chat_call: AnswerToolCall = {
             "id": call.call_id,
             "function": {"name": call.name, "arguments": "".join(call.arguments)},
         }
@@ -307,8 +379,8 @@ class ResponsesEvents:
     # -- framing ------------------------------------------------------------------------------
 
     def _response(
-        self, status: str, reason: str | None, *, with_usage: bool = True
-    ) -> dict[str, Any]:
+        self, status: ResponseStatus, reason: str | None, *, with_usage: bool = True
+    ) -> ResponseResource:
         return response_object(
             response_id=self.response_id,
             created_at=self.created_at,
@@ -320,7 +392,24 @@ class ResponsesEvents:
             incomplete_reason=reason,
         )
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._sequence, **fields}
+    def _next(self) -> int:
+        """The next event's ``sequence_number`` (0, 1, 2, ... in the order built)."""
+        sequence = self._sequence
         self._sequence += 1
-        return event
+        return sequence
+
+    def _response_event(self, kind: ResponseEventType, response: ResponseResource) -> ResponseEvent:
+        return {"type": kind, "sequence_number": self._next(), "response": response}
+
+    def _item_event(
+        self,
+        kind: Literal["response.output_item.added", "response.output_item.done"],
+        output_index: int,
+        item: OutputItem,
+    ) -> StreamEvent:
+        return {
+            "type": kind,
+            "sequence_number": self._next(),
+            "output_index": output_index,
+            "item": item,
+        }

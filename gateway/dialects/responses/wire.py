@@ -8,7 +8,9 @@ Follows OpenAI's Responses API as the Open Responses specification writes it
 client's body keeps it anyway (it is stored as sent).
 
 Owns: the input items (``InputItem``: message, reasoning, function call, function call output,
-and their content parts) and the output items (``OutputItem``) with their parts and logprobs.
+and their content parts), the output items (``OutputItem``) with their parts and logprobs, the
+``response`` object (``ResponseResource``, with the request fields it repeats: ``Echo``) and the
+stream events (``StreamEvent``).
 
 Never: checks anything at runtime. These are ``TypedDict``s, plain dicts at runtime: an item is
 read through its type once ``gateway.dialects.responses.request`` has checked the fields read
@@ -99,8 +101,9 @@ Status = Literal["in_progress", "completed", "incomplete"]
 
 
 class TopLogprob(TypedDict):
-    token: str
-    logprob: float
+    # vLLM's values unchanged: its shape check (``CHAT_ANSWER``, ``CHAT_CHUNK``) lets null pass
+    token: str | None
+    logprob: float | None
     bytes: list[int]
 
 
@@ -163,3 +166,168 @@ class ResponseUsage(TypedDict):
     output_tokens: int
     output_tokens_details: OutputTokensDetails
     total_tokens: int
+
+
+# -- the response and its stream events -------------------------------------------------------
+
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class EchoedTool(TypedDict):
+    """The spec's ``FunctionTool`` as a response lists it: ``null`` for a field not sent."""
+
+    type: Literal["function"]
+    name: str
+    description: object
+    parameters: object
+    strict: object
+
+
+class EchoedReasoning(TypedDict):
+    effort: object
+    summary: object
+
+
+class Echo(TypedDict):
+    """The request fields a response repeats (``render.echo_fields``): the client's values as
+    sent (``object``: passed on unread), sampling as sent upstream."""
+
+    instructions: object
+    tools: list[EchoedTool]
+    tool_choice: object
+    parallel_tool_calls: object
+    temperature: object
+    top_p: object
+    presence_penalty: object
+    frequency_penalty: object
+    top_logprobs: object
+    max_output_tokens: object
+    max_tool_calls: object
+    previous_response_id: object
+    reasoning: EchoedReasoning | None
+    text: object
+    store: object
+    background: Literal[False]
+    service_tier: Literal["default"]
+    metadata: object
+    truncation: object
+    safety_identifier: object
+    prompt_cache_key: object
+    user: NotRequired[object]  # only when the client sent them
+    prompt_cache_retention: NotRequired[object]
+
+
+class IncompleteDetails(TypedDict):
+    reason: str | None
+
+
+class ResponseError(TypedDict):
+    code: str
+    message: str
+
+
+class ResponseResource(Echo):
+    """The ``response`` object (``ResponseResource``), unary and in the stream's events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int  # Unix seconds
+    completed_at: int | None
+    status: ResponseStatus
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+
+
+ResponseEventType = Literal[
+    "response.created",
+    "response.in_progress",
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+]
+
+
+class ResponseEvent(TypedDict):
+    type: ResponseEventType
+    sequence_number: int
+    response: ResponseResource
+
+
+class OutputItemEvent(TypedDict):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ItemAt(TypedDict):
+    """Where an event's item is: its id and place in ``output``."""
+
+    item_id: str
+    output_index: int
+
+
+class PartAt(ItemAt):
+    """Where an event's content part is (an item's one part: ``content_index`` 0)."""
+
+    content_index: int
+
+
+class ContentPartEvent(PartAt):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    part: OutputText | ReasoningText
+
+
+class ReasoningTextDelta(PartAt):
+    type: Literal["response.reasoning_text.delta"]
+    sequence_number: int
+    delta: str
+
+
+class ReasoningTextDone(PartAt):
+    type: Literal["response.reasoning_text.done"]
+    sequence_number: int
+    text: str
+
+
+class OutputTextDelta(PartAt):
+    type: Literal["response.output_text.delta"]
+    sequence_number: int
+    delta: str
+    logprobs: list[Logprob]
+
+
+class OutputTextDone(PartAt):
+    type: Literal["response.output_text.done"]
+    sequence_number: int
+    text: str
+    logprobs: list[Logprob]
+
+
+class ArgumentsDelta(ItemAt):
+    type: Literal["response.function_call_arguments.delta"]
+    sequence_number: int
+    delta: str
+
+
+class ArgumentsDone(ItemAt):
+    type: Literal["response.function_call_arguments.done"]
+    sequence_number: int
+    arguments: str
+
+
+StreamEvent = (
+    ResponseEvent
+    | OutputItemEvent
+    | ContentPartEvent
+    | ReasoningTextDelta
+    | ReasoningTextDone
+    | OutputTextDelta
+    | OutputTextDone
+    | ArgumentsDelta
+    | ArgumentsDone
+)
