@@ -1,4 +1,4 @@
-"""CPU of the pool writer's per-call body work as a coding-agent session grows (issue 37).
+"""CPU of the pool writer's per-call body work as a coding-agent session grows.
 
 Records one 200-turn session per dialect (``trajgate bench horizon``'s bodies:
 ``trajgate.bench.agent_session``, each turn's prompt extending the previous call's prompt and

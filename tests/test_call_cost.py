@@ -456,6 +456,13 @@ def test_a_proved_prefix_gives_shared_prefixs_answer_from_the_parents_text() -> 
         # the parent's text is as it was, whatever its buffer now holds past it
         assert proof.text() == (bodies.orjson_text([s, u, a, r]) or b"")[:-1], name
         assert bodies.shared_prefix(values, theirs) == expected, name
+    # a list that extends the parent's extends its buffer in place, nothing copied; one that
+    # the buffer's text does not begin (a float where the parent has an int) gets its own
+    child = bodies.list_text(bodies.orjson_text([s, u, a, r, u, u]), proof)
+    assert child is not None and child.buffer is proof.buffer
+    other = bodies.list_text(bodies.orjson_text([s, u, {"n": 1.0}, r]), proof)
+    assert other is not None and other.buffer is not proof.buffer
+    assert other.grown == other.head == len(bodies.orjson_text([s, u, {"n": 1.0}, r]) or b"") - 1
     # a list orjson cannot write (an integer past 64 bits) is compared by its keys
     assert bodies.orjson_text([2**64]) is None
     assert bodies.proved_prefix([s, u, a, r], None, theirs, proof) == 4

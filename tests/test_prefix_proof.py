@@ -1,5 +1,5 @@
 """The writer proves what a call shares with its parent at the cost of what is new, and stores
-exactly what it stored when it hashed the whole history (issue 37): every stored row, payload
+exactly what it stored when it hashed the whole history: every stored row, payload
 and blob of a 200-turn session per dialect, one with an early message rewritten at turn 150,
 against golden digests written by the code before the change; and the same rows as when every
 list is compared by its ``json.dumps`` keys alone (``bodies.shared_prefix``)."""
@@ -62,7 +62,7 @@ SESSIONS: dict[str, tuple[Dialect, Callable[[int], dict[str, Any]]]] = {
 }
 
 # sha256 of ``snapshot`` on SQLite, written by the writer that hashed each list's whole text
-# (``PrefixDigests``, commit 7dda0e5).
+# (``PrefixDigests``, commit ec53e1a).
 GOLDEN = {
     "chat": "54789cd9c2fe8139aa5091f858d6359a5827061b0eccc3ca54bcba5d3b17ec15",
     "messages": "9ada93f8c035687ba22e34222f22d6f5c0395ad01affdd2474a1c11afc00ae55",
@@ -132,6 +132,27 @@ def test_a_200_turn_session_is_stored_byte_for_byte_as_before(
     digest = hashlib.sha256(snapshot(store, "t").encode()).hexdigest()
     assert digest == GOLDEN.get(name), name
     assert_read_back_as_sent(store, "t", calls)
+    # The lineage memory holds each list's text once per chain: the history's texts of all
+    # 200 steps are views of one buffer, as long as the last one's; the edited turn and the
+    # next one (each differs from its parent at message 3) start one each. A session whose
+    # first message changes on every call keeps no text after its first step (no step would
+    # begin with its parent's), not one buffer per step.
+    # (Messages' ``system`` is no history item: its history extends the parent's; its
+    # canonical messages begin with the system message.)
+    memory = store._lineage.get("t")
+    assert memory is not None
+    replaced = {"history": name == "chat-cch", "canonical": "cch" in name}
+    for which, replaced_head in replaced.items():
+        texts = [
+            text
+            for c in memory.candidates
+            if (text := c.message_text if which == "history" else c.canonical_text) is not None
+        ]
+        assert len(texts) == (1 if replaced_head else TURNS), (name, which)
+        buffers = {id(t.buffer) for t in texts}
+        assert len(buffers) == (3 if "edited" in name else 1), (name, which)
+        longest = max(len(t.buffer) for t in texts)
+        assert longest <= len(json.dumps(calls[-1].upstream_request["messages"])), (name, which)
     store.engine.dispose()
 
 

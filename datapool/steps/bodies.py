@@ -146,7 +146,9 @@ def list_text(
     that list with ``appended`` after its items; None when there is no text or orjson cannot
     write ``appended``. Its buffer is ``parent``'s (the parent step's same list), extended in
     place, when the two texts agree as far as both go (the list extends the parent's, or is a
-    sibling's or an earlier turn's); else a new one."""
+    sibling's or an earlier turn's); else a new one. Callers keep no text for a list that
+    shares no leading item with its parent's (a first message replaced on every call): one
+    new buffer per step would hold the history once per step."""
     if text is None:
         return None
     n = len(text) - 1  # without the closing "]"
@@ -362,7 +364,10 @@ def encode_body(
             own = orjson_text(value)
             proof = parent.texts.get(name) if parent is not None else None
             n = 0 if theirs is None else proved_prefix(value, own, theirs, proof)
-            known = list_text(own, proof)
+            # A list with a replaced head (n == 0 against a parent's) keeps no text: its
+            # children would not begin with it either, and a new buffer per call would hold
+            # the history once per step.
+            known = list_text(own, proof) if n or not theirs else None
             if known is not None:
                 texts[name] = known
             found = None if n or not theirs else head_replaced(value, theirs)

@@ -420,15 +420,23 @@ class TrajectoryTokens:
                         response_key,
                     )
                     answered = choice.response_message is not None
+                    # No text for a list that shares no leading message with the parent's
+                    # (``bodies.list_text``): a replaced first message.
+                    history_text = request.history_text
+                    if parent.request and not request.messages_base:
+                        history_text = None
+                    canonical_text = request.canonical_text
+                    if parent.canonical and not request.canonical_base:
+                        canonical_text = None
                     texts = (
                         (
-                            list_text(request.history_text, parent.request_text),
-                            list_text(request.canonical_text, parent.canonical_text),
+                            list_text(history_text, parent.request_text),
+                            list_text(canonical_text, parent.canonical_text),
                         )
                         if answer is None
                         else (
-                            list_text(request.history_text, parent.request_text, answer),
-                            list_text(request.canonical_text, parent.canonical_text, response_key),
+                            list_text(history_text, parent.request_text, answer),
+                            list_text(canonical_text, parent.canonical_text, response_key),
                         )
                     )
                     self.add(
