@@ -156,9 +156,10 @@ class PoolSettings(ConfigFileSettings):
         description=(
             "MiB (estimated, all trajectories) the writer's lineage memory may hold: a long "
             "session costs its sequence (4 bytes per token), its steps' message keys (about 10 "
-            "bytes per message per step) and about 5 KiB per step: 2 MiB for 200 turns at 60k "
-            "tokens; the least "
-            "recently used trajectories are dropped past it (and read back on their next call)."
+            "bytes per message per step), its lists' JSON texts (once per chain of steps that "
+            "extend each other) and about 5 KiB per step: 2.5 MiB for 200 turns at 60k tokens; "
+            "the least recently used trajectories are dropped past it (and read back on their "
+            "next call)."
         ),
     )
     known_closed_trajectories: int = Field(

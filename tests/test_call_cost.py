@@ -422,8 +422,8 @@ def test_the_writer_finds_an_echo_in_another_form_with_one_dump_of_the_history(
 
 
 def test_a_proved_prefix_gives_shared_prefixs_answer_from_the_parents_text() -> None:
-    # The parent's H_p = M_p + [R_p] = [s, u, a] + [r], kept as a ListText (its orjson text's
-    # digests, with and without r). Each case: proved_prefix's answer is shared_prefix's.
+    # The parent's H_p = M_p + [R_p] = [s, u, a] + [r], kept as a ListText (its orjson text,
+    # without and with r). Each case: proved_prefix's answer is shared_prefix's.
     import json
 
     from datapool.steps import bodies
@@ -431,11 +431,12 @@ def test_a_proved_prefix_gives_shared_prefixs_answer_from_the_parents_text() -> 
     s, u, a = {"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"n": 1}
     r = {"role": "assistant", "content": "b", "refusal": None}
     theirs = [json.dumps(m) for m in (s, u, a, r)]
-    proof = bodies.list_text(bodies.text_digests([s, u, a]), r)
-    assert proof is not None and proof.head is not None
+    proof = bodies.list_text(bodies.orjson_text([s, u, a]), None, r)
+    assert proof is not None and proof.has_head
     # the head is the text '[{...},{...},{"n":1}' without its "]": len(orjson text) - 1
-    assert proof.head[0] == len(bodies.orjson_text([s, u, a]) or b"") - 1
-    assert proof.whole[0] == len(bodies.orjson_text([s, u, a, r]) or b"") - 1
+    assert proof.head == len(bodies.orjson_text([s, u, a]) or b"") - 1
+    assert proof.whole == len(bodies.orjson_text([s, u, a, r]) or b"") - 1
+    assert proof.text() == (bodies.orjson_text([s, u, a, r]) or b"")[:-1]
     cases = {
         "echo as sent, then a new message: all 4": ([s, u, a, r, u], 4),
         "the whole H_p and nothing more: 4": ([s, u, a, r], 4),
@@ -447,12 +448,21 @@ def test_a_proved_prefix_gives_shared_prefixs_answer_from_the_parents_text() -> 
         "an item that only starts like the parent's: 2": ([s, u], 2),
     }
     for name, (values, expected) in cases.items():
-        digests = bodies.text_digests(values)
-        assert bodies.proved_prefix(values, digests, theirs, proof) == expected, name
-        # the same text's own ListText after the check: as if hashed alone
-        own = bodies.list_text(digests)
-        assert own == bodies.list_text(bodies.text_digests(values)), name
+        text = bodies.orjson_text(values)
+        assert bodies.proved_prefix(values, text, theirs, proof) == expected, name
+        # its own ListText, on the parent's buffer where the texts agree: its own text
+        own = bodies.list_text(text, proof)
+        assert own is not None and own.text() == (text or b"")[:-1], name
+        # the parent's text is as it was, whatever its buffer now holds past it
+        assert proof.text() == (bodies.orjson_text([s, u, a, r]) or b"")[:-1], name
         assert bodies.shared_prefix(values, theirs) == expected, name
+    # a list that extends the parent's extends its buffer in place, nothing copied; one that
+    # the buffer's text does not begin (a float where the parent has an int) gets its own
+    child = bodies.list_text(bodies.orjson_text([s, u, a, r, u, u]), proof)
+    assert child is not None and child.buffer is proof.buffer
+    other = bodies.list_text(bodies.orjson_text([s, u, {"n": 1.0}, r]), proof)
+    assert other is not None and other.buffer is not proof.buffer
+    assert other.grown == other.head == len(bodies.orjson_text([s, u, {"n": 1.0}, r]) or b"") - 1
     # a list orjson cannot write (an integer past 64 bits) is compared by its keys
     assert bodies.orjson_text([2**64]) is None
     assert bodies.proved_prefix([s, u, a, r], None, theirs, proof) == 4

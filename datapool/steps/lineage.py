@@ -420,12 +420,23 @@ class TrajectoryTokens:
                         response_key,
                     )
                     answered = choice.response_message is not None
+                    # No text for a list that shares no leading message with the parent's
+                    # (``bodies.list_text``): a replaced first message.
+                    history_text = request.history_text
+                    if parent.request and not request.messages_base:
+                        history_text = None
+                    canonical_text = request.canonical_text
+                    if parent.canonical and not request.canonical_base:
+                        canonical_text = None
                     texts = (
-                        (list_text(request.history_text), list_text(request.canonical_text))
+                        (
+                            list_text(history_text, parent.request_text),
+                            list_text(canonical_text, parent.canonical_text),
+                        )
                         if answer is None
                         else (
-                            list_text(request.history_text, answer),
-                            list_text(request.canonical_text, response_key),
+                            list_text(history_text, parent.request_text, answer),
+                            list_text(canonical_text, parent.canonical_text, response_key),
                         )
                     )
                     self.add(
@@ -493,6 +504,9 @@ class TrajectoryTokens:
             buffer += response
             grown = len(buffer)
         slots = len(message_keys or ()) + len(canonical_keys or ())
+        # The lists' texts (``bodies.ListText``): what this step added to their shared buffers.
+        grown += sum(text.grown for text in texts if text is not None)
+        grown += sum(text.grown for body in (bodies or {}).values() for text in body.texts.values())
         self.approx_bytes += grown + _POINTER_BYTES * slots + _CANDIDATE_BYTES
         if call is None:  # a call of its own: below every step_index
             call = -1 - len(self.candidates)

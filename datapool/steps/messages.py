@@ -68,7 +68,6 @@ from datapool.steps.bodies import (
     EncodedBody,
     FieldSpec,
     ListText,
-    PrefixDigests,
     RequestMissingError,
     based_on_parent,
     blob_shas,
@@ -79,8 +78,8 @@ from datapool.steps.bodies import (
     list_delta,
     load_blob,
     message_key,
+    orjson_text,
     proved_prefix,
-    text_digests,
 )
 from datapool.steps.canonical import CanonicalCall, response_of
 
@@ -129,19 +128,19 @@ def history_keys(
 def messages_base(
     parent_keys: Sequence[str] | None,
     messages: Any,
-    digests: PrefixDigests | None = None,
+    text: bytes | None = None,
     proof: ListText | None = None,
 ) -> int | None:
     """b: how many leading ``messages`` equal the parent's ``M_p + [R_p]`` (as JSON text);
-    None when ``messages`` is not a list (the request is then stored whole). ``digests``:
-    ``messages``' orjson text (``bodies.text_digests``), ``proof``: the parent's ``ListText``
+    None when ``messages`` is not a list (the request is then stored whole). ``text``:
+    ``messages``' orjson text (``bodies.orjson_text``), ``proof``: the parent's ``ListText``
     of ``M_p + [R_p]`` (``bodies.proved_prefix``; the same answer, without a ``json.dumps`` of
     the history)."""
     if not isinstance(messages, list):
         return None
     if not parent_keys:
         return 0
-    return proved_prefix(messages, digests, parent_keys, proof)
+    return proved_prefix(messages, text, parent_keys, proof)
 
 
 def stored_request(
@@ -172,10 +171,10 @@ class RequestDelta:
     new_blobs: dict[str, str] = field(default_factory=dict)
     # Each body's memory for the children's deltas (the upstream's only when stored whole).
     bodies: Mapping[Doc, BodyKeys] = field(default_factory=dict)
-    # ``M`` and ``C`` as orjson wrote them (``bodies.text_digests``; None: not a list, or not
+    # ``M`` and ``C`` as orjson wrote them (``bodies.orjson_text``; None: not a list, or not
     # writable), from which the lineage memory makes each step's ``ListText`` of ``H``.
-    history_text: PrefixDigests | None = None
-    canonical_text: PrefixDigests | None = None
+    history_text: bytes | None = None
+    canonical_text: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,7 @@ def request_delta(
     ``C_p + [R_p]``, ``upstream_request`` as a merge patch on ``request`` where one says it
     without an array, and every other field through ``datapool.steps.bodies``."""
     history = history_of(request, history_field)
-    history_text = None if history is None else text_digests(history)
+    history_text = None if history is None else orjson_text(history)
     base = messages_base(parent.request, history, history_text, parent.request_text)
     stored, history_spec = _cut(
         request, history_field, history, base, parent.request, parent.bodies.get("request")
@@ -228,7 +227,7 @@ def request_delta(
     if canonical is not None:
         record = canonical.to_json()
         messages = record["messages"]
-        canonical_text = text_digests(messages) if isinstance(messages, list) else None
+        canonical_text = orjson_text(messages) if isinstance(messages, list) else None
         canonical_base = messages_base(
             parent.canonical, messages, canonical_text, parent.canonical_text
         )
