@@ -86,9 +86,13 @@ class TokenizerDirs:
                     self._remember(name, Path(root))
                     break
             else:
+                root = entry.get("root")
+                # A server that is not vLLM (or an old one) lists no root: say so, not "None".
                 self.missing[name] = (
-                    f"vLLM serves {name!r} from {entry.get('root')!r}, which has no "
-                    f"{TOKENIZER_FILE} on the gateway's machine"
+                    f"vLLM serves {name!r} from {root!r}, which has no {TOKENIZER_FILE} on the "
+                    "gateway's machine"
+                    if isinstance(root, str)
+                    else f"the model list names no directory (root) for {name!r}"
                 )
 
     def _remember(self, model: str, root: Path) -> None:

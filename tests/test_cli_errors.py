@@ -240,7 +240,11 @@ def test_train_says_in_one_line_that_the_pool_refused_its_batch_spec(
     ("flag", "value", "says"),
     [
         ("--device", "tpu", "setting 'device'"),
-        ("--spec", "/nonexistent/spec.json", "cannot read /nonexistent/spec.json as JSON"),
+        (
+            "--spec",
+            "/nonexistent/spec.json",
+            "error: --spec /nonexistent/spec.json: cannot read it",
+        ),
     ],
 )
 def test_train_refuses_a_bad_flag_in_one_line_before_loading_anything(
@@ -273,6 +277,54 @@ def test_batches_create_names_each_problem_of_a_bad_spec_on_its_own_line(
     ]
     listed = _cli("batches", "list", "--database-url", url, cwd=tmp_path)
     assert listed.returncode == 0 and listed.stdout == "", listed.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ('{"gamma": NaN}', "not valid JSON: NaN is not a JSON number"),  # the API refuses these
+        ('{"gamma": Infinity}', "not valid JSON: Infinity is not a JSON number"),
+        ('{"gamma": -Infinity}', "not valid JSON: -Infinity is not a JSON number"),
+        ('{"gamma": 1e999}', "not valid JSON: the number 1e999 is beyond a 64-bit float"),
+        ('{"gamma": ', "not valid JSON: Expecting value: line 1 column 11 (char 10)"),
+        ("", "not valid JSON: Expecting value: line 1 column 1 (char 0)"),
+        ("[]", "expected a JSON object, got list"),
+        (None, "cannot read it: No such file or directory"),
+        ("DIR", "cannot read it: Is a directory"),
+    ],
+)
+def test_batches_create_refuses_an_unreadable_spec_in_one_line(
+    tmp_path: Path, sqlite_pool: PoolSettings, content: str | None, problem: str
+) -> None:
+    """docs/batches.md: ``error: --spec FILE: <problem>``, exit 2, not Typer's usage box."""
+    spec = tmp_path / "spec.json"
+    if content == "DIR":
+        spec.mkdir()
+    elif content is not None:
+        spec.write_text(content)
+    url = sqlite_pool.resolved_database_url()
+    result = _cli("batches", "create", "--spec", str(spec), "--database-url", url, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == [f"error: --spec {spec}: {problem}"]
+
+
+def test_batches_create_blames_a_bad_flag_on_the_flag_not_the_spec_file(
+    tmp_path: Path, sqlite_pool: PoolSettings
+) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"gamma": 2}')
+    url = sqlite_pool.resolved_database_url()
+    result = _cli(
+        "batches", "create", "--spec", str(spec), "--algorithm", "ppo", "--database-url", url,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("error: --algorithm: Input should be 'grpo'"), lines
+    assert lines[0].endswith("(got 'ppo')"), lines
+    assert lines[1:] == [
+        f"error: --spec {spec}: gamma: Input should be less than or equal to 1 (got 2)"
+    ]
 
 
 @pytest.mark.parametrize("command", [["export", "trajectories"], ["batches", "export", "b-1"]])

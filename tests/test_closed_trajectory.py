@@ -158,6 +158,30 @@ def test_abandoned_and_failed_trajectories_are_refused_up_front_too(
         assert upstream.posts == []
 
 
+def test_a_closed_trajectory_still_gets_a_bad_body_400_and_a_token_count_uncounted(
+    pool_settings: PoolSettings, emulator: EmulatorThread
+) -> None:
+    """The dialect reads the body before the closed check (docs/gateway.md, "A call to a closed
+    trajectory"): a body it refuses is that 400, not a rejected call; ``count_tokens`` samples
+    and stores nothing, so it is answered."""
+    upstream = WatchedUpstream()
+    with (
+        serve(pool_settings, emulator, upstream) as gateway,
+        httpx.Client(base_url=gateway.url, timeout=30) as client,
+    ):
+        assert client.post("/api/trajectories", json={"id": "shut"}).status_code in (200, 201)
+        assert client.post("/api/trajectories/shut/abandon").status_code == 200
+        bad = client.post("/t/shut/v1/chat/completions", json={"model": "emulated"})
+        assert bad.status_code == 400, bad.text
+        counted = client.post(
+            "/t/shut/v1/messages/count_tokens", json={"model": "emulated", "messages": USER}
+        )
+        # Passed on to the upstream's /tokenize (the emulator has none: its 404), not refused.
+        assert counted.status_code == 404 and "/tokenize" in counted.text, counted.text
+        assert rejected_calls(client, "shut") == 0
+        assert client.get("/api/trajectories/shut").json()["steps"] == []
+
+
 def test_a_trajectory_closed_elsewhere_is_refused_at_commit_then_before_sampling(
     pool_settings: PoolSettings, emulator: EmulatorThread
 ) -> None:

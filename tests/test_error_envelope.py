@@ -475,6 +475,32 @@ def test_an_unknown_query_parameter_is_named_in_a_400_not_ignored(
     assert declared.status_code == 200, declared.text
 
 
+@pytest.mark.parametrize(
+    ("url", "param", "values"),
+    [
+        ("/api/trajectories?limit=1&limit=3", "limit", "'1', '3'"),  # was 3 rows, the last
+        ("/api/trajectories?channel=train&channel=nope", "channel", "'train', 'nope'"),
+        ("/api/batches?status=ready&status=ready", "status", "'ready', 'ready'"),
+    ],
+)
+def test_a_single_valued_query_parameter_sent_twice_is_a_400_not_the_last_one_read(
+    walked: Walked, url: str, param: str, values: str
+) -> None:
+    response = walked.client.get(url)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("repeated_parameter", param)
+    assert (
+        error["message"]
+        == f"query parameter {param!r} is sent 2 times ({values}); it takes one value"
+    )
+
+
+def test_a_list_query_parameter_may_repeat(walked: Walked) -> None:
+    response = walked.client.get("/api/trajectories?status=complete&status=open&tag=a&tag=b")
+    assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     ("where", "bad_id"), [("path", "abc%0A"), ("header", "abc\n"), ("path", "abc%0Adef")]

@@ -394,6 +394,28 @@ def test_the_trajectory_view_labels_each_step_with_its_lineage(
     shot(page, "lineages", backend_of(pool_settings))
 
 
+def test_a_resent_step_shows_its_call_id_and_the_step_it_re_sent(
+    gateway: BackgroundServer, page: Page
+) -> None:
+    # The same body twice within TRAJGATE_RESEND_WINDOW_S: the second is flagged resend and
+    # keeps the first call's call_id, which the page shows on both, naming the first step.
+    base = gateway.url
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": "again"}], "max_tokens": 2}
+    for _ in range(2):
+        answer = httpx.post(f"{base}/t/resent/v1/chat/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+    steps = httpx.get(f"{base}/api/trajectories/resent", timeout=30).json()["steps"]
+    assert [s["flags"].count("resend") for s in steps] == [0, 1]
+    page.goto(f"{base}/inspector/trajectories/resent")
+    calls = page.get_by_test_id("call-id")
+    expect(calls).to_have_count(2)
+    expect(calls.nth(0)).to_have_text(f"call {steps[0]['call_id']}")
+    expect(calls.nth(1)).to_have_text(f"call {steps[0]['call_id']}")
+    expect(page.get_by_test_id("resent-step").nth(1)).to_have_text("re-sends step 0")
+    expect(page.get_by_test_id("resent-step").nth(0)).to_be_hidden()
+
+
 def test_the_trajectory_view_nests_a_sub_agent_under_its_spawning_step_and_marks_side_calls(
     gateway: BackgroundServer, pool_settings: PoolSettings, page: Page
 ) -> None:

@@ -287,6 +287,25 @@ def test_a_garbled_or_empty_cursor_is_a_400_invalid_cursor_not_the_first_page(
     assert error["message"].startswith(f"cursor {cursor!r} is not one this API returned")
 
 
+def test_an_issued_cursor_wrapped_padded_or_rewritten_is_a_400_not_the_next_page(
+    api: httpx.Client,
+) -> None:
+    for i in range(2):
+        api.post("/api/trajectories", json={"id": f"wrap-{i}"})
+    issued = api.get("/api/trajectories", params={"limit": 1}).json()["next_cursor"]
+    created, trajectory_id = json.loads(base64.urlsafe_b64decode(issued))
+    naive = created.rsplit("+", 1)[0]  # the same instant without the offset the API writes
+    for cursor in (
+        f"!!{issued}!",  # b64decode skips characters outside its alphabet
+        f"{issued}====",  # and padding past the first
+        f" {issued}",
+        base64.urlsafe_b64encode(json.dumps([naive, trajectory_id]).encode()).decode(),
+    ):
+        error = assert_envelope(api.get("/api/trajectories", params={"cursor": cursor}), 400)
+        assert (error["code"], error["param"]) == ("invalid_cursor", "cursor"), cursor
+    assert api.get("/api/trajectories", params={"cursor": issued}).status_code == 200
+
+
 def test_reward_functions_run_on_completion_and_failures_are_recorded(
     api: httpx.Client,
 ) -> None:

@@ -106,6 +106,16 @@ def test_a_file_that_is_not_a_tokenizer_or_is_too_large_is_not_kept(
     assert [p for p in (tmp_path / "pool").rglob("*") if p.is_file()] == []
 
 
+def test_a_model_listed_without_a_root_is_said_so_not_served_from_none() -> None:
+    dirs = TokenizerDirs()
+    dirs._add([{"id": "emulated", "object": "model"}, {"id": "far", "root": "/nowhere"}])
+    assert dirs.note("emulated") == (
+        "the model list names no directory (root) for 'emulated'; "
+        "set TRAJGATE_TOKENIZER_DIR to a copy of it"
+    )
+    assert dirs.note("far").startswith("vLLM serves 'far' from '/nowhere', which has no")
+
+
 def test_a_reopened_pool_chooses_its_copy_when_no_replica_lists_the_model(
     tmp_path: Path,
 ) -> None:

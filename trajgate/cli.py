@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
 
 import typer
 
@@ -566,13 +567,33 @@ def train(
 
 
 def _read_spec(path: Path) -> dict[str, Any]:
-    """The batch spec in ``path`` (a JSON object), or exit 2 with one line."""
+    """The batch spec in ``path`` (a JSON object), or exit 2 with one line
+    ``error: --spec FILE: <problem>``. Parsed as strictly as the HTTP API parses a body: ``NaN``
+    and ``Infinity`` are not JSON numbers (RFC 8259 §6), though Python's parser takes them."""
+
+    def refuse_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    def finite_float(literal: str) -> float:
+        number = float(literal)
+        if not math.isfinite(number):  # 1e999 reads as infinity
+            raise ValueError(f"the number {literal[:40]} is beyond a 64-bit float")
+        return number
+
+    def refuse(problem: str) -> NoReturn:
+        typer.echo(f"error: --spec {path}: {problem}", err=True)
+        raise typer.Exit(2)
+
     try:
-        spec = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise typer.BadParameter(f"cannot read {path} as JSON: {exc}", param_hint="--spec") from exc
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        refuse(f"cannot read it: {exc.strerror if isinstance(exc, OSError) else exc}")
+    try:
+        spec = json.loads(text, parse_constant=refuse_constant, parse_float=finite_float)
+    except (ValueError, RecursionError) as exc:
+        refuse(f"not valid JSON: {exc}")
     if not isinstance(spec, dict):
-        raise typer.BadParameter(f"{path} holds no JSON object", param_hint="--spec")
+        refuse(f"expected a JSON object, got {type(spec).__name__}")
     return spec
 
 
@@ -1231,24 +1252,22 @@ def batches_create(
     from datapool.batches.build import BatchSpec, materialise
 
     fields: dict[str, Any] = _read_spec(spec) if spec is not None else {}
-    for key, value in (
-        ("channel", channel),
-        ("algorithm", algorithm),
-        ("layout", layout),
-        ("name", name),
-    ):
-        if value is not None:
-            fields[key] = value
+    flags = {"channel": channel, "algorithm": algorithm, "layout": layout, "name": name}
+    flags = {key: value for key, value in flags.items() if value is not None}
+    fields.update(flags)
     try:
         batch_spec = BatchSpec(**fields)
     except ValidationError as exc:
-        # One line per problem, as _settings does, not pydantic's dump inside a usage box.
-        where = f"--spec {spec}" if spec is not None else "batch spec"
+        # One line per problem, as _settings does, not pydantic's dump inside a usage box; a
+        # value a flag gave is the flag's problem, not the file's.
+        where = f"--spec {spec}: " if spec is not None else "batch spec: "
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or "spec"
-            typer.echo(
-                f"error: {where}: {field}: {error['msg']}{_shown_input(field, error)}", err=True
-            )
+            said = f"{error['msg']}{_shown_input(field, error)}"
+            if error["loc"] and error["loc"][0] in flags:
+                typer.echo(f"error: --{error['loc'][0]}: {said}", err=True)
+            else:
+                typer.echo(f"error: {where}{field}: {said}", err=True)
         raise typer.Exit(2) from exc
     _pool, store = _pool_store(database_url, data_dir)
     batch = _pool_command(lambda: materialise(store, batch_spec))

@@ -5,11 +5,12 @@ gateway's strict parser (``gateway.proxy.attribution.parse_json``, NUL refused),
 object that names a key twice (JSON parsers keep the last one silently, so ``{"consumer": "a",
 "consumer": "b"}`` would act for ``b`` whatever the sender meant), refuses a query parameter
 the route does not declare (``?limt=5`` is a 400 ``unknown_parameter`` naming ``limt``, never a
-page read with the default limit) and a NUL character in a query or path parameter;
-``StrictBody``, the base of every request body there, which refuses
-a field the body's schema does not name (``{"rewrd": 1}`` is a 400 naming ``rewrd``, never a
-request read without it) and a value of another JSON type (no ``"4"`` or ``true`` read as 4 or
-1, no number read as a string). Every integer field and parameter there is bounded by
+page read with the default limit), a single-valued parameter sent twice (``?limit=1&limit=3`` is
+a 400 ``repeated_parameter``, never the last one read) and a NUL character in a query or path
+parameter; ``StrictBody``, the base of every request body there, which refuses a field the
+body's schema does not name (``{"rewrd": 1}`` is a 400 naming ``rewrd``, never a request read
+without it) and a value of another JSON type (no ``"4"`` or ``true`` read as 4 or 1, no number
+read as a string). Every integer field and parameter there is bounded by
 ``datapool.models.INTEGER_MAX`` in its route's schema. Never: checks a field's meaning (the
 route's schema does).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from fastapi import HTTPException, Request, Response
 from fastapi.dependencies.models import Dependant
@@ -96,26 +97,35 @@ class _StrictJSONRequest(Request):
         return self._json
 
 
-def _query_names(dependant: Dependant) -> frozenset[str]:
-    """The query parameters a route declares: its own, its dependencies', and the fields of a
-    model it reads from the query (``Annotated[Model, Query()]``), each by the name a client
-    sends (its alias when it has one)."""
-    names: set[str] = set()
+def _repeatable(annotation: Any) -> bool:
+    """Whether a parameter of this type reads every value it is sent (``list[str] | None``)."""
+    if get_origin(annotation) in (list, set, frozenset, tuple):
+        return True
+    return any(_repeatable(arg) for arg in get_args(annotation) if arg is not type(None))
+
+
+def _query_names(dependant: Dependant) -> dict[str, bool]:
+    """The query parameters a route declares, each with whether it may repeat (a list): its own,
+    its dependencies', and the fields of a model it reads from the query (``Annotated[Model,
+    Query()]``), each by the name a client sends (its alias when it has one)."""
+    names: dict[str, bool] = {}
     for field in dependant.query_params:
         model = field.field_info.annotation
         if isinstance(model, type) and issubclass(model, BaseModel):
-            names |= {info.alias or name for name, info in model.model_fields.items()}
+            for name, info in model.model_fields.items():
+                names[info.alias or name] = _repeatable(info.annotation)
         else:
-            names.add(field.alias)
+            names[field.alias] = _repeatable(model)
     for sub in dependant.dependencies:
         names |= _query_names(sub)
-    return frozenset(names)
+    return names
 
 
-def _check_parameters(request: Request, query_names: frozenset[str]) -> None:
+def _check_parameters(request: Request, query_names: dict[str, bool]) -> None:
     """Raise ``InvalidRequestError`` naming the query parameters the route does not declare
-    (``query_names``), or the first query or path parameter holding NUL."""
-    unknown = sorted(set(request.query_params) - query_names)
+    (``query_names``), then the first single-valued one sent twice, then the first query or path
+    parameter holding NUL."""
+    unknown = sorted(set(request.query_params) - set(query_names))
     if unknown:
         expected = ", ".join(sorted(query_names)) or "none"
         raise InvalidRequestError(
@@ -124,6 +134,16 @@ def _check_parameters(request: Request, query_names: frozenset[str]) -> None:
             param=unknown[0],
             code="unknown_parameter",
         )
+    # Starlette keeps the last of ``?limit=1&limit=3``: the sender meant one of them, not both.
+    for name in request.query_params:
+        values = request.query_params.getlist(name)
+        if len(values) > 1 and not query_names[name]:
+            raise InvalidRequestError(
+                f"query parameter {name!r} is sent {len(values)} times "
+                f"({', '.join(repr(v[:40]) for v in values[:5])}); it takes one value",
+                param=name,
+                code="repeated_parameter",
+            )
     for name, value in [*request.query_params.multi_items(), *request.path_params.items()]:
         if "\x00" in str(value):
             raise InvalidRequestError(

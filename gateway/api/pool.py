@@ -310,14 +310,21 @@ def _encode_cursor(created_at: datetime, trajectory_id: str) -> str:
 
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     """The ``(created_at, id)`` a cursor holds; 400 ``invalid_cursor`` for anything this API
-    would not have written (an empty or garbled one, an instant UTC cannot hold, an id a
-    trajectory cannot have, NUL included: PostgreSQL refuses NUL in text, so it must never reach
-    the query), never the first page read as if no cursor had been sent."""
+    would not have written (an empty or garbled one, one padded or wrapped in other characters,
+    an instant without its offset or UTC cannot hold, an id a trajectory cannot have, NUL
+    included: PostgreSQL refuses NUL in text, so it must never reach the query), never the first
+    page read as if no cursor had been sent. Cursors are not signed: a well-formed one a client
+    built itself reads as the position it names."""
     try:
         created, trajectory_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
         if not isinstance(trajectory_id, str) or not TRAJECTORY_ID_PATTERN.fullmatch(trajectory_id):
             raise ValueError("not a trajectory id")
-        return in_utc_range(datetime.fromisoformat(created)), trajectory_id
+        instant = datetime.fromisoformat(created)
+        # b64decode skips characters outside its alphabet and extra padding, so ``!!<C>!`` read
+        # as ``<C>``; only the exact bytes _encode_cursor writes (an instant with its offset) pass.
+        if instant.tzinfo is None or _encode_cursor(instant, trajectory_id) != cursor:
+            raise ValueError("not as this API writes a cursor")
+        return in_utc_range(instant), trajectory_id
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(
             f"cursor {cursor[:40]!r} is not one this API returned; pass a page's next_cursor "

@@ -506,6 +506,12 @@ document.addEventListener("alpine:init", () => {
       return depths;
     },
     // "subagent agent-a (of 5f0c7a52…)": the conversation (lineage) a step belongs to.
+    // A re-send (flag resend) keeps the call id of the call it re-sent: name that call's first
+    // step, so the original is found without reading ids.
+    resentText(s) {
+      const first = (this.traj?.steps || []).find((o) => o.call_id === s.call_id && o.id !== s.id);
+      return first ? `re-sends step ${first.step_index}` : "re-sends a call not in this view";
+    },
     lineageText(s) {
       const short = (id) => (id && id.length > 14 ? id.slice(0, 12) + "…" : id);
       const parent = s.lineage_parent_id ? ` (of ${short(s.lineage_parent_id)})` : "";
