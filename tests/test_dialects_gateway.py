@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_helpers import chat_response, gateway_with, sse_payloads, steps_of
+from gateway_helpers import chat_response, gateway_with, sse_body, sse_payloads, steps_of
 from sqlalchemy import select
 from tests_support import free_port
 
@@ -180,8 +180,8 @@ def test_responses_input_lists_chain_as_deltas_and_previous_response_id_reads_th
     first = {"model": "tiny", "input": [user], "max_output_tokens": 6}
     one = _post(url, first)
     assert one.status_code == 200, one.text
-    # The response id names the call: resp_<call id as hex>.
-    assert one.json()["id"] == "resp_" + one.headers["x-trajgate-call-id"].replace("-", "")
+    # The response id names the step: resp_<step id as hex>.
+    assert one.json()["id"] == "resp_" + one.headers["x-trajgate-step-id"].replace("-", "")
     second = {
         "model": "tiny",
         "input": [user, *one.json()["output"], {"role": "user", "content": "more"}],
@@ -570,3 +570,75 @@ def test_trajectory_export_carries_the_chat_messages_the_engine_saw_for_every_di
         messages = json.loads(exported[trajectory_id]["messages_json"])
         assert messages[0] == {"role": "system", "content": "be brief"}
         assert messages[1:] == [{"role": "user", "content": "hi"}]
+
+
+def test_each_resent_responses_answer_has_its_own_id_and_a_chain_continues_from_that_answer(
+    sqlite_pool: PoolSettings,
+) -> None:
+    """A re-send (the same body again: flagged ``resend``, the earlier call's ``call_id``) is
+    another sample: its response id must differ from the first answer's, and chaining from the
+    first answer must give the engine the first answer's text, not the latest sample of the
+    call. Unary and streamed alike; an id of the older form (``resp_<call id>``) still reads
+    the call's latest answer. A fake upstream, because only it answers every sample with a
+    different text (sampled at temperature 1, the tiny model may well repeat itself)."""
+    chat_bodies: list[dict[str, Any]] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":  # the start-up probes
+            return httpx.Response(200, json={"object": "list", "data": []})
+        body = json.loads(request.content)
+        chat_bodies.append(body)
+        text = f"sample-{len(chat_bodies)}"
+        answer = chat_response([7, 8], [-0.5, -0.25], completion_tokens=2, content=text)
+        if not body.get("stream"):
+            return httpx.Response(200, json=answer)
+        choice = answer["choices"][0]
+        delta = {"role": "assistant", "content": text}
+        chunk = {
+            **{k: answer[k] for k in ("id", "created", "model")},
+            "object": "chat.completion.chunk",
+            "choices": [{**choice, "delta": delta, "message": None}],
+        }
+        usage = {**chunk, "choices": [], "usage": answer["usage"]}
+        first = {**chunk, "prompt_token_ids": answer["prompt_token_ids"]}
+        content = sse_body([first, usage])
+        return httpx.Response(200, content=content, headers={"content-type": "text/event-stream"})
+
+    def answered(response: httpx.Response) -> tuple[str, str]:
+        """(id, output text) of a unary or streamed Responses answer."""
+        if response.headers["content-type"].startswith("application/json"):
+            final = response.json()
+        else:
+            events = [json.loads(p) for p in sse_payloads(response.text) if p.startswith("{")]
+            [final] = [e["response"] for e in events if e["type"] == "response.completed"]
+        return final["id"], final["output"][0]["content"][0]["text"]
+
+    with gateway_with(sqlite_pool, free_port(), transport=httpx.MockTransport(upstream)) as gw:
+        for stream in (False, True):
+            url = f"{gw.url}/t/resp-resent-{stream}/v1/responses"
+            body = {"model": "tiny", "input": "hi", "temperature": 1.0, "stream": stream}
+            one, two = _post(url, body), _post(url, body)
+            assert one.status_code == two.status_code == 200, (one.text, two.text)
+            assert one.headers["x-trajgate-call-id"] == two.headers["x-trajgate-call-id"]
+            (id_one, text_one), (id_two, text_two) = answered(one), answered(two)
+            assert text_one != text_two and id_one != id_two
+            # Each id names its own step: resp_<step id as hex>.
+            for response, response_id in ((one, id_one), (two, id_two)):
+                assert response_id == "resp_" + response.headers["x-trajgate-step-id"].replace(
+                    "-", ""
+                )
+
+            chained = _post(url, {"model": "tiny", "input": "on", "previous_response_id": id_one})
+            assert chained.status_code == 200, chained.text
+            assert chat_bodies[-1]["messages"] == [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": text_one},
+                {"role": "user", "content": "on"},
+            ]
+            # An id handed out before ids named steps (resp_<call id>): the call's latest answer.
+            older = "resp_" + one.headers["x-trajgate-call-id"].replace("-", "")
+            again = _post(url, {"model": "tiny", "input": "on!", "previous_response_id": older})
+            assert again.status_code == 200, again.text
+            assert chat_bodies[-1]["messages"][1] == {"role": "assistant", "content": text_two}
+            flags = [step.flags for step in steps_of(sqlite_pool, f"resp-resent-{stream}")]
+            assert ["resend" in f for f in flags] == [False, True, False, False]

@@ -44,13 +44,17 @@ SPLIT_UNKNOWN = "policy_version_split_unknown"
 
 @contextmanager
 def replicas_behind_gateway(
-    pool: PoolSettings, count: int
+    pool: PoolSettings, count: int, listings: list[dict[str, Any]] | None = None
 ) -> Iterator[tuple[list[EmulatorThread], httpx.Client]]:
-    """``count`` emulated replicas behind one gateway in which version 1 is active."""
+    """``count`` emulated replicas behind one gateway in which version 1 is active; replica
+    ``n`` lists the models ``listings[n]`` names (``model``, ``also_serves``: its adapters)."""
     with ExitStack() as stack:
         engines = []
-        for _ in range(count):
-            settings = EmulatorSettings(port=free_port(), prompt_ids="messages", response_tokens=3)
+        for n in range(count):
+            listed = listings[n] if listings else {}
+            settings = EmulatorSettings(
+                port=free_port(), prompt_ids="messages", response_tokens=3, **listed
+            )
             engine = EmulatorThread(settings).start()
             stack.callback(engine.stop)
             engines.append(engine)
@@ -224,3 +228,49 @@ def test_a_full_weight_update_naming_a_model_no_replica_serves_is_400_before_any
     assert engine.book.weights.asked == []  # no pause, reload or resume sent
     assert versions == [(1, True)]  # version 2 neither claimed nor activated
     assert served.status_code == 200 and served.headers["x-trajgate-policy-version"] == "1"
+
+
+def test_a_full_weight_update_naming_a_loaded_lora_adapter_is_400_before_anything_pauses(
+    sqlite_pool: PoolSettings,
+) -> None:
+    # vLLM lists the adapter with a parent: a reload under its name would replace the base
+    # weights and stamp the adapter's steps with version 2, which they never ran on.
+    listing = {"also_serves": ["lora-b-v1"]}
+    with replicas_behind_gateway(sqlite_pool, 1, [listing]) as ([engine], api):
+        body = {"version": 2, "model_name": "lora-b-v1", "weights_location": "/ckpt/v2"}
+        refused = api.post("/admin/weight-updates", json=body)
+        versions = _active(api)
+        # A policy version may still be registered under the adapter (loaded outside the
+        # gateway): nothing is reloaded for it.
+        adapter_version = {"version": 3, "model_name": "lora-b-v1", "activate": False}
+        registered = api.post("/admin/policy-versions", json=adapter_version)
+
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_served", "model_name")
+    assert "'lora-b-v1' is not served" in error["message"]
+    assert "every replica serves are ['emulated']" in error["message"]
+    assert "weight_format 'lora'" in error["message"]
+    assert engine.book.weights.asked == []  # no pause, reload or resume sent
+    assert versions == [(1, True)]  # version 2 neither claimed nor activated
+    assert registered.status_code == 201, registered.text
+
+
+def test_a_full_weight_update_naming_a_base_model_only_one_replica_serves_is_400(
+    sqlite_pool: PoolSettings,
+) -> None:
+    # The reload goes to every replica: the one serving "emulated" would load "other"'s weights
+    # under its own name.
+    listings = [{"model": "emulated"}, {"model": "other"}]
+    with replicas_behind_gateway(sqlite_pool, 2, listings) as (engines, api):
+        body = {"version": 2, "model_name": "other", "weights_location": "/ckpt/v2"}
+        refused = api.post("/admin/weight-updates", json=body)
+        versions = _active(api)
+
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_served", "model_name")
+    # {"emulated"} & {"other"} = {}: no base model is served everywhere.
+    assert "every replica serves are []" in error["message"]
+    assert [engine.book.weights.asked for engine in engines] == [[], []]
+    assert versions == [(1, True)]

@@ -136,24 +136,28 @@ def find_resend(
 
 
 def find_exchange(
-    sessions: sessionmaker[Session], trajectory_id: str, call_id: str
+    sessions: sessionmaker[Session], trajectory_id: str, named: str
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
-    """``(request, upstream_request, response_message)`` of call ``call_id`` of the trajectory:
-    its latest ok first-choice step that has a response message, both requests read back whole
-    (``datapool.steps.messages.expand_requests``); None when the trajectory has no such step."""
+    """``(request, upstream_request, response_message)`` of the trajectory's step ``named``,
+    or else (a reference handed out before references named steps) of its call ``named``'s
+    latest step; either way an ok first-choice step that has a response message, both
+    requests read back whole (``datapool.steps.messages.expand_requests``). None when the
+    trajectory has no such step. A step id and a call id never coincide (both random UUIDs)."""
+    answered = (
+        Step.trajectory_id == trajectory_id,
+        Step.choice_index == 0,
+        Step.outcome == StepOutcome.OK,
+        Step.response_message.is_not(None),
+    )
     with sessions() as session:
-        row = session.scalars(
-            select(Step)
-            .where(
-                Step.trajectory_id == trajectory_id,
-                Step.call_id == call_id,
-                Step.choice_index == 0,
-                Step.outcome == StepOutcome.OK,
-                Step.response_message.is_not(None),
-            )
-            .order_by(Step.step_index.desc())
-            .limit(1)
-        ).first()
+        row = session.scalars(select(Step).where(Step.id == named, *answered)).first()
+        if row is None:
+            row = session.scalars(
+                select(Step)
+                .where(Step.call_id == named, *answered)
+                .order_by(Step.step_index.desc())
+                .limit(1)
+            ).first()
         if row is None or row.response_message is None:
             return None
         expand_requests(session, [row])

@@ -29,7 +29,7 @@ from gateway.engine.admin import (
     resume_replicas,
     unload_adapters,
 )
-from gateway.engine.models import served_models
+from gateway.engine.models import base_models_everywhere, served_models
 from gateway.errors import (
     ConflictError,
     InvalidRequestError,
@@ -217,18 +217,24 @@ async def register_policy_version(
     return _public(row)
 
 
-async def _check_served(state: GatewayState, model_name: str, fix: str) -> None:
+async def _check_served(
+    state: GatewayState, model_name: str, fix: str, *, base_everywhere: bool = False
+) -> None:
     """Raise 400 ``model_not_served`` (naming the served models and ``fix``) when no replica
-    lists ``model_name`` in its model list; unchecked when no replica answers one."""
-    served = await served_models(
-        state.client,
-        [replica.url for replica in state.upstreams.replicas],
-        state.settings.upstream_connect_timeout_s,
-    )
+    lists ``model_name`` in its model list, or, with ``base_everywhere``, when not every
+    answering replica lists it as a base model (an entry without ``parent``, not a LoRA
+    adapter); unchecked when no replica answers one."""
+    urls = [replica.url for replica in state.upstreams.replicas]
+    timeout_s = state.settings.upstream_connect_timeout_s
+    if base_everywhere:
+        served = await base_models_everywhere(state.client, urls, timeout_s)
+        which = "the base models (not LoRA adapters) every replica serves are"
+    else:
+        served = await served_models(state.client, urls, timeout_s)
+        which = "the replicas serve"
     if served is not None and model_name not in served:
         raise InvalidRequestError(
-            f"model_name {model_name!r} is not served by vLLM; the replicas serve "
-            f"{sorted(served)} ({fix})",
+            f"model_name {model_name!r} is not served by vLLM; {which} {sorted(served)} ({fix})",
             param="model_name",
             code="model_not_served",
         )
@@ -254,8 +260,9 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
     ``weight_update_drain_timeout_s``), then reloads every replica in place, resets its prefix
     cache and registers ``version``. Then the held calls are released (stamped with
     ``version``). 400 when ``model_name`` is missing or ``adapter_prefix`` sent (LoRA only);
-    400 ``model_not_served`` when no replica lists ``model_name`` (nothing paused or
-    registered; not checked when no replica answers its list);
+    400 ``model_not_served`` when ``model_name`` is not a base model (a ``/v1/models`` entry
+    without ``parent``: a LoRA adapter's name is refused) that every answering replica lists
+    (nothing paused or registered; not checked when no replica answers its list);
     409 ``policy_version_conflict`` when ``version`` is registered with another
     model name or weights location (nothing paused; an identical re-send reloads the same
     weights again); 409 when this gateway runs several worker processes (the pause
@@ -295,14 +302,17 @@ async def update_weights(body: WeightUpdateCreate, state: AdminDep) -> WeightUpd
             "(never paused).",
             code="weight_update_needs_one_worker",
         )
-    # The reload replaces the weights under the name the replicas serve: a name they do not
+    # The reload replaces the base weights of every replica under the name: a name they do not
     # serve would pause every call, reload, and activate a version whose model every call for
-    # the alias asks vLLM for in vain (404). Checked before the claim: nothing paused or stored.
+    # the alias asks vLLM for in vain (404); a LoRA adapter's name, or a base model only some
+    # replicas serve, would reload the base weights and stamp its steps with a version their
+    # model never had. Checked before the claim: nothing paused or stored.
     await _check_served(
         state,
         model_name,
-        "full weights replace a served model's in place: name the base model the replicas "
-        "serve, or publish an adapter with weight_format 'lora'",
+        "full weights replace a served model's in place: name the base model every replica "
+        "serves, or publish an adapter with weight_format 'lora'",
+        base_everywhere=True,
     )
     # The version is claimed in the database before anything pauses: of two publishes of one
     # version with different weights (in turn, at once, or through gateways sharing the

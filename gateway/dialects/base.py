@@ -22,10 +22,11 @@ upstream body          ``prepare``: the one translation of a call, run as soon a
                        logprobs, usage), translated when the upstream speaks another API (the
                        proxy then adds the channel's sampling defaults a client omitted,
                        ``with_sampling_defaults``: recorded, since the step stores the body)
-earlier calls          ``earlier_call_id``: the call a body continues (the Responses API's
-                       ``previous_response_id``); the proxy reads that call's step from the
-                       pool and hands it to ``prepare_call`` with the prepared call, the
-                       resolved model and the new call's id (no second translation)
+earlier calls          ``earlier_call_id``: the step (or, for older references, the call) a
+                       body continues (the Responses API's ``previous_response_id``); the
+                       proxy reads that step from the pool and hands it to ``prepare_call``
+                       with the prepared call, the resolved model and the id the new call's
+                       first step will be recorded under (no second translation)
 canonical record       ``canonical``: the engine's body as the pool's ``CanonicalCall``
                        (``datapool.steps.canonical``), written once per call when its record
                        is made; ``history_field`` names the client body's list that repeats
@@ -312,17 +313,19 @@ class Dialect(ABC):
         return upstream_field
 
     def earlier_call_id(self, body: dict[str, Any]) -> str | None:
-        """The id of the earlier call of the same trajectory that ``body`` continues (None:
-        none, the default). Raises ``InvalidRequestError`` when the reference cannot name a
+        """The id of the earlier step of the same trajectory that ``body`` continues, or of
+        its call (``datapool.steps.calls.find_exchange`` reads either; None: none, the
+        default). Raises ``InvalidRequestError`` when the reference cannot name a
         call (the proxy then answers 400 before any lookup)."""
         return None
 
     def prepare_call(
-        self, prepared: Prepared, model: Any, call_id: str, earlier: EarlierCall | None
+        self, prepared: Prepared, model: Any, step_id: str, earlier: EarlierCall | None
     ) -> Prepared:
-        """``prepared`` for the call ``call_id`` with the policy's upstream ``model`` (the
-        alias resolved), given the earlier call ``earlier_call_id`` named (None when it named
-        none, or the pool has no such call). Default: ``with_model``."""
+        """``prepared`` for the call whose first step will be recorded as ``step_id``, with the
+        policy's upstream ``model`` (the alias resolved), given the earlier step
+        ``earlier_call_id`` named (None when it named none, or the pool has no such step).
+        Default: ``with_model``."""
         return with_model(prepared, model)
 
     @abstractmethod

@@ -10,7 +10,8 @@ Modules, one per exchange:
   (``send_exact``, ``render_ahead``, ``continues_exactly``).
 - ``admin``: pause, resume, reload, prefix-cache reset and weight label of full-weight updates,
   LoRA load, list and unload (``ReloadError``, ``AdapterRefusedError``).
-- ``models``: the model list (``model_entries``, ``served_models``, ``models_answer``).
+- ``models``: the model list (``model_entries``, ``served_models``,
+  ``base_models_everywhere``, ``models_answer``).
 - ``probe``: the health check, the token-id probe and the exact-continuation probe
   (``healthy``, ``probe_token_ids``, ``probe_exact_endpoints``), found as values.
 - ``tokenize``: ``/tokenize``, for the dialects' side routes (``tokenize``).

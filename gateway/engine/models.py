@@ -1,8 +1,10 @@
 """The engine's list of the models it serves now (``GET /v1/models``), read.
 
 Owns: ``model_entries`` (one replica's list, each asked within one overall deadline),
-``served_models`` (the union over replicas: which model names may be served) and
-``models_answer`` (the list as vLLM answered it, for the gateway's own ``/v1/models``).
+``served_models`` (the union over replicas: which model names may be served),
+``base_models_everywhere`` (the base models every answering replica serves: which names a
+full-weight reload may replace) and ``models_answer`` (the list as vLLM answered it, for the
+gateway's own ``/v1/models``).
 vLLM lists each model with ``id`` and ``root`` (the path it loaded the weights and tokenizer
 from) and each loaded LoRA adapter with ``parent`` (its base model).
 Never: decides what a listing means for a call (``gateway.api.admin``, ``gateway.tokenizer_dirs``,
@@ -33,13 +35,34 @@ async def served_models(
     lists (an adapter loaded into one replica is served by that one), each asked within
     ``timeout_s``. None when no replica answered a list: unknown, so nothing may be refused on
     it."""
+    answers = await _listed_names(client, urls, timeout_s, bases_only=False)
+    return set().union(*answers) if answers else None
 
-    async def listed(url: str) -> list[str] | None:
+
+async def base_models_everywhere(
+    client: httpx.AsyncClient, urls: list[str], timeout_s: float
+) -> set[str] | None:
+    """The base models (entries without ``parent``: not LoRA adapters) that every replica at
+    ``urls`` answering its ``MODELS_PATH`` list serves, each asked within ``timeout_s``: the
+    names a full-weight reload, sent to every replica, may replace. None when no replica
+    answered a list (unknown, so nothing may be refused on it)."""
+    answers = await _listed_names(client, urls, timeout_s, bases_only=True)
+    return set.intersection(*answers) if answers else None
+
+
+async def _listed_names(
+    client: httpx.AsyncClient, urls: list[str], timeout_s: float, *, bases_only: bool
+) -> list[set[str]]:
+    """The ids each replica at ``urls`` that answered a list lists (only its base models when
+    ``bases_only``), in the order of ``urls``, those that did not answer left out."""
+
+    async def listed(url: str) -> set[str] | None:
         entries = await model_entries(client, url, timeout_s)
-        return None if entries is None else [e["id"] for e in entries]
+        if entries is None:
+            return None
+        return {e["id"] for e in entries if not (bases_only and e.get("parent"))}
 
-    answers = [names for names in await asyncio.gather(*map(listed, urls)) if names is not None]
-    return {name for names in answers for name in names} if answers else None
+    return [names for names in await asyncio.gather(*map(listed, urls)) if names is not None]
 
 
 async def model_entries(

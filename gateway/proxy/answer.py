@@ -10,7 +10,6 @@ Never: retries (``gateway.proxy.attempts`` has decided).
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import httpx
@@ -39,7 +38,6 @@ async def answer_call(state: GatewayState, call: Call, upstream: ReplicaResponse
     if not call.prepared.stream:
         return await finish_unary(state, call, upstream)
     reads, first = await call.ticket.guard(first_event(state, call, upstream))
-    call.step_ids = [str(uuid.uuid4()) for _ in range(call.prepared.n_choices)]
     return StreamingResponse(
         relay_stream(state, call, upstream, reads, first),
         media_type=response.headers.get("content-type", "text/event-stream"),

@@ -55,7 +55,8 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     # Its upstream attempts, in order, each recorded through this (``Attempts``).
     attempts: Attempts = field(init=False)
-    # Named before writing when the answer's headers go out first (streaming): index = choice.
+    # Named when the call is prepared (``preparation.new_call``), before anything is written:
+    # a stream's headers go out first, and a Responses id names its step. Index = choice.
     step_ids: list[str] = field(default_factory=list)
     # Admission through the weight gate: how long it was held, and the abort of its sampling.
     ticket: Ticket = field(default_factory=Ticket)

@@ -62,9 +62,11 @@ async def new_call(
 
     The upstream body is final before the pool is asked about re-sends and turns, so an exact
     continuation's render is already on its way meanwhile (``render_ahead_of``), held by
-    ``lifetime`` (``CallLifetime.ahead``), whose end cancels it if no attempt took it; a
-    re-send's body is prepared again under the earlier call's id (``send_exact`` takes the
-    render sent ahead when that body's JSON is the same)."""
+    ``lifetime`` (``CallLifetime.ahead``), whose end cancels it if no attempt took it.
+
+    The ids its steps will be recorded under are drawn here, before the dialect prepares the
+    call, so an answer may name its own step (a Responses id is ``resp_<step id>``): a re-send
+    shares the earlier call's id but never its steps' ids."""
     body = prepared.client_body
     resolution = state.policy.resolve(body.get("model"))
     digest = request_hash(dialect.name, body)
@@ -73,16 +75,15 @@ async def new_call(
     policy = state.settings.sampling_policy_for(attribution.channel)
     tool_strict_level = state.settings.upstream_tool_strict_level
 
-    def prepared_as(call_id: str) -> tuple[Prepared, dict[str, Any]]:
-        call = with_sampling_defaults(
-            dialect.prepare_call(prepared, resolution.upstream_model, call_id, earlier), defaults
-        )
-        call, replaced = apply_policy(dialect, call, policy, defaults, tool_strict_level)
-        check_limits(dialect, call, state.settings.generation_limits)
-        return call, replaced
-
+    first_step_id = str(uuid.uuid4())
+    final = with_sampling_defaults(
+        dialect.prepare_call(prepared, resolution.upstream_model, first_step_id, earlier),
+        defaults,
+    )
+    final, replaced = apply_policy(dialect, final, policy, defaults, tool_strict_level)
+    check_limits(dialect, final, state.settings.generation_limits)
+    step_ids = [first_step_id, *(str(uuid.uuid4()) for _ in range(final.n_choices - 1))]
     call_id = str(uuid.uuid4())
-    final, replaced = prepared_as(call_id)
     # Owned by the call's lifetime from here: whatever ends the call (a refusal below, a
     # failed or cancelled attempt) ends the render too.
     lifetime.ahead = render_ahead_of(state, attribution, dialect, final)
@@ -102,7 +103,6 @@ async def new_call(
         )
     if resend_of is not None:
         call_id = resend_of
-        final, replaced = prepared_as(call_id)
     continuation, history = await plan_continuation(
         state, attribution, final.upstream_body, dialect
     )
@@ -126,6 +126,7 @@ async def new_call(
         prepared=final,
         policy_version=resolution.policy_version,
         call_id=call_id,
+        step_ids=step_ids,
         request_hash=digest,
         idempotency_key=idempotency_key,
         resend_of=resend_of,
@@ -215,13 +216,13 @@ async def plan_continuation(
 async def earlier_call(
     state: GatewayState, dialect: Dialect, body: dict[str, Any], attribution: Attribution
 ) -> EarlierCall | None:
-    """The stored exchange of the trajectory's call that ``body`` continues, if it names one
-    and the pool holds it (the dialect refuses a reference that finds nothing)."""
-    call_id = dialect.earlier_call_id(body)
-    if call_id is None:
+    """The stored exchange of the trajectory's step or call that ``body`` continues, if it
+    names one and the pool holds it (the dialect refuses a reference that finds nothing)."""
+    named = dialect.earlier_call_id(body)
+    if named is None:
         return None
     found = await pool_lookup(
-        state, find_exchange, state.store.sessions, attribution.trajectory_id, call_id, needed=True
+        state, find_exchange, state.store.sessions, attribution.trajectory_id, named, needed=True
     )
     return None if found is None else EarlierCall(*found)
 

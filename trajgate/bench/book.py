@@ -50,9 +50,10 @@ class EmulatorSettings(ConfigFileSettings):
     model: str = Field(default="emulated", description="Model name reported in responses.")
     also_serves: list[str] = Field(
         default_factory=list,
-        description="More model names GET /v1/models lists after model (as vLLM lists the LoRA "
-        "adapters it loaded), so a gateway registers policy versions of them; a call may name "
-        "any model either way.",
+        description="More model names GET /v1/models lists after model, each with model as "
+        "its parent (as vLLM lists the LoRA adapters it loaded), so a gateway registers policy "
+        "versions of them (but refuses full-weight updates of them); a call may name any model "
+        "either way.",
     )
     prompt_tokens: int = Field(
         default=1000,

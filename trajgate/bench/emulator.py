@@ -141,8 +141,12 @@ class _Connection(asyncio.Protocol):
         elif path == "/health" and method == "GET":
             self._send(200, b"")
         elif path == "/v1/models" and method == "GET":
-            names = [self.book.settings.model, *self.book.settings.also_serves]
-            entries = [{"id": name, "object": "model", "owned_by": "vllm"} for name in names]
+            base = self.book.settings.model
+            # The more names are listed as vLLM lists the LoRA adapters it loaded: with parent.
+            entries = [{"id": base, "object": "model", "owned_by": "vllm"}] + [
+                {"id": name, "object": "model", "owned_by": "vllm", "parent": base}
+                for name in self.book.settings.also_serves
+            ]
             self._send(200, _dumps({"object": "list", "data": entries}))
         elif path == "/v1/chat/completions" and method == "POST":
             await self._chat(body)

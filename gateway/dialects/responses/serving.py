@@ -22,11 +22,14 @@ Why translate instead of calling vLLM's own ``/v1/responses`` (vLLM 0.32):
   and Responses features with no chat equivalent (hosted tools, encrypted reasoning) are
   refused or left out, never emulated.
 
-``previous_response_id`` resolves from the pool: a response's id is ``resp_<its call id as 32
-hex digits>`` (``response_id_of``), so ``earlier_call_id`` names the call, the proxy reads that
-call's step from the trajectory (client request, upstream request, response message) and hands
-it to ``prepare_call``; an id that names no call of the trajectory is a 400
-(``previous_response_not_found``), before anything is sent upstream or recorded.
+``previous_response_id`` resolves from the pool: a response's id is ``resp_<the id of the step
+that records it, as 32 hex digits>`` (``response_id_of``), so ``earlier_call_id`` names that
+step, the proxy reads it from the trajectory (client request, upstream request, response
+message) and hands it to ``prepare_call``; an id that names no step of the trajectory is a 400
+(``previous_response_not_found``), before anything is sent upstream or recorded. Per step, not
+per call: a re-send shares its earlier call's id, and its answer, another sample, must be told
+apart. Ids handed out before were ``resp_<call id>``; ``find_exchange`` still reads those as the
+call's latest step.
 """
 
 from __future__ import annotations
@@ -76,18 +79,19 @@ def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
 
 
-def response_id_of(call_id: str) -> str:
-    """``resp_<hex>`` for a call id (a UUID): the response id the client sees, and reads back
-    into the call id with ``call_id_of``. A call id that is no UUID gets a fresh id."""
+def response_id_of(step_id: str) -> str:
+    """``resp_<hex>`` for a step id (a UUID): the response id the client sees, and reads back
+    into the step id with ``step_id_of``. A step id that is no UUID gets a fresh id."""
     try:
-        return "resp_" + uuid.UUID(call_id).hex
+        return "resp_" + uuid.UUID(step_id).hex
     except ValueError:
         return new_response_id()
 
 
-def call_id_of(response_id: str) -> str | None:
-    """The call id (canonical UUID text) a ``resp_<32 hex>`` id names; None for any other
-    string (no call of this gateway answered with it)."""
+def step_id_of(response_id: str) -> str | None:
+    """The id (canonical UUID text) a ``resp_<32 hex>`` id names: its step's, or, for an id
+    handed out before ids named steps, its call's; None for any other string (no call of this
+    gateway answered with it)."""
     suffix = response_id.removeprefix("resp_")
     if suffix == response_id or len(suffix) != 32:
         return None
@@ -118,15 +122,16 @@ class Responses(TranslatingDialect):
         )
 
     def earlier_call_id(self, body: dict[str, Any]) -> str | None:
-        """The call ``previous_response_id`` names; None without one, or when it names no
-        call of this gateway (``prepare_call`` then refuses it as unknown)."""
+        """The step (or, in an older id, the call) ``previous_response_id`` names; None
+        without one, or when it names no call of this gateway (``prepare_call`` then refuses
+        it as unknown)."""
         earlier = previous_response_id(body)
-        return None if earlier is None else call_id_of(earlier)
+        return None if earlier is None else step_id_of(earlier)
 
     def prepare_call(
-        self, prepared: Prepared, model: Any, call_id: str, earlier: EarlierResponse | None
+        self, prepared: Prepared, model: Any, step_id: str, earlier: EarlierResponse | None
     ) -> ResponsesPrepared:
-        """``prepared`` answering as ``resp_<call id>``, with ``model``, and with the history
+        """``prepared`` answering as ``resp_<step id>``, with ``model``, and with the history
         of ``earlier`` when the body has a ``previous_response_id``; raises
         ``InvalidRequestError`` when it has one and ``earlier`` is None."""
         call = _responses(with_model(prepared, model))
@@ -138,7 +143,7 @@ class Responses(TranslatingDialect):
             call,
             upstream_body=upstream,
             translation=translation,
-            response_id=response_id_of(call_id),
+            response_id=response_id_of(step_id),
         )
 
     def client_answer(self, prepared: Prepared, answer: dict[str, Any]) -> dict[str, Any]:
