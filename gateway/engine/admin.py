@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from gateway.engine.errors import ExchangeTimeoutError, deadline
-from gateway.engine.models import model_entries
+from gateway.engine.models import listed_ids
 from gateway.engine.paths import (
     COLLECTIVE_RPC_PATH,
     LOAD_LORA_ADAPTER_PATH,
@@ -303,13 +303,7 @@ async def listed_adapters(
 ) -> dict[str, set[str]]:
     """The adapters each replica lists now (``GET /v1/models`` entries with a ``parent``), each
     asked within ``timeout_s``; a replica that does not answer a list is left out."""
-
-    async def listed(url: str) -> set[str] | None:
-        entries = await model_entries(client, url, timeout_s)
-        return None if entries is None else {e["id"] for e in entries if e.get("parent")}
-
-    answers = await asyncio.gather(*map(listed, urls))
-    return {url: names for url, names in zip(urls, answers, strict=True) if names is not None}
+    return await listed_ids(client, urls, timeout_s, "adapters")
 
 
 @dataclass(frozen=True)

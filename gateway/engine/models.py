@@ -3,7 +3,8 @@
 Owns: ``model_entries`` (one replica's list, each asked within one overall deadline),
 ``served_models`` (the union over replicas: which model names may be served),
 ``base_models_everywhere`` (the base models every answering replica serves: which names a
-full-weight reload may replace) and ``models_answer`` (the list as vLLM answered it, for the
+full-weight reload may replace), ``listed_ids`` (per replica: every id, its base models or
+its LoRA adapters) and ``models_answer`` (the list as vLLM answered it, for the
 gateway's own ``/v1/models``).
 vLLM lists each model with ``id`` and ``root`` (the path it loaded the weights and tokenizer
 from) and each loaded LoRA adapter with ``parent`` (its base model).
@@ -14,7 +15,7 @@ Never: decides what a listing means for a call (``gateway.api.admin``, ``gateway
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -35,7 +36,7 @@ async def served_models(
     lists (an adapter loaded into one replica is served by that one), each asked within
     ``timeout_s``. None when no replica answered a list: unknown, so nothing may be refused on
     it."""
-    answers = await _listed_names(client, urls, timeout_s, bases_only=False)
+    answers = (await listed_ids(client, urls, timeout_s, "all")).values()
     return set().union(*answers) if answers else None
 
 
@@ -46,23 +47,33 @@ async def base_models_everywhere(
     ``urls`` answering its ``MODELS_PATH`` list serves, each asked within ``timeout_s``: the
     names a full-weight reload, sent to every replica, may replace. None when no replica
     answered a list (unknown, so nothing may be refused on it)."""
-    answers = await _listed_names(client, urls, timeout_s, bases_only=True)
+    answers = list((await listed_ids(client, urls, timeout_s, "bases")).values())
     return set.intersection(*answers) if answers else None
 
 
-async def _listed_names(
-    client: httpx.AsyncClient, urls: list[str], timeout_s: float, *, bases_only: bool
-) -> list[set[str]]:
-    """The ids each replica at ``urls`` that answered a list lists (only its base models when
-    ``bases_only``), in the order of ``urls``, those that did not answer left out."""
+async def listed_ids(
+    client: httpx.AsyncClient,
+    urls: list[str],
+    timeout_s: float,
+    kind: Literal["all", "bases", "adapters"],
+) -> dict[str, set[str]]:
+    """Per replica URL, the ids its ``MODELS_PATH`` list names now, each asked within
+    ``timeout_s``: every entry (``all``), the base models (``bases``: no ``parent``) or the
+    LoRA adapters (``adapters``: with a ``parent``). A replica that does not answer a list is
+    left out."""
 
     async def listed(url: str) -> set[str] | None:
         entries = await model_entries(client, url, timeout_s)
         if entries is None:
             return None
-        return {e["id"] for e in entries if not (bases_only and e.get("parent"))}
+        return {
+            e["id"]
+            for e in entries
+            if kind == "all" or bool(e.get("parent")) == (kind == "adapters")
+        }
 
-    return [names for names in await asyncio.gather(*map(listed, urls)) if names is not None]
+    answers = await asyncio.gather(*map(listed, urls))
+    return {url: names for url, names in zip(urls, answers, strict=True) if names is not None}
 
 
 async def model_entries(
