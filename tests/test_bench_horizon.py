@@ -78,6 +78,9 @@ def test_horizon_reports_every_tenth_of_sessions_stored_exactly() -> None:
             assert t["gateway_p50_ms"] > 0 and t["trajectory_view_ms"] > 0
             # /proc counts in 10 ms ticks: a tenth of two calls may read 0
             assert t["gateway_cpu_ms_per_call"] >= 0 and t["gateway_loop_cpu_ms_per_call"] >= 0
+            # the emulator is a child process: its CPU clock is read, never None
+            assert t["engine_direct_cpu_ms_per_call"] >= 0
+            assert t["engine_gateway_cpu_ms_per_call"] >= 0
         # the history grows by an answer and a tool result per turn, the view by a step
         for figure in ("request_bytes", "trajectory_view_bytes"):
             values = [t[figure] for t in tenths]

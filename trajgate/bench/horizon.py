@@ -23,6 +23,10 @@ and wait for each other at the end of every tenth. Per tenth ``k`` (turns ``[k T
   tenth's gateway calls ÷ those calls; ``gateway_loop_cpu_ms_per_call`` the same of its main
   thread alone (the event loop: what every call waits on; the rest is the pool's writer and
   the threads of its lookups).
+- ``engine_direct_cpu_ms_per_call`` / ``engine_gateway_cpu_ms_per_call``: the emulator
+  process's CPU over the tenth's direct calls ÷ those calls, and over the gateway's calls ÷
+  those: what the engine side works per call when a chat call comes straight and when the
+  gateway's exact continuation asks it (render, generate, derender), each carrying the history.
 - ``request_bytes``: mean size of the client's body (bytes).
 - ``stored_bytes_per_step``: mean over the tenth's steps of what the pool keeps per step: its
   ``steps`` row, every row of any table with a ``step_id`` column naming it
@@ -83,6 +87,8 @@ WARMUP_TURNS = 3
 RATIO_FIGURES = (
     "gateway_cpu_ms_per_call",
     "gateway_loop_cpu_ms_per_call",
+    "engine_direct_cpu_ms_per_call",
+    "engine_gateway_cpu_ms_per_call",
     "gateway_p50_ms",
     "added_p50_ms",
     "request_bytes",
@@ -260,11 +266,15 @@ async def _sessions(
             span = range(k * turns // TENTHS, (k + 1) * turns // TENTHS)
             direct = [_bodies(settings, "chat", stream, answer, s, span) for s in range(n)]
             sent = [_bodies(settings, dialect, stream, answer, s, span) for s in range(n)]
+            engine = targets.emulator_pid
+            engine_direct_before = process_cpu_s(engine)
             direct_ms, direct_errors = await _send_all(direct_callers, direct_paths, direct, stream)
+            engine_direct_after = process_cpu_s(engine)
             pid = targets.gateway_pid
             cpu_before, loop_before = process_cpu_s(pid), process_cpu_s(pid, pid)
             gateway_ms, gateway_errors = await _send_all(gateway_callers, paths, sent, stream)
             cpu_after, loop_after = process_cpu_s(pid), process_cpu_s(pid, pid)
+            engine_gateway_after = process_cpu_s(engine)
             errors += direct_errors + gateway_errors
             view_ms, view_bytes = await _timed_get(
                 view_client, f"/api/inspector/trajectories/{trajectories[0]}"
@@ -279,6 +289,12 @@ async def _sessions(
                     "request_bytes": round(statistics.fmean(len(b) for s in sent for b in s)),
                     "gateway_cpu_ms_per_call": _per_call_ms(cpu_before, cpu_after, calls),
                     "gateway_loop_cpu_ms_per_call": _per_call_ms(loop_before, loop_after, calls),
+                    "engine_direct_cpu_ms_per_call": _per_call_ms(
+                        engine_direct_before, engine_direct_after, calls
+                    ),
+                    "engine_gateway_cpu_ms_per_call": _per_call_ms(
+                        engine_direct_after, engine_gateway_after, calls
+                    ),
                     **_latencies(direct_ms, gateway_ms),
                     "trajectory_view_ms": view_ms,
                     "trajectory_view_bytes": view_bytes,
@@ -483,12 +499,12 @@ def side_by_side(report: dict[str, Any]) -> list[str]:
             f"{run['stored_bytes_per_session']} stored bytes per session "
             f"({run['pool_bytes_per_session']} in the whole pool)"
         )
-        lines.append(f"  {'figure':<26}{'first tenth':>14}{'last tenth':>14}{'last/first':>12}")
+        lines.append(f"  {'figure':<32}{'first tenth':>14}{'last tenth':>14}{'last/first':>12}")
         first, last = run["tenths"][0], run["tenths"][-1]
         for figure in RATIO_FIGURES:
             ratio = run["last_over_first"][figure]
             lines.append(
-                f"  {figure:<26}{_cell(first.get(figure)):>14}{_cell(last.get(figure)):>14}"
+                f"  {figure:<32}{_cell(first.get(figure)):>14}{_cell(last.get(figure)):>14}"
                 f"{_cell(ratio):>12}"
             )
     return lines
