@@ -17,6 +17,7 @@ import pytest
 from gateway_helpers import emulated_gateway, steps_of
 
 from datapool.settings import PoolSettings
+from gateway.engine.exact import DERENDER_SEED_IDS
 from trajgate.bench import scale_out
 
 EMULATOR = {"prompt_tokens": 3, "response_tokens": 2, "prompt_ids": "messages"}
@@ -237,3 +238,38 @@ def test_a_bad_id_where_the_turns_own_ids_go_is_never_sent(
     turn = [*first.prompt_token_ids, *first.response_token_ids]
     assert second.prompt_token_ids[: len(turn)] == turn
     assert -1 not in second.prompt_token_ids
+
+
+def test_derender_is_sent_the_prompts_last_ids_and_its_whole_length(
+    pool_settings: PoolSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's derender reads only the prompt's tail (it seeds its detokenizer from the last 7
+    ids), so the gateway sends the last ``DERENDER_SEED_IDS``, not the whole prompt (~21k ids at
+    turn 200 of a coding-agent session), with ``prompt_tokens`` the whole prompt's length."""
+    sent: list[dict[str, Any]] = []
+    derender = scale_out.derender
+
+    def recorded(book: Any, body: dict[str, Any], request_id: str) -> Any:
+        if "generate_response" in body:  # not the start-up probe's
+            sent.append(body)
+        return derender(book, body, request_id)
+
+    monkeypatch.setattr(scale_out, "derender", recorded)
+    with emulated_gateway(pool_settings, **{**EMULATOR, "prompt_tokens": 40}) as server:
+        url = f"{server.url}/t/derender-seed/v1/chat/completions"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Count."}]
+        for again in ("Again.", "Once more."):
+            answer = httpx.post(url, json={"model": "emulated", "messages": messages}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            text = answer.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": again}]
+        answer = httpx.post(url, json={"model": "emulated", "messages": messages}, timeout=30)
+        assert answer.status_code == 200, answer.text
+    steps = steps_of(pool_settings, "derender-seed")
+    exact = [step for step in steps if step.continuation == "exact"]
+    assert len(exact) == len(sent) == 2  # the first call is the template's: no derender
+    for step, body in zip(exact, sent, strict=True):
+        prompt = list(step.prompt_token_ids)
+        assert len(prompt) > DERENDER_SEED_IDS
+        assert body["prompt_token_ids"] == prompt[-DERENDER_SEED_IDS:]
+        assert body["prompt_tokens"] == len(prompt)

@@ -64,6 +64,12 @@ from gateway.engine.paths import CHAT_PATH, DERENDER_PATH, GENERATE_PATH, RENDER
 from gateway.engine.wire import UNREADABLE, CheckedIds, dumps, loads, loads_object, token_ids
 
 JSON_HEADERS = {"content-type": "application/json"}
+# The prompt's last ids derender is sent (``prompt_token_ids``): vLLM 0.32 seeds its detokenizer
+# from the prompt's tail alone (``convert_prompt_ids_to_tokens`` reads the last 7, and the
+# field's docstring: "Only the last few IDs are read, so a suffix of the prompt is enough"), so
+# sending the whole prompt (~21k ids at turn 200 of a coding-agent session) only made the
+# engine parse and validate them. ``prompt_tokens`` still counts the whole prompt.
+DERENDER_SEED_IDS = 64
 
 
 class ExactReplica(Protocol):
@@ -364,7 +370,8 @@ def _plain_render(render: httpx.Response) -> tuple[dict[str, Any], bytes] | None
 class _Sent:
     """What an exact unary call sent: the chat ``body`` and its JSON ``content`` (as the
     render got it), the ``prompt`` ids ``[P]`` and their JSON ``prompt_json`` (as generate got
-    them), so derender's request is written from these pieces, not serialised again."""
+    them), so derender's request is written from these pieces (the body's JSON, the prompt's
+    last ``DERENDER_SEED_IDS``), not serialised again."""
 
     body: dict[str, Any]
     content: bytes
@@ -522,13 +529,13 @@ async def _unary(
         "model": body.get("model"),
         "generate_response": _as_detokenized(generated, body),
         "chat_request": orjson.Fragment(sent.content),
-        "prompt_token_ids": orjson.Fragment(sent.prompt_json),
+        "prompt_token_ids": prompt[-DERENDER_SEED_IDS:],
         "prompt_tokens": len(prompt),
     }
     async with deadline(limit_s(timeout), DERENDER_PATH):
         derender = await client.post(
             replica.endpoint(DERENDER_PATH),
-            content=_dumps_with(request, chat_request=body, prompt_token_ids=prompt),
+            content=_dumps_with(request, chat_request=body),
             headers=JSON_HEADERS,
             timeout=timeout,
         )
