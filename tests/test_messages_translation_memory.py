@@ -1,4 +1,4 @@
-"""The Messages dialect's memory of recent translations (``gateway.dialects.messages.memory``):
+"""The Messages dialect's memory of recent translations (``gateway.dialects.translation_memory``):
 a call that re-sends its history gets the very chat body a translation from scratch gives,
 while only its new messages are translated."""
 
@@ -12,8 +12,8 @@ import orjson
 import pytest
 
 from gateway.dialects.messages import request
-from gateway.dialects.messages.memory import ENTRIES_PER_KEY, TranslationMemory
 from gateway.dialects.messages.request import translate_request
+from gateway.dialects.translation_memory import ENTRIES_PER_KEY, TranslationMemory
 from gateway.errors import InvalidRequestError
 
 DATA = Path(__file__).parent / "data"

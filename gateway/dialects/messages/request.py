@@ -56,7 +56,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.dialects.messages.memory import Kept, TranslationMemory, messages_text
 from gateway.dialects.messages.protocol import MessagesRequest
 from gateway.dialects.messages.wire import (
     ContentBlock,
@@ -75,6 +74,7 @@ from gateway.dialects.translation import (
     named_tool_choice,
     translate_tools,
 )
+from gateway.dialects.translation_memory import Kept, TranslationMemory, items_text
 from gateway.dialects.wire import (
     ChatBody,
     ChatContentPart,
@@ -163,15 +163,19 @@ _fail = _FIELDS.fail
 _expect = _FIELDS.expect
 
 
+# A Messages message becomes its chat messages alone: the fold carries nothing (``Kept.pending``).
+MessagesMemory = TranslationMemory[None]
+
+
 def translate_request(
-    body: dict[str, Any], *, counting: bool = False, memory: TranslationMemory | None = None
+    body: dict[str, Any], *, counting: bool = False, memory: MessagesMemory | None = None
 ) -> Translation:
     """The chat body for a Messages ``body`` (never mutated).
 
     ``counting`` is True for ``/v1/messages/count_tokens``: ``max_tokens`` is not required and
     no sampling field is written. ``memory``: recent translations, of which the messages a
     kept one proves the same are reused and the body's kept in turn
-    (``gateway.dialects.messages.memory``); the chat body is the same with or without it.
+    (``gateway.dialects.translation_memory``); the chat body is the same with or without it.
     Raises ``InvalidRequestError`` (400) naming the field (module docstring).
     """
     _expect(body.get("model"), str, "model", "a string")
@@ -215,12 +219,14 @@ def translate_request(
 
 
 def _translated_messages(
-    raw_messages: list[Any], memory: TranslationMemory | None
+    raw_messages: list[Any], memory: MessagesMemory | None
 ) -> list[ChatMessage]:
     """The chat messages of the body's ``messages`` (a non-empty list), those a kept
     translation proves the same taken from it, the rest translated one by one; the result kept
-    in ``memory`` (when given and orjson can write the messages)."""
-    text = None if memory is None else messages_text(raw_messages)
+    in ``memory`` (when given and orjson can write the messages). A message's chat messages are
+    ``_message``'s of it alone (it reads nothing else, and returns new messages), so
+    proved-equal messages have equal translations."""
+    text = None if memory is None else items_text(raw_messages)
     earlier, shared = (None, 0) if memory is None or text is None else memory.longest(text)
     messages: list[ChatMessage] = []
     ends: list[int] = []
@@ -231,7 +237,7 @@ def _translated_messages(
         messages += _message(raw_messages[position], f"messages.{position}")
         ends.append(len(messages))
     if memory is not None and text is not None:
-        memory.keep(Kept(text, tuple(messages), tuple(ends)), earlier)
+        memory.keep(Kept(text, tuple(messages), tuple(ends), None), earlier)
     return messages
 
 

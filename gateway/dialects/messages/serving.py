@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.dialects.base import Engine, Prepared, SideRoute, frame
-from gateway.dialects.messages.memory import TranslationMemory
 from gateway.dialects.messages.render import (
     anthropic_envelope,
     error_type,
@@ -42,7 +41,7 @@ from gateway.dialects.messages.render import (
     render_message,
     upstream_error,
 )
-from gateway.dialects.messages.request import Translation, translate_request
+from gateway.dialects.messages.request import MessagesMemory, Translation, translate_request
 from gateway.dialects.messages.stream import MessagesEvents
 from gateway.dialects.messages.wire import ErrorBody, StreamEvent
 from gateway.dialects.translation import (
@@ -99,9 +98,9 @@ class Messages(TranslatingDialect):
     side_routes = (SideRoute("/messages/count_tokens", count_tokens),)
 
     def __init__(self) -> None:
-        # Recent translations (``messages.memory``): a call re-sending its history translates
-        # only the messages it added.
-        self.translations = TranslationMemory()
+        # Recent translations (``dialects.translation_memory``): a call re-sending its history
+        # translates only the messages it added.
+        self.translations = MessagesMemory()
 
     def prepare(self, body: dict[str, Any]) -> MessagesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when

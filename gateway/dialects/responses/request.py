@@ -2,9 +2,10 @@
 
 Owns: checking a ``POST /v1/responses`` body item by item, and writing the equivalent chat body
 (``messages``, ``tools``, ``tool_choice``, sampling, ``response_format``), resolving
-``previous_response_id`` from what the pool holds of the earlier call (``EarlierResponse``).
-Never: tokenizes, reads the pool itself, or sends anything; the capture fields
-(``return_token_ids``, logprobs, the usage chunk) are added by
+``previous_response_id`` from what the pool holds of the earlier call (``EarlierResponse``),
+and resuming the translation of an ``input`` list a recent call's proves the same
+(``ResponsesMemory``). Never: tokenizes, reads the pool itself, or sends anything; the capture
+fields (``return_token_ids``, logprobs, the usage chunk) are added by
 ``gateway.dialects.responses.serving``.
 
 How the items become chat messages (in order, one pass):
@@ -31,6 +32,17 @@ Tools that are not function tools (Codex also offers ``custom``, ``web_search``,
 body and named in ``Translation.omitted_tools``; the echo lists only the function tools
 (``render.echo_fields``). Anything else this module cannot translate (an unknown item or part
 type, a wrong type) is a 400 naming the field, as in ``input[2].type``.
+
+Codex re-sends its whole ``input`` on every call. The pass over the items is a left fold whose
+state after an item is the chat messages so far and the reasoning text no message took yet
+(``_add_item``); the reasoning-only assistant message a trailing ``reasoning`` item becomes is
+added after the last item, outside the state. So a body whose leading items a recent body's
+``input`` proves the same (``gateway.dialects.translation_memory``: the items' orjson text)
+resumes from that body's state and translates only the items it added; the chat body is the
+same as from scratch. A ``function_call`` that joins the assistant message before it replaces
+that message with an extended copy: the message may be a kept one, shared by other calls'
+bodies. The ``instructions`` system message and an earlier response's history are no part of
+the state (they are put before the input's messages).
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ from gateway.dialects.translation import (
     named_tool_choice,
     translate_tools,
 )
+from gateway.dialects.translation_memory import Kept, TranslationMemory, items_text
 from gateway.dialects.wire import (
     ChatBody,
     ChatContentPart,
@@ -169,6 +182,23 @@ class Translation:
     history_at: int = 0
 
 
+# Recent ``input`` lists' translations; what the fold carries past an item is the reasoning
+# text no message took yet (``Kept.pending``), None when there is none.
+ResponsesMemory = TranslationMemory[str | None]
+
+
+@dataclass(frozen=True)
+class InputTranslation:
+    """A Responses ``input`` as chat messages (``messages``), and the entry to keep in the
+    memory once the whole body is translated (``entry``, in place of ``extends``, the entry it
+    resumed from): None for a string ``input``, without a memory, or when orjson cannot write
+    the items."""
+
+    messages: list[ChatMessage]
+    entry: Kept[str | None] | None = None
+    extends: Kept[str | None] | None = None
+
+
 # Responses errors quote the field first, as OpenAI's do: "'model' must be a string, got int".
 _FIELDS = FieldErrors(lambda param: f"'{param}'")
 _expect = _FIELDS.expect
@@ -236,12 +266,15 @@ def continued(
     return replace(translation, chat_body={**translation.chat_body, "messages": spliced})
 
 
-def translate_body(body: dict[str, Any]) -> Translation:
+def translate_body(body: dict[str, Any], memory: ResponsesMemory | None = None) -> Translation:
     """The chat body for a Responses ``body`` (never mutated) without the history of any
     ``previous_response_id`` (``continued`` adds it, once the pool was read): the call's one
-    translation, so every check runs before any lookup. Raises ``InvalidRequestError`` (400)
-    naming the field for an unknown field, item or part type, a wrong type, or a value out of
-    the field's bounds (``gateway.dialects.responses.protocol``).
+    translation, so every check runs before any lookup. ``memory``: recent translations of
+    ``input`` lists, of which the items a kept one proves the same are not translated again;
+    the body's is kept in turn once every check passed (a body that raised is kept nowhere).
+    The chat body is the same with or without it. Raises ``InvalidRequestError`` (400) naming
+    the field for an unknown field, item or part type, a wrong type, or a value out of the
+    field's bounds (``gateway.dialects.responses.protocol``).
     """
     unknown = sorted(set(body) - KNOWN_FIELDS)
     if unknown:
@@ -259,7 +292,8 @@ def translate_body(body: dict[str, Any]) -> Translation:
         messages.append({"role": "system", "content": instructions})
     history_at = len(messages)
     previous_response_id(body)  # its type is checked here; the lookup comes later
-    messages.extend(input_messages(body.get("input")))
+    translated_input = input_messages(body.get("input"), memory)
+    messages.extend(translated_input.messages)
     chat: ChatBody = {"model": body["model"], "messages": messages}
     copy_fields(body, SAMPLING, _FIELDS, chat)
     tools, omitted = translate_tools(
@@ -297,6 +331,8 @@ def translate_body(body: dict[str, Any]) -> Translation:
     # Last: the walk above names a nested field's type error first; the protocol adds the
     # bounds and enums of every top-level field, the echo-only ones included.
     check_top_level(ResponsesRequest, body, _FIELDS)
+    if memory is not None and translated_input.entry is not None:
+        memory.keep(translated_input.entry, translated_input.extends)
     return Translation(chat, logprobs_asked, omitted, history_at=history_at)
 
 
@@ -315,53 +351,72 @@ def _include(include: Any) -> list[str]:
     return list(include)
 
 
-def input_messages(value: Any) -> list[ChatMessage]:
+def input_messages(value: Any, memory: ResponsesMemory | None = None) -> InputTranslation:
     """Chat messages for a Responses ``input``: a string (one user message) or a list of items
-    (module docstring). Raises ``InvalidRequestError`` naming the item's field."""
+    (module docstring), those a kept translation in ``memory`` proves the same taken from it
+    and the rest folded in one by one. Raises ``InvalidRequestError`` naming the item's
+    field."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return InputTranslation([{"role": "user", "content": value}])
     _expect(value, list, "input", "a string or a list of items")
-    messages: list[ChatMessage] = []
-    reasoning: str | None = None
-    for position, item in enumerate(value):
-        param = f"input[{position}]"
-        _expect(item, dict, param, "an object")
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            message = _message(item, param)
-            if reasoning is not None:
-                if message["role"] != "assistant":
-                    messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
-                else:
-                    message["reasoning"] = reasoning
-                reasoning = None
-            messages.append(message)
-        elif kind == "reasoning":
-            text = _reasoning_text(item, param)
-            if text:
-                reasoning = (reasoning or "") + text
-        elif kind == "function_call":
-            call = _function_call(item, param)
-            last = messages[-1] if messages and reasoning is None else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                turn: ChatMessage = {"role": "assistant", "content": None, "tool_calls": [call]}
-                if reasoning is not None:
-                    turn["reasoning"] = reasoning
-                    reasoning = None
-                messages.append(turn)
-        elif kind == "function_call_output":
-            messages.append(_function_call_output(item, param))
-        else:
-            raise invalid_value(
-                f"unsupported input item type {kind!r} at {param}; supported: message, "
-                "reasoning, function_call, function_call_output",
-                f"{param}.type",
-            )
+    items: list[Any] = value
+    text = None if memory is None else items_text(items)
+    earlier, shared = (None, 0) if memory is None or text is None else memory.longest(text)
+    messages: list[ChatMessage] = [] if earlier is None else list(earlier.chat)
+    ends: list[int] = [] if earlier is None else list(earlier.ends)
+    reasoning = None if earlier is None else earlier.pending
+    for position in range(shared, len(items)):
+        reasoning = _add_item(messages, reasoning, items[position], f"input[{position}]")
+        ends.append(len(messages))
+    # The state after the last item: the trailing reasoning below is no message of it.
+    entry = None if text is None else Kept(text, tuple(messages), tuple(ends), reasoning)
     if reasoning is not None:
         messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
-    return messages
+    return InputTranslation(messages, entry, earlier)
+
+
+def _add_item(
+    messages: list[ChatMessage], reasoning: str | None, item: Any, param: str
+) -> str | None:
+    """Folds one input ``item`` into ``messages`` (appending, or replacing the last message
+    with an extended copy: never changing a message in place), given the reasoning text no
+    message took yet, and returns the reasoning text none has taken after it."""
+    _expect(item, dict, param, "an object")
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        message = _message(item, param)
+        if reasoning is not None:
+            if message["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+            else:
+                message["reasoning"] = reasoning
+        messages.append(message)
+        return None
+    if kind == "reasoning":
+        text = _reasoning_text(item, param)
+        return (reasoning or "") + text if text else reasoning
+    if kind == "function_call":
+        call = _function_call(item, param)
+        last = messages[-1] if messages and reasoning is None else None
+        if last is not None and last["role"] == "assistant":
+            # A copy: ``last`` may be a kept message, in other calls' bodies too.
+            extended = last.copy()
+            extended["tool_calls"] = [*last.get("tool_calls", ()), call]
+            messages[-1] = extended
+            return None
+        turn: ChatMessage = {"role": "assistant", "content": None, "tool_calls": [call]}
+        if reasoning is not None:
+            turn["reasoning"] = reasoning
+        messages.append(turn)
+        return None
+    if kind == "function_call_output":
+        messages.append(_function_call_output(item, param))
+        return reasoning
+    raise invalid_value(
+        f"unsupported input item type {kind!r} at {param}; supported: message, "
+        "reasoning, function_call, function_call_output",
+        f"{param}.type",
+    )
 
 
 # The walk below takes each item and part as it came (``Any``) and checks it before reading it;

@@ -45,6 +45,7 @@ from gateway.dialects.responses.render import render_response
 from gateway.dialects.responses.request import (
     CHAT_TO_CLIENT,
     EarlierResponse,
+    ResponsesMemory,
     Translation,
     continued,
     previous_response_id,
@@ -107,11 +108,16 @@ class Responses(TranslatingDialect):
 
     history_field = "input"
 
+    def __init__(self) -> None:
+        # Recent translations (``dialects.translation_memory``): a call re-sending its
+        # ``input`` translates only the items it added.
+        self.translations = ResponsesMemory()
+
     def prepare(self, body: dict[str, Any]) -> ResponsesPrepared:
         """The chat body for ``body`` with ``return_token_ids``, ``logprobs`` and, when
         streaming, the usage chunk, and a fresh response id; without the history of a
         ``previous_response_id``, which ``prepare_call`` adds once the pool was read."""
-        translation = translate_body(body)
+        translation = translate_body(body, self.translations)
         return ResponsesPrepared(
             body,
             with_capture_fields(translation.chat_body),
