@@ -167,3 +167,46 @@ def test_memory_stays_within_its_bytes() -> None:
         translate_request(body(turn_messages(20, task=f"{task} {TASK}")), memory=memory)
         assert memory.held_bytes <= 200_000
     assert memory.held_bytes > 0
+
+
+def _rollouts(count: int) -> list[list[dict[str, Any]]]:
+    """``count`` sessions of one task, parting at their last message."""
+    rollouts = [turn_messages(3) for _ in range(count)]
+    for r, messages in enumerate(rollouts):
+        messages[-1]["content"][1]["text"] = f"rollout {r}"
+    return rollouts
+
+
+def _continued(
+    memory: TranslationMemory[None], rollouts: list[list[dict[str, Any]]], calls: list[int]
+) -> list[int]:
+    """Each rollout's next call through ``memory``: the messages each one translated."""
+    counts = []
+    for r, messages in enumerate(rollouts):
+        messages += [
+            {"role": "assistant", "content": f"done {r}"},
+            {"role": "user", "content": "thanks"},
+        ]
+        calls[-1] = 0
+        chat = translate_request(body(messages), memory=memory).chat_body
+        counts.append(calls[-1])
+        assert chat == translate_request(body(messages)).chat_body
+    return counts
+
+
+def test_over_its_bytes_the_memory_drops_the_least_recent_entry_not_its_whole_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sessions sharing a head share a group: a memory full of them drops one entry at a time
+    (before, the whole group went, so every session translated whole)."""
+    rollouts = _rollouts(4)
+    entry_bytes = 2 * len(orjson.dumps(rollouts[0]))
+    memory = TranslationMemory(max_bytes=3 * entry_bytes + 10)  # three of the four
+    for messages in rollouts:
+        translate_request(body(messages), memory=memory)
+    assert memory.held_bytes == 3 * entry_bytes
+    calls = counting_translations(monkeypatch)
+    # the latest continue (each grown entry then pushes the least recent out); the first,
+    # dropped when the fourth came, translates whole
+    later_first = [rollouts[3], rollouts[2], rollouts[0]]
+    assert _continued(memory, later_first, calls) == [2, 2, 9]

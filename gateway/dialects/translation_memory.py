@@ -34,7 +34,16 @@ integer past 64 bits or a lone surrogate, makes the call translate whole and be 
 Lookup: entries are grouped by the first ``KEY_BYTES`` bytes of their text (a session's task,
 which every call of it re-sends; a shorter history, cheap to translate, is not kept); a group
 keeps its ``ENTRIES_PER_KEY`` latest entries, so the rollouts of one task (a GRPO group, the
-same first message) each find their own last call.
+same first message) each find their own last call. Every session of one agent may share a
+group (Codex's first 512 bytes are its fixed instructions, Claude Code's first message a fixed
+system reminder), so a group holds as many entries as sessions run at once against one
+gateway process, up to 64: a lookup compares the body's text with each entry of its group, a
+``memcmp`` that stops where the two differ (a sibling rollout's text differs from the first
+sampled answer on), so 64 entries cost a few microseconds more than one. Entries leave in
+least-recently-used order one by one (never a group at once: a memory full of one agent's
+sessions would empty itself). Past 64 concurrent sessions sharing their head, or past the
+bytes, sessions continued in turn each push out the entry the next one needs (LRU under a
+cyclic load), and they all translate whole: correct, only as slow as without the memory.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import orjson
 from gateway.dialects.wire import ChatMessage
 
 KEY_BYTES = 512  # the text's head that groups entries: the task's first message, usually
-ENTRIES_PER_KEY = 8  # rollouts of one task kept side by side
+ENTRIES_PER_KEY = 64  # sessions sharing a head (one agent's, one task's rollouts) side by side
 MEMORY_BYTES = 64 * 2**20  # all entries, counted as twice their text (the chat holds the same)
 
 # What a dialect's fold carries from one item to the next besides the chat messages so far.
@@ -76,9 +85,10 @@ class Kept(Generic[Pending]):
         the module docstring proves: all of them, or 0 (also when ``text`` adds none: a body
         equal to this one is no continuation of it)."""
         kept = len(self.text) - 1  # without the closing "]"
-        if len(text) <= kept or text[kept] != 0x2C or text[:kept] != self.text[:kept]:  # ","
+        if len(text) <= kept or text[kept] != 0x2C:  # ","
             return 0
-        return len(self.ends)
+        # a memcmp of the two buffers, no copy of either (a slice of bytes copies it)
+        return len(self.ends) if text.startswith(memoryview(self.text)[:kept]) else 0
 
 
 def items_text(items: Any) -> bytes | None:
@@ -91,26 +101,27 @@ def items_text(items: Any) -> bytes | None:
 
 
 class TranslationMemory(Generic[Pending]):
-    """Recent ``Kept`` entries of one dialect, at most ``max_bytes`` in all (``Kept.size_bytes``,
-    least recently used group dropped first)."""
+    """Recent ``Kept`` entries of one dialect, at most ``max_bytes`` in all (``Kept.size_bytes``;
+    the least recently used entry leaves first) and ``ENTRIES_PER_KEY`` a group."""
 
     def __init__(self, max_bytes: int = MEMORY_BYTES) -> None:
         self.max_bytes = max_bytes
         self.held_bytes = 0
-        self._groups: OrderedDict[bytes, list[Kept[Pending]]] = OrderedDict()
+        self._groups: dict[bytes, list[Kept[Pending]]] = {}
+        # every entry by identity, least recently used first
+        self._recent: OrderedDict[int, Kept[Pending]] = OrderedDict()
 
     def longest(self, text: bytes) -> tuple[Kept[Pending] | None, int]:
         """The kept entry sharing the most leading items with a body whose items' text is
         ``text``, and how many (``None, 0`` when none does)."""
-        group = self._groups.get(text[:KEY_BYTES])
         best: Kept[Pending] | None = None
         shared = 0
-        for kept in group or ():
+        for kept in self._groups.get(text[:KEY_BYTES], ()):
             n = kept.shared_with(text)
             if n > shared:
                 best, shared = kept, n
-        if group is not None:
-            self._groups.move_to_end(text[:KEY_BYTES])
+        if best is not None:
+            self._recent.move_to_end(id(best))
         return best, shared
 
     def keep(self, kept: Kept[Pending], replaces: Kept[Pending] | None) -> None:
@@ -120,17 +131,23 @@ class TranslationMemory(Generic[Pending]):
         if kept.size_bytes > self.max_bytes or len(kept.text) <= KEY_BYTES:
             return  # a text no longer than its key: a continuation's head would differ
         key = kept.text[:KEY_BYTES]
-        group = self._groups.setdefault(key, [])
-        self._groups.move_to_end(key)
         # the entry it extends, and one of the same text (a retry)
-        outdated = [e for e in group if e is replaces or e.text == kept.text]
-        if outdated:
-            group[:] = [e for e in group if not any(e is o for o in outdated)]
-            self.held_bytes -= sum(e.size_bytes for e in outdated)
+        for entry in [e for e in self._groups.get(key, ()) if e is replaces or e.text == kept.text]:
+            self._drop(entry)
+        group = self._groups.setdefault(key, [])  # after the drops, which may empty it
         group.append(kept)
+        self._recent[id(kept)] = kept
         self.held_bytes += kept.size_bytes
         if len(group) > ENTRIES_PER_KEY:
-            self.held_bytes -= group.pop(0).size_bytes
+            self._drop(group[0])
         while self.held_bytes > self.max_bytes:
-            _, dropped = self._groups.popitem(last=False)
-            self.held_bytes -= sum(entry.size_bytes for entry in dropped)
+            self._drop(next(iter(self._recent.values())))
+
+    def _drop(self, entry: Kept[Pending]) -> None:
+        key = entry.text[:KEY_BYTES]
+        group = self._groups[key]
+        group[:] = [e for e in group if e is not entry]
+        if not group:
+            del self._groups[key]
+        del self._recent[id(entry)]
+        self.held_bytes -= entry.size_bytes
