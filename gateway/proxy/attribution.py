@@ -92,13 +92,16 @@ def parse_json(data: bytes | bytearray, *, refuse_nul: bool = False) -> Any:
     value = _orjson_exactly(data)
     if value is _NOT_PARSED:
         value = _parse_strictly(data)
-    # Each check needs a walk only when the raw bytes say it might fail (rare in real bodies).
-    deep = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
+    # A string check needs a walk only when the raw bytes say it might fail (rare in real
+    # bodies). The depth is always walked: over the containers alone, a few microseconds for
+    # a short body, and cheaper at turn 200 of a coding-agent session (0.16 ms) than counting
+    # the brackets of its 170 KB to skip it for bodies of no more than MAX_JSON_DEPTH
+    # containers, which cannot nest deeper (0.24 ms, and a long body needs the walk anyway).
     surrogates = _SURROGATE_ESCAPE.search(data) is not None
     nul = refuse_nul and b"\\u0000" in data
     if surrogates or nul:
-        _check_values(value, deep=deep, surrogates=surrogates, nul=nul)
-    elif deep:
+        _check_values(value, surrogates=surrogates, nul=nul)
+    else:
         _check_depth(value)
     return value
 
@@ -162,18 +165,17 @@ def _check_depth(value: Any) -> None:
         level = [child for child in children if type(child) is dict or type(child) is list]
 
 
-def _check_values(value: Any, *, deep: bool, surrogates: bool, nul: bool) -> None:
-    """Walk ``value`` (iteratively: it may be deep) for what ``parse_json`` refuses. Strings
-    (keys and values) are visited only when a string check is asked: a long conversation has
-    more than ``MAX_JSON_DEPTH`` objects, so ``deep`` is set for nearly every one of its
-    calls, and its depth needs only its objects and lists (at turn 200 of a coding-agent
-    session, about 6 times fewer items than with every string)."""
+def _check_values(value: Any, *, surrogates: bool, nul: bool) -> None:
+    """Walk ``value`` (iteratively: it may be deep) for what ``parse_json`` refuses: its depth,
+    and its strings (keys and values) only when a string check is asked (a depth alone needs
+    only the objects and lists: at turn 200 of a coding-agent session, about 6 times fewer
+    items than with every string)."""
     strings = surrogates or nul
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         item, depth = todo.pop()
         if isinstance(item, dict):
-            if deep and depth > MAX_JSON_DEPTH:
+            if depth > MAX_JSON_DEPTH:
                 raise _too_deep()
             if strings:
                 todo.extend((key, depth) for key in item)
@@ -181,7 +183,7 @@ def _check_values(value: Any, *, deep: bool, surrogates: bool, nul: bool) -> Non
             else:
                 todo.extend((c, depth + 1) for c in item.values() if isinstance(c, dict | list))
         elif isinstance(item, list):
-            if deep and depth > MAX_JSON_DEPTH:
+            if depth > MAX_JSON_DEPTH:
                 raise _too_deep()
             if strings:
                 todo.extend((child, depth + 1) for child in item)
