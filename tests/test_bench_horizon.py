@@ -9,7 +9,14 @@ import pytest
 
 from trajgate.bench import agent_session
 from trajgate.bench.gateway import BenchDialect
-from trajgate.bench.horizon import RATIO_FIGURES, TENTHS, HorizonSettings, run_horizon, value_bytes
+from trajgate.bench.horizon import (
+    RATIO_FIGURES,
+    TENTHS,
+    HorizonSettings,
+    run_horizon,
+    side_by_side,
+    value_bytes,
+)
 
 
 @pytest.mark.parametrize("dialect", ["chat", "responses", "messages"])
@@ -93,3 +100,36 @@ def test_horizon_reports_every_tenth_of_sessions_stored_exactly() -> None:
         assert set(ratios) == set(RATIO_FIGURES)
         first, last = tenths[0]["request_bytes"], tenths[-1]["request_bytes"]
         assert ratios["request_bytes"] == round(last / first, 3) > 1
+    # the text output names each run's exact steps and prefix breaks, and every ratio figure
+    text = side_by_side(report)
+    headers = [line for line in text if not line.startswith(" ")]
+    exact = (TENTHS - 1) * sessions
+    assert len(headers) == len(report["runs"])
+    assert all(f"({exact} exact, 0 prefix breaks)" in line for line in headers)
+    assert sum(line.split()[0] in RATIO_FIGURES for line in text) == 6 * len(RATIO_FIGURES)
+
+
+@pytest.mark.parametrize(
+    ("field", "values", "named"),
+    [("dialects", ("chat", "messages", "chat"), "chat"), ("streams", (False, False), "False")],
+)
+def test_a_configuration_named_twice_is_refused(
+    field: str, values: tuple[object, ...], named: str
+) -> None:
+    """Run twice, it would continue its own first run's trajectories and count both."""
+    with pytest.raises(ValueError, match=f"each value at most once; repeated: {named}"):
+        HorizonSettings(**{field: values})
+
+
+def test_the_cli_refuses_a_repeated_dialect_naming_only_the_flag() -> None:
+    from typer.testing import CliRunner
+
+    from trajgate.cli import app
+
+    result = CliRunner().invoke(
+        app, ["bench", "horizon", "--turns", "10", "--dialect", "chat", "--dialect", "chat"]
+    )
+    assert result.exit_code == 2
+    assert "repeated: chat" in result.output
+    # a benchmark's settings are flags alone: no TRAJGATE_* variable to point at
+    assert result.output.rstrip().endswith("fix the flag")

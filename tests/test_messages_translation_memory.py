@@ -152,7 +152,7 @@ def test_a_body_sent_again_is_kept_once() -> None:
     memory = TranslationMemory()
     for _ in range(3):  # a client's retry of the same call
         translate_request(body(turn_messages(4)), memory=memory)
-    assert memory.held_bytes == 2 * len(orjson.dumps(turn_messages(4)))
+    assert memory.held_bytes == 4 * len(orjson.dumps(turn_messages(4)))
 
 
 def test_a_history_no_longer_than_the_key_is_not_kept() -> None:
@@ -200,7 +200,7 @@ def test_over_its_bytes_the_memory_drops_the_least_recent_entry_not_its_whole_gr
     """Sessions sharing a head share a group: a memory full of them drops one entry at a time
     (before, the whole group went, so every session translated whole)."""
     rollouts = _rollouts(4)
-    entry_bytes = 2 * len(orjson.dumps(rollouts[0]))
+    entry_bytes = 4 * len(orjson.dumps(rollouts[0]))
     memory = TranslationMemory(max_bytes=3 * entry_bytes + 10)  # three of the four
     for messages in rollouts:
         translate_request(body(messages), memory=memory)

@@ -200,7 +200,7 @@ def test_a_body_sent_again_translates_the_same_and_is_kept_once(
         "content": None,
         "reasoning": items[n - 1]["content"][0]["text"],
     }
-    assert memory.held_bytes == 2 * len(orjson.dumps(items[:n]))
+    assert memory.held_bytes == 4 * len(orjson.dumps(items[:n]))
     calls[-1] = 0
     after = translate_body(body(items[: n + 2]), memory)  # the call after it resumes the state
     assert calls == [2]
@@ -301,7 +301,7 @@ def test_instructions_and_an_earlier_response_are_no_part_of_what_is_kept() -> N
             {"role": "user", "content": "first"},
             {"role": "assistant", "content": "answer", "reasoning": "why"},
         ]
-    assert dialect.translations.held_bytes == 2 * len(orjson.dumps(items[:22]))
+    assert dialect.translations.held_bytes == 4 * len(orjson.dumps(items[:22]))
 
 
 def test_codexs_recorded_request_translates_the_same_after_its_first_call() -> None:

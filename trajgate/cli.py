@@ -78,9 +78,17 @@ def check_config_file() -> None:
 
 def _settings(cls: type[T], **overrides: object) -> T:
     """``cls(**overrides)``, or exit 2 with one line per invalid value (no traceback): a value
-    may come from a flag, a ``TRAJGATE_*`` variable or the ``TRAJGATE_CONFIG`` file."""
+    may come from a flag, and for a settings class (``BaseSettings``) also from a
+    ``TRAJGATE_*`` variable or the ``TRAJGATE_CONFIG`` file; a plain model (a benchmark's)
+    reads its flags alone."""
     from pydantic import ValidationError
-    from pydantic_settings import SettingsError
+    from pydantic_settings import BaseSettings, SettingsError
+
+    sources = (
+        "the flag, its TRAJGATE_* variable or the TRAJGATE_CONFIG file"
+        if issubclass(cls, BaseSettings)
+        else "the flag"
+    )
 
     try:
         return cls(**overrides)
@@ -96,8 +104,8 @@ def _settings(cls: type[T], **overrides: object) -> T:
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or cls.__name__
             typer.echo(
-                f"error: setting {field!r}: {error['msg']}{_shown_input(field, error)}; fix the "
-                "flag, its TRAJGATE_* variable or the TRAJGATE_CONFIG file",
+                f"error: setting {field!r}: {error['msg']}{_shown_input(field, error)}; fix "
+                f"{sources}",
                 err=True,
             )
         raise typer.Exit(2) from exc

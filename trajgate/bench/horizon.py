@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from sqlalchemy import inspect, text
 
 from datapool import db
@@ -89,6 +89,7 @@ RATIO_FIGURES = (
     "gateway_loop_cpu_ms_per_call",
     "engine_direct_cpu_ms_per_call",
     "engine_gateway_cpu_ms_per_call",
+    "direct_p50_ms",
     "gateway_p50_ms",
     "added_p50_ms",
     "request_bytes",
@@ -127,6 +128,16 @@ class HorizonSettings(BaseModel):
         default=None, description="Keep the gateway's pool and logs here; default a temporary dir."
     )
 
+    @field_validator("dialects", "streams")
+    @classmethod
+    def _each_once(cls, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A configuration named twice would run twice on the same trajectory ids, the second
+        run continuing the first's sessions and its figures counting both."""
+        repeated = sorted({str(v) for v in values if values.count(v) > 1})
+        if repeated:
+            raise ValueError(f"each value at most once; repeated: {', '.join(repeated)}")
+        return values
+
 
 def run_horizon(
     settings: HorizonSettings, progress: Callable[[str], None] | None = None
@@ -150,6 +161,7 @@ def run_horizon(
     )
     session = uuid.uuid4().hex[:8]
     runs = []
+    failed = True
     try:
         with running_targets(bench, data_dir) as targets:
             for dialect in settings.dialects:
@@ -160,8 +172,13 @@ def run_horizon(
                             _sessions(settings, targets, dialect, stream, answer, prefix, progress)
                         )
                     )
+        failed = False
     finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+        if failed and settings.data_dir is None and progress is not None:
+            # the gateway's and emulator's logs say why: kept, not deleted with the temp dir
+            progress(f"the run failed: its logs and pool are kept in {log_dir}")
+        elif not failed:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return {
         "benchmark": "horizon",
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
@@ -259,6 +276,8 @@ async def _sessions(
         )
         if warm_errors:
             raise RuntimeError(f"the warm-up call failed: {warm_errors[0]}")
+        # the view's first read in a process is cold (imports, caches): not the first tenth's
+        await _timed_get(view_client, f"/api/inspector/trajectories/{prefix}-warm-up")
         pool_before = pool_bytes(targets.database_url)
         tenths: list[dict[str, Any]] = []
         errors: list[str] = []
@@ -493,11 +512,14 @@ def side_by_side(report: dict[str, Any]) -> list[str]:
     lines = []
     for run in report["runs"]:
         mode = "streamed" if run["stream"] else "unary"
+        exact = sum(t["exact_steps"] for t in run["tenths"])
+        breaks = sum(t["prefix_breaks"] for t in run["tenths"])
         lines.append(
             f"{run['dialect']} {mode}, {run['sessions']} x {run['turns']} turns: "
-            f"{run['steps_persisted']}/{run['steps_expected']} steps, {run['errors']} errors, "
-            f"{run['stored_bytes_per_session']} stored bytes per session "
-            f"({run['pool_bytes_per_session']} in the whole pool)"
+            f"{run['steps_persisted']}/{run['steps_expected']} steps ({exact} exact, "
+            f"{breaks} prefix breaks), {run['errors']} errors, "
+            f"{run['stored_bytes_per_session']:,} stored bytes per session "
+            f"({run['pool_bytes_per_session']:,} in the whole pool)"
         )
         lines.append(f"  {'figure':<32}{'first tenth':>14}{'last tenth':>14}{'last/first':>12}")
         first, last = run["tenths"][0], run["tenths"][-1]
