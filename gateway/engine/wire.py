@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cache
+from itertools import chain, repeat
 from typing import Any, NoReturn
 
 import orjson
@@ -90,7 +92,74 @@ def check_shape(value: Any, shape: Shape, where: str) -> None:
     answer unreadable before any of it is captured or relayed, instead of failing later where
     it is used (a ``TypeError`` joining a number into the message, after the client's stream
     was cut) or being stored as text (``finish_reason: 5`` as ``'5'``).
+
+    An answer that fits is only read by ``_fits``, which checks a list of objects a field at
+    a time (each field's values gathered and their types collected by ``map`` and ``set``, C
+    loops) instead of walking every value with its path: a 200-token answer's logprobs are
+    about 2,000 values, and the walk took a fifth of the gateway's CPU of a short unary call
+    (py-spy, ``trajgate bench gateway --concurrency 64 --stream false``). Only an answer that
+    does not fit is walked (``_first_wrong``), for the path of its first wrong value.
     """
+    if not _fits(value, shape):
+        _first_wrong(value, shape, where)
+
+
+_NONE = type(None)
+_LIST_OR_NULL = frozenset((list, _NONE))
+_OBJECT_OR_NULL = frozenset((dict, _NONE))
+# From this many items a list is checked a field at a time: below it, the sets and maps cost
+# more than walking the items (a stream chunk's one token: 3 us walked, 40 us by field).
+_BY_FIELD_FROM = 8
+
+
+@cache
+def _or_null(kinds: tuple[type, ...]) -> frozenset[type]:
+    return frozenset((*kinds, _NONE))
+
+
+def _fits(value: Any, shape: Shape) -> bool:
+    """Whether ``check_shape`` passes ``value``: the same rules, without paths."""
+    if value is None:
+        return True
+    if isinstance(shape, tuple):
+        return type(value) in shape
+    if isinstance(shape, dict):
+        if type(value) is not dict:
+            return False
+        for name, field_shape in shape.items():
+            field = value.get(name)
+            if field is not None and not _fits(field, field_shape):
+                return False
+        return True
+    return type(value) is list and _items_fit(value, shape[0])
+
+
+def _items_fit(items: list[Any], shape: Shape) -> bool:
+    """Whether every item of ``items`` (each may be null) fits ``shape``: a few items (a
+    stream chunk's) one by one, more a field at a time."""
+    if len(items) < _BY_FIELD_FROM:
+        return all(map(_fits, items, repeat(shape)))
+    kinds = set(map(type, items))
+    if isinstance(shape, tuple):
+        return kinds <= _or_null(shape)
+    if isinstance(shape, dict):
+        return kinds <= _OBJECT_OR_NULL and _column_fits(list(filter(None, items)), shape)
+    # lists of lists: their items, one list
+    return kinds <= _LIST_OR_NULL and _items_fit(
+        list(chain.from_iterable(filter(None, items))), shape[0]
+    )
+
+
+def _column_fits(objects: list[dict[str, Any]], shape: dict[str, Shape]) -> bool:
+    """Whether each of ``objects`` (dicts) fits ``shape``, checked a field at a time."""
+    for name, field_shape in shape.items():
+        if not _items_fit(list(map(dict.get, objects, repeat(name))), field_shape):
+            return False
+    return True
+
+
+def _first_wrong(value: Any, shape: Shape, where: str) -> None:
+    """``check_shape``'s walk with paths: raises for the first value that does not fit."""
     if value is None:
         return
     if isinstance(shape, dict):
@@ -99,13 +168,13 @@ def check_shape(value: Any, shape: Shape, where: str) -> None:
         for name, field_shape in shape.items():
             field = value.get(name)
             if field is not None:
-                check_shape(field, field_shape, f"{where}.{name}")
+                _first_wrong(field, field_shape, f"{where}.{name}")
     elif isinstance(shape, list):
         if type(value) is not list:
             _wrong_kind(value, "a list", where)
         item_shape = shape[0]
         for position, item in enumerate(value):
-            check_shape(item, item_shape, f"{where}[{position}]")
+            _first_wrong(item, item_shape, f"{where}[{position}]")
     elif type(value) not in shape:
         _wrong_kind(value, " or ".join(kind.__name__ for kind in shape), where)
 
