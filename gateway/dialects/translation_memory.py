@@ -69,14 +69,14 @@ Pending = TypeVar("Pending")
 
 @dataclass(frozen=True, eq=False)  # compared by identity: never history against history
 class Kept(Generic[Pending]):
-    """One body's history items as orjson wrote them (``text``), the chat messages the fold
-    held after the last of them (``chat``, without the system message and before what a
-    translation adds once its items end; after item ``i`` the fold held ``ends[i]`` messages),
-    and what it carried past the last item (``pending``)."""
+    """One body's ``items`` history items as orjson wrote them (``text``), the chat messages
+    the fold held after the last of them (``chat``, without the system message and before what
+    a translation adds once its items end), and what it carried past the last item
+    (``pending``)."""
 
     text: bytes
     chat: tuple[ChatMessage, ...]
-    ends: tuple[int, ...]  # [N]: after item i, how many chat messages it and those before gave
+    items: int
     pending: Pending
 
     @property
@@ -92,7 +92,7 @@ class Kept(Generic[Pending]):
         if len(text) <= kept or text[kept] != 0x2C:  # ","
             return 0
         # a memcmp of the two buffers, no copy of either (a slice of bytes copies it)
-        return len(self.ends) if text.startswith(memoryview(self.text)[:kept]) else 0
+        return self.items if text.startswith(memoryview(self.text)[:kept]) else 0
 
 
 def items_text(items: Any) -> bytes | None:

@@ -228,16 +228,11 @@ def _translated_messages(
     proved-equal messages have equal translations."""
     text = None if memory is None else items_text(raw_messages)
     earlier, shared = (None, 0) if memory is None or text is None else memory.longest(text)
-    messages: list[ChatMessage] = []
-    ends: list[int] = []
-    if earlier is not None:
-        messages += earlier.chat
-        ends += earlier.ends
+    messages: list[ChatMessage] = [] if earlier is None else list(earlier.chat)
     for position in range(shared, len(raw_messages)):
         messages += _message(raw_messages[position], f"messages.{position}")
-        ends.append(len(messages))
     if memory is not None and text is not None:
-        memory.keep(Kept(text, tuple(messages), tuple(ends), None), earlier)
+        memory.keep(Kept(text, tuple(messages), len(raw_messages), None), earlier)
     return messages
 
 

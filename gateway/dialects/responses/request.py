@@ -363,13 +363,11 @@ def input_messages(value: Any, memory: ResponsesMemory | None = None) -> InputTr
     text = None if memory is None else items_text(items)
     earlier, shared = (None, 0) if memory is None or text is None else memory.longest(text)
     messages: list[ChatMessage] = [] if earlier is None else list(earlier.chat)
-    ends: list[int] = [] if earlier is None else list(earlier.ends)
     reasoning = None if earlier is None else earlier.pending
     for position in range(shared, len(items)):
         reasoning = _add_item(messages, reasoning, items[position], f"input[{position}]")
-        ends.append(len(messages))
     # The state after the last item: the trailing reasoning below is no message of it.
-    entry = None if text is None else Kept(text, tuple(messages), tuple(ends), reasoning)
+    entry = None if text is None else Kept(text, tuple(messages), len(items), reasoning)
     if reasoning is not None:
         messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
     return InputTranslation(messages, entry, earlier)
