@@ -174,10 +174,11 @@ def run_horizon(
                     )
         failed = False
     finally:
-        if failed and settings.data_dir is None and progress is not None:
+        if failed and settings.data_dir is None:
             # the gateway's and emulator's logs say why: kept, not deleted with the temp dir
-            progress(f"the run failed: its logs and pool are kept in {log_dir}")
-        elif not failed:
+            if progress is not None:
+                progress(f"the run failed: its logs and pool are kept in {log_dir}")
+        else:  # a run that kept its pool and logs in data_dir leaves no empty temp dir either
             shutil.rmtree(log_dir, ignore_errors=True)
     return {
         "benchmark": "horizon",
